@@ -112,7 +112,7 @@ def load_manifest(engine_dir: str | Path, *, verify_checksums: bool = True) -> M
     d = Path(engine_dir)
     if not d.is_dir():
         raise EngineDirError(f"engine dir {d} does not exist "
-                             "(build one: python scripts/build_engine.py --model default --output {d})")
+                             f"(build one: python scripts/build_engine.py --model default --output {d})")
     mpath = d / MANIFEST
     if not mpath.is_file():
         raise EngineDirError(f"{mpath} is missing: {d} is not a complete engine dir (rebuild it)")

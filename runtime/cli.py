@@ -1,0 +1,85 @@
+"""`python -m runtime generate …`: generate from an engine dir, streaming text or printing JSON.
+
+Lookahead flags are derived from LookaheadConfig's fields (one source of truth).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from .config import LookaheadConfig
+from .errors import LookaheadError
+
+
+def add_lookahead_flags(parser: argparse.ArgumentParser) -> None:
+    """One `--field-name` flag per LookaheadConfig field; unset flags keep the engine's value."""
+    group = parser.add_argument_group("lookahead (override engine.yaml)")
+    for f in dataclasses.fields(LookaheadConfig):
+        typ = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], int)
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=None,
+                           help=f"default: {f.default}")
+
+
+def lookahead_overrides(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(LookaheadConfig)
+            if getattr(args, f.name, None) is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a completion")
+    g.add_argument("--engine", required=True, help="engine dir (scripts/build_engine.py makes one)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k-sampling", dest="top_k_sampling", type=int, default=0,
+                   help="top-k sampling (--top-k is the lookahead block budget)")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object with ids, timings, metrics")
+    add_lookahead_flags(g)
+    return p
+
+
+def generate(args: argparse.Namespace) -> int:
+    from .engine import Engine
+    from .sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    engine = Engine.from_dir(args.engine, **lookahead_overrides(args))
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k_sampling, seed=args.seed, stop=args.stop)
+    prompt = args.prompt if args.raw else engine.tokenizer.apply_chat_template(args.prompt)
+    if args.json:
+        c = engine.generate([prompt], params)[0]
+        print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                          "num_prompt_tokens": c.num_prompt_tokens, "load_s": round(load_s, 3),
+                          "ttft_s": round(c.ttft_s, 4), "total_s": round(c.total_s, 4),
+                          "decode_tokens_per_s": round(c.tokens_per_s, 2), "mode": engine.config.mode,
+                          "metrics": c.metrics}, indent=2))
+        return 0
+    t1, n = time.perf_counter(), 0
+    for out in engine.stream(prompt, params):
+        n += len(out.new_token_ids)
+        sys.stdout.write(out.delta_text)
+        sys.stdout.flush()
+    dt = time.perf_counter() - t1
+    print(f"\n[{n} tokens in {dt:.2f} s, {n / dt:.1f} tokens/s; engine loaded in {load_s:.1f} s; "
+          f"mode {engine.config.mode}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return generate(args)
+    except LookaheadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,209 @@
+"""The engine API: load an engine dir, accept requests from any thread, step, stream, generate.
+
+    engine = Engine.from_dir("engines/default")
+    for out in engine.stream("Hello", SamplingParams(max_tokens=16)):
+        print(out.delta_text, end="")
+
+`add_request` and `abort` are thread-safe (they post to an inbox the step loop drains), so a server
+can run `step()` in one background thread and accept requests from others.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import load_file
+
+from .attention_dense import DenseAttention
+from .block_manager import BlockAllocator, blocks_needed
+from .config import LookaheadConfig
+from .engine_dir import TOKENIZER_DIR, WEIGHTS, Manifest, load_manifest
+from .errors import RequestError
+from .kv_pool import KVPool
+from .model import LlamaModel
+from .runner import DenseRunner
+from .sampling import SamplingParams, sample
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .tokenizer import IncrementalDetokenizer, TextTokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    ttft_s: float
+    total_s: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode_s = self.total_s - self.ttft_s
+        return (len(self.token_ids) - 1) / decode_s if decode_s > 0 and len(self.token_ids) > 1 else 0.0
+
+
+class Engine:
+    def __init__(self, manifest: Manifest, model: LlamaModel, tokenizer: TextTokenizer,
+                 config: LookaheadConfig, num_host_blocks: int | None = None, max_queue: int = 256):
+        self.manifest, self.model, self.tokenizer, self.config = manifest, model, tokenizer, config
+        mcfg = manifest.model
+        self.eos_ids = mcfg.eos_token_ids
+        bs = config.block_size
+        self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
+        n_blocks = num_host_blocks or config.max_batch_size * blocks_needed(self.max_model_len, bs)
+        dtype = next(model.parameters()).dtype
+        self.pool = KVPool(mcfg, n_blocks, bs, dtype=dtype)
+        self.allocator = BlockAllocator(n_blocks)
+        self.scheduler = Scheduler(self.allocator, bs, config.max_batch_size, self.max_model_len,
+                                   config.prefill_chunk, max_queue)
+        self.runner = DenseRunner(model, DenseAttention(self.pool, mcfg.head_dim ** -0.5), bs)
+        self._ids = itertools.count()
+        self._inbox: list[tuple[str, Any]] = []
+        self._lock = threading.Lock()
+        self._seqs: dict[str, Sequence] = {}
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_dir(cls, path: str | Path, *, verify_checksums: bool = True, num_host_blocks: int | None = None,
+                 max_queue: int = 256, **overrides: Any) -> "Engine":
+        """Load an engine dir (refusing an incomplete, incompatible or tampered one).
+
+        `overrides` replace fields of the engine's LookaheadConfig (e.g. mode="lookahead", top_k=64).
+        """
+        manifest = load_manifest(path, verify_checksums=verify_checksums)
+        config = manifest.lookahead.replace(**overrides)
+        torch.manual_seed(0)
+        model = LlamaModel(manifest.model, dtype=DTYPES[manifest.dtype])
+        model.load_weights(load_file(str(Path(path) / WEIGHTS)))
+        model.eval().requires_grad_(False)
+        tokenizer = TextTokenizer(Path(path) / TOKENIZER_DIR)
+        return cls(manifest, model, tokenizer, config, num_host_blocks, max_queue)
+
+    # ---- requests (thread-safe) ---------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and enqueue a request; raises RequestError/CapacityError for bad ones at once."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("text_input", "the prompt is empty", "send at least one character")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("text_input", "the prompt has no tokens", "send a non-empty prompt")
+        if any(t < 0 or t >= self.manifest.model.vocab_size for t in ids):
+            raise RequestError("prompt", "holds token ids outside the vocabulary",
+                               f"ids must be in [0, {self.manifest.model.vocab_size})")
+        rid = request_id or f"req-{next(self._ids)}"
+        seq = Sequence(next(self._ids), rid, ids, params, IncrementalDetokenizer(self.tokenizer))
+        self.scheduler.check_fits(seq)
+        with self._lock:
+            if rid in self._seqs:
+                raise RequestError("request_id", f"{rid!r} is already running", "use a unique id")
+            self.scheduler.check_queue(pending=sum(k == "add" for k, _ in self._inbox))
+            self._seqs[rid] = seq
+            self._inbox.append(("add", seq))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        outs = []
+        for kind, arg in inbox:
+            if kind == "add":
+                self.scheduler.add(arg)        # fits and queue room were checked in add_request
+            else:
+                seq = self._seqs.get(arg)
+                if seq is not None:
+                    seq.finish_reason = "abort"
+                    outs.append(self._finish(seq))
+        return outs
+
+    # ---- the step loop ------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            pending = bool(self._inbox)
+        return pending or self.scheduler.has_unfinished()
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns the outputs of every request that progressed or ended."""
+        outs = self._drain_inbox()
+        work = self.scheduler.schedule()
+        if not work:
+            return outs
+        logits = self.runner.run(work)
+        for seq, _ in work:
+            if seq.seq_id not in logits:
+                continue
+            seq.append_token(sample(logits[seq.seq_id], seq.params, seq.generator), self.eos_ids)
+            if seq.finish_reason:
+                outs.append(self._finish(seq))
+            else:
+                outs.append(self._output(seq, [seq.output_ids[-1]]))
+        return outs
+
+    def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
+        return RequestOutput(seq.request_id, new_ids, seq.take_delta(), seq.finish_reason is not None,
+                             seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids))
+
+    def _finish(self, seq: Sequence) -> RequestOutput:
+        self.scheduler.finish(seq)
+        with self._lock:
+            self._seqs.pop(seq.request_id, None)
+        new = seq.output_ids[-1:] if seq.finish_reason != "abort" else []
+        return self._output(seq, new)
+
+    # ---- conveniences -------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[Completion]:
+        """Run prompts to completion together (continuous batching); results in prompt order."""
+        t0 = time.perf_counter()
+        rids = [self.add_request(p, params) for p in prompts]
+        seqs = {rid: self._seqs[rid] for rid in rids}
+        done: dict[str, float] = {}
+        while len(done) < len(rids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = time.perf_counter()
+        return [self._completion(seqs[r], t0, done[r]) for r in rids]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Generate one request, yielding its outputs as they come (drives the step loop itself)."""
+        rid = self.add_request(prompt, params)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    def _completion(self, seq: Sequence, t0: float, t_end: float) -> Completion:
+        ttft = (seq.first_token_time or t_end) - t0
+        return Completion(seq.request_id, seq.text, list(seq.output_ids), seq.finish_reason,
+                          len(seq.prompt_ids), ttft, t_end - t0)

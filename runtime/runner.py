@@ -1,0 +1,37 @@
+"""Model runner: turns scheduled work into one forward pass and returns the logits to sample from."""
+from __future__ import annotations
+
+import torch
+
+from .attention_dense import DenseAttention
+from .model import LlamaModel
+from .sequence import Sequence
+from .step import StepBatch, StepItem
+
+
+class DenseRunner:
+    """Dense mode: every row attends to its sequence's full cached context."""
+
+    def __init__(self, model: LlamaModel, attn: DenseAttention, block_size: int):
+        self.model, self.attn, self.block_size = model, attn, block_size
+
+    def run(self, work: list[tuple[Sequence, int]]) -> dict[int, torch.Tensor]:
+        """Run one step; returns {seq_id: logits [vocab]} for sequences that sample this step."""
+        items, token_ids, row = [], [], 0
+        for seq, n in work:
+            start = seq.num_cached
+            items.append(StepItem(seq.seq_id, row, n, start, seq.block_table))
+            token_ids.extend(seq.token_at(p) for p in range(start, start + n))
+            row += n
+        batch = StepBatch.build(items, token_ids, self.block_size)
+        self.attn.batch = batch
+        hidden = self.model(batch.tokens, batch.positions, self.attn)           # [T, hidden]
+        sampling = [(seq, it) for (seq, n), it in zip(work, items)
+                    if it.context_len >= len(seq.prompt_ids)]                     # prompt done
+        for seq, n in work:
+            seq.num_cached += n
+        if not sampling:
+            return {}
+        last_rows = torch.tensor([it.row_start + it.num_tokens - 1 for _, it in sampling])
+        logits = self.model.logits(hidden[last_rows])                             # [S, vocab]
+        return {seq.seq_id: logits[i] for i, (seq, _) in enumerate(sampling)}

@@ -1,0 +1,81 @@
+"""A generation request's state as it moves through the scheduler."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+from .tokenizer import IncrementalDetokenizer
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0                 # tokens whose K/V are in the cache
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    text: str = ""                      # output text so far (cut at a stop string)
+    emitted: int = 0                    # characters of `text` already streamed
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_len(self) -> int:
+        """Most tokens this sequence can ever hold: what admission reserves."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < len(self.prompt_ids)
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+
+    def append_token(self, token_id: int, eos_ids: tuple[int, ...]) -> None:
+        """Record a sampled token, extend the text, and decide whether the sequence is done."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_ids.append(token_id)
+        if token_id in eos_ids and not self.params.ignore_eos:
+            self.finish_reason = "stop"
+        else:
+            self.text += self.detok.push(token_id)
+            for s in self.params.stop:
+                cut = self.text.find(s, max(0, self.emitted - len(s)))
+                if cut >= 0:
+                    self.text, self.finish_reason = self.text[:cut], "stop"
+                    break
+        if self.finish_reason is None and len(self.output_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+
+    def take_delta(self) -> str:
+        """New text to stream; keeps back a tail that might still grow into a stop string."""
+        hold = 0 if self.finish_reason else max((len(s) - 1 for s in self.params.stop), default=0)
+        end = max(self.emitted, len(self.text) - hold)
+        delta, self.emitted = self.text[self.emitted:end], end
+        return delta

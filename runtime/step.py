@@ -1,0 +1,44 @@
+"""Per-step metadata shared by the model runner and the attention backends (cf. nano-vllm's Context).
+
+A step is a flat batch of T token rows made of `StepItem`s: a prefill chunk or one decode token of a
+sequence. Built once per step by the runner; read by every layer's attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepItem:
+    seq_id: int
+    row_start: int            # first row of this item in the flat batch
+    num_tokens: int           # rows of this item that are real tokens (stored in the cache)
+    start_pos: int            # position of the first row
+    block_table: list[int]
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the cache after this step's rows are written."""
+        return self.start_pos + self.num_tokens
+
+
+@dataclass
+class StepBatch:
+    items: list[StepItem]
+    tokens: torch.Tensor          # [T] int64
+    positions: torch.Tensor       # [T] int64
+    slot_blocks: torch.Tensor     # [T] int64 block id of each real row
+    slot_offsets: torch.Tensor    # [T] int64 offset within that block
+
+    @classmethod
+    def build(cls, items: list[StepItem], token_ids: list[int], block_size: int) -> "StepBatch":
+        positions, blocks, offsets = [], [], []
+        for it in items:
+            for p in range(it.start_pos, it.start_pos + it.num_tokens):
+                positions.append(p)
+                blocks.append(it.block_table[p // block_size])
+                offsets.append(p % block_size)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        return cls(items, as_long(token_ids), as_long(positions), as_long(blocks), as_long(offsets))

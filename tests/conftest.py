@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random configs, and the real default engine (built once per machine)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ENGINE = Path(os.environ.get("LOOKAHEAD_TEST_ENGINE", ROOT / "engines" / "default"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_config():
+    from runtime.config import ModelConfig
+    return ModelConfig(architecture="llama", vocab_size=97, hidden_size=64, intermediate_size=128,
+                       num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
+                       max_position_embeddings=4096, rope_theta=10000.0, eos_token_ids=(1,))
+
+
+@pytest.fixture(scope="session")
+def default_engine_dir() -> Path:
+    """The real default engine (SmolLM2-135M-Instruct), built when missing."""
+    if not (DEFAULT_ENGINE / "engine.yaml").is_file():
+        from builder import BuildConfig, build
+        build(BuildConfig(model="default", output=str(DEFAULT_ENGINE)))
+    return DEFAULT_ENGINE
+
+
+@pytest.fixture(scope="session")
+def default_engine(default_engine_dir):
+    from runtime.engine import Engine
+    return Engine.from_dir(default_engine_dir, max_batch_size=4, max_model_len=2048)

@@ -1,0 +1,37 @@
+"""Build tiny engine dirs from random weights (no checkpoint, no transformers) for fast tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from runtime.config import LookaheadConfig, ModelConfig
+from runtime.engine_dir import TOKENIZER_DIR, WEIGHTS, write_manifest
+from runtime.model import LlamaModel
+
+TINY = dict(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+            num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=4096, rope_theta=10000.0)
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A byte-level tokenizer with exactly 256 tokens (one per byte), no merges."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def make_tiny_engine(path: Path, seed: int = 0, lookahead: LookaheadConfig | None = None,
+                     **model_overrides) -> Path:
+    cfg = ModelConfig(**{**TINY, **model_overrides})
+    path.mkdir(parents=True, exist_ok=True)
+    model = LlamaModel.random(cfg, seed=seed)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / WEIGHTS))
+    (path / TOKENIZER_DIR).mkdir(exist_ok=True)
+    byte_tokenizer().save(str(path / TOKENIZER_DIR / "tokenizer.json"))
+    write_manifest(path, name="tiny", model=cfg, dtype="float32", lookahead=lookahead or LookaheadConfig(),
+                   source={"kind": "random", "seed": seed}, versions={})
+    return path
