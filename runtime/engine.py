@@ -82,6 +82,8 @@ class Engine:
         self._inbox: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
         self._seqs: dict[str, Sequence] = {}
+        self.counters = {"steps": 0, "prompt_tokens": 0, "output_tokens": 0, "finished_requests": 0,
+                         "aborted_requests": 0}
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -158,7 +160,10 @@ class Engine:
         work = self.scheduler.schedule()
         if not work:
             return outs
+        self.counters["prompt_tokens"] += sum(n for s, n in work if s.in_prefill)
         logits = self.runner.run(work)
+        self.counters["steps"] += 1
+        self.counters["output_tokens"] += len(logits)
         for seq, _ in work:
             if seq.seq_id not in logits:
                 continue
@@ -175,10 +180,21 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> RequestOutput:
         self.scheduler.finish(seq)
+        self.counters["aborted_requests" if seq.finish_reason == "abort" else "finished_requests"] += 1
         with self._lock:
             self._seqs.pop(seq.request_id, None)
         new = seq.output_ids[-1:] if seq.finish_reason != "abort" else []
         return self._output(seq, new)
+
+    def stats(self) -> dict[str, Any]:
+        """Gauges and cumulative counters for monitoring (Triton's metrics endpoint reads these).
+
+        Keys: num_waiting, num_running, free_blocks, steps, prompt_tokens, output_tokens,
+        finished_requests, aborted_requests, plus the transfer/residency metrics of lookahead mode
+        (h2d_bytes, device_resident_bytes, prefetch_hit_rate, urgent_blocks, transfer_wait_s).
+        """
+        return {"num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
+                "free_blocks": self.allocator.num_free, **self.counters, **self.runner.stats()}
 
     # ---- conveniences -------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[Completion]:

@@ -15,6 +15,11 @@ class DenseRunner:
     def __init__(self, model: LlamaModel, attn: DenseAttention, block_size: int):
         self.model, self.attn, self.block_size = model, attn, block_size
 
+    def stats(self) -> dict:
+        """Dense mode moves no KV between tiers: the whole cache is 'resident'."""
+        return {"h2d_bytes": 0, "device_resident_bytes": 0, "prefetch_hit_rate": None,
+                "urgent_blocks": 0, "transfer_wait_s": 0.0}
+
     def run(self, work: list[tuple[Sequence, int]]) -> dict[int, torch.Tensor]:
         """Run one step; returns {seq_id: logits [vocab]} for sequences that sample this step."""
         items, token_ids, row = [], [], 0
