@@ -23,7 +23,7 @@ from .attention_dense import DenseAttention
 from .block_manager import BlockAllocator, blocks_needed
 from .config import LookaheadConfig
 from .engine_dir import TOKENIZER_DIR, WEIGHTS, Manifest, load_manifest
-from .errors import RequestError
+from .errors import ConfigError, RequestError
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .runner import DenseRunner
@@ -65,7 +65,8 @@ class Completion:
 
 class Engine:
     def __init__(self, manifest: Manifest, model: LlamaModel, tokenizer: TextTokenizer,
-                 config: LookaheadConfig, num_host_blocks: int | None = None, max_queue: int = 256):
+                 config: LookaheadConfig, num_host_blocks: int | None = None, max_queue: int = 256,
+                 transfer: str = "thread"):
         self.manifest, self.model, self.tokenizer, self.config = manifest, model, tokenizer, config
         mcfg = manifest.model
         self.eos_ids = mcfg.eos_token_ids
@@ -77,7 +78,7 @@ class Engine:
         self.allocator = BlockAllocator(n_blocks)
         self.scheduler = Scheduler(self.allocator, bs, config.max_batch_size, self.max_model_len,
                                    config.prefill_chunk, max_queue)
-        self.runner = DenseRunner(model, DenseAttention(self.pool, mcfg.head_dim ** -0.5), bs)
+        self.runner = self._make_runner(transfer)
         self._ids = itertools.count()
         self._inbox: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
@@ -85,10 +86,30 @@ class Engine:
         self.counters = {"steps": 0, "prompt_tokens": 0, "output_tokens": 0, "finished_requests": 0,
                          "aborted_requests": 0}
 
+    def _make_runner(self, transfer: str):
+        mcfg, cfg = self.manifest.model, self.config
+        if cfg.mode == "dense":
+            return DenseRunner(self.model, DenseAttention(self.pool, mcfg.head_dim ** -0.5), cfg.block_size)
+        from .draft import make_draft
+        from .lookahead.attention import LookaheadAttention
+        from .lookahead.runner import LookaheadRunner
+        from .transfer import make_transfer_engine
+        attn = LookaheadAttention(mcfg, cfg, self.pool, cfg.max_batch_size,
+                                  blocks_needed(self.max_model_len, cfg.block_size), make_transfer_engine(transfer))
+        check_budget(cfg, attn)
+        return LookaheadRunner(self.model, attn, cfg.block_size, make_draft(cfg.draft, mcfg.vocab_size),
+                               cfg.max_batch_size)
+
+    def close(self) -> None:
+        """Stop background workers (the transfer engine's thread)."""
+        attn = getattr(self.runner, "attn", None)
+        if attn is not None and hasattr(attn, "transfer"):
+            attn.transfer.close()
+
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_dir(cls, path: str | Path, *, verify_checksums: bool = True, num_host_blocks: int | None = None,
-                 max_queue: int = 256, **overrides: Any) -> "Engine":
+                 max_queue: int = 256, transfer: str = "thread", **overrides: Any) -> "Engine":
         """Load an engine dir (refusing an incomplete, incompatible or tampered one).
 
         `overrides` replace fields of the engine's LookaheadConfig (e.g. mode="lookahead", top_k=64).
@@ -100,7 +121,7 @@ class Engine:
         model.load_weights(load_file(str(Path(path) / WEIGHTS)))
         model.eval().requires_grad_(False)
         tokenizer = TextTokenizer(Path(path) / TOKENIZER_DIR)
-        return cls(manifest, model, tokenizer, config, num_host_blocks, max_queue)
+        return cls(manifest, model, tokenizer, config, num_host_blocks, max_queue, transfer)
 
     # ---- requests (thread-safe) ---------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -179,6 +200,7 @@ class Engine:
                              seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids))
 
     def _finish(self, seq: Sequence) -> RequestOutput:
+        self.runner.release(seq)
         self.scheduler.finish(seq)
         self.counters["aborted_requests" if seq.finish_reason == "abort" else "finished_requests"] += 1
         with self._lock:
@@ -223,3 +245,20 @@ class Engine:
         ttft = (seq.first_token_time or t_end) - t0
         return Completion(seq.request_id, seq.text, list(seq.output_ids), seq.finish_reason,
                           len(seq.prompt_ids), ttft, t_end - t0)
+
+
+def check_budget(cfg: LookaheadConfig, attn) -> None:
+    """The device working set of one sequence must fit `device_budget_bytes` when one is set."""
+    if cfg.device_budget_bytes is None:
+        return
+    need = attn.device_bytes_per_lane()
+    if need > cfg.device_budget_bytes:
+        per_slot = need // (attn.layout.num_slots)
+        fixed = per_slot * attn.layout.selected_start
+        if fixed >= cfg.device_budget_bytes:
+            raise ConfigError("device_budget_bytes",
+                              f"{cfg.device_budget_bytes} bytes cannot hold the sink and recent window "
+                              f"({fixed} bytes)", "raise the budget or lower num_sink_blocks/recent_window")
+        fit = (cfg.device_budget_bytes - fixed) // per_slot
+        raise ConfigError("device_budget_bytes", f"top_k={cfg.top_k} needs {need} bytes per sequence",
+                          f"use top_k <= {fit} or a budget >= {need}")

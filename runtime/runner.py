@@ -15,6 +15,9 @@ class DenseRunner:
     def __init__(self, model: LlamaModel, attn: DenseAttention, block_size: int):
         self.model, self.attn, self.block_size = model, attn, block_size
 
+    def release(self, seq: Sequence) -> None:
+        """Nothing per sequence to free beyond its blocks (the scheduler frees those)."""
+
     def stats(self) -> dict:
         """Dense mode moves no KV between tiers: the whole cache is 'resident'."""
         return {"h2d_bytes": 0, "device_resident_bytes": 0, "prefetch_hit_rate": None,

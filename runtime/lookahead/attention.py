@@ -1,0 +1,217 @@
+"""Lookahead attention backend: the per-layer data flow of DESIGN.md ("One decode step").
+
+For layer l of a step:
+  1. store the real rows' K/V (host pool, write-through) and fold them into the block summaries;
+  2. wait for layer l's working set (its ticket only); under `urgent`, score the real query and
+     fetch the missing blocks of its true top-K on the urgent queue;
+  3. dual-row sparse attention over sink + selected + window (+ the real row, for the draft row);
+  4. score the draft query against the summaries: the predicted top-K for layer l of the next step;
+  5. hand it to the residency manager, which admits up to `fetch_cap` blocks per head and queues
+     the copies (resident), or remember it for the ping-pong refill of that layer (pingpong).
+Prefill rows use dense attention over the host pool, and seed the first working set.
+"""
+from __future__ import annotations
+
+import torch
+
+import plugins
+from ..attention_dense import prefill_attention
+from ..config import LookaheadConfig, ModelConfig
+from ..kv_pool import KVPool
+from ..transfer import CopyJob, Ticket, TransferEngine
+from .layout import SlotLayout
+from .metrics import LookaheadMetrics
+from .residency import Admission, SlotTable
+from .step_plan import DecodePart, StepPlan
+
+
+class LookaheadAttention:
+    def __init__(self, mcfg: ModelConfig, cfg: LookaheadConfig, pool: KVPool, num_lanes: int,
+                 max_blocks: int, transfer: TransferEngine):
+        self.cfg, self.pool, self.transfer = cfg, pool, transfer
+        self.layout = lay = SlotLayout.from_config(cfg)
+        self.num_layers, self.kvh, self.hd = mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim
+        self.scale = mcfg.head_dim ** -0.5
+        self.pingpong = cfg.residency == "pingpong"
+        self.num_buffers = 2 if self.pingpong else mcfg.num_layers
+        self.max_blocks = max_blocks
+        self.k_sel = min(cfg.top_k, max_blocks)
+        dtype = pool.k.dtype
+        shape = (self.num_buffers, num_lanes, self.kvh, lay.num_slots, lay.block_size, self.hd)
+        self.dev_k = torch.zeros(shape, dtype=dtype)          # the device tier's KV working set
+        self.dev_v = torch.zeros(shape, dtype=dtype)
+        sshape = (mcfg.num_layers, num_lanes * max_blocks, self.kvh, self.hd)
+        self.kmin = torch.zeros(sshape, dtype=dtype)           # summaries, by (lane, logical block)
+        self.kmax = torch.zeros(sshape, dtype=dtype)
+        self.slots = SlotTable(self.num_buffers, num_lanes, self.kvh, cfg.top_k)
+        self.pred = torch.full((mcfg.num_layers, num_lanes, self.kvh, cfg.top_k), -1, dtype=torch.long)
+        self.has_pred = torch.zeros(mcfg.num_layers, num_lanes, dtype=torch.bool)
+        self.lane_blocks = torch.full((num_lanes, max_blocks), -1, dtype=torch.long)  # logical -> host
+        self.tickets: dict[int, list[Ticket]] = {}             # layer -> copies it must wait for
+        self.metrics = LookaheadMetrics(mcfg.num_layers)
+        self.step_idx = 0
+        self.plan: StepPlan | None = None
+
+    # ---- lanes ----------------------------------------------------------------------------------
+    def attach(self, lane: int, block_table: list[int]) -> None:
+        self.lane_blocks[lane] = -1
+        self.lane_blocks[lane, : len(block_table)] = torch.tensor(block_table[: self.max_blocks])
+        self.slots.reset_lane(lane)
+        self.pred[:, lane] = -1
+        self.has_pred[:, lane] = False
+
+    def device_bytes_per_lane(self) -> int:
+        """KV working-set bytes one sequence holds in the device tier (the budgeted quantity)."""
+        per_buffer = self.dev_k[0, 0].numel() * self.dev_k.element_size() * 2
+        return per_buffer * self.num_buffers
+
+    def summary_bytes(self, context_len: int) -> int:
+        nb = -(-context_len // self.layout.block_size)
+        return 2 * self.num_layers * nb * self.kvh * self.hd * self.kmin.element_size()
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def begin_step(self, plan: StepPlan) -> None:
+        self.plan = plan
+        self.step_idx += 1
+        if self.pingpong and plan.decode is not None:
+            for layer in range(min(2, self.num_layers)):
+                self._refill(layer, plan.decode)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.plan
+        kr, vr = k[p.real_rows], v[p.real_rows]
+        self.pool.write(layer, kr, vr, p.batch.slot_blocks, p.batch.slot_offsets)
+        plugins.update_summaries(self.kmin[layer], self.kmax[layer], kr,
+                                 p.real_lanes * self.max_blocks + p.real_logical, p.batch.slot_offsets,
+                                 check_indices=False)
+        if not self.pingpong:      # the device copies of sink/window blocks stay current
+            self._write_through(self.dev_k[layer], self.dev_v[layer], kr, vr, p.real_lanes, p.real_logical,
+                                p.batch.slot_offsets)
+        out = torch.empty_like(q)
+        for part in p.prefill:
+            it = part.item
+            rows = slice(it.row_start, it.row_start + it.num_tokens)
+            if it.start_pos == 0:
+                kc, vc = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            else:
+                kc, vc = self.pool.read(layer, it.block_table, it.context_len)
+            out[rows] = prefill_attention(q[rows], kc, vc)
+            if part.completes_prompt:
+                self._seed(layer, part.lane, q[it.row_start + it.num_tokens - 1], it.context_len)
+        if p.decode is not None:
+            self._decode(layer, q, k, v, out, p.decode)
+        return out
+
+    # ---- pieces -------------------------------------------------------------------------------------
+    def _write_through(self, dk, dv, kr, vr, lanes, logical, offsets) -> None:
+        """Rows of sink/window blocks also land in their device slots (computed on device: no H2D)."""
+        lay = self.layout
+        slot = torch.where(logical < lay.num_sink, logical, lay.num_sink + logical % lay.num_window)
+        dk[lanes, :, slot, offsets] = kr
+        dv[lanes, :, slot, offsets] = vr
+
+    def _score(self, layer: int, q: torch.Tensor, valid: torch.Tensor, n: int):
+        """q [n, H, D] for lanes [0, n) -> (top-K logical blocks [n, KVH, K], scores [n, KVH, NB])."""
+        kmin = self.kmin[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n]
+        kmax = self.kmax[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n]
+        idx, scores = plugins.block_topk(q, kmin, kmax, valid, self.k_sel)
+        if self.k_sel < self.cfg.top_k:
+            idx = torch.nn.functional.pad(idx, (0, self.cfg.top_k - self.k_sel), value=-1)
+        return idx, scores
+
+    def _copy_job(self, layer: int, buf: int, adm: Admission) -> CopyJob:
+        host = self.lane_blocks[adm.lanes, adm.blocks]
+        return CopyJob(self.pool.k[layer], self.pool.v[layer], self.dev_k[buf], self.dev_v[buf],
+                       (host, adm.heads), (adm.lanes, adm.heads, adm.slots + self.layout.selected_start),
+                       tag=(self.step_idx, layer))
+
+    def _seed(self, layer: int, lane: int, q_last: torch.Tensor, context_len: int) -> None:
+        """Pre-decoding: the last prompt token's query picks the first working set (uncapped)."""
+        from .step_plan import candidate_mask
+        valid = candidate_mask(self.layout, context_len + 1, self.max_blocks)
+        lanes = torch.tensor([lane])
+        pad_q = torch.zeros(lane + 1, *q_last.shape, dtype=q_last.dtype)
+        pad_q[lane] = q_last
+        pad_valid = torch.zeros(lane + 1, self.max_blocks, dtype=torch.bool)
+        pad_valid[lane] = valid
+        idx, scores = self._score(layer, pad_q, pad_valid, lane + 1)
+        idx, scores = idx[lanes], scores[lanes]
+        self._predict(layer, lanes, idx, scores, cap=self.cfg.top_k)
+
+    def _predict(self, layer: int, lanes: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor, cap: int):
+        """Record the prediction for layer `layer` of the next step; resident: queue its copies now."""
+        self.pred[layer, lanes] = idx
+        self.has_pred[layer, lanes] = True
+        if self.pingpong:
+            return
+        prio = scores.gather(-1, idx.clamp(min=0))
+        adm = self.slots.plan(layer, lanes, idx, prio, cap, self.step_idx)
+        if len(adm):
+            self.metrics.prefetched_blocks += len(adm)
+            self.tickets.setdefault(layer, []).append(self.transfer.submit(self._copy_job(layer, layer, adm)))
+
+    def _refill(self, layer: int, d: DecodePart) -> None:
+        """Ping-pong: copy layer `layer`'s whole sparse set (sink, window, predicted) into its half."""
+        lay, buf = self.layout, layer % 2
+        lanes, heads, slots, host = [], [], [], []
+        for lane, c in zip(d.lanes.tolist(), d.context_lens):
+            # the host holds c - 1 tokens of this layer; this step's token is written through later
+            last = (c - 2) // lay.block_size
+            fixed = list(range(min(lay.num_sink, last + 1))) + list(range(lay.window_start(c), last + 1))
+            for b in dict.fromkeys(fixed):
+                for h in range(self.kvh):
+                    lanes.append(lane), heads.append(h), slots.append(lay.device_slot(b))
+                    host.append(int(self.lane_blocks[lane, b]))
+        fixed_job = CopyJob(self.pool.k[layer], self.pool.v[layer], self.dev_k[buf], self.dev_v[buf],
+                            (torch.tensor(host, dtype=torch.long), torch.tensor(heads, dtype=torch.long)),
+                            (torch.tensor(lanes, dtype=torch.long), torch.tensor(heads, dtype=torch.long),
+                             torch.tensor(slots, dtype=torch.long)), tag=(self.step_idx, layer, "fixed"))
+        self.tickets[layer] = [self.transfer.submit(fixed_job)]
+        want = self.pred[layer, d.lanes]                                    # [B, KVH, K]
+        self.slots.assign(buf, d.lanes, want, self.step_idx)
+        b_i, h_i, j_i = (want >= 0).nonzero(as_tuple=True)
+        adm = Admission(d.lanes[b_i], h_i, j_i, want[b_i, h_i, j_i])
+        self.metrics.prefetched_blocks += len(adm)
+        self.tickets[layer].append(self.transfer.submit(self._copy_job(layer, buf, adm)))
+
+    def _decode(self, layer: int, q, k, v, out, d: DecodePart) -> None:
+        lay, n, buf = self.layout, d.num_lanes, (layer % 2 if self.pingpong else layer)
+        for ticket in self.tickets.pop(layer, []):
+            self.transfer.wait(ticket)
+        if self.pingpong:   # the half was refilled from the host pool; add this step's real rows
+            rr = d.real_rows
+            ctx = torch.tensor(d.context_lens, dtype=torch.long) - 1
+            self._write_through(self.dev_k[buf], self.dev_v[buf], k[rr], v[rr], d.lanes,
+                                ctx // lay.block_size, ctx % lay.block_size)
+        qd = torch.zeros(n, 2, q.shape[1], q.shape[2], dtype=q.dtype)
+        qd[d.lanes, 0], qd[d.lanes, 1] = q[d.real_rows], q[d.draft_rows]
+        # the real query's true top-K: for `urgent`, and for the agreement metric
+        true_idx, true_scores = self._score(layer, qd[:, 0], d.cand_mask, n)
+        t_idx = true_idx[d.lanes]
+        resident = self.slots.resident(buf, d.lanes, t_idx)
+        prev = self.pred[layer, d.lanes] if bool(self.has_pred[layer, d.lanes].all()) else None
+        self.metrics.record_layer(layer, prev, t_idx, resident)
+        if self.cfg.miss_policy == "urgent":
+            prio = true_scores[d.lanes].gather(-1, t_idx.clamp(min=0))
+            adm = self.slots.plan(buf, d.lanes, t_idx, prio, self.cfg.top_k, self.step_idx)
+            if len(adm):
+                self.metrics.urgent_blocks += len(adm)
+                self.transfer.wait(self.transfer.submit(self._copy_job(layer, buf, adm), urgent=True))
+        # attention over the device tier: [n, KVH, NS * bs, D] is a view, no gather
+        kv_shape = (self.dev_k.shape[1], self.kvh, lay.num_slots * lay.block_size, self.hd)
+        kb, vb = self.dev_k[buf].view(kv_shape)[:n], self.dev_v[buf].view(kv_shape)[:n]
+        sel = (self.slots.block[buf, :n] >= 0) & d.lane_active[:, None, None]      # [n, KVH, K]
+        mask = torch.cat([d.base_mask[:, None, :].expand(n, self.kvh, -1),
+                          sel.repeat_interleave(lay.block_size, dim=-1)], dim=-1)
+        kx = torch.zeros(n, self.kvh, 1, self.hd, dtype=k.dtype)
+        vx = torch.zeros_like(kx)
+        kx[d.lanes, :, 0], vx[d.lanes, :, 0] = k[d.draft_rows], v[d.draft_rows]
+        xmask = torch.tensor([[False], [True]]).expand(n, 2, 1)   # only the draft row sees itself
+        o = plugins.lookahead_attention(qd, kb, vb, mask, kx, vx, xmask, self.scale)
+        out[d.real_rows], out[d.draft_rows] = o[d.lanes, 0], o[d.lanes, 1]
+        # look ahead: the draft query predicts the next step's top-K for this layer
+        p_idx, p_scores = self._score(layer, qd[:, 1], d.next_cand_mask, n)
+        self._predict(layer, d.lanes, p_idx[d.lanes], p_scores[d.lanes], cap=self.cfg.fetch_cap)
+        if self.pingpong and layer + 2 < self.num_layers:
+            self._refill(layer + 2, d)                            # this half is free again
+

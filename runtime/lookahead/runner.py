@@ -1,0 +1,107 @@
+"""Lookahead model runner: builds dual-row decode steps (real + draft token per sequence)."""
+from __future__ import annotations
+
+import torch
+
+from ..draft import DraftSource
+from ..model import LlamaModel
+from ..sequence import Sequence
+from ..step import StepBatch, StepItem
+from .attention import LookaheadAttention
+from .step_plan import PrefillPart, StepPlan, build_decode_part
+
+
+class LookaheadRunner:
+    def __init__(self, model: LlamaModel, attn: LookaheadAttention, block_size: int, draft: DraftSource,
+                 num_lanes: int):
+        self.model, self.attn, self.block_size, self.draft = model, attn, block_size, draft
+        self.free_lanes = list(range(num_lanes))
+        self.lanes: dict[int, int] = {}
+        self.guess: dict[int, int] = {}          # seq_id -> argmax of its last draft row
+        self.last_draft: dict[int, int] = {}     # seq_id -> draft token run at the last step
+        self.draft_hits = self.draft_total = 0
+
+    def _lane(self, seq: Sequence) -> int:
+        if seq.seq_id not in self.lanes:
+            lane = min(self.free_lanes)          # low lanes first: the computed lane range stays small
+            self.free_lanes.remove(lane)
+            self.lanes[seq.seq_id] = lane
+            self.attn.attach(lane, seq.block_table)
+        return self.lanes[seq.seq_id]
+
+    def release(self, seq: Sequence) -> None:
+        lane = self.lanes.pop(seq.seq_id, None)
+        if lane is not None:
+            self.free_lanes.append(lane)
+        self.guess.pop(seq.seq_id, None)
+        self.last_draft.pop(seq.seq_id, None)
+
+    def run(self, work: list[tuple[Sequence, int]]) -> dict[int, torch.Tensor]:
+        bs = self.block_size
+        tokens, positions, items, prefill = [], [], [], []
+        real_rows, real_lanes, blocks, offsets = [], [], [], []
+        dec_lanes, dec_real, dec_draft, dec_ctx, dec_seqs = [], [], [], [], []
+        for seq, n in work:
+            lane, start, row = self._lane(seq), seq.num_cached, len(tokens)
+            for p in range(start, start + n):
+                real_rows.append(len(tokens))
+                real_lanes.append(lane)
+                blocks.append(seq.block_table[p // bs])
+                offsets.append(p % bs)
+                tokens.append(seq.token_at(p))
+                positions.append(p)
+            item = StepItem(seq.seq_id, row, n, start, seq.block_table)
+            items.append(item)
+            if seq.in_prefill:
+                prefill.append(PrefillPart(item, lane, start + n == len(seq.prompt_ids)))
+            else:
+                real = seq.token_at(start)
+                prev = self.last_draft.get(seq.seq_id)
+                if prev is not None:
+                    self.draft_total += 1
+                    self.draft_hits += int(prev == real)
+                ctx = seq.prompt_ids + seq.output_ids
+                d = self.draft.propose(ctx, self.guess.get(seq.seq_id))
+                self.last_draft[seq.seq_id] = d
+                dec_lanes.append(lane), dec_real.append(row), dec_draft.append(len(tokens))
+                dec_ctx.append(start + 1), dec_seqs.append(seq)
+                tokens.append(d)
+                positions.append(start + 1)
+        t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        batch = StepBatch(items, t(tokens), t(positions), t(blocks), t(offsets))
+        logical = t(positions)[t(real_rows)] // bs
+        decode = (build_decode_part(self.attn.layout, dec_lanes, dec_real, dec_draft, dec_ctx,
+                                    self.attn.max_blocks) if dec_lanes else None)
+        self.attn.begin_step(StepPlan(batch, t(real_rows), t(real_lanes), logical, prefill, decode))
+        hidden = self.model(batch.tokens, batch.positions, self.attn)
+        for seq, n in work:
+            seq.num_cached += n
+        sample_rows, sample_seqs = [], []
+        for part in prefill:
+            if part.completes_prompt:
+                sample_rows.append(part.item.row_start + part.item.num_tokens - 1)
+                sample_seqs.append(next(s for s, _ in work if s.seq_id == part.item.seq_id))
+        sample_rows += dec_real
+        sample_seqs += dec_seqs
+        if not sample_rows and not dec_draft:
+            return {}
+        logits = self.model.logits(hidden[t(sample_rows + dec_draft)])
+        for i, seq in enumerate(dec_seqs):                 # the draft row's guess for the step after next
+            self.guess[seq.seq_id] = int(logits[len(sample_rows) + i].argmax())
+        return {seq.seq_id: logits[i] for i, seq in enumerate(sample_seqs)}
+
+    def stats(self) -> dict:
+        a, tr = self.attn, self.attn.transfer
+        m = a.metrics.summary()
+        return {
+            "h2d_bytes": tr.h2d_bytes,
+            "device_resident_bytes": a.device_bytes_per_lane() * len(self.lanes),
+            "device_bytes_per_seq": a.device_bytes_per_lane(),
+            "prefetch_hit_rate": m["prefetch_hit_rate"],
+            "urgent_blocks": m["urgent_blocks"],
+            "prefetched_blocks": m["prefetched_blocks"],
+            "transfer_wait_s": tr.wait_s,
+            "agreement_mean": m["agreement_mean"],
+            "agreement_per_layer": m["agreement_per_layer"],
+            "draft_accept_rate": self.draft_hits / self.draft_total if self.draft_total else None,
+        }
