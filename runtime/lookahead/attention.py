@@ -51,6 +51,7 @@ class LookaheadAttention:
         self.metrics = LookaheadMetrics(mcfg.num_layers)
         self.step_idx = 0
         self.plan: StepPlan | None = None
+        self.debug_checks = False           # tests: verify slot contents before every attention
 
     # ---- lanes ----------------------------------------------------------------------------------
     def attach(self, lane: int, block_table: list[int]) -> None:
@@ -85,8 +86,9 @@ class LookaheadAttention:
                                  p.real_lanes * self.max_blocks + p.real_logical, p.batch.slot_offsets,
                                  check_indices=False)
         if not self.pingpong:      # the device copies of sink/window blocks stay current
-            self._write_through(self.dev_k[layer], self.dev_v[layer], kr, vr, p.real_lanes, p.real_logical,
-                                p.batch.slot_offsets)
+            w = p.write_through
+            self._write_through(self.dev_k[layer], self.dev_v[layer], kr[w], vr[w], p.real_lanes[w],
+                                p.real_logical[w], p.batch.slot_offsets[w])
         out = torch.empty_like(q)
         for part in p.prefill:
             it = part.item
@@ -197,6 +199,8 @@ class LookaheadAttention:
             if len(adm):
                 self.metrics.urgent_blocks += len(adm)
                 self.transfer.wait(self.transfer.submit(self._copy_job(layer, buf, adm), urgent=True))
+        if self.debug_checks:
+            check_integrity(self, layer, d)
         # attention over the device tier: [n, KVH, NS * bs, D] is a view, no gather
         kv_shape = (self.dev_k.shape[1], self.kvh, lay.num_slots * lay.block_size, self.hd)
         kb, vb = self.dev_k[buf].view(kv_shape)[:n], self.dev_v[buf].view(kv_shape)[:n]
@@ -215,3 +219,33 @@ class LookaheadAttention:
         if self.pingpong and layer + 2 < self.num_layers:
             self._refill(layer + 2, d)                            # this half is free again
 
+
+
+def check_integrity(attn: LookaheadAttention, layer: int, d: DecodePart) -> None:
+    """Debug check: every device slot attention is about to read holds what the tables say.
+
+    Selected slots must equal their host blocks; sink/window slots must equal the host tokens that
+    the mask exposes. Raises AssertionError naming the first mismatch.
+    """
+    lay, buf = attn.layout, (layer % 2 if attn.pingpong else layer)
+    bs = lay.block_size
+    held = attn.slots.block[buf, d.lanes]                                      # [B, KVH, K]
+    b_i, h_i, j_i = (held >= 0).nonzero(as_tuple=True)
+    host = attn.lane_blocks[d.lanes[b_i], held[b_i, h_i, j_i]]
+    for dev, pool in ((attn.dev_k, attn.pool.k), (attn.dev_v, attn.pool.v)):
+        got = dev[buf, d.lanes[b_i], h_i, lay.selected_start + j_i]
+        bad = (got != pool[layer, host, h_i]).flatten(1).any(-1).nonzero()
+        assert bad.numel() == 0, f"layer {layer}: selected slot {int(j_i[bad[0]])} of lane " \
+                                 f"{int(d.lanes[b_i[bad[0]]])} does not hold its block"
+    for lane, c in zip(d.lanes.tolist(), d.context_lens):
+        for h in range(attn.kvh):
+            mask = d.base_mask[lane].view(lay.selected_start, bs)
+            for slot in range(lay.selected_start):
+                n = int(mask[slot].sum())
+                if n == 0:
+                    continue
+                blk = slot if slot < lay.num_sink else next(
+                    b for b in range(lay.window_start(c), (c - 1) // bs + 1) if lay.device_slot(b) == slot)
+                host = int(attn.lane_blocks[lane, blk])
+                assert torch.equal(attn.dev_k[buf, lane, h, slot, :n], attn.pool.k[layer, host, h, :n]), \
+                    f"layer {layer} lane {lane} head {h}: window/sink slot {slot} is stale"

@@ -39,11 +39,13 @@ class LookaheadRunner:
     def run(self, work: list[tuple[Sequence, int]]) -> dict[int, torch.Tensor]:
         bs = self.block_size
         tokens, positions, items, prefill = [], [], [], []
-        real_rows, real_lanes, blocks, offsets = [], [], [], []
+        real_rows, real_lanes, blocks, offsets, keep = [], [], [], [], []
         dec_lanes, dec_real, dec_draft, dec_ctx, dec_seqs = [], [], [], [], []
         for seq, n in work:
             lane, start, row = self._lane(seq), seq.num_cached, len(tokens)
+            w0 = self.attn.layout.window_start(start + n)
             for p in range(start, start + n):
+                keep.append(p // bs < self.attn.layout.num_sink or p // bs >= w0)
                 real_rows.append(len(tokens))
                 real_lanes.append(lane)
                 blocks.append(seq.block_table[p // bs])
@@ -72,7 +74,8 @@ class LookaheadRunner:
         logical = t(positions)[t(real_rows)] // bs
         decode = (build_decode_part(self.attn.layout, dec_lanes, dec_real, dec_draft, dec_ctx,
                                     self.attn.max_blocks) if dec_lanes else None)
-        self.attn.begin_step(StepPlan(batch, t(real_rows), t(real_lanes), logical, prefill, decode))
+        self.attn.begin_step(StepPlan(batch, t(real_rows), t(real_lanes), logical,
+                                      torch.tensor(keep, dtype=torch.bool), prefill, decode))
         hidden = self.model(batch.tokens, batch.positions, self.attn)
         for seq, n in work:
             seq.num_cached += n

@@ -41,6 +41,8 @@ class StepPlan:
     real_rows: torch.Tensor        # [T_real] rows stored in the cache (prefill tokens + real decode rows)
     real_lanes: torch.Tensor       # [T_real] lane of each stored row
     real_logical: torch.Tensor     # [T_real] logical block of each stored row
+    write_through: torch.Tensor    # [T_real] bool: row's block is a sink or ends in the window; a
+                                   # prefill that wraps the ring writes each (slot, offset) once
     prefill: list[PrefillPart]
     decode: DecodePart | None
 
