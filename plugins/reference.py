@@ -1,0 +1,90 @@
+"""Plain-torch references for the lookahead ops: obvious loops and explicit masks, for clarity.
+
+Every implementation (the torch one in this package, the CUDA kernels, the TensorRT plugins) is
+tested against these on fresh random inputs with the dtype-keyed tolerances below. They are slow
+by design; never call them on a hot path.
+"""
+from __future__ import annotations
+
+import torch
+
+# (atol, rtol) per input dtype for floating outputs, as FlashInfer's tests key them.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1.5e-2, 1.5e-2),
+}
+
+
+def block_gather_ref(src: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """src [NB, KVH, bs, D], block_ids [KVH, n] -> out [KVH, n, bs, D], out[h, i] = src[block_ids[h, i], h]."""
+    num_kv_heads, n = block_ids.shape
+    out = src.new_empty((num_kv_heads, n, src.shape[2], src.shape[3]))
+    for h in range(num_kv_heads):
+        for i in range(n):
+            out[h, i] = src[int(block_ids[h, i]), h]
+    return out
+
+
+def block_topk_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
+                   k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, D], kmin/kmax [B, NB, KVH, D], valid [B, NB] -> (indices [B, KVH, k], scores [B, KVH, NB])."""
+    B, H, _ = q.shape
+    num_blocks, num_kv_heads = kmin.shape[1], kmin.shape[2]
+    group = H // num_kv_heads
+    scores = torch.full((B, num_kv_heads, num_blocks), float("-inf"), device=q.device)
+    indices = torch.full((B, num_kv_heads, k), -1, dtype=torch.int64, device=q.device)
+    for b in range(B):
+        for g in range(num_kv_heads):
+            for n in range(num_blocks):
+                if not valid[b, n]:
+                    continue
+                lo, hi = kmin[b, n, g].float(), kmax[b, n, g].float()
+                s = torch.zeros((), dtype=torch.float32, device=q.device)
+                for h in range(H):
+                    if h // group == g:
+                        qh = q[b, h].float()
+                        s = s + torch.maximum(qh * lo, qh * hi).sum()
+                scores[b, g, n] = s
+            ranked = sorted((n for n in range(num_blocks) if valid[b, n]),
+                            key=lambda n: (-float(scores[b, g, n]), n))    # ties: lower id first
+            chosen = sorted(ranked[:k])
+            indices[b, g, :len(chosen)] = torch.tensor(chosen, dtype=torch.int64, device=q.device)
+    return indices, scores
+
+
+def update_summaries_ref(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.Tensor,
+                         block_ids: torch.Tensor, block_offsets: torch.Tensor) -> None:
+    """Token by token, in place: offset 0 resets the block's summary to the key, else min/max."""
+    for t in range(keys.shape[0]):
+        b = int(block_ids[t])
+        if int(block_offsets[t]) == 0:
+            kmin[b] = keys[t]
+            kmax[b] = keys[t]
+        else:
+            kmin[b] = torch.minimum(kmin[b], keys[t])
+            kmax[b] = torch.maximum(kmax[b], keys[t])
+
+
+def lookahead_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor,
+                            k_extra: torch.Tensor, v_extra: torch.Tensor, extra_mask: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """q [B, R, H, D], k/v [B, KVH, N, D], k_extra/v_extra [B, KVH, E, D] -> out [B, R, H, D].
+
+    Per (b, r, h): collect the visible keys, softmax in fp32; no visible key -> zeros.
+    """
+    B, R, H, D = q.shape
+    num_kv_heads = k.shape[1]
+    group = H // num_kv_heads
+    out = torch.zeros((B, R, H, D), dtype=torch.float32, device=q.device)
+    for b in range(B):
+        for r in range(R):
+            for h in range(H):
+                g = h // group
+                keys = torch.cat([k[b, g][kv_mask[b, g]], k_extra[b, g][extra_mask[b, r]]]).float()
+                values = torch.cat([v[b, g][kv_mask[b, g]], v_extra[b, g][extra_mask[b, r]]]).float()
+                if keys.shape[0] == 0:
+                    continue                                  # defined behaviour: zeros
+                weights = torch.softmax(keys @ q[b, r, h].float() * scale, dim=0)
+                out[b, r, h] = weights @ values
+    return out.to(q.dtype)
