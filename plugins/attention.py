@@ -1,0 +1,109 @@
+"""`lookahead::lookahead_attention`: dual-row sparse attention with GQA over gathered KV + fresh rows."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._common import FLOAT_DTYPES, check_same, check_shape, check_tensor, define_op, fail
+
+
+def _row_max(s: torch.Tensor) -> torch.Tensor:
+    """amax over the last dim, keepdim; -inf for an empty key set (amax refuses size 0)."""
+    if s.shape[-1] == 0:
+        return s.new_full((*s.shape[:-1], 1), float("-inf"))
+    return s.amax(-1, keepdim=True)
+
+
+def _lookahead_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor,
+                              k_extra: torch.Tensor, v_extra: torch.Tensor, extra_mask: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    B, R, H, D = q.shape
+    num_kv_heads, N = k.shape[1], k.shape[2]
+    E = k_extra.shape[2]
+    G = H // num_kv_heads
+    # Fold the rows and a group's query heads into one query dim per KV head (h = kvh * G + g),
+    # so K/V are read once per KV head by a batched matmul, never repeated per query head.
+    qg = (q.float() * scale).reshape(B, R, num_kv_heads, G, D).transpose(1, 2)
+    qg = qg.reshape(B, num_kv_heads, R * G, D)
+    s_kv = qg @ k.float().transpose(-1, -2)                                # [B, KVH, R*G, N]
+    s_ex = qg @ k_extra.float().transpose(-1, -2)                          # [B, KVH, R*G, E]
+    s_kv.masked_fill_(~kv_mask.unsqueeze(2), float("-inf"))
+    ex_visible = extra_mask.reshape(B, 1, R, 1, E).expand(B, 1, R, G, E).reshape(B, 1, R * G, E)
+    s_ex.masked_fill_(~ex_visible, float("-inf"))
+
+    # Softmax over both key sets without concatenating them.
+    m = torch.maximum(_row_max(s_kv), _row_max(s_ex))
+    m = m.masked_fill(m == float("-inf"), 0.0)          # a row with no visible key: exp() gives 0
+    p_kv, p_ex = (s_kv - m).exp_(), (s_ex - m).exp_()
+    # The max key contributes exp(0) = 1, so a row that sees any key has denom >= 1; clamping at
+    # 1 only touches rows that see none, turning 0/0 into the documented zero output.
+    denom = (p_kv.sum(-1, keepdim=True) + p_ex.sum(-1, keepdim=True)).clamp_min_(1.0)
+    out = (p_kv @ v.float() + p_ex @ v_extra.float()) / denom              # [B, KVH, R*G, D]
+    return out.view(B, num_kv_heads, R, G, D).transpose(1, 2).reshape(B, R, H, D).to(q.dtype)
+
+
+def _lookahead_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor,
+                              k_extra: torch.Tensor, v_extra: torch.Tensor, extra_mask: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+define_op("lookahead_attention", _lookahead_attention_impl, _lookahead_attention_fake)
+
+
+def lookahead_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor,
+                        k_extra: torch.Tensor, v_extra: torch.Tensor, extra_mask: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Sparse attention of R query rows per sequence over gathered KV plus the rows' fresh K/V.
+
+    Row r of sequence b, query head h (KV head ``h // (H // KVH)``) attends to ``k[b, kvh, n]``
+    where ``kv_mask[b, kvh, n]`` and to ``k_extra[b, kvh, e]`` where ``extra_mask[b, r, e]``.
+    In a decode step R = 2 (row 0 the real token, row 1 the draft token), k/v hold the sink,
+    selected blocks and recent window gathered per KV head, and k_extra/v_extra the rows' own
+    fresh K/V; the caller's extra_mask lets the draft row see the real row, never the reverse.
+
+    Parameters
+    ----------
+    q : Tensor, [B, R, H, D], float32/float16/bfloat16
+        Post-RoPE queries.
+    k, v : Tensor, [B, KVH, N, D], dtype of ``q``
+        Gathered keys/values, padded; must be finite everywhere (padding is weighted by zero).
+    kv_mask : Tensor, [B, KVH, N], bool
+        Which gathered keys are real (shared by all rows).
+    k_extra, v_extra : Tensor, [B, KVH, E, D], dtype of ``q``
+        Extra keys/values, e.g. this step's rows.
+    extra_mask : Tensor, [B, R, E], bool
+        Which extra keys row r sees (shared by all heads).
+    scale : float
+        Softmax scale, usually ``D ** -0.5``.
+
+    Returns
+    -------
+    Tensor, [B, R, H, D], dtype of ``q``. Softmax is computed in fp32. A (b, r) that sees no
+    key at all gets zeros (callers never build one; the output is defined, not NaN).
+    """
+    check_tensor("q", q, 4, FLOAT_DTYPES)
+    B, R, H, D = q.shape
+    check_tensor("k", k, 4, FLOAT_DTYPES)
+    check_same("k", k, "q", q)
+    num_kv_heads, N = k.shape[1], k.shape[2]
+    check_shape("k", k, (B, num_kv_heads, N, D), f"[B={B}, KVH, N, D={D}] to match q")
+    if H % num_kv_heads:
+        fail("k", f"num_kv_heads={num_kv_heads} (dim 1) does not divide q's num_heads={H}")
+    check_same("v", v, "k", k)
+    check_shape("v", v, k.shape, "[B, KVH, N, D] like k")
+    check_tensor("k_extra", k_extra, 4, FLOAT_DTYPES)
+    check_same("k_extra", k_extra, "q", q)
+    E = k_extra.shape[2]
+    check_shape("k_extra", k_extra, (B, num_kv_heads, E, D), f"[B={B}, KVH={num_kv_heads}, E, D={D}]")
+    check_same("v_extra", v_extra, "k_extra", k_extra)
+    check_shape("v_extra", v_extra, k_extra.shape, "[B, KVH, E, D] like k_extra")
+    for arg, mask, shape in (("kv_mask", kv_mask, (B, num_kv_heads, N)), ("extra_mask", extra_mask, (B, R, E))):
+        check_tensor(arg, mask, 3, torch.bool)
+        check_shape(arg, mask, shape, "")
+        if mask.device != q.device:
+            fail(arg, f"device {mask.device} differs from q's {q.device}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        fail("scale", f"must be a finite float > 0, got {scale!r}")
+    return torch.ops.lookahead.lookahead_attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask, float(scale))
