@@ -7,7 +7,11 @@ from ._common import FLOAT_DTYPES, check_range, check_tensor, define_op, fail
 
 
 def _block_gather_impl(src: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    # src: [NB, KVH, bs, D], block_ids: [KVH, n] -> [KVH, n, bs, D]
+    # src: [NB, KVH, bs, D], block_ids: [KVH, n] -> [KVH, n, bs, D] on block_ids' device
+    if block_ids.device != src.device:
+        # The host -> device move: ids on the device name the blocks of a host pool (the CUDA
+        # kernel reads pinned memory directly; here, gather on the host, then copy once).
+        return _block_gather_impl(src, block_ids.to(src.device)).to(block_ids.device)
     num_blocks, num_kv_heads, block_size, head_dim = src.shape
     n = block_ids.shape[1]
     heads = torch.arange(num_kv_heads, device=block_ids.device).unsqueeze(1)  # [KVH, 1]
@@ -21,7 +25,8 @@ def _block_gather_impl(src: torch.Tensor, block_ids: torch.Tensor) -> torch.Tens
 
 
 def _block_gather_fake(src: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    return src.new_empty((src.shape[1], block_ids.shape[1], src.shape[2], src.shape[3]))
+    return src.new_empty((src.shape[1], block_ids.shape[1], src.shape[2], src.shape[3]),
+                         device=block_ids.device)
 
 
 define_op("block_gather", _block_gather_impl, _block_gather_fake)
