@@ -1,0 +1,9 @@
+"""Serving glue between Triton Inference Server's python backend and `runtime.Engine`.
+
+Nothing here imports `triton_python_backend_utils`, so every piece is tested without a server:
+
+- `config_template`: fill `config.pbtxt` templates and write a ready model repository;
+- `triton_env`: find the tritonserver shipped in `nvidia-pytriton`, build its backend dir and environment;
+- `request`: Triton request tensors -> (prompt, SamplingParams), with typed errors naming the field;
+- `loop`: the one background thread that steps the engine and routes outputs to each request.
+"""

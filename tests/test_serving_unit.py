@@ -1,0 +1,338 @@
+"""Serving pieces without a server: template filler, request parsing, responses, step loop, metrics."""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.engine import Engine
+from runtime.errors import ConfigError, EngineDirError, RequestError
+from runtime.sampling import SamplingParams
+from runtime.serving import config_template as ct
+from runtime.serving.loop import EngineLoop
+from runtime.serving.metrics import METRICS, MetricExporter
+from runtime.serving.request import GenerateRequest, ResponseStream, parse_request
+from tiny_engine import make_tiny_engine
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_engine(tmp_path_factory.mktemp("tiny"), seed=3)
+
+
+# ---- config template ----------------------------------------------------------------------------
+def test_fill_replaces_every_placeholder():
+    assert ct.fill('a: "${x}"\nb: ${y} ${x}', {"x": "1", "y": 2}) == 'a: "1"\nb: 2 1'
+
+
+def test_fill_names_a_missing_placeholder():
+    with pytest.raises(ct.TemplateError, match=r"no value for placeholder \$\{engine_dir\}"):
+        ct.fill("count: ${instance_count}\ndir: ${engine_dir}", {"instance_count": 1})
+
+
+def test_fill_refuses_a_value_without_placeholder():
+    with pytest.raises(ct.TemplateError, match="'enigne_dir' is not a placeholder"):
+        ct.fill("dir: ${engine_dir}", {"engine_dir": "/e", "enigne_dir": "/e"})
+
+
+@pytest.mark.parametrize("text", ["a: $x", "a: ${1x}", "a: ${x", "a: ${}"])
+def test_fill_refuses_malformed_placeholders(text):
+    with pytest.raises(ct.TemplateError, match="line 1: malformed placeholder"):
+        ct.fill(text, {"x": 1})
+
+
+def test_repo_template_placeholders_are_exactly_what_the_tool_fills():
+    text = (ct.REPO_TEMPLATE / ct.MODEL_NAME / ct.TEMPLATE_FILE).read_text()
+    assert set(ct.placeholders(text)) == {"model_name", "engine_dir", "instance_count", "instance_kind",
+                                          "max_queue", "lookahead_overrides"}
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_write_model_repo_fills_config_and_leaves_the_template_alone(tiny_dir, tmp_path):
+    template = ct.REPO_TEMPLATE / ct.MODEL_NAME / ct.TEMPLATE_FILE
+    before = _digest(template)
+    out = ct.write_model_repo(tmp_path / "repo", tiny_dir, instance_count=2, max_queue=7,
+                              lookahead_overrides={"mode": "lookahead", "top_k": 4})
+    cfg = (out / "lookahead_llm" / "config.pbtxt").read_text()
+    assert "${" not in cfg and "count: 2" in cfg and 'string_value: "7"' in cfg
+    assert f'string_value: "{Path(tiny_dir).resolve()}"' in cfg
+    assert r'string_value: "{\"mode\": \"lookahead\", \"top_k\": 4}"' in cfg
+    assert (out / "lookahead_llm" / "1" / "model.py").read_text() == \
+        (ct.REPO_TEMPLATE / ct.MODEL_NAME / "1" / "model.py").read_text()
+    assert _digest(template) == before
+
+
+def test_write_model_repo_refuses_to_write_over_the_template(tiny_dir):
+    with pytest.raises(ct.TemplateError, match="overwrite the template"):
+        ct.write_model_repo(ct.REPO_TEMPLATE, tiny_dir)
+
+
+def test_write_model_repo_checks_engine_dir_and_overrides(tiny_dir, tmp_path):
+    with pytest.raises(EngineDirError, match="does not exist"):
+        ct.write_model_repo(tmp_path / "r", tmp_path / "missing")
+    with pytest.raises(ConfigError, match="mode"):
+        ct.write_model_repo(tmp_path / "r", tiny_dir, lookahead_overrides={"mode": "sparse"})
+
+
+def test_cli_writes_a_repo_and_reports_errors_in_one_line(tiny_dir, tmp_path, capsys):
+    assert ct.main(["--engine", str(tiny_dir), "--out", str(tmp_path / "r"), "--mode", "lookahead"]) == 0
+    assert '\\"mode\\": \\"lookahead\\"' in (tmp_path / "r" / "lookahead_llm" / "config.pbtxt").read_text()
+    assert ct.main(["--engine", str(tmp_path / "nope"), "--out", str(tmp_path / "r2")]) == 2
+    assert capsys.readouterr().err.startswith("error: engine dir")
+
+
+def test_pbtxt_string_escapes_quotes_and_backslashes():
+    assert ct.pbtxt_string('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
+
+
+# ---- request parsing ----------------------------------------------------------------------------
+def text(s: str | bytes) -> np.ndarray:
+    return np.array([s.encode() if isinstance(s, str) else s], dtype=np.object_)
+
+
+def parse(parameters=None, **inputs) -> GenerateRequest:
+    return parse_request(inputs.get, parameters)
+
+
+def test_parse_full_request():
+    req = parse(text_input=text("Hi"), max_tokens=np.array([5], np.int32), temperature=np.array([0.5], np.float32),
+                top_p=np.array([0.9], np.float32), top_k=np.array([3], np.int32), seed=np.array([7], np.int64),
+                stop=np.array([b"\n", b"END"], dtype=np.object_), stream=np.array([True]),
+                exclude_input_in_output=np.array([True]))
+    assert req.prompt == "Hi" and req.stream and req.exclude_input_in_output
+    p = req.params
+    assert (p.max_tokens, p.top_k, p.seed, p.stop) == (5, 3, 7, ["\n", "END"])
+    assert p.temperature == 0.5 and p.top_p == pytest.approx(0.9)
+    assert isinstance(p.max_tokens, int) and isinstance(p.seed, int)
+
+
+def test_defaults_when_only_the_prompt_is_sent():
+    req = parse(text_input=text("Hi"))
+    assert req.params == SamplingParams() and not req.stream and not req.exclude_input_in_output
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64, np.uint32, np.uint64])
+def test_integer_inputs_accept_any_width(dtype):
+    req = parse(text_input=text("x"), max_tokens=np.array([4], dtype), top_k=np.array([2], dtype),
+                seed=np.array([9], dtype), temperature=np.array([1], dtype))
+    assert (req.params.max_tokens, req.params.top_k, req.params.seed, req.params.temperature) == (4, 2, 9, 1.0)
+
+
+BAD = [
+    (dict(), "text_input: is missing"),
+    (dict(text_input=np.array([b"a", b"b"], dtype=np.object_)), "text_input: must hold exactly one prompt"),
+    (dict(text_input=text(b"\xff\xfeabc")), "text_input: is not valid UTF-8 (byte 0xff at offset 0)"),
+    (dict(text_input=np.array([3], np.int32)), "text_input: must be text"),
+    (dict(max_tokens=np.array([0], np.int32)), "max_tokens: must be a positive integer, got 0"),
+    (dict(max_tokens=np.array([-2], np.int64)), "max_tokens: must be a positive integer"),
+    (dict(max_tokens=np.array([2.0], np.float32)), "max_tokens: must be int, got a tensor of dtype float32"),
+    (dict(max_tokens=np.array([2, 3], np.int32)), "max_tokens: must hold exactly one value, got shape [2]"),
+    (dict(temperature=np.array([-1.0], np.float32)), "temperature: must be >= 0"),
+    (dict(top_p=np.array([0.0], np.float32)), "top_p: must be in (0, 1]"),
+    (dict(top_p=np.array([1.5], np.float32)), "top_p: must be in (0, 1]"),
+    (dict(top_k=np.array([-1], np.int32)), "top_k: must be an integer >= 0"),
+    (dict(stream=np.array([1], np.int32)), "stream: must be bool"),
+    (dict(stop=np.array([b""], dtype=np.object_)), "stop: must be a list of non-empty strings"),
+    (dict(stop=np.array([b"\xc3"], dtype=np.object_)), "stop: is not valid UTF-8"),
+    (dict(sampling_parameters=text('{"bogus": 1}')), "sampling_parameters.bogus: is not a known sampling parameter"),
+    (dict(sampling_parameters=text("{not json")), "sampling_parameters: is not valid JSON"),
+    (dict(sampling_parameters=text("[1, 2]")), "sampling_parameters: must be a JSON object, got list"),
+    (dict(sampling_parameters=text('{"max_tokens": "many"}')), "sampling_parameters.max_tokens: must be int"),
+    (dict(sampling_parameters=text('{"temperature": true}')), "sampling_parameters.temperature: must be float"),
+]
+
+
+@pytest.mark.parametrize("inputs,message", BAD, ids=[m.split(":")[0] + f"-{i}" for i, (_, m) in enumerate(BAD)])
+def test_bad_request_names_the_field(inputs, message):
+    inputs = {"text_input": text("hello"), **inputs} if "text_input" not in inputs and inputs else inputs
+    with pytest.raises(RequestError) as err:
+        parse(**inputs)
+    assert str(err.value).startswith(message)
+
+
+def test_sampling_parameters_json_like_the_vllm_backend():
+    """vLLM clients send numbers as strings; tensors override JSON keys, which override parameters."""
+    req = parse(parameters=json.dumps({"top_k": 5, "seed": 1, "triton_enable_empty_final_response": True}),
+                text_input=text("x"), top_k=np.array([2], np.int32),
+                sampling_parameters=text('{"temperature": "0.7", "max_tokens": "12", "seed": 3, '
+                                         '"stop": "\\n", "ignore_eos": "true", "top_k": 9}'))
+    p = req.params
+    assert (p.temperature, p.max_tokens, p.seed, p.stop, p.ignore_eos, p.top_k) == (0.7, 12, 3, ["\n"], True, 2)
+
+
+def test_unknown_request_parameter_is_refused():
+    """HTTP /generate turns unknown top-level keys into request parameters: they must not vanish."""
+    with pytest.raises(RequestError, match="parameters.max_token: is not a known sampling parameter"):
+        parse(parameters={"max_token": 3}, text_input=text("x"))
+
+
+# ---- responses ----------------------------------------------------------------------------------
+class Out:
+    def __init__(self, delta, finished=False, reason=None, n_out=1):
+        self.request_id, self.new_token_ids, self.delta_text = "r", [1], delta
+        self.finished, self.finish_reason = finished, reason
+        self.num_prompt_tokens, self.num_output_tokens = 3, n_out
+
+
+def test_streaming_sends_one_response_per_output():
+    rs = ResponseStream(GenerateRequest("abc", SamplingParams(), stream=True))
+    first, last = rs.on_output(Out("x")), rs.on_output(Out("y", True, "length", 2))
+    assert first["text_output"][0] == b"x" and first["num_output_tokens"][0] == 1 and "finish_reason" not in first
+    assert last["text_output"][0] == b"y" and last["finish_reason"][0] == b"length"
+    assert first["num_input_tokens"].dtype == np.int32
+
+
+@pytest.mark.parametrize("exclude,expected", [(False, b"abcxy"), (True, b"xy")])
+def test_unary_sends_one_final_response(exclude, expected):
+    rs = ResponseStream(GenerateRequest("abc", SamplingParams(), exclude_input_in_output=exclude))
+    assert rs.on_output(Out("x")) is None
+    last = rs.on_output(Out("y", True, "stop", 2))
+    assert last["text_output"][0] == expected and last["num_output_tokens"][0] == 2
+
+
+# ---- the step loop ------------------------------------------------------------------------------
+class Sink:
+    def __init__(self, cancel_after: int | None = None):
+        self.outs, self.errors, self.cancel_after = [], [], cancel_after
+        self.done = threading.Event()
+
+    def on_output(self, out):
+        self.outs.append(out)
+        if out.finished:
+            self.done.set()
+
+    def on_error(self, message):
+        self.errors.append(message)
+        self.done.set()
+
+    def is_cancelled(self):
+        return self.cancel_after is not None and len(self.outs) >= self.cancel_after
+
+    @property
+    def text(self):
+        return "".join(o.delta_text for o in self.outs)
+
+
+def test_loop_serves_concurrent_requests_like_generate(tiny_dir):
+    params = SamplingParams(max_tokens=10)
+    prompts = ["hello there", "a much longer prompt than the first one", "x"]
+    expected = [c.text for c in Engine.from_dir(tiny_dir).generate(prompts, params)]
+    stats = []
+    loop = EngineLoop(Engine.from_dir(tiny_dir), on_stats=stats.append, stats_interval_s=0.01)
+    loop.start()
+    try:
+        sinks = [Sink() for _ in prompts]
+        for p, s in zip(prompts, sinks):
+            loop.submit(p, params, s)
+        assert all(s.done.wait(30) for s in sinks)
+    finally:
+        loop.stop()
+    assert [s.text for s in sinks] == expected
+    assert all(s.outs[-1].finish_reason == "length" and not s.errors for s in sinks)
+    assert stats and stats[-1]["output_tokens"] == 30 and stats[-1]["num_running"] == 0
+    assert "tokens_per_s" in stats[-1]
+
+
+def test_cancelled_request_is_aborted_and_frees_its_blocks(tiny_dir):
+    engine = Engine.from_dir(tiny_dir)
+    free = engine.allocator.num_free
+    loop = EngineLoop(engine, cancel_poll_s=0.0)
+    loop.start()
+    try:
+        sink = Sink(cancel_after=3)
+        loop.submit("cancel me", SamplingParams(max_tokens=3000), sink)
+        assert sink.done.wait(30)
+    finally:
+        loop.stop()
+    assert sink.outs[-1].finish_reason == "abort" and len(sink.outs) < 100
+    assert engine.allocator.num_free == free and engine.stats()["aborted_requests"] == 1
+
+
+def test_submit_errors_surface_at_once_and_leave_no_sink(tiny_dir):
+    loop = EngineLoop(Engine.from_dir(tiny_dir))
+    with pytest.raises(RequestError, match="text_input"):
+        loop.submit("", SamplingParams(), Sink())
+    assert loop.num_live() == 0
+
+
+def test_idle_loop_sleeps_and_stop_fails_live_requests(tiny_dir):
+    engine = Engine.from_dir(tiny_dir)
+    steps = []
+    orig = engine.step
+    engine.step = lambda: steps.append(1) or orig()
+    loop = EngineLoop(engine)
+    loop.start()
+    time.sleep(0.3)
+    assert not steps                                   # nothing to do: no step, no spinning
+    sink = Sink()
+    engine.step = lambda: (time.sleep(0.05), steps.append(1), orig())[-1]
+    loop.submit("slow", SamplingParams(max_tokens=3000), sink)
+    time.sleep(0.2)
+    loop.stop()
+    assert sink.errors == ["the server is shutting down"] and not loop._thread.is_alive()
+
+
+def test_failing_sink_gets_its_request_aborted(tiny_dir):
+    engine = Engine.from_dir(tiny_dir)
+
+    class Broken(Sink):
+        def on_output(self, out):
+            super().on_output(out)
+            if not out.finished:
+                raise ConnectionError("client went away")
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        sink = Broken()
+        loop.submit("bye", SamplingParams(max_tokens=3000), sink)
+        assert sink.done.wait(30)
+    finally:
+        loop.stop()
+    assert sink.outs[-1].finish_reason == "abort" and engine.stats()["num_running"] == 0
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+class FakeFamily:
+    def __init__(self, name, description, kind):
+        self.name, self.kind, self.metric = name, kind, None
+
+    def Metric(self, labels):                                # noqa: N802 (pb_utils' name)
+        self.metric = FakeMetric(labels)
+        return self.metric
+
+
+class FakeMetric:
+    def __init__(self, labels):
+        self.labels, self.value, self.calls = labels, 0.0, []
+
+    def set(self, v):
+        self.value = v
+
+    def increment(self, v):
+        assert v > 0
+        self.value += v
+
+
+def test_exporter_sets_gauges_and_increments_counters_by_delta():
+    families = {}
+
+    def make(name, description, kind):
+        families[name] = FakeFamily(name, description, kind)
+        return families[name]
+    ex = MetricExporter(make, {"model": "m"})
+    assert set(families) == {s.name for s in METRICS}
+    ex.update({"num_running": 3, "output_tokens": 10, "prefetch_hit_rate": None})
+    ex.update({"num_running": 1, "output_tokens": 25, "prefetch_hit_rate": None})
+    assert families["lookahead_running_requests"].metric.value == 1.0
+    assert families["lookahead_output_tokens_total"].metric.value == 25.0
+    assert np.isnan(families["lookahead_prefetch_hit_rate"].metric.value)
+    assert families["lookahead_output_tokens_total"].metric.labels == {"model": "m"}
+    ex.close()

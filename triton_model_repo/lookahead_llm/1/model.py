@@ -1,0 +1,93 @@
+"""Lookahead-KV on Triton's python backend (decoupled): a thin adapter over `runtime.serving`.
+
+initialize  loads `runtime.Engine` from the config's engine_dir and starts one step-loop thread;
+execute     parses each request (a bad one gets an error response naming the field; the others go on)
+            and hands it to the loop, which streams its outputs back through the response sender;
+finalize    stops the loop.
+"""
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from runtime.engine import Engine
+from runtime.errors import LookaheadError
+from runtime.scheduler import QueueFullError
+from runtime.serving.loop import EngineLoop
+from runtime.serving.metrics import MetricExporter
+from runtime.serving.request import ResponseStream, parse_request
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("lookahead_llm streams: set model_transaction_policy "
+                                                "{ decoupled: true } in config.pbtxt")
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        overrides = json.loads(params.get("lookahead_overrides") or "{}")
+        self.engine = Engine.from_dir(params["engine_dir"], max_queue=int(params.get("max_queue", 256)),
+                                      **overrides)
+        labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
+        self.metrics = MetricExporter(_metric_family, labels)
+        self.loop = EngineLoop(self.engine, on_stats=self.metrics.update, name=args["model_instance_name"])
+        self.loop.start()
+        pb_utils.Logger.log_info(f"lookahead_llm: engine {params['engine_dir']} loaded "
+                                 f"(mode {self.engine.config.mode}, overrides {overrides})")
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                req = parse_request(lambda name: _input(request, name), request.parameters())
+                self.loop.submit(req.prompt, req.params, _Sink(sender, req))
+            except LookaheadError as e:
+                code = pb_utils.TritonError.UNAVAILABLE if isinstance(e, QueueFullError) \
+                    else pb_utils.TritonError.INVALID_ARG
+                _send_error(sender, str(e), code)
+            except Exception as e:      # a bug: answer this request, keep the model up
+                pb_utils.Logger.log_error(f"lookahead_llm: request failed: {e!r}")
+                _send_error(sender, f"internal error: {e}", pb_utils.TritonError.INTERNAL)
+        return None
+
+    def finalize(self):
+        self.loop.stop()
+        self.engine.close()
+        self.metrics.close()
+
+
+class _Sink:
+    """One request's response sender, seen from the step loop (runtime.serving.loop.RequestSink)."""
+
+    def __init__(self, sender, request):
+        self.sender, self.stream = sender, ResponseStream(request)
+
+    def on_output(self, out):
+        if out.finish_reason == "abort":
+            _send_error(self.sender, "the request was cancelled", pb_utils.TritonError.CANCELLED)
+            return
+        tensors = self.stream.on_output(out)
+        if tensors is not None:
+            response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in tensors.items()])
+            self.sender.send(response, flags=FINAL if out.finished else 0)
+
+    def on_error(self, message):
+        _send_error(self.sender, message, pb_utils.TritonError.UNAVAILABLE)
+
+    def is_cancelled(self):
+        return self.sender.is_cancelled()
+
+
+def _input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _send_error(sender, message, code):
+    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=FINAL)
+
+
+def _metric_family(name, description, kind):
+    kinds = {"gauge": pb_utils.MetricFamily.GAUGE, "counter": pb_utils.MetricFamily.COUNTER}
+    return pb_utils.MetricFamily(name=name, description=description, kind=kinds[kind])
