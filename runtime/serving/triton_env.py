@@ -1,0 +1,153 @@
+"""Run the tritonserver that ships inside the `nvidia-pytriton` wheel (no container, no GPU needed).
+
+RECIPES.md ("Triton Inference Server, CPU-only, from PyPI") lists what this encodes:
+- a backend dir `<dir>/python/` holding libtriton_python.so, triton_python_backend_utils.py and the
+  stub built for this interpreter's Python version;
+- `LD_LIBRARY_PATH=<LIBDIR of this python>:<site-packages>/nvidia_pytriton.libs`, or the stub loads the
+  system libpython against pyenv's standard library;
+- `PATH=<venv>/bin:$PATH`, so the stub's interpreter finds the venv's packages;
+- CPU-only flags and a unique shm-region prefix, so leftover /dev/shm regions can be found.
+
+    python -m runtime.serving.triton_env exec --repo R --backend-dir B --http-port 8000 ... # becomes tritonserver
+    python -m runtime.serving.triton_env print --repo R --backend-dir B                      # shows env + argv
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shlex
+import shutil
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import LookaheadError
+
+
+class TritonNotFound(LookaheadError):
+    """The bundled tritonserver (nvidia-pytriton) is not installed in this environment."""
+
+
+def pytriton_dirs() -> tuple[Path, Path]:
+    """(<site-packages>/pytriton/tritonserver, <site-packages>/nvidia_pytriton.libs)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or spec.origin is None:
+        raise TritonNotFound("tritonserver is not installed: pip install 'nvidia-pytriton==0.7.0' "
+                             "(or `pip install -e '.[serve]'`)")
+    site = Path(spec.origin).parent.parent
+    root = site / "pytriton" / "tritonserver"
+    if not (root / "bin" / "tritonserver").is_file():
+        raise TritonNotFound(f"{root}/bin/tritonserver is missing: reinstall nvidia-pytriton==0.7.0")
+    return root, site / "nvidia_pytriton.libs"
+
+
+def tritonserver_binary() -> Path:
+    return pytriton_dirs()[0] / "bin" / "tritonserver"
+
+
+def make_backend_dir(dest: str | Path, python_version: str | None = None) -> Path:
+    """Assemble `<dest>/python/` for this interpreter's Python; returns `dest` (--backend-directory)."""
+    root, _ = pytriton_dirs()
+    ver = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / ver / "triton_python_backend_stub"
+    if not stub.is_file():
+        have = sorted(p.name for p in (root / "python_backend_stubs").iterdir())
+        raise TritonNotFound(f"no python backend stub for Python {ver} in nvidia-pytriton (has: {', '.join(have)})")
+    out = Path(dest) / "python"
+    out.mkdir(parents=True, exist_ok=True)
+    backend = root / "backends" / "python"
+    for src in (backend / "libtriton_python.so", backend / "triton_python_backend_utils.py", stub):
+        _copy_if_changed(src, out / src.name)
+    return Path(dest)
+
+
+def _copy_if_changed(src: Path, dst: Path) -> None:
+    # Copies, not symlinks: the stub and library resolve their own dependencies via LD_LIBRARY_PATH.
+    s = src.stat()
+    if dst.is_file() and dst.stat().st_size == s.st_size and dst.stat().st_mtime >= s.st_mtime:
+        return
+    shutil.copy2(src, dst)
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment tritonserver (and so the python stub) must run with."""
+    env = dict(os.environ if base is None else base)
+    _, libs = pytriton_dirs()
+    libdir = sysconfig.get_config_var("LIBDIR")
+    ld = [p for p in (libdir, str(libs), env.get("LD_LIBRARY_PATH", "")) if p]
+    env["LD_LIBRARY_PATH"] = ":".join(ld)
+    env["PATH"] = os.pathsep.join([str(Path(sys.prefix) / "bin"), env.get("PATH", "")])
+    return env
+
+
+@dataclass
+class ServerOptions:
+    model_repository: Path
+    backend_dir: Path
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    shm_prefix: str = "lookahead_"
+    host: str = "127.0.0.1"
+    exit_timeout_s: int = 5
+    log_verbose: int = 0
+
+    def argv(self) -> list[str]:
+        return [
+            str(tritonserver_binary()),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={self.backend_dir}",
+            f"--http-address={self.host}", f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true", "--allow-gpu-metrics=false",
+            "--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0",
+            f"--exit-timeout-secs={self.exit_timeout_s}", "--strict-readiness=true",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            f"--log-verbose={self.log_verbose}",
+        ]
+
+
+def shm_regions(prefix: str) -> list[Path]:
+    """Shared-memory regions the python backend created under `prefix` (none once it stopped cleanly)."""
+    shm = Path("/dev/shm")
+    return sorted(shm.glob(prefix + "*")) if shm.is_dir() else []
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime.serving.triton_env", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=["exec", "print"], help="exec: become tritonserver; print: show it")
+    p.add_argument("--repo", required=True, help="model repository")
+    p.add_argument("--backend-dir", required=True, help="built here when missing")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--shm-prefix", default=f"lookahead_{os.getpid()}_")
+    p.add_argument("--log-verbose", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        backend = make_backend_dir(args.backend_dir)
+        opts = ServerOptions(Path(args.repo).resolve(), backend.resolve(), args.http_port, args.grpc_port,
+                             args.metrics_port, args.shm_prefix, log_verbose=args.log_verbose)
+        cmd, env = opts.argv(), server_env()
+    except LookaheadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.action == "print":
+        print(f"LD_LIBRARY_PATH={shlex.quote(env['LD_LIBRARY_PATH'])}")
+        print(f"PATH={shlex.quote(env['PATH'])}")
+        print(shlex.join(cmd))
+        return 0
+    sys.stdout.flush()
+    os.execve(cmd[0], cmd, env)          # same PID: a PID file written by the caller names the server
+
+
+if __name__ == "__main__":
+    sys.exit(main())
