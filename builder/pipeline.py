@@ -75,6 +75,8 @@ def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
             del weights
             tokenizer = save_tokenizer(source.hf_dir, tmp / TOKENIZER_DIR, model_cfg.vocab_size, where)
             note(f"{WEIGHTS}, {TOKENIZER_DIR}/ ({tokenizer['num_tokens']} tokens)")
+            if "warning" in tokenizer:
+                log(f"warning: {tokenizer['warning']}")
         with stages("verify") as note:
             verification = verify(source.hf_dir, tmp, model_cfg, config.dtype) if config.verify else {"skipped": True}
             note(_verify_summary(verification))

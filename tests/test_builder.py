@@ -23,7 +23,7 @@ from builder.errors import OutputError, SourceError, VerifyError
 from builder.hf_config import model_config_from_hf
 from runtime.engine_dir import REPORT, WEIGHTS, expected_shapes, load_manifest
 
-from builder_fixtures import CHAT_TEMPLATE, TINY, edit_config, write_checkpoint
+from builder_fixtures import CHAT_TEMPLATE, TINY, edit_config, write_checkpoint, write_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,6 +175,54 @@ def test_failed_verification_writes_nothing(ckpts, tmp_path, monkeypatch):
     with pytest.raises(VerifyError, match="verification failed"):
         quiet_build(model=str(ckpts["llama"]), output=out)
     assert not (tmp_path / "new").exists()      # parents it created are removed too
+
+
+@pytest.fixture(scope="module")
+def gguf_and_hf(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny GGUF and the HF dir it was converted from (vocab 300: its byte-level tokenizer needs 262)."""
+    root = tmp_path_factory.mktemp("gguf")
+    hf = write_checkpoint(root / "hf", "llama", seed=4, vocab_size=300)
+    return write_gguf(root / "tiny.gguf", hf), hf
+
+
+@pytest.fixture
+def tiny_gguf(gguf_and_hf) -> Path:
+    return gguf_and_hf[0]
+
+
+def test_gguf_source_is_converted_once_and_matches_hf(gguf_and_hf, tmp_path, monkeypatch):
+    """The GGUF path end to end: transformers' reader undoes llama.cpp's q/k permutation, the fp32
+    conversion is cached, and the engine equals the one built from the original HF dir."""
+    tiny_gguf, hf_dir = gguf_and_hf
+    monkeypatch.setenv("LOOKAHEAD_KV_CACHE", str(tmp_path / "cache"))
+    lines: list[str] = []
+    result = build(BuildConfig(model=str(tiny_gguf), output=tmp_path / "from_gguf"), log=lines.append)
+    assert any(line.startswith("converting tiny.gguf") for line in lines)
+    assert result.report["verification"]["passed"]
+    assert "<|endoftext|>" in result.report["tokenizer"].get("warning", "")   # transformers adds it
+    quiet_build(model=str(hf_dir), output=tmp_path / "from_hf", verify=False)
+    a, b = load_file(str(tmp_path / "from_gguf" / WEIGHTS)), load_file(str(tmp_path / "from_hf" / WEIGHTS))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    manifest = load_manifest(tmp_path / "from_gguf")
+    assert manifest.source["kind"] == "gguf" and list(manifest.source["sha256"]) == ["tiny.gguf"]
+    lines.clear()
+    build(BuildConfig(model=str(tiny_gguf), output=tmp_path / "from_gguf", force=True, verify=False),
+          log=lines.append)
+    assert not any(line.startswith("converting") for line in lines)       # served from the cache
+
+
+def test_bad_gguf(tiny_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOKAHEAD_KV_CACHE", str(tmp_path / "cache"))
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 a zip file, not a gguf")
+    with pytest.raises(SourceError, match="GGUF magic"):
+        quiet_build(model=str(not_gguf), output=tmp_path / "e")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_gguf.read_bytes()[:2000])
+    with pytest.raises(SourceError, match="truncated.gguf"):
+        quiet_build(model=str(truncated), output=tmp_path / "e")
+    assert_nothing_written(tmp_path / "e")
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == []           # no partial cache entry
 
 
 # --- bad input: typed error, one line, exit 2, nothing written ---------------------------------
