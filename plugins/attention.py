@@ -99,11 +99,13 @@ def lookahead_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ma
     check_shape("k_extra", k_extra, (B, num_kv_heads, E, D), f"[B={B}, KVH={num_kv_heads}, E, D={D}]")
     check_same("v_extra", v_extra, "k_extra", k_extra)
     check_shape("v_extra", v_extra, k_extra.shape, "[B, KVH, E, D] like k_extra")
-    for arg, mask, shape in (("kv_mask", kv_mask, (B, num_kv_heads, N)), ("extra_mask", extra_mask, (B, R, E))):
+    for arg, mask, shape, dims in (("kv_mask", kv_mask, (B, num_kv_heads, N), "[B, KVH, N]"),
+                                   ("extra_mask", extra_mask, (B, R, E), "[B, R, E]")):
         check_tensor(arg, mask, 3, torch.bool)
-        check_shape(arg, mask, shape, "")
+        check_shape(arg, mask, shape, dims)
         if mask.device != q.device:
             fail(arg, f"device {mask.device} differs from q's {q.device}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         fail("scale", f"must be a finite float > 0, got {scale!r}")
-    return torch.ops.lookahead.lookahead_attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask, float(scale))
+    return torch.ops.lookahead.lookahead_attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask,
+                                                   float(scale))

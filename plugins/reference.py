@@ -17,7 +17,7 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 
 
 def block_gather_ref(src: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """src [NB, KVH, bs, D], block_ids [KVH, n] -> out [KVH, n, bs, D], out[h, i] = src[block_ids[h, i], h]."""
+    """src [NB, KVH, bs, D], block_ids [KVH, n] -> out [KVH, n, bs, D]: out[h, i] = src[block_ids[h, i], h]."""
     num_kv_heads, n = block_ids.shape
     out = src.new_empty((num_kv_heads, n, src.shape[2], src.shape[3]))
     for h in range(num_kv_heads):
