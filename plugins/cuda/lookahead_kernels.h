@@ -1,0 +1,84 @@
+// C ABI of the lookahead CUDA kernels: one set of launchers for the torch extension
+// (torch_bindings.cpp), ctypes / cuda-python callers, and the TensorRT plugins.
+//
+// Every launcher takes raw pointers, int64 sizes, an element-type code and a stream; it only
+// enqueues work (no allocation, no synchronisation) and returns the launch status. Tensors are
+// dense and row-major in the shapes written next to each argument; plugins/CONTRACTS.md has the
+// semantics and plugins/reference.py the plain-torch reference of each op.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+// Exported even from libraries built with -fvisibility=hidden (the TensorRT plugin library).
+#if defined(_WIN32)
+#define LOOKAHEAD_KV_API
+#else
+#define LOOKAHEAD_KV_API __attribute__((visibility("default")))
+#endif
+
+// Element type of the floating-point tensors a launcher reads and writes (`dtype` arguments).
+enum LookaheadDType : int32_t
+{
+    kLookaheadFloat32 = 0,
+    kLookaheadFloat16 = 1,
+    kLookaheadBFloat16 = 2,
+};
+
+extern "C" {
+
+// out[h, i] = src[block_ids[h, i], h]: a byte copy of one (block, head) row per id.
+//   src        [num_blocks, num_kv_heads, row_bytes]   device memory, or pinned host memory through
+//                                                      its device-accessible (UVA) pointer
+//   block_ids  [num_kv_heads, num_ids] int64           device
+//   out        [num_kv_heads, num_ids, row_bytes]      device
+// row_bytes = block_size * head_dim * element size. 16-byte accesses when src, out and row_bytes
+// allow, narrower otherwise. An id outside [0, num_blocks) yields a zero row, never a fault.
+LOOKAHEAD_KV_API cudaError_t lookahead_kv_block_gather(void const* src, int64_t const* block_ids, void* out,
+    int64_t num_blocks, int64_t num_kv_heads, int64_t num_ids, int64_t row_bytes, cudaStream_t stream);
+
+// Quest upper-bound scores per (sequence, KV head, block) and the top-k blocks of each row.
+//   q          [batch, num_heads, head_dim]                     dtype
+//   kmin, kmax [batch, num_blocks, num_kv_heads, head_dim]      dtype
+//   valid      [batch, num_blocks] bool (one byte each)
+//   indices    [batch, num_kv_heads, k] int64   ascending; -1 past the valid count
+//   scores     [batch, num_kv_heads, num_blocks] float32, -inf on invalid blocks
+// Ties in score go to the lower block id. 1 <= k; num_blocks < 2^31.
+LOOKAHEAD_KV_API cudaError_t lookahead_kv_block_topk(void const* q, void const* kmin, void const* kmax,
+    uint8_t const* valid, int64_t* indices, float* scores, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+    int64_t num_blocks, int64_t head_dim, int64_t k, int32_t dtype, cudaStream_t stream);
+
+// Fold keys into per-block min/max summaries, in place, as if applied token by token: offset 0
+// resets the block's summary to the key, any other offset takes the min/max.
+//   kmin, kmax     [num_blocks, num_kv_heads, head_dim]   dtype
+//   keys           [num_tokens, num_kv_heads, head_dim]   dtype
+//   block_ids      [num_tokens] int64   (ids outside [0, num_blocks) are skipped)
+//   block_offsets  [num_tokens] int64
+LOOKAHEAD_KV_API cudaError_t lookahead_kv_update_summaries(void* kmin, void* kmax, void const* keys,
+    int64_t const* block_ids, int64_t const* block_offsets, int64_t num_tokens, int64_t num_blocks,
+    int64_t num_kv_heads, int64_t head_dim, int32_t dtype, cudaStream_t stream);
+
+// Bytes of scratch for lookahead_kv_attention: an upper bound that never decreases as any size
+// grows, so a workspace sized for the largest shapes (TensorRT's getWorkspaceSize) serves all
+// smaller ones. A smaller workspace is accepted too: the keys are then split over fewer blocks.
+LOOKAHEAD_KV_API size_t lookahead_kv_attention_workspace_size(int64_t batch, int64_t num_rows, int64_t num_heads,
+    int64_t num_kv_heads, int64_t num_keys, int64_t num_extra, int64_t head_dim);
+
+// Dual-row sparse attention with GQA: row r, query head h (KV head g = h / (num_heads /
+// num_kv_heads)) attends to k[b, g, n] where kv_mask[b, g, n] and to k_extra[b, g, e] where
+// extra_mask[b, r, e]; softmax(scale * q.k) in fp32. A row that sees no key writes zeros.
+//   q                 [batch, num_rows, num_heads, head_dim]        dtype
+//   k, v              [batch, num_kv_heads, num_keys, head_dim]     dtype, 16-byte aligned
+//   kv_mask           [batch, num_kv_heads, num_keys] bool
+//   k_extra, v_extra  [batch, num_kv_heads, num_extra, head_dim]    dtype, 16-byte aligned
+//   extra_mask        [batch, num_rows, num_extra] bool
+//   out               [batch, num_rows, num_heads, head_dim]        dtype
+// head_dim is 64, 128 or 256. workspace: device scratch of workspace_bytes (may be null / 0).
+LOOKAHEAD_KV_API cudaError_t lookahead_kv_attention(void const* q, void const* k, void const* v,
+    uint8_t const* kv_mask, void const* k_extra, void const* v_extra, uint8_t const* extra_mask, void* out,
+    int64_t batch, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t num_keys, int64_t num_extra,
+    int64_t head_dim, float scale, int32_t dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+} // extern "C"
