@@ -1,0 +1,140 @@
+// Thin torch wrappers over the C launchers: check devices and layouts, call on the current
+// stream, raise on a launch error. Outputs are passed in (the `_out` style), so the Python
+// loader allocates them and tests can poison them first. Shapes are checked by the op wrappers
+// in plugins/*.py; here only what the kernels would otherwise misread.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "lookahead_kernels.h"
+
+namespace
+{
+
+int32_t dtype_code(at::Tensor const& t)
+{
+    switch (t.scalar_type())
+    {
+    case at::kFloat: return kLookaheadFloat32;
+    case at::kHalf: return kLookaheadFloat16;
+    case at::kBFloat16: return kLookaheadBFloat16;
+    default: break;
+    }
+    TORCH_CHECK(false, "lookahead kernels take float32, float16 or bfloat16, got ", t.scalar_type());
+    return -1;
+}
+
+void check_launch(cudaError_t err, char const* op)
+{
+    TORCH_CHECK(err == cudaSuccess, "lookahead::", op, " CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+void check_device(at::Tensor const& t, char const* name, at::Device device)
+{
+    TORCH_CHECK(t.device() == device, name, " must be on ", device, ", got ", t.device());
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+uint8_t const* mask_ptr(at::Tensor const& t)
+{
+    TORCH_CHECK(t.scalar_type() == at::kBool, "masks must be bool, got ", t.scalar_type());
+    return reinterpret_cast<uint8_t const*>(t.data_ptr<bool>());
+}
+
+// A pointer the GPU can dereference for src: itself on the device, or the device-mapped alias
+// of a pinned host allocation (the same address under UVA; looked up so interior views work).
+void const* device_readable(at::Tensor const& src)
+{
+    if (src.is_cuda())
+    {
+        return src.data_ptr();
+    }
+    TORCH_CHECK(src.is_cpu() && src.is_pinned(), "block_gather: a host src must be pinned (Tensor.pin_memory())");
+    cudaPointerAttributes attr{};
+    check_launch(cudaPointerGetAttributes(&attr, src.data_ptr()), "block_gather (cudaPointerGetAttributes)");
+    TORCH_CHECK(attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr,
+        "block_gather: src is pinned but not mapped into the device's address space");
+    return attr.devicePointer;
+}
+
+void block_gather_out(at::Tensor const& src, at::Tensor const& block_ids, at::Tensor& out)
+{
+    at::Device const device = out.device();
+    c10::cuda::CUDAGuard guard(device);
+    check_device(block_ids, "block_ids", device);
+    TORCH_CHECK(src.is_contiguous(), "src must be contiguous");
+    TORCH_CHECK(out.is_contiguous() && out.scalar_type() == src.scalar_type(), "out must be contiguous, dtype of src");
+    int64_t const row_bytes = src.size(2) * src.size(3) * src.element_size();
+    check_launch(lookahead_kv_block_gather(device_readable(src), block_ids.data_ptr<int64_t>(), out.data_ptr(),
+                     src.size(0), src.size(1), block_ids.size(1), row_bytes, c10::cuda::getCurrentCUDAStream()),
+        "block_gather");
+}
+
+void block_topk_out(at::Tensor const& q, at::Tensor const& kmin, at::Tensor const& kmax, at::Tensor const& valid,
+    int64_t k, at::Tensor& indices, at::Tensor& scores)
+{
+    at::Device const device = q.device();
+    c10::cuda::CUDAGuard guard(device);
+    for (auto [t, name] : {std::pair{q, "q"}, {kmin, "kmin"}, {kmax, "kmax"}, {valid, "valid"}, {indices, "indices"},
+             {scores, "scores"}})
+    {
+        check_device(t, name, device);
+    }
+    TORCH_CHECK(indices.scalar_type() == at::kLong && scores.scalar_type() == at::kFloat,
+        "indices must be int64 and scores float32");
+    check_launch(lookahead_kv_block_topk(q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), mask_ptr(valid),
+                     indices.data_ptr<int64_t>(), scores.data_ptr<float>(), q.size(0), q.size(1), kmin.size(2),
+                     kmin.size(1), q.size(2), k, dtype_code(q), c10::cuda::getCurrentCUDAStream()),
+        "block_topk");
+}
+
+void update_summaries(at::Tensor& kmin, at::Tensor& kmax, at::Tensor const& keys, at::Tensor const& block_ids,
+    at::Tensor const& block_offsets)
+{
+    at::Device const device = kmin.device();
+    c10::cuda::CUDAGuard guard(device);
+    for (auto [t, name] : {std::pair{kmin, "kmin"}, {kmax, "kmax"}, {keys, "keys"}, {block_ids, "block_ids"},
+             {block_offsets, "block_offsets"}})
+    {
+        check_device(t, name, device);
+    }
+    check_launch(lookahead_kv_update_summaries(kmin.data_ptr(), kmax.data_ptr(), keys.data_ptr(),
+                     block_ids.data_ptr<int64_t>(), block_offsets.data_ptr<int64_t>(), keys.size(0), kmin.size(0),
+                     kmin.size(1), kmin.size(2), dtype_code(kmin), c10::cuda::getCurrentCUDAStream()),
+        "update_summaries");
+}
+
+void lookahead_attention_out(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& kv_mask,
+    at::Tensor const& k_extra, at::Tensor const& v_extra, at::Tensor const& extra_mask, double scale, at::Tensor& out)
+{
+    at::Device const device = q.device();
+    c10::cuda::CUDAGuard guard(device);
+    for (auto [t, name] : {std::pair{q, "q"}, {k, "k"}, {v, "v"}, {kv_mask, "kv_mask"}, {k_extra, "k_extra"},
+             {v_extra, "v_extra"}, {extra_mask, "extra_mask"}, {out, "out"}})
+    {
+        check_device(t, name, device);
+    }
+    int64_t const batch = q.size(0), num_rows = q.size(1), num_heads = q.size(2), head_dim = q.size(3);
+    int64_t const num_kv_heads = k.size(1), num_keys = k.size(2), num_extra = k_extra.size(2);
+    size_t const ws_bytes = lookahead_kv_attention_workspace_size(
+        batch, num_rows, num_heads, num_kv_heads, num_keys, num_extra, head_dim);
+    // From the caching allocator: a step's workspace is a free-list hit, not a cudaMalloc.
+    at::Tensor workspace = at::empty({int64_t(ws_bytes)}, q.options().dtype(at::kByte));
+    check_launch(lookahead_kv_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask_ptr(kv_mask),
+                     k_extra.data_ptr(), v_extra.data_ptr(), mask_ptr(extra_mask), out.data_ptr(), batch, num_rows,
+                     num_heads, num_kv_heads, num_keys, num_extra, head_dim, float(scale), dtype_code(q),
+                     ws_bytes ? workspace.data_ptr() : nullptr, ws_bytes, c10::cuda::getCurrentCUDAStream()),
+        "lookahead_attention");
+}
+
+} // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+    m.doc() = "lookahead CUDA kernels (plugins/cuda); call through torch.ops.lookahead, not directly";
+    m.def("block_gather_out", &block_gather_out, "out[h, i] = src[block_ids[h, i], h]; src on device or pinned host");
+    m.def("block_topk_out", &block_topk_out, "Quest block scores and the top-k per (sequence, KV head)");
+    m.def("update_summaries", &update_summaries, "fold keys into block min/max summaries, in place");
+    m.def("lookahead_attention_out", &lookahead_attention_out, "dual-row sparse GQA attention");
+    m.def("attention_workspace_size", &lookahead_kv_attention_workspace_size, "bytes of scratch the launcher wants");
+}
