@@ -1,0 +1,182 @@
+"""CUDA kernels: the nvcc compile check (needs nvcc, no GPU), numerics against the references (GPU),
+and the checks themselves, run on CPU against the torch implementations so their machinery is
+tested where no GPU exists."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_skips import ROOT, nvcc, requires_cuda, requires_nvcc
+from plugins.cuda import numerics
+from plugins.reference import lookahead_attention_ref
+
+LAUNCHERS = {"lookahead_kv_block_gather", "lookahead_kv_block_topk", "lookahead_kv_update_summaries",
+             "lookahead_kv_attention", "lookahead_kv_attention_workspace_size"}
+CASES = [(fn, case) for fn, cases in numerics.SMALL_CASES.items() for case in cases]
+CASE_IDS = [f"{fn.__name__.removeprefix('check_')}-{case}" for fn, case in CASES]
+
+
+def _as_list(result) -> list[numerics.Check]:
+    return result if isinstance(result, list) else [result]
+
+
+# --- compile check (nvcc, no GPU) -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Path:
+    """scripts/compile_kernels.sh into a fresh directory (~15 s of CPU on 2 cores)."""
+    out = tmp_path_factory.mktemp("cuda_build")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "compile_kernels.sh"), str(out)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "NVCC": nvcc() or ""})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def _ptxas_rows(out: Path) -> list[list[str]]:
+    """ptxas_summary.txt rows: registers, stack, spill stores, spill loads, kernel."""
+    return [line.split("\t") for line in (out / "ptxas_summary.txt").read_text().splitlines()[1:]]
+
+
+@requires_nvcc
+def test_kernels_compile_for_sm90_into_one_library(compiled):
+    assert (compiled / "liblookahead_kernels.so").is_file()
+    kernels = " ".join(row[4] for row in _ptxas_rows(compiled))
+    for name in ("block_gather_kernel", "score_kernel", "select_kernel", "update_summaries_kernel",
+                 "attention_kernel", "combine_kernel"):
+        assert name in kernels
+    assert "for 'sm_90'" in (compiled / "ptxas.log").read_text()
+
+
+@requires_nvcc
+def test_launchers_are_exported_with_c_linkage(compiled):
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(compiled / "liblookahead_kernels.so")],
+                        capture_output=True, text=True, check=True)
+    exported = {line.split()[-1] for line in nm.stdout.splitlines() if " T " in line}
+    assert LAUNCHERS <= exported, f"missing: {LAUNCHERS - exported}"
+
+
+@requires_nvcc
+def test_no_kernel_spills_registers(compiled):
+    rows = _ptxas_rows(compiled)
+    assert len(rows) >= 20
+    spilling = [row[4] for row in rows if int(row[2]) or int(row[3])]
+    assert not spilling, f"register spills in {spilling}"
+
+
+# --- numerics on a GPU ------------------------------------------------------------------------
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", numerics.DTYPES, ids=str)
+@pytest.mark.parametrize("fn, case", CASES, ids=CASE_IDS)
+def test_kernel_matches_reference(fn, case, dtype):
+    for check in _as_list(fn(dtype, case)):
+        assert check.ok, check
+
+
+@requires_cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("fn", list(numerics.SMALL_CASES), ids=lambda fn: fn.__name__)
+def test_kernel_large_index(fn):
+    """Data past 2^31 elements (4-16 GB of GPU memory): catches 32-bit offset overflow."""
+    for check in _as_list(fn(torch.bfloat16, "large")):
+        assert check.ok, check
+
+
+@requires_cuda
+def test_torch_ops_dispatch_pinned_gather_to_the_kernel():
+    """The transfer engine's call: pinned host pool, ids on the GPU, out on the GPU."""
+    import plugins  # noqa: F401  (defines the ops, registers the kernels)
+
+    pool = torch.randn(32, 2, 16, 64).pin_memory()
+    ids = torch.randint(0, 32, (2, 8), device="cuda")
+    out = torch.ops.lookahead.block_gather(pool, ids)
+    assert out.is_cuda
+    torch.testing.assert_close(out.cpu(), plugins.reference.block_gather_ref(pool, ids.cpu()), rtol=0, atol=0)
+
+
+# --- the checks themselves, on CPU ------------------------------------------------------------
+
+class TorchEntryPoints:
+    """The extension's entry points written with the torch ops on CPU (attention: the reference,
+    since the torch implementation asks for finite padding and the checks put NaN there)."""
+
+    @staticmethod
+    def block_gather_out(src, block_ids, out):
+        out.copy_(torch.ops.lookahead.block_gather(src, block_ids))
+
+    @staticmethod
+    def block_topk_out(q, kmin, kmax, valid, k, indices, scores):
+        got_indices, got_scores = torch.ops.lookahead.block_topk(q, kmin, kmax, valid, k)
+        indices.copy_(got_indices)
+        scores.copy_(got_scores)
+
+    @staticmethod
+    def update_summaries(kmin, kmax, keys, block_ids, block_offsets):
+        torch.ops.lookahead.update_summaries(kmin, kmax, keys, block_ids, block_offsets)
+
+    @staticmethod
+    def lookahead_attention_out(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale, out):
+        out.copy_(lookahead_attention_ref(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale))
+
+
+CPU = numerics.Target("cpu", TorchEntryPoints())
+
+
+@pytest.mark.parametrize("fn, case", CASES, ids=CASE_IDS)
+def test_checks_pass_a_correct_implementation(fn, case):
+    import plugins  # noqa: F401  (defines torch.ops.lookahead)
+
+    for check in _as_list(fn(torch.bfloat16, case, CPU)):
+        assert check.ok, check
+
+
+class LeavesOneElement(TorchEntryPoints):
+    @staticmethod
+    def block_gather_out(src, block_ids, out):
+        keep = out[-1, -1, -1, -1].clone()
+        TorchEntryPoints.block_gather_out(src, block_ids, out)
+        out[-1, -1, -1, -1] = keep
+
+
+class TiesToTheHigherId(TorchEntryPoints):
+    """Selects on the blocks in reverse order: equal scores then go to the higher id."""
+
+    @staticmethod
+    def block_topk_out(q, kmin, kmax, valid, k, indices, scores):
+        num_blocks = kmin.shape[1]
+        flipped = (torch.flip(kmin, [1]), torch.flip(kmax, [1]), torch.flip(valid, [1]))
+        got_indices, got_scores = torch.ops.lookahead.block_topk(q, *flipped, k)
+        ids = torch.where(got_indices >= 0, num_blocks - 1 - got_indices, num_blocks).sort(-1).values
+        indices.copy_(ids.masked_fill(ids == num_blocks, -1))
+        scores.copy_(torch.flip(got_scores, [-1]))
+
+
+def test_checks_catch_an_unwritten_element():
+    import plugins  # noqa: F401
+
+    check = numerics.check_block_gather(torch.float32, "device", numerics.Target("cpu", LeavesOneElement()))
+    assert not check.ok and "NaN" in check.detail
+
+
+def test_checks_catch_ties_resolved_the_wrong_way():
+    import plugins  # noqa: F401
+
+    scores_check, indices_check = numerics.check_block_topk(torch.float32, "ties",
+                                                            numerics.Target("cpu", TiesToTheHigherId()))
+    assert scores_check.ok and not indices_check.ok
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the numerics tests exercise the real registration")
+def test_loader_claims_the_cuda_dispatch_key(monkeypatch):
+    """register_cuda_kernels() puts a kernel on the CUDA key of every op (CPU torch accepts it)."""
+    import plugins  # noqa: F401
+    from plugins.cuda import loader
+
+    monkeypatch.setattr(loader, "load_extension", lambda: None)
+    loader.register_cuda_kernels.__wrapped__()   # bypass the once-per-process cache
+    for name in loader.KERNELS:
+        assert "\nCUDA: registered" in torch._C._dispatch_dump(f"lookahead::{name}")
