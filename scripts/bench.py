@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Decode speed of our runtime against transformers on the same model, prompts and machine.
+
+    python scripts/bench.py --engine engines/default --json results/bench.json --plot results/bench.png
+    python scripts/bench.py --quick                      # contexts 512,1024 x batch 1,2: a smoke run
+
+For every (context, batch) point each implementation prefills the same prompts (exactly `context`
+tokens; batch b = b different prompts), then all of them decode greedily *interleaved step by step*
+(the order rotates every step), so load from other processes falls on every implementation alike.
+Only decode steps are timed: tokens/s = batch x timed steps / their summed time. transformers runs
+its default path: one forward over the prompt (DynamicCache), then one-token forwards.
+`--modes` picks our implementations: dense, lookahead-resident, lookahead-pingpong (a mode the
+engine refuses is reported as 'not available'). Prints the table last; `--json` adds machine info.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without pip install
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from bench_lib import (EngineDecoder, TransformersDecoder, format_table, machine_info,  # noqa: E402
+                       make_prompts, plot, reference_hf_dir)
+from runtime.engine import Engine  # noqa: E402
+from runtime.sampling import SamplingParams  # noqa: E402
+
+MODES = {"dense": {"mode": "dense"},
+         "lookahead-resident": {"mode": "lookahead", "residency": "resident"},
+         "lookahead-pingpong": {"mode": "lookahead", "residency": "pingpong"}}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", default="engines/default", help="engine dir (default: %(default)s)")
+    p.add_argument("--contexts", default="2048,8192", help="prompt lengths in tokens (default: %(default)s); "
+                   "cut so that prompt + generated tokens fit the model's max positions")
+    p.add_argument("--batches", default="1,4", help="sequences decoded together (default: %(default)s)")
+    p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps (default: %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps first (default: %(default)s)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"ours: {', '.join(MODES)} (default: all)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--quick", action="store_true", help="smoke run: contexts 512,1024, batches 1,2")
+    p.add_argument("--json", help="write rows + machine info here")
+    p.add_argument("--plot", help="write a bar chart (PNG) here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.contexts, args.batches = "512,1024", "1,2"
+    args.contexts = [int(x) for x in args.contexts.split(",")]
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        p.error(f"--modes: unknown {unknown[0]!r}; known: {', '.join(MODES)}")
+    if args.decode_steps < 1 or args.warmup_steps < 0:
+        p.error("--decode-steps must be >= 1 and --warmup-steps >= 0")
+    return args
+
+
+def load_engines(args: argparse.Namespace) -> dict[str, Engine | str]:
+    """One engine per mode, sized for the largest point; a refused mode maps to the reason."""
+    batch, ctx = max(args.batches), max(args.contexts)
+    engines: dict[str, Engine | str] = {}
+    for mode in args.modes:
+        try:
+            # prefill_chunk covers the whole batch: every sequence decodes from the same step on
+            engines[mode] = Engine.from_dir(args.engine, max_batch_size=batch, max_model_len=ctx + 64,
+                                            prefill_chunk=batch * ctx, **MODES[mode])
+        except Exception as e:  # noqa: BLE001 - any refusal means "not available" here
+            engines[mode] = f"not available ({e.__class__.__name__}: {str(e).splitlines()[0][:80]})"
+        else:
+            if mode != "dense" and type(engines[mode].runner).__name__ == "DenseRunner":
+                engines[mode] = "not available (the engine runs dense for mode=lookahead)"
+    return engines
+
+
+@torch.inference_mode()
+def warm_up(engines: dict[str, Engine | str], hf_model) -> None:
+    """One short generation each, so one-time costs (allocator, thread pools) hit no point."""
+    ids = list(range(1000, 1064))
+    for e in engines.values():
+        if isinstance(e, Engine):
+            e.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))
+    hf_model.generate(input_ids=torch.tensor([ids]), do_sample=False, max_new_tokens=4, eos_token_id=None,
+                      pad_token_id=0)
+
+
+def run_point(args, engines, hf_model, ctx: int, batch: int, order: int) -> list[dict[str, Any]]:
+    first = next(e for e in engines.values() if isinstance(e, Engine))
+    steps = args.warmup_steps + args.decode_steps
+    length = min(ctx, first.max_model_len - steps - 1)
+    prompts, source = make_prompts(first, length, batch)
+    decoders = [EngineDecoder(m, e, prompts, steps + 1) for m, e in engines.items() if isinstance(e, Engine)]
+    decoders.append(TransformersDecoder(hf_model, prompts))
+    if order % 2:                      # alternate who prefills first from point to point
+        decoders.reverse()
+    for d in decoders:
+        print(f"  prefill {d.name:<20} {length} tokens x {batch} ...", end=" ", flush=True)
+        d.prefill()
+        print(f"{d.timing.prefill_s:.1f}s", flush=True)
+    for s in range(steps):             # interleaved: the order rotates every step
+        for d in decoders[s % len(decoders):] + decoders[:s % len(decoders)]:
+            d.step(timed=s >= args.warmup_steps)
+    for d in decoders:
+        d.close()
+    ref = next(d for d in decoders if d.name == "transformers")
+    rows = [_row(d, ref, ctx, length, batch, source) for d in decoders]
+    rows += [{"context": ctx, "batch": batch, "impl": m, "error": e} for m, e in engines.items() if isinstance(e, str)]
+    return rows
+
+
+def _row(d, ref, ctx: int, length: int, batch: int, source: str) -> dict[str, Any]:
+    t = d.timing
+    tps = batch * t.timed_steps / t.decode_s
+    ref_tps = batch * ref.timing.timed_steps / ref.timing.decode_s
+    kv_full = length * 2 * ref.model.config.num_hidden_layers * ref.model.config.num_key_value_heads \
+        * ref.model.config.head_dim * 4
+    device = getattr(d, "device_bytes_per_seq", None)
+    agree = min(_prefix(a, b) for a, b in zip(t.tokens, ref.timing.tokens))
+    return {"context": ctx, "prompt_tokens": length, "batch": batch, "impl": d.name, "prompt_source": source,
+            "prefill_s": t.prefill_s, "decode_s": t.decode_s, "timed_steps": t.timed_steps,
+            "decode_tokens_per_s": tps, "ms_per_step": 1000 * t.decode_s / t.timed_steps,
+            "ratio": None if d is ref else tps / ref_tps,
+            "kv_device_bytes_per_seq": device if device is not None else kv_full,
+            "h2d_bytes_per_step": getattr(d, "h2d_bytes", 0) / t.timed_steps if device is not None else None,
+            "transfer_wait_s": getattr(d, "wait_s", None),
+            "same_tokens": f"{agree}/{len(ref.timing.tokens[0])}", "tokens": t.tokens}
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+    t0 = time.perf_counter()
+    engines = load_engines(args)
+    if not any(isinstance(e, Engine) for e in engines.values()):
+        print("error: no mode of ours is available: " + "; ".join(engines.values()), file=sys.stderr)
+        return 2
+    hf_model = AutoModelForCausalLM.from_pretrained(reference_hf_dir(args.engine), dtype=torch.float32).eval()
+    warm_up(engines, hf_model)
+    info = machine_info()
+    print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['torch_threads']} "
+          f"threads), load average {info['loadavg_start'][0]:.1f}; loaded in {time.perf_counter() - t0:.0f}s")
+    rows: list[dict[str, Any]] = []
+    points = [(c, b) for c in args.contexts for b in args.batches]
+    for i, (ctx, batch) in enumerate(points):
+        print(f"[{i + 1}/{len(points)}] context {ctx}, batch {batch}", flush=True)
+        rows += run_point(args, engines, hf_model, ctx, batch, i)
+    for e in engines.values():
+        if isinstance(e, Engine):
+            e.close()
+    info["loadavg_end"] = os.getloadavg()
+    print(f"\nprompts: {rows[0]['prompt_source']}; {args.decode_steps} timed decode steps after "
+          f"{args.warmup_steps} warm-up steps; total {time.perf_counter() - t0:.0f}s\n")
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        doc = {"machine": info, "args": {k: v for k, v in vars(args).items()}, "rows": rows,
+               "elapsed_s": time.perf_counter() - t0}
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

