@@ -17,7 +17,7 @@ from .. import reference
 from ..reference import TOLERANCES
 from .loader import load_extension
 
-DTYPES = (torch.float32, torch.bfloat16)   # float16 runs the bf16 code paths with another convert
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LARGE = 2**31 + 2**20                      # elements: past every int32 offset
 
 
@@ -156,8 +156,9 @@ def check_block_topk(dtype: torch.dtype, case: str, target: Target | None = None
         kmin.fill_(1.0)
         kmax.fill_(1.0)
     valid = torch.rand((B, num_blocks), generator=gen, device=gen.device) < 0.8
-    valid[-1] = False
-    valid[-1, :5] = True                   # fewer valid blocks than k: the tail is -1
+    if B > 1:                              # the last sequence has fewer valid blocks than k: a -1 tail
+        valid[-1] = False
+        valid[-1, :5] = True
     indices, scores = _run_topk(target.ext, q, kmin, kmax, valid, k)
     if case == "large":
         exp_scores = _scores_chunked(q, kmin, kmax, valid)
@@ -237,6 +238,7 @@ ATTENTION_CASES = {
     "llama8b": (2, 2, 32, 8, 300, 2, 128),    # N not a multiple of the 32-key tile
     "group16": (1, 2, 32, 2, 700, 2, 256),    # 32 queries per KV head: two query chunks
     "long": (1, 2, 8, 2, 8192, 2, 128),       # many key splits, merged by combine_kernel
+    "short": (4, 2, 8, 2, 100, 2, 64),        # one split: the kernel writes the output itself
     "large": (1, 2, 32, 8, LARGE // (8 * 128) + 1, 2, 128),
 }
 
@@ -283,7 +285,7 @@ SMALL_CASES = {
     check_block_gather: ("device", "host", "unaligned"),
     check_block_topk: ("integer", "ties", "random"),
     check_update_summaries: ("prefill", "decode"),
-    check_lookahead_attention: ("smollm2", "llama8b", "group16", "long"),
+    check_lookahead_attention: ("smollm2", "llama8b", "group16", "long", "short"),
 }
 
 
