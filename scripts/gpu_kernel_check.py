@@ -112,7 +112,8 @@ def print_table(report: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("out/gpu_kernel_check"), help="directory for kernel_check.json")
+    parser.add_argument("--out", type=Path, default=Path("out/gpu_kernel_check"),
+                        help="directory for kernel_check.json")
     parser.add_argument("--no-large", action="store_true", help="skip the >2^31-element cases (~16 GB)")
     args = parser.parse_args()
     if not torch.cuda.is_available():

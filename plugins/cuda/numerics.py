@@ -221,7 +221,9 @@ def check_update_summaries(dtype: torch.dtype, case: str, target: Target | None 
         got = torch.stack([kmin[touched], kmax[touched]])
         check = _compare("update_summaries", dtype, case, got, torch.stack([exp_min, exp_max]), exact=True)
         kept = bool(torch.isnan(kmin[sentinels]).all() and torch.isnan(kmax[sentinels]).all())
-        return check if kept else Check(check.op, check.dtype, case, False, check.max_abs_err, "wrote an untouched block")
+        if not kept:
+            return Check(check.op, check.dtype, case, False, check.max_abs_err, "wrote an untouched block")
+        return check
     kmin, kmax = _summaries((num_blocks, num_kv_heads, D), dtype, gen, integer=False)
     exp_min, exp_max = kmin.clone(), kmax.clone()
     reference.update_summaries_ref(exp_min, exp_max, keys, ids, offsets)
@@ -265,9 +267,9 @@ def _attention_inputs(case: str, dtype: torch.dtype, gen) -> dict:
         # Hidden keys hold NaN: a kernel that lets them into P @ V fails.
         k.masked_fill_(~kv_mask.unsqueeze(-1), float("nan"))
         v.masked_fill_(~kv_mask.unsqueeze(-1), float("nan"))
-    return dict(q=_randn((B, R, H, D), dtype, gen), k=k, v=v, kv_mask=kv_mask,
-                k_extra=_randn((B, num_kv_heads, E, D), dtype, gen), v_extra=_randn((B, num_kv_heads, E, D), dtype, gen),
-                extra_mask=extra_mask, scale=D ** -0.5)
+    extra_shape = (B, num_kv_heads, E, D)
+    return dict(q=_randn((B, R, H, D), dtype, gen), k=k, v=v, kv_mask=kv_mask, k_extra=_randn(extra_shape, dtype, gen),
+                v_extra=_randn(extra_shape, dtype, gen), extra_mask=extra_mask, scale=D ** -0.5)
 
 
 def check_lookahead_attention(dtype: torch.dtype, case: str, target: Target | None = None, seed: int = 0) -> Check:
