@@ -8,14 +8,10 @@ manifest (engine.yaml, written last, checksums every other file) is in place.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import importlib.metadata
 import json
-import platform
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -26,14 +22,15 @@ from runtime.engine_dir import REPORT, TOKENIZER_DIR, WEIGHTS, write_manifest
 from .checkpoint import CONFIG, GENERATION_CONFIG, read_json, read_tensors
 from .config import BuildConfig
 from .convert import convert
+from .errors import OutputError
 from .gguf_cache import cached_hf_dir
 from .hf_config import model_config_from_hf
 from .output import staged_output
+from .progress import Log, Stages, print_line
+from .report import build_report, versions
 from .sources import Source, checksum, resolve_source
 from .tokenizer import save_tokenizer
 from .verify import verify
-
-Log = Callable[[str], None]
 
 
 @dataclass
@@ -57,8 +54,8 @@ def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
     BuildError
         Any problem a user can cause or fix (see builder.errors); the output is left untouched.
     """
-    log = log or _print
-    stages = _Stages(log)
+    log = log or print_line
+    stages = Stages(log)
     with staged_output(config.output, config.force) as tmp:
         with stages("resolve source") as note:
             source = resolve_source(config.model, log)
@@ -70,7 +67,7 @@ def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
             weights = convert(tensors, model_cfg, getattr(torch, config.dtype), where)
             del tensors
             note(f"{sum(w.numel() for w in weights.values()) / 1e6:.1f}M parameters, {config.dtype}")
-        with stages("write") as note:
+        with stages("write") as note, _disk_errors(config.output):
             save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
             del weights
             tokenizer = save_tokenizer(source.hf_dir, tmp / TOKENIZER_DIR, model_cfg.vocab_size, where)
@@ -80,13 +77,13 @@ def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
         with stages("verify") as note:
             verification = verify(source.hf_dir, tmp, model_cfg, config.dtype) if config.verify else {"skipped": True}
             note(_verify_summary(verification))
-        with stages("checksum"):
-            report = _report(config, source, tokenizer, verification, stages.seconds)
+        with stages("checksum"), _disk_errors(config.output):
+            report = build_report(config, source, tokenizer, verification, stages.seconds)
             (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
             write_manifest(tmp, name=config.name, model=model_cfg, dtype=config.dtype,
                            lookahead=LookaheadConfig(max_model_len=model_cfg.max_position_embeddings),
                            source=source.to_manifest(), versions=versions())
-    log(f"built {config.output} in {sum(stages.seconds.values()):.1f}s")
+    log(f"built {config.output} in {stages.total:.1f}s")
     return BuildResult(path=Path(config.output), report=report)
 
 
@@ -105,70 +102,19 @@ def _load(source: Source, log: Log) -> tuple[ModelConfig, dict[str, torch.Tensor
     return model_cfg, read_tensors(source.hf_dir), where
 
 
+@contextlib.contextmanager
+def _disk_errors(output: Path) -> Iterator[None]:
+    """A full or failing disk is the user's to fix: say so in one line, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise OutputError(f"writing the engine failed ({e.strerror or e})", field="output", value=output,
+                          fix="check free space and permissions") from None
+
+
 def _verify_summary(v: dict[str, Any]) -> str:
     if v.get("skipped"):
         return "skipped (--no-verify)"
+    greedy = {True: "match", False: "differ", None: "not compared"}[v["greedy_match"]]
     return (f"max |Δlogit| {v['max_abs_logit_diff']:.2e}, argmax agreement {v['argmax_agreement']:.1%}, "
-            f"greedy {'match' if v['greedy_match'] else 'differ'}")
-
-
-def _report(config: BuildConfig, source: Source, tokenizer: dict[str, Any], verification: dict[str, Any],
-            seconds: dict[str, float]) -> dict[str, Any]:
-    return {
-        "name": config.name,
-        "dtype": config.dtype,
-        "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "source": source.to_manifest(),
-        "tokenizer": tokenizer,
-        "verification": verification,
-        "stage_seconds": {k: round(v, 3) for k, v in seconds.items()},
-        "versions": versions(),
-    }
-
-
-def versions() -> dict[str, str]:
-    """Versions of everything that shaped the engine's bytes, for engine.yaml."""
-    out = {"lookahead-kv": _version("lookahead-kv"), "python": platform.python_version()}
-    for pkg in ("torch", "transformers", "safetensors"):
-        out[pkg] = _version(pkg)
-    return out
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return _source_tree_version() if dist == "lookahead-kv" else "not installed"
-
-
-def _source_tree_version() -> str:
-    """When run from a checkout that is not pip-installed, read pyproject.toml's version."""
-    import tomllib
-
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-    try:
-        return tomllib.loads(pyproject.read_text())["project"]["version"] + "+source"
-    except (OSError, KeyError, tomllib.TOMLDecodeError):
-        return "unknown"
-
-
-class _Stages:
-    """Times named stages and logs one line per stage: `[3/6] convert   1.2s  detail`."""
-
-    NAMES = ("resolve source", "load", "convert", "write", "verify", "checksum")
-
-    def __init__(self, log: Log):
-        self.log, self.seconds = log, {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[Callable[[str], None]]:
-        detail: list[str] = []
-        t0 = time.perf_counter()
-        yield detail.append
-        self.seconds[name] = time.perf_counter() - t0
-        n = self.NAMES.index(name) + 1
-        self.log(f"[{n}/{len(self.NAMES)}] {name:<15}{self.seconds[name]:7.1f}s  {' '.join(detail)}".rstrip())
-
-
-def _print(line: str) -> None:
-    print(line, flush=True)
+            f"greedy tokens {greedy}")

@@ -16,7 +16,8 @@ Tolerances (`TOLERANCES`), scaled by the prompt's largest |reference logit| (at 
   are within that tolerance, i.e. a genuine tie).
 * bfloat16: weights and activations round to 8 mantissa bits (~4e-3 relative per op), so logits
   drift by a few percent of the scale. We require argmax agreement >= 0.9 and |Δlogit| <= 0.15 ·
-  scale, which still catches any layout bug; greedy tokens are recorded, not required.
+  scale (measured on SmolLM2: 1.3 at a scale of 37, agreement 98%), which still catches any layout
+  bug; greedy generation is not compared.
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def verify(source_dir: Path, engine_dir: Path, cfg: ModelConfig, dtype: str) -> 
         "max_abs_logit_diff": max(p["max_abs_logit_diff"] for p in prompts),
         "argmax_agreement": sum(p["argmax_agreement"] * p["num_tokens"] for p in prompts)
         / sum(p["num_tokens"] for p in prompts),
-        "greedy_match": all(p["greedy"]["match"] != "differs" for p in prompts),
+        "greedy_match": all(p["greedy"]["match"] in ("exact", "tie") for p in prompts)
+        if tol.greedy_must_match else None,
         "prompts": prompts,
     }
     _enforce(report, tol)
@@ -141,7 +143,9 @@ def _compare(ref: torch.nn.Module, ours: LlamaModel, ids: torch.Tensor, tol: Tol
         "argmax_agreement": (o.argmax(-1) == r.argmax(-1)).float().mean().item(),
         "reference_forward_s": round(t1 - t0, 4),
         "engine_forward_s": round(t2 - t1, 4),
-        "greedy": _greedy(ref, ours, ids, tol.rel_logit * scale),
+        # bf16 greedy paths may legitimately part at near-ties, and bf16 matmuls are slow on CPU:
+        # the 2 x 8 extra forwards per prompt are spent only where a match is required.
+        "greedy": _greedy(ref, ours, ids, tol.rel_logit * scale) if tol.greedy_must_match else {"match": "skipped"},
     }
 
 
