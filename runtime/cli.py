@@ -63,7 +63,8 @@ def generate(args: argparse.Namespace) -> int:
                           "num_prompt_tokens": c.num_prompt_tokens, "load_s": round(load_s, 3),
                           "ttft_s": round(c.ttft_s, 4), "total_s": round(c.total_s, 4),
                           "decode_tokens_per_s": round(c.tokens_per_s, 2), "mode": engine.config.mode,
-                          "metrics": c.metrics}, indent=2))
+                          "request_metrics": c.metrics, "engine_metrics": engine.stats()}, indent=2))
+        engine.close()
         return 0
     t1, n = time.perf_counter(), 0
     for out in engine.stream(prompt, params):
@@ -71,6 +72,7 @@ def generate(args: argparse.Namespace) -> int:
         sys.stdout.write(out.delta_text)
         sys.stdout.flush()
     dt = time.perf_counter() - t1
+    engine.close()
     print(f"\n[{n} tokens in {dt:.2f} s, {n / dt:.1f} tokens/s; engine loaded in {load_s:.1f} s; "
           f"mode {engine.config.mode}]", file=sys.stderr)
     return 0

@@ -244,7 +244,7 @@ class Engine:
     def _completion(self, seq: Sequence, t0: float, t_end: float) -> Completion:
         ttft = (seq.first_token_time or t_end) - t0
         return Completion(seq.request_id, seq.text, list(seq.output_ids), seq.finish_reason,
-                          len(seq.prompt_ids), ttft, t_end - t0)
+                          len(seq.prompt_ids), ttft, t_end - t0, dict(seq.metrics))
 
 
 def check_budget(cfg: LookaheadConfig, attn) -> None:

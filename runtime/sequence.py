@@ -34,6 +34,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     generator: torch.Generator | None = None
+    metrics: dict = field(default_factory=dict)   # filed by the runner when the sequence ends
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -180,7 +180,11 @@ def test_device_bytes_do_not_grow_with_context_and_respect_the_budget(tiny_dir, 
 
 def test_metrics_are_reported(tiny_dir):
     eng = Engine.from_dir(tiny_dir, **SMALL, top_k=4)
-    run(eng, prompts(200, seed=9))
+    outs, _ = run(eng, prompts(200, 120, seed=9))
     st = eng.stats()
+    per_req = [o.metrics for o in outs]
+    assert sum(m["urgent_blocks"] for m in per_req) == st["urgent_blocks"] > 0
+    assert sum(m["prefetched_blocks"] for m in per_req) == st["prefetched_blocks"]
+    assert all(0 <= m["prefetch_hit_rate"] <= 1 and m["draft_accept_rate"] is not None for m in per_req)
     assert 0 <= st["prefetch_hit_rate"] <= 1 and 0 <= st["agreement_mean"] <= 1
     assert len(st["agreement_per_layer"]) == 2 and st["h2d_bytes"] > 0

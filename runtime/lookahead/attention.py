@@ -48,7 +48,7 @@ class LookaheadAttention:
         self.has_pred = torch.zeros(mcfg.num_layers, num_lanes, dtype=torch.bool)
         self.lane_blocks = torch.full((num_lanes, max_blocks), -1, dtype=torch.long)  # logical -> host
         self.tickets: dict[int, list[Ticket]] = {}             # layer -> copies it must wait for
-        self.metrics = LookaheadMetrics(mcfg.num_layers)
+        self.metrics = LookaheadMetrics(mcfg.num_layers, num_lanes)
         self.step_idx = 0
         self.plan: StepPlan | None = None
         self.debug_checks = False           # tests: verify slot contents before every attention
@@ -150,6 +150,7 @@ class LookaheadAttention:
         adm = self.slots.plan(layer, lanes, idx, prio, cap, self.step_idx)
         if len(adm):
             self.metrics.prefetched_blocks += len(adm)
+            self.metrics.count_blocks(5, adm.lanes)
             self.tickets.setdefault(layer, []).append(self.transfer.submit(self._copy_job(layer, layer, adm)))
 
     def _refill(self, layer: int, d: DecodePart) -> None:
@@ -174,6 +175,7 @@ class LookaheadAttention:
         b_i, h_i, j_i = (want >= 0).nonzero(as_tuple=True)
         adm = Admission(d.lanes[b_i], h_i, j_i, want[b_i, h_i, j_i])
         self.metrics.prefetched_blocks += len(adm)
+        self.metrics.count_blocks(5, adm.lanes)
         self.tickets[layer].append(self.transfer.submit(self._copy_job(layer, buf, adm)))
 
     def _decode(self, layer: int, q, k, v, out, d: DecodePart) -> None:
@@ -192,12 +194,13 @@ class LookaheadAttention:
         t_idx = true_idx[d.lanes]
         resident = self.slots.resident(buf, d.lanes, t_idx)
         prev = self.pred[layer, d.lanes] if bool(self.has_pred[layer, d.lanes].all()) else None
-        self.metrics.record_layer(layer, prev, t_idx, resident)
+        self.metrics.record_layer(layer, d.lanes, prev, t_idx, resident)
         if self.cfg.miss_policy == "urgent":
             prio = true_scores[d.lanes].gather(-1, t_idx.clamp(min=0))
             adm = self.slots.plan(buf, d.lanes, t_idx, prio, self.cfg.top_k, self.step_idx)
             if len(adm):
                 self.metrics.urgent_blocks += len(adm)
+                self.metrics.count_blocks(4, adm.lanes)
                 self.transfer.wait(self.transfer.submit(self._copy_job(layer, buf, adm), urgent=True))
         if self.debug_checks:
             check_integrity(self, layer, d)

@@ -20,6 +20,7 @@ class LookaheadRunner:
         self.guess: dict[int, int] = {}          # seq_id -> argmax of its last draft row
         self.last_draft: dict[int, int] = {}     # seq_id -> draft token run at the last step
         self.draft_hits = self.draft_total = 0
+        self.seq_drafts: dict[int, list[int]] = {}     # seq_id -> [accepted, proposed]
 
     def _lane(self, seq: Sequence) -> int:
         if seq.seq_id not in self.lanes:
@@ -30,9 +31,13 @@ class LookaheadRunner:
         return self.lanes[seq.seq_id]
 
     def release(self, seq: Sequence) -> None:
+        """Free the sequence's lane and file its per-request metrics on it."""
         lane = self.lanes.pop(seq.seq_id, None)
         if lane is not None:
             self.free_lanes.append(lane)
+            acc, tot = self.seq_drafts.pop(seq.seq_id, [0, 0])
+            seq.metrics = {**self.attn.metrics.take_lane(lane),
+                           "draft_accept_rate": acc / tot if tot else None}
         self.guess.pop(seq.seq_id, None)
         self.last_draft.pop(seq.seq_id, None)
 
@@ -62,6 +67,9 @@ class LookaheadRunner:
                 if prev is not None:
                     self.draft_total += 1
                     self.draft_hits += int(prev == real)
+                    tally = self.seq_drafts.setdefault(seq.seq_id, [0, 0])
+                    tally[0] += int(prev == real)
+                    tally[1] += 1
                 ctx = seq.prompt_ids + seq.output_ids
                 d = self.draft.propose(ctx, self.guess.get(seq.seq_id))
                 self.last_draft[seq.seq_id] = d
