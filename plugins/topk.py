@@ -11,21 +11,20 @@ def _group_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> to
 
     With kmin <= kmax, max(q_d*kmin_d, q_d*kmax_d) = relu(q_d)*kmax_d + min(q_d, 0)*kmin_d, which
     is linear in q: a GQA group's heads fold into one weight pair per KV head before touching the
-    summaries. Spreading each KV head's weights block-diagonally over the summaries' native
-    [NB, KVH*D] rows makes each term one bmm that reads the summary once and allocates nothing
-    of its size (a broadcast multiply would materialise a [B, NB, KVH, D] temporary).
+    summaries. Reading the summaries is the whole cost, so each is read once, in its native
+    layout, by one bmm of its (block, head) rows against all KV heads' weights, keeping the
+    matching head (the diagonal); KVH-fold arithmetic is free next to the memory traffic, and
+    unlike a broadcast multiply it allocates no summary-sized temporary.
     """
     B, H, D = q.shape
     num_blocks, num_kv_heads = kmin.shape[1], kmin.shape[2]
     qf = q.float().reshape(B, num_kv_heads, H // num_kv_heads, D)
-    eye = torch.eye(num_kv_heads, dtype=torch.float32, device=q.device).unsqueeze(-1)  # [KVH, KVH, 1]
-
-    def weights(w: torch.Tensor) -> torch.Tensor:                # [B, KVH, D] -> [B, KVH, KVH*D]
-        return (w.unsqueeze(2) * eye).reshape(B, num_kv_heads, num_kv_heads * D)
-
-    rows = (B, num_blocks, num_kv_heads * D)
-    scores = torch.bmm(weights(qf.clamp_min(0).sum(2)), kmax.float().reshape(rows).transpose(1, 2))
-    return scores.baddbmm_(weights(qf.clamp_max(0).sum(2)), kmin.float().reshape(rows).transpose(1, 2))
+    w_max = qf.clamp_min(0).sum(2).transpose(1, 2)                              # [B, D, KVH]
+    w_min = qf.clamp_max(0).sum(2).transpose(1, 2)
+    rows = (B, num_blocks * num_kv_heads, D)
+    scores = torch.bmm(kmax.float().reshape(rows), w_max).baddbmm_(kmin.float().reshape(rows), w_min)
+    scores = scores.view(B, num_blocks, num_kv_heads, num_kv_heads).diagonal(dim1=2, dim2=3)
+    return scores.transpose(1, 2).contiguous()                                   # [B, KVH, NB]
 
 
 def _rank_keys(scores: torch.Tensor) -> torch.Tensor:
