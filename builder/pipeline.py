@@ -115,6 +115,6 @@ def _disk_errors(output: Path) -> Iterator[None]:
 def _verify_summary(v: dict[str, Any]) -> str:
     if v.get("skipped"):
         return "skipped (--no-verify)"
-    greedy = {True: "match", False: "differ", None: "not compared"}[v["greedy_match"]]
+    greedy = "match" if v["greedy_match"] else "differ"
     return (f"max |Δlogit| {v['max_abs_logit_diff']:.2e}, argmax agreement {v['argmax_agreement']:.1%}, "
             f"greedy tokens {greedy}")
