@@ -21,7 +21,8 @@ NEW_TOKENS = 32
 PROMPTS = [
     "The three most important inventions of the nineteenth century were",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Question: Why is the sky blue during the day but red at sunset?\nAnswer:",
+    "Question: Why is the sky blue during the day but red at sunset, and why do clouds look white or "
+    "grey?\nAnswer:",
 ]
 # A ~200-token document for the chunked-prefill check (chunks of 16 cross many block boundaries).
 LONG_PROMPT = (
@@ -64,6 +65,13 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+@pytest.fixture(scope="module")
+def ours_alone(default_engine) -> dict[str, list[int]]:
+    """Our greedy tokens for each prompt of PROMPTS, each run alone."""
+    ids = [default_engine.tokenizer.encode(text) for text in PROMPTS]
+    return {text: default_engine.generate([p], greedy(NEW_TOKENS))[0].token_ids for text, p in zip(PROMPTS, ids)}
+
+
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True)
 
@@ -80,16 +88,16 @@ def first_token_logits(engine: Engine, ids: list[int]) -> tuple[torch.Tensor, li
 
     engine.runner.run = spy
     try:
-        tokens = engine.generate([ids], greedy(8))[0].token_ids
+        tokens = engine.generate([ids], greedy(4))[0].token_ids
     finally:
         del engine.runner.run
     return seen[0], tokens
 
 
-def test_dense_greedy_equals_transformers(default_engine, hf_model):
+def test_dense_greedy_equals_transformers(default_engine, hf_model, ours_alone):
     for text in PROMPTS:
         ids = default_engine.tokenizer.encode(text)
-        ours = default_engine.generate([ids], greedy(NEW_TOKENS))[0].token_ids
+        ours = ours_alone[text]
         theirs = hf_greedy(hf_model, ids, NEW_TOKENS)
         assert len(theirs) == NEW_TOKENS
         assert ours == theirs, f"prompt {text[:40]!r}: first difference at token " \
@@ -116,9 +124,8 @@ def test_chunked_prefill_equals_one_shot(default_engine_dir, default_engine):
     assert (logits_16 - logits_all).abs().max().item() < 1e-4
 
 
-def test_batched_prompts_of_different_lengths_equal_alone(default_engine):
-    prompts = [default_engine.tokenizer.encode(t) for t in (PROMPTS[0], LONG_PROMPT, PROMPTS[2])]
-    assert len({len(p) for p in prompts}) == 3
-    alone = [default_engine.generate([p], greedy(16))[0].token_ids for p in prompts]
-    together = default_engine.generate(prompts, greedy(16))
-    assert [c.token_ids for c in together] == alone
+def test_batched_prompts_of_different_lengths_equal_alone(default_engine, ours_alone):
+    prompts = [default_engine.tokenizer.encode(text) for text in PROMPTS]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    together = default_engine.generate(prompts, greedy(NEW_TOKENS))
+    assert [c.token_ids for c in together] == [ours_alone[text] for text in PROMPTS]
