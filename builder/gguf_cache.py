@@ -38,7 +38,7 @@ def cached_hf_dir(gguf: Path, sha256: str, log: Callable[[str], None], root: Pat
     """The Hugging Face-style dir for `gguf`, converting (atomically) on first use."""
     root = root or cache_root()
     target = root / sha256[:16]
-    if all((target / f).is_file() for f in CACHE_FILES):
+    if _complete(target):
         return target
     log(f"converting {gguf.name} to fp32 safetensors in {target} (once per GGUF, ~30 s)")
     try:
@@ -50,21 +50,34 @@ def cached_hf_dir(gguf: Path, sha256: str, log: Callable[[str], None], root: Pat
     try:
         _convert(gguf, tmp)
         (tmp / MARKER).write_text(json.dumps({"gguf": str(gguf), "sha256": sha256}, indent=1))
-        shutil.rmtree(target, ignore_errors=True)   # an incomplete leftover, never a complete one
+        if not _complete(target):
+            shutil.rmtree(target, ignore_errors=True)   # an incomplete leftover, never a complete one
         try:
             os.replace(tmp, target)
         except OSError:
-            if not (target / MARKER).is_file():     # a concurrent build may have won the race
+            if not _complete(target):                  # else a concurrent build won the race: fine
                 raise
+    except OSError as e:
+        raise SourceError(f"cannot write the model cache {root} ({e.strerror or e})",
+                          fix=f"free some space, or set {CACHE_ENV} to another dir") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
+def _complete(target: Path) -> bool:
+    return all((target / f).is_file() for f in CACHE_FILES)
+
+
 def _convert(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    except ImportError:
+        raise SourceError("this transformers version has no GGUF reader (load_gguf_checkpoint)",
+                          fix="use a transformers release that has it (tested: 5.24), or pass a Hugging Face dir") from None
 
     try:
         with quiet_transformers():
