@@ -52,6 +52,9 @@ def staged_output(output: Path, force: bool) -> Iterator[Path]:
                           fix="choose a writable location") from None
     try:
         yield tmp
+        if output.exists() and not force:   # it appeared while we were building: still never clobber
+            raise OutputError("was created by something else during the build", field="output", value=output,
+                              fix="pass --force to replace it, or choose another --output")
         _replace(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

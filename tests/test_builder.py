@@ -160,6 +160,22 @@ def test_force_replaces_an_engine_and_only_an_engine(ckpts, tmp_path):
     assert (stranger / "cat.jpg").exists()
 
 
+def test_output_created_during_the_build_is_not_clobbered(ckpts, tmp_path, monkeypatch):
+    out = tmp_path / "engine"
+    real = convert_mod.convert
+
+    def racing_convert(*args, **kwargs):
+        out.mkdir()                      # another build finished first
+        (out / "engine.yaml").write_text("theirs")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("builder.pipeline.convert", racing_convert)
+    with pytest.raises(OutputError, match="created by something else during the build"):
+        quiet_build(model=str(ckpts["llama"]), output=out, verify=False)
+    assert (out / "engine.yaml").read_text() == "theirs"
+    assert [p.name for p in tmp_path.iterdir()] == ["engine"]
+
+
 def test_failed_verification_writes_nothing(ckpts, tmp_path, monkeypatch):
     real = convert_mod.convert
 
