@@ -116,8 +116,7 @@ class Engine:
         """
         manifest = load_manifest(path, verify_checksums=verify_checksums)
         config = manifest.lookahead.replace(**overrides)
-        torch.manual_seed(0)
-        model = LlamaModel(manifest.model, dtype=DTYPES[manifest.dtype])
+        model = LlamaModel(manifest.model, dtype=DTYPES[manifest.dtype], empty=True)
         model.load_weights(load_file(str(Path(path) / WEIGHTS)))
         model.eval().requires_grad_(False)
         tokenizer = TextTokenizer(Path(path) / TOKENIZER_DIR)

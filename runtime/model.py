@@ -64,14 +64,19 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """tokens [T] + positions [T] -> hidden [T, hidden]; `logits(hidden)` -> [N, vocab]."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 empty: bool = False):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.to(device=device, dtype=dtype)
+        # empty=True: parameters on the meta device (no init cost); load_weights assigns real ones
+        with torch.device("meta" if empty else device):
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = (None if cfg.tie_word_embeddings
+                            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        if not empty:
+            self.to(device=device, dtype=dtype)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                     cfg.rope_scaling, dtype, device)
 
@@ -87,7 +92,7 @@ class LlamaModel(nn.Module):
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load runtime-layout tensors (see engine_dir.WEIGHT_LAYOUT); strict on names and shapes."""
-        self.load_state_dict(tensors, strict=True, assign=False)
+        self.load_state_dict(tensors, strict=True, assign=True)
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> "LlamaModel":
