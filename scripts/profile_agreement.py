@@ -1,0 +1,434 @@
+#!/usr/bin/env python3
+"""The reviewers' test: per-layer agreement of the draft-predicted top-K with the real next top-K.
+
+    python scripts/profile_agreement.py --engine engines/default --contexts 2048 4096 8192
+
+At decode step s, layer l, the draft query (token d at p+1) scores every candidate block's
+min/max key summary; its top-K is the set prefetched for step s+1. At step s+1 the real query
+scores the same candidates; agreement = |predicted ∩ true| / |true|, averaged over KV heads and
+steps (exactly `LookaheadMetrics.record_layer`, which this script cross-checks at the run's K).
+One run gives every K of the sweep: the scores are tapped and re-ranked at each K.
+
+Drafts: `dual_token` (the runtime's default, model-generated), `oracle` (the true next token:
+the dual_token run's own continuation replayed; under `urgent` the output does not depend on the
+draft, so it is exact) and `random` (uniform tokens).
+
+Trajectories: `production` runs at K=128 under `urgent` (exact sparse attention, the draft row
+sees the same bounded working set as in deployment); `full` runs with K >= every block, so the
+hidden states are dense attention's (the reviewers' "true next-token query under full attention";
+there the oracle's agreement is 1 by construction, a check of the measurement).
+
+Agreement is only informative when the candidate blocks outnumber K: every number is printed with
+its candidate count, and points with K >= candidates are flagged trivial (agreement is 1).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))          # run from a checkout without pip install
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import longctx_data as data  # noqa: E402
+from eval_accuracy import EngineFactory, append_record, machine_info, set_threads  # noqa: E402
+from runtime.draft import DraftSource, DualTokenDraft, RandomDraft  # noqa: E402
+
+SWEEP = (16, 32, 64, 128, 256)
+DRAFTS = ("dual_token", "oracle", "random")
+SOURCES = ("ruler", "essay")
+PRODUCTION_K = 128
+
+
+# ---- drafts -----------------------------------------------------------------------------------
+class LoggingDraft(DraftSource):
+    """Wraps a draft source and remembers every proposal as (context length, token)."""
+
+    def __init__(self, inner: DraftSource):
+        self.inner, self.log = inner, []
+
+    def propose(self, context: list[int], model_guess: int | None) -> int:
+        tok = self.inner.propose(context, model_guess)
+        self.log.append((len(context), tok))
+        return tok
+
+
+class OracleDraft(DraftSource):
+    """The true next token, replayed from a reference run of the same prompt and settings."""
+
+    def __init__(self, prompt_len: int, continuation: list[int]):
+        self.prompt_len, self.continuation = prompt_len, continuation
+
+    def propose(self, context: list[int], model_guess: int | None) -> int:
+        k = len(context) - self.prompt_len           # index of the token after `context`
+        return self.continuation[k] if k < len(self.continuation) else context[-1]
+
+
+def make_draft(kind: str, vocab_size: int, prompt_len: int, continuation: list[int] | None,
+               seed: int) -> DraftSource:
+    if kind == "dual_token":
+        return DualTokenDraft()
+    if kind == "oracle":
+        return OracleDraft(prompt_len, continuation or [])
+    if kind == "random":
+        return RandomDraft(vocab_size, seed=seed)
+    raise ValueError(f"draft {kind!r} is unknown; known: {', '.join(DRAFTS)}")
+
+
+# ---- the measurement --------------------------------------------------------------------------
+def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [KVH, NB] (-inf = not a candidate) -> bool [KVH, NB]: the top-k candidates per head,
+    ties to the lower block id (as plugins.block_topk)."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    n_valid = int(torch.isfinite(scores[0]).sum())
+    mask = torch.zeros_like(scores, dtype=torch.bool)
+    mask.scatter_(-1, order[:, : min(k, n_valid)], True)
+    return mask
+
+
+class ScoreTap:
+    """Sees every block score the lookahead backend computes for lane 0 and turns each pair
+    (prediction made at step s, real query at step s+1) into agreement at every K of a sweep.
+
+    The runtime has no public hook for the scores (only `record_layer` at the run's own K), so the
+    backend's `_score` is wrapped on this one instance; `close()` restores it.
+    """
+
+    def __init__(self, attn, ks: tuple[int, ...]):
+        self.attn, self.ks = attn, ks
+        self.pending: dict[int, torch.Tensor] = {}     # layer -> prediction scores [KVH, NB]
+        self.steps: list[dict[int, list[float]]] = []  # per decode step: layer -> agreement per K
+        self.candidates: list[int] = []                # per decode step
+        self._orig = attn._score
+        attn._score = self._score
+
+    def close(self) -> None:
+        self.attn._score = self._orig
+
+    def _score(self, layer: int, q: torch.Tensor, valid: torch.Tensor, n: int):
+        idx, scores = self._orig(layer, q, valid, n)
+        plan = self.attn.plan
+        dec = plan.decode if plan is not None else None
+        if dec is not None and valid is dec.cand_mask:          # the real query of this step
+            self._record(layer, scores[int(dec.lanes[0])])
+        else:           # the draft query (decode) or the last prompt token's query (pre-decoding)
+            self.pending[layer] = scores[n - 1 if dec is None else int(dec.lanes[0])].clone()
+        return idx, scores
+
+    def _record(self, layer: int, true: torch.Tensor) -> None:
+        if layer == 0:
+            self.steps.append({})
+            self.candidates.append(int(torch.isfinite(true[0]).sum()))
+        pred = self.pending.pop(layer, None)
+        if pred is None or self.candidates[-1] == 0:
+            return
+        row = []
+        for k in self.ks:
+            t, p = top_k_mask(true, k), top_k_mask(pred, k)
+            row.append(float(((t & p).sum(-1).float() / t.sum(-1).float()).mean()))
+        self.steps[-1][layer] = row
+
+
+def run_draft(factory: EngineFactory, prompt: str, draft: str, top_k: int, steps: int, ks: tuple,
+              continuation: list[int] | None, seed: int) -> dict:
+    """One greedy run under `urgent` with the given draft; agreement at every K from the tap."""
+    from runtime.sampling import SamplingParams
+    eng = factory.make(mode="lookahead", residency="resident", miss_policy="urgent", top_k=top_k)
+    ids = eng.tokenizer.encode(prompt)
+    logger = LoggingDraft(make_draft(draft, eng.manifest.model.vocab_size, len(ids), continuation, seed))
+    eng.runner.draft = logger
+    tap = ScoreTap(eng.runner.attn, ks)
+    try:
+        t0 = time.perf_counter()
+        out = eng.generate([ids], SamplingParams(max_tokens=steps + 1, ignore_eos=True))[0]
+        stats = eng.stats()
+    finally:
+        tap.close()
+        eng.close()
+    full = ids + out.token_ids
+    hits = [int(tok == full[n]) for n, tok in logger.log if n < len(full)]
+    num_layers = eng.manifest.model.num_layers
+    # Step 0 judges the pre-decoding seed (the last prompt token's query, the same for every
+    # draft); step j >= 1 judges the prediction made at step j-1 from draft proposal j-1.
+    drafted = tap.steps[1:]
+    hit = [s for j, s in enumerate(drafted) if j < len(hits) and hits[j]]
+    miss = [s for j, s in enumerate(drafted) if j < len(hits) and not hits[j]]
+    return {"output_ids": out.token_ids, "prompt_tokens": len(ids), "decode_steps": len(tap.steps),
+            "candidates_min": min(tap.candidates, default=0), "candidates_max": max(tap.candidates, default=0),
+            "agreement_per_layer": per_layer_mean(drafted, num_layers, len(ks)),         # [L][K]
+            "agreement_per_layer_with_seed": per_layer_mean(tap.steps, num_layers, len(ks)),
+            "seed_agreement": layer_mean(tap.steps[:1], len(ks)),                       # [K]
+            "agreement_when_draft_hit": layer_mean(hit, len(ks)),                       # [K]
+            "agreement_when_draft_miss": layer_mean(miss, len(ks)),
+            "draft_hits": hits, "draft_accept_rate": mean(hits) if hits else None,
+            "runtime": {k: stats.get(k) for k in ("agreement_mean", "agreement_per_layer",
+                                                   "prefetch_hit_rate", "draft_accept_rate", "urgent_blocks")},
+            "time_s": round(time.perf_counter() - t0, 2)}
+
+
+def per_layer_mean(steps: list[dict[int, list[float]]], num_layers: int, num_ks: int) -> list:
+    """steps: per step, layer -> agreement per K -> [L][K] means over steps (None: no data)."""
+    return [[mean(s[l][i] for s in steps if l in s) if any(l in s for s in steps) else None
+             for i in range(num_ks)] for l in range(num_layers)]
+
+
+def layer_mean(steps: list[dict[int, list[float]]], num_ks: int) -> list | None:
+    """Mean over steps and layers, per K (None when no step has data)."""
+    vals = [row for s in steps for row in s.values()]
+    return [mean(v[i] for v in vals) for i in range(num_ks)] if vals else None
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+def make_prompts(source: str, ctx: int, samples: int, factory: EngineFactory, wrap, seed: int) -> list[str]:
+    if source == "ruler":      # a single-needle haystack: the model has to find and copy a value
+        return [s.prompt for s in data.ruler_samples("niah_single", ctx, samples, factory.count_tokens,
+                                                     wrap, seed)]
+    if source == "essay":      # long free text and a free-text answer
+        essays = data.load_essays()
+        return [data.essay_prompt(ctx, factory.count_tokens, 7 * i, wrap, essays) for i in range(samples)]
+    raise ValueError(f"source {source!r} is unknown; known: {', '.join(SOURCES)}")
+
+
+# ---- summary ----------------------------------------------------------------------------------
+def summarize(recs: list[dict], ks: tuple) -> list[dict]:
+    """Mean over samples, per (trajectory, source, context, draft): per-layer and mean agreement
+    at each K, candidate counts, trivial flags."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in recs:
+        groups[(r["trajectory"], r["source"], r["context"], r["draft"])].append(r)
+    rows = []
+    for (traj, src, ctx, draft), rs in sorted(groups.items()):
+        cand = min(r["candidates_min"] for r in rs)
+        per_k = []
+        for i, k in enumerate(ks):
+            layers = [mean(v for v in (r["agreement_per_layer"][l][i] for r in rs) if v is not None)
+                      if any(r["agreement_per_layer"][l][i] is not None for r in rs) else None
+                      for l in range(len(rs[0]["agreement_per_layer"]))]
+            vals = [v for v in layers if v is not None]
+            per_k.append({"k": k, "trivial": k >= cand, "mean": mean(vals) if vals else None,
+                          "min_layer": min(vals) if vals else None, "per_layer": layers})
+        avg = lambda key: (mean(r[key] for r in rs if r[key] is not None)  # noqa: E731
+                           if any(r[key] is not None for r in rs) else None)
+        avg_k = lambda key: ([mean(r[key][i] for r in rs if r[key] is not None)  # noqa: E731
+                              for i in range(len(ks))] if any(r[key] is not None for r in rs) else None)
+        rows.append({"trajectory": traj, "source": src, "context": ctx, "draft": draft, "samples": len(rs),
+                     "prompt_tokens": [r["prompt_tokens"] for r in rs], "candidates_min": cand,
+                     "candidates_max": max(r["candidates_max"] for r in rs),
+                     "decode_steps": sum(r["decode_steps"] for r in rs),
+                     "draft_accept_rate": avg("draft_accept_rate"),
+                     "seed_agreement": avg_k("seed_agreement"),
+                     "agreement_when_draft_hit": avg_k("agreement_when_draft_hit"),
+                     "agreement_when_draft_miss": avg_k("agreement_when_draft_miss"),
+                     "by_k": per_k})
+    return rows
+
+
+def format_table(rows: list[dict], ks: tuple) -> str:
+    lines = ["mean agreement over layers (min layer in brackets); * = trivial (K >= candidate blocks)"]
+    head = f"{'trajectory':<11}{'source':<7}{'ctx':>6}{'cand':>6}  {'draft':<11}{'accept':>7}" + \
+           "".join(f"{'K=' + str(k):>15}" for k in ks)
+    lines.append(head)
+    for r in rows:
+        cells = []
+        for e in r["by_k"]:
+            if e["mean"] is None:
+                cells.append("-")
+            else:
+                cells.append(f"{e['mean']:.3f}[{e['min_layer']:.2f}]" + ("*" if e["trivial"] else " "))
+        acc = "-" if r["draft_accept_rate"] is None else f"{r['draft_accept_rate']:.2f}"
+        lines.append(f"{r['trajectory']:<11}{r['source']:<7}{r['context']:>6}{r['candidates_min']:>6}  "
+                     f"{r['draft']:<11}{acc:>7}" + "".join(f"{c:>15}" for c in cells))
+    lines.append("\nsplit by whether the draft token was the real next token (mean over layers):")
+    lines.append(f"{'trajectory':<11}{'source':<7}{'ctx':>6}  {'draft':<11}{'':>8}" +
+                 "".join(f"{'K=' + str(k):>9}" for k in ks))
+    for r in rows:
+        for name, key in (("hit", "agreement_when_draft_hit"), ("miss", "agreement_when_draft_miss"),
+                          ("seed", "seed_agreement")):
+            if r[key] is None or (name == "seed" and r["draft"] != "dual_token"):
+                continue         # the seed (first step) is the same prediction for every draft
+            lines.append(f"{r['trajectory']:<11}{r['source']:<7}{r['context']:>6}  {r['draft']:<11}"
+                         f"{name:>8}" + "".join(f"{v:>9.3f}" for v in r[key]))
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], ks: tuple, path: Path, k_layers: int = PRODUCTION_K) -> list[str]:
+    """Per trajectory: agreement vs layer at K=k_layers (one panel per context; a line per draft
+    and source) and mean agreement vs K. Returns the files written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = {"dual_token": "tab:blue", "oracle": "tab:green", "random": "tab:red"}
+    styles = {"ruler": "-", "essay": "--"}
+    written = []
+    for traj in sorted({r["trajectory"] for r in rows}):
+        rs = [r for r in rows if r["trajectory"] == traj]
+        ctxs = sorted({r["context"] for r in rs})
+        fig, axes = plt.subplots(2, len(ctxs), figsize=(4.2 * len(ctxs), 7), squeeze=False)
+        for j, ctx in enumerate(ctxs):
+            ax, ax2 = axes[0][j], axes[1][j]
+            for r in (r for r in rs if r["context"] == ctx):
+                label = f"{r['draft']} / {r['source']}"
+                kw = dict(color=colors.get(r["draft"]), linestyle=styles.get(r["source"], ":"), linewidth=1.3)
+                e = next((e for e in r["by_k"] if e["k"] == k_layers), None)
+                if e is not None:
+                    layers = [v if v is not None else float("nan") for v in e["per_layer"]]
+                    ax.plot(range(len(layers)), layers, label=label, **kw)
+                xs = [e["k"] for e in r["by_k"] if e["mean"] is not None]
+                ys = [e["mean"] for e in r["by_k"] if e["mean"] is not None]
+                ax2.plot(xs, ys, marker="o", markersize=3, label=label, **kw)
+            cand = min(r["candidates_min"] for r in rs if r["context"] == ctx)
+            trivial = k_layers >= cand
+            ax.set_title(f"{ctx} tokens, K={k_layers}, {cand} candidate blocks" + (" (TRIVIAL)" if trivial else ""),
+                         fontsize=9)
+            if trivial:
+                ax.set_facecolor("#eeeeee")
+            ax.set_xlabel("layer")
+            ax.set_ylim(0, 1.02)
+            ax2.set_xscale("log", base=2)
+            ax2.set_xticks(list(ks), [str(k) for k in ks])
+            ax2.axvspan(cand, max(ks) * 1.5, color="#dddddd", zorder=0)
+            ax2.set_title(f"{ctx} tokens: mean over layers vs K (grey: K >= {cand}, trivial)", fontsize=9)
+            ax2.set_xlabel("K (blocks of 16 tokens)")
+            ax2.set_ylim(0, 1.02)
+        axes[0][0].set_ylabel("agreement (predicted ∩ true) / K")
+        axes[1][0].set_ylabel("agreement")
+        axes[0][0].legend(fontsize=7, loc="lower left")
+        fig.suptitle(f"draft-predicted vs real top-K block agreement ({traj} trajectory, urgent)", fontsize=10)
+        fig.tight_layout()
+        out = path.with_name(f"{path.stem}_{traj}{path.suffix}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=72)
+        plt.close(fig)
+        written.append(str(out))
+    return written
+
+
+# ---- main -------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--engine", default=str(ROOT / "engines" / "default"), help="engine dir")
+    p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8192],
+                   help="prompt lengths in tokens (RULER's: prompt + its answer budget)")
+    p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES,
+                   help="ruler: single-needle essay haystack (RULER); essay: essays + 'summarize'")
+    p.add_argument("--drafts", nargs="+", default=list(DRAFTS), choices=DRAFTS)
+    p.add_argument("--trajectories", nargs="+", default=["production"], choices=("production", "full"),
+                   help="production: K=128 sparse attention; full: K >= every block (dense attention)")
+    p.add_argument("--ks", nargs="+", type=int, default=list(SWEEP), help="the K sweep (blocks)")
+    p.add_argument("--production-k", type=int, default=PRODUCTION_K,
+                   help="K of the production trajectory's runs (the papers' 128)")
+    p.add_argument("--samples", type=int, default=1, help="prompts per source and context")
+    p.add_argument("--steps", type=int, default=24, help="decode steps measured per run")
+    p.add_argument("--template", choices=("chat", "base"), default="chat")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads; 1 because on a shared 2-core machine OpenMP's spin-waiting "
+                        "threads made runs 3-15x slower (measured), 2 on an idle machine")
+    p.add_argument("--jsonl", default=str(ROOT / "results" / "agreement.jsonl"),
+                   help="per-run results, appended (the resume state)")
+    p.add_argument("--json", default=str(ROOT / "results" / "agreement.json"), help="summary")
+    p.add_argument("--plot", default=str(ROOT / "results" / "agreement.png"),
+                   help="PNG path; one file per trajectory (<stem>_<trajectory>.png); '' for none")
+    args = p.parse_args(argv)
+    if "oracle" in args.drafts and "dual_token" not in args.drafts:
+        p.error("the oracle replays the dual_token run's continuation: add dual_token to --drafts")
+    args.drafts = [d for d in DRAFTS if d in args.drafts]        # dual_token first
+    args.ks = sorted(set(args.ks))
+    return args
+
+
+def run_k(trajectory: str, ctx: int, steps: int, block_size: int, production_k: int) -> int:
+    """The K a run uses: production's, or enough to cover every block (dense attention)."""
+    return production_k if trajectory == "production" else math.ceil((ctx + steps + 1) / block_size) + 1
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from tqdm import tqdm
+    args = parse_args(argv)
+    set_threads(args.threads)
+    settings = hashlib.sha1(json.dumps({"engine": str(Path(args.engine).resolve()), "ks": args.ks,
+                                        "steps": args.steps, "production_k": args.production_k, "template": args.template,
+                                        "seed": args.seed}, sort_keys=True).encode()).hexdigest()[:12]
+    jsonl = Path(args.jsonl)
+    jsonl.parent.mkdir(parents=True, exist_ok=True)
+    done = {}
+    if jsonl.is_file():
+        for line in jsonl.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if r.get("settings") == settings:
+                done[(r["trajectory"], r["source"], r["context"], r["index"], r["draft"])] = r
+    factory = EngineFactory(args.engine, max(args.contexts) + args.steps + 64)
+    wrap = factory.tokenizer.apply_chat_template if args.template == "chat" else None
+    bs = factory.base.config.block_size
+    ks = tuple(args.ks)
+    units = [(t, s, c, i, d) for t in args.trajectories for c in args.contexts for s in args.sources
+             for i in range(args.samples) for d in args.drafts]          # short contexts first
+    bar = tqdm(total=len(units), desc="agreement", unit="run", dynamic_ncols=True)
+    bar.update(sum(u in done for u in units))
+    prompts: dict[tuple, list[str]] = {}
+    for unit in units:
+        traj, src, ctx, i, draft = unit
+        if unit in done:
+            continue
+        if (src, ctx) not in prompts:
+            bar.set_postfix_str(f"{src}@{ctx}: making prompts")
+            prompts[(src, ctx)] = make_prompts(src, ctx, args.samples, factory, wrap, args.seed)
+        bar.set_postfix_str(f"{traj} {src}@{ctx} #{i} {draft}")
+        ref = done.get((traj, src, ctx, i, "dual_token"))
+        res = run_draft(factory, prompts[(src, ctx)][i], draft, run_k(traj, ctx, args.steps, bs, args.production_k), args.steps,
+                        ks, ref["output_ids"] if ref else None, args.seed + i)
+        rec = {"settings": settings, "trajectory": traj, "source": src, "context": ctx, "index": i,
+               "draft": draft, "run_top_k": run_k(traj, ctx, args.steps, bs, args.production_k), "ks": list(ks), **res}
+        if ref is not None and res["output_ids"] != ref["output_ids"]:
+            tqdm.write(f"warning: {unit}: output differs from the dual_token run (expected equal under urgent)")
+        append_record(jsonl, rec)
+        done[unit] = rec
+        bar.update(1)
+    bar.close()
+    recs = [done[u] for u in units]
+    rows = summarize(recs, ks)
+    check = crosscheck(recs)
+    files = plot(rows, ks, Path(args.plot), args.production_k) if args.plot else []
+    result = {"settings": {**{k: v for k, v in vars(args).items() if k not in ("jsonl", "json", "plot")},
+                           "key": settings, "block_size": bs},
+              "machine": machine_info(), "crosscheck_vs_runtime": check, "summary": rows,
+              "plots": files, "records": recs}
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(format_table(rows, ks))
+    print(f"\ncross-check vs the runtime's own agreement_per_layer at the run's K: max |diff| = "
+          f"{check['max_abs_diff']}" + ("" if check["compared"] else " (no run used a K in the sweep)"))
+    print(f"per-run results: {jsonl}  summary: {out}" + (f"  plots: {', '.join(files)}" if files else ""))
+    return result
+
+
+def crosscheck(recs: list[dict]) -> dict:
+    """Our per-layer agreement at the run's own K must equal the runtime's LookaheadMetrics."""
+    diffs = []
+    for r in recs:
+        if r["run_top_k"] not in r["ks"] or r["runtime"]["agreement_per_layer"] is None:
+            continue
+        i = r["ks"].index(r["run_top_k"])
+        for ours, theirs in zip(r["agreement_per_layer_with_seed"], r["runtime"]["agreement_per_layer"]):
+            if ours[i] is not None and theirs is not None:
+                diffs.append(abs(ours[i] - theirs))
+    return {"compared": len(diffs), "max_abs_diff": max(diffs) if diffs else None}
+
+
+if __name__ == "__main__":
+    main()
