@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -336,3 +337,41 @@ def test_exporter_sets_gauges_and_increments_counters_by_delta():
     assert np.isnan(families["lookahead_prefetch_hit_rate"].metric.value)
     assert families["lookahead_output_tokens_total"].metric.labels == {"model": "m"}
     ex.close()
+
+
+# ---- load test arithmetic -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def load_test():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("load_test", Path(__file__).parents[1] / "scripts" / "load_test.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module              # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_poisson_schedule_is_seeded_and_has_the_requested_rate(load_test):
+    a, b = load_test.Schedule(None, 4.0, 2000, None, seed=1), load_test.Schedule(None, 4.0, 2000, None, seed=1)
+    assert [a.arrival(i) for i in range(50)] == [b.arrival(i) for i in range(50)]
+    assert a.arrival(0) == 0.0 and a.arrival(1999) / 1999 == pytest.approx(0.25, rel=0.1)
+    assert a.more(1999, 1e9) and not a.more(2000, 0.0)
+    assert not load_test.Schedule(2, None, None, 5.0).more(10, 5.0)
+
+
+def test_summary_splits_multi_token_responses_into_gaps(load_test):
+    rec = load_test.Record(start=0.0, token_times=[(0.5, 1), (0.7, 1), (1.1, 2)], end=1.1, num_prompt_tokens=9)
+    assert rec.ttft == 0.5 and rec.itls() == pytest.approx([0.2, 0.2, 0.2])
+    s = load_test.summarize([rec, load_test.Record(start=0.2, error="boom")], cpu_s=0.4)
+    assert (s["completed"], s["errors"], s["output_tokens"]) == (1, 1, 4)
+    assert s["output_tokens_per_s"] == pytest.approx(4 / 1.1, abs=0.01) and s["ttft_ms"]["p50"] == 500.0
+    assert s["cpu_ms_per_output_token"] == 100.0
+
+
+def test_synthetic_prompts_have_the_requested_token_lengths(load_test, tiny_dir):
+    from runtime.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(Path(tiny_dir) / "tokenizer")
+    prompts = load_test.Prompts(40, 8.0, None, tok, seed=0)
+    assert prompts.get(3) == prompts.get(3)
+    assert [len(tok.encode(prompts.get(i))) for i in range(5)] == [prompts.length(i) for i in range(5)]

@@ -1,0 +1,130 @@
+"""A real tritonserver for tests: tiny engine, free ephemeral ports, a unique /dev/shm prefix.
+
+    from triton_fixtures import triton_server  # noqa: F401  (a session fixture)
+
+Skips (with the reason) where the bundled tritonserver (nvidia-pytriton) or tritonclient is missing.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tiny_engine import make_tiny_engine
+
+READY_TIMEOUT_S = 120
+
+
+@dataclass
+class TritonServer:
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    shm_prefix: str
+    log_path: Path
+    engine_dir: Path
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def metrics(self) -> dict[str, float]:
+        """Our lookahead_* families from the metrics endpoint, by name (one instance)."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        return {m[1]: float(m[2]) for m in re.finditer(r"^(lookahead_\w+)\{[^}]*\} (\S+)$", text, re.M)}
+
+    def log_tail(self, n: int = 40) -> str:
+        lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if not ln.startswith(("|", "+"))]
+        return "\n".join(lines[-n:])
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit status (idempotent)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"tritonserver ignored SIGTERM for {timeout} s:\n{self.log_tail()}")
+        return self.proc.returncode
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports the kernel calls free right now (held together, so they differ)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return urllib.request.urlopen(url + "/v2/health/ready", timeout=2).status == 200
+    except OSError:
+        return False
+
+
+def start_server(workdir: Path, engine_dir: Path, backend_dir: Path, **lookahead_overrides) -> TritonServer:
+    """Write a model repository for `engine_dir` and start tritonserver on it; waits until ready."""
+    from runtime.serving.config_template import write_model_repo
+    from runtime.serving.triton_env import ServerOptions, server_env
+
+    repo = write_model_repo(workdir / "model_repo", engine_dir, lookahead_overrides=lookahead_overrides)
+    http, grpc, metrics = free_ports(3)
+    prefix = f"lkvtest_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+    opts = ServerOptions(repo, backend_dir, http, grpc, metrics, shm_prefix=prefix)
+    log_path = workdir / "tritonserver.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(opts.argv(), env=server_env(), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    server = TritonServer(proc, http, grpc, metrics, prefix, log_path, Path(engine_dir))
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not _ready(server.http_url):
+        if proc.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with {proc.returncode} during start-up:\n{server.log_tail()}")
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"tritonserver not ready after {READY_TIMEOUT_S} s:\n{server.log_tail()}")
+        time.sleep(0.25)
+    return server
+
+
+@pytest.fixture(scope="session")
+def triton_backend_dir(tmp_path_factory) -> Path:
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install -e '.[serve]')")
+    from runtime.serving.triton_env import TritonNotFound, make_backend_dir
+    try:
+        return make_backend_dir(tmp_path_factory.mktemp("triton_backends"))
+    except TritonNotFound as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def triton_engine_dir(tmp_path_factory) -> Path:
+    return make_tiny_engine(tmp_path_factory.mktemp("triton_tiny"), seed=11)
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory, triton_engine_dir, triton_backend_dir):
+    server = start_server(tmp_path_factory.mktemp("triton"), triton_engine_dir, triton_backend_dir)
+    yield server
+    server.stop()
