@@ -33,9 +33,30 @@ model: $(STAMP)
 engine: model
 	@test -f $(ENGINE)/engine.yaml || $(VPY) scripts/build_engine.py --model default --output $(ENGINE)
 
+# The main job: serve the engine with Triton, ask it one question over HTTP /generate, load-test it
+# over gRPC streaming against the same workload in-process, and stop the server (also on failure).
+demo: HTTP_PORT ?= 8000
+demo: GRPC_PORT ?= 8001
+demo: METRICS_PORT ?= 8002
+demo: MODE ?= dense
 demo: engine
-	$(VPY) -m runtime generate --engine $(ENGINE) --max-tokens 48 \
-	  --prompt "What is the capital of France? Answer in one sentence."
+	@set -e; PYTHON=$(VPY) scripts/serve.sh start --engine $(ENGINE) --mode $(MODE) \
+	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT); \
+	trap 'PYTHON=$(VPY) scripts/serve.sh stop' EXIT; trap 'exit 130' INT TERM; \
+	$(VPY) -c 'import json; from runtime.tokenizer import TextTokenizer as T; \
+	  q = T("$(ENGINE)/tokenizer").apply_chat_template("What is the capital of France? Answer in one sentence."); \
+	  print(json.dumps({"text_input": q, "max_tokens": 48, "exclude_input_in_output": True}))' \
+	  | curl -sf http://127.0.0.1:$(HTTP_PORT)/v2/models/lookahead_llm/generate -d @-; echo; \
+	$(VPY) scripts/load_test.py --url 127.0.0.1:$(GRPC_PORT) --concurrency 4 --num-requests 16 \
+	  --prompt-len 128 --prompt-len-std 32 --max-tokens 32 --in-process \
+	  --server-pid-file build/serve/tritonserver.pid --json results/load_test.json --plot results/load_test.png
+
+.PHONY: serve serve-stop
+serve: engine
+	PYTHON=$(VPY) scripts/serve.sh start --engine $(ENGINE)
+
+serve-stop:
+	PYTHON=$(VPY) scripts/serve.sh stop
 
 test: model
 	$(VPY) -m pytest $(PYTEST_ARGS)
