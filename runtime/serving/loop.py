@@ -94,15 +94,10 @@ class EngineLoop:
     # ---- the loop thread ------------------------------------------------------------------------
     def _run(self) -> None:
         last_poll = last_stats = time.monotonic()
-        while True:
-            with self._cv:
-                while not self._stopping and not self.engine.has_unfinished():
-                    if self._publish_stats():          # idle: publish once more so gauges settle
-                        self._cv.wait(self.stats_interval_s if self._rate.active() else None)
-                    else:
-                        self._cv.wait()
-                if self._stopping:
-                    return
+        while not self._stopping:
+            if not self.engine.has_unfinished():
+                self._sleep()
+                continue
             self._step()
             now = time.monotonic()
             if now - last_poll >= self.cancel_poll_s:
@@ -111,6 +106,14 @@ class EngineLoop:
             if now - last_stats >= self.stats_interval_s:
                 self._publish_stats()
                 last_stats = now
+
+    def _sleep(self) -> None:
+        """Idle: publish the settled stats, then wait for `submit` or `stop`; while the tokens/s
+        gauge is still decaying, wake every stats interval to publish it (never a busy spin)."""
+        published = self._publish_stats()          # outside the lock: metric updates are IPC
+        with self._cv:
+            if not self._stopping and not self.engine.has_unfinished():
+                self._cv.wait(self.stats_interval_s if published and self._rate.active() else None)
 
     def _step(self) -> None:
         try:
