@@ -28,4 +28,8 @@ class RequestError(ConfigError):
 
 
 class CapacityError(LookaheadError):
-    """A request can never fit this engine's limits (context, memory)."""
+    """A request can never fit this engine's limits (context, memory), or cannot be queued now."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field

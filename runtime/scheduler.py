@@ -33,14 +33,18 @@ class Scheduler:
             raise CapacityError(
                 f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens ({seq.params.max_tokens}) = "
                 f"{seq.max_len} exceeds the engine's max_model_len {self.max_model_len}; "
-                "shorten the prompt or lower max_tokens")
+                "shorten the prompt or lower max_tokens", field="max_tokens")
         need = blocks_needed(seq.max_len, self.block_size)
         if need > self.allocator.num_blocks:
             raise CapacityError(f"the request needs {need} KV blocks but the host pool has "
-                                f"{self.allocator.num_blocks}; lower max_tokens or enlarge the pool")
+                                f"{self.allocator.num_blocks}; lower max_tokens or enlarge the pool",
+                                field="max_tokens")
 
     def check_queue(self, pending: int = 0) -> None:
-        """Raise QueueFullError when `pending` more requests would overflow the waiting queue."""
+        """Raise QueueFullError when `pending` more requests would overflow the waiting queue.
+
+        Called from request threads without the step loop's lock: len() of a deque is atomic in
+        CPython and an off-by-one here only shifts the bound by a request."""
         if len(self.waiting) + pending >= self.max_queue:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); retry later")
 
