@@ -25,16 +25,18 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without pip install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import runtime  # noqa: E402,F401  first: its CPU threading defaults (OpenMP wait policy) then apply to both sides
 import torch  # noqa: E402
 
 from bench_lib import (EngineDecoder, TransformersDecoder, format_table, machine_info,  # noqa: E402
-                       make_prompts, plot, reference_hf_dir)
+                       make_prompts, plot, profile_steps, reference_hf_dir)
 from runtime.engine import Engine  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 
 MODES = {"dense": {"mode": "dense"},
          "lookahead-resident": {"mode": "lookahead", "residency": "resident"},
          "lookahead-pingpong": {"mode": "lookahead", "residency": "pingpong"}}
+PROFILE_STEPS = 4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,17 +47,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,4", help="sequences decoded together (default: %(default)s)")
     p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps (default: %(default)s)")
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps first (default: %(default)s)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"ours: {', '.join(MODES)} (default: all)")
+    p.add_argument("--modes", default="dense", help=f"ours, comma-separated: {', '.join(MODES)}, or 'all' "
+                   "(default: %(default)s; each lookahead mode adds its own prefill, ~+50%% run time)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--quick", action="store_true", help="smoke run: contexts 512,1024, batches 1,2")
     p.add_argument("--json", help="write rows + machine info here")
     p.add_argument("--plot", help="write a bar chart (PNG) here")
+    p.add_argument("--profile", metavar="DIR", help="after the timed steps, profile %d more decode steps "
+                   "of each implementation (torch.profiler): op tables to DIR, ms/step by op group to "
+                   "the JSON" % PROFILE_STEPS)
     args = p.parse_args(argv)
     if args.quick:
         args.contexts, args.batches = "512,1024", "1,2"
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.modes = list(MODES) if args.modes == "all" else [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         p.error(f"--modes: unknown {unknown[0]!r}; known: {', '.join(MODES)}")
@@ -95,9 +101,10 @@ def warm_up(engines: dict[str, Engine | str], hf_model) -> None:
 def run_point(args, engines, hf_model, ctx: int, batch: int, order: int) -> list[dict[str, Any]]:
     first = next(e for e in engines.values() if isinstance(e, Engine))
     steps = args.warmup_steps + args.decode_steps
-    length = min(ctx, first.max_model_len - steps - 1)
+    extra = PROFILE_STEPS if args.profile else 0
+    length = min(ctx, first.max_model_len - steps - extra - 1)
     prompts, source = make_prompts(first, length, batch)
-    decoders = [EngineDecoder(m, e, prompts, steps + 1) for m, e in engines.items() if isinstance(e, Engine)]
+    decoders = [EngineDecoder(m, e, prompts, steps + extra + 1) for m, e in engines.items() if isinstance(e, Engine)]
     decoders.append(TransformersDecoder(hf_model, prompts))
     if order % 2:                      # alternate who prefills first from point to point
         decoders.reverse()
@@ -108,10 +115,16 @@ def run_point(args, engines, hf_model, ctx: int, batch: int, order: int) -> list
     for s in range(steps):             # interleaved: the order rotates every step
         for d in decoders[s % len(decoders):] + decoders[:s % len(decoders)]:
             d.step(timed=s >= args.warmup_steps)
+    profiles = {}
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        for d in decoders:
+            profiles[d.name] = profile_steps(d, PROFILE_STEPS, Path(args.profile) / f"{ctx}x{batch}-{d.name}.txt")
     for d in decoders:
         d.close()
     ref = next(d for d in decoders if d.name == "transformers")
-    rows = [_row(d, ref, ctx, length, batch, source) for d in decoders]
+    rows = [{**_row(d, ref, ctx, length, batch, source), "profile_ms_per_step": profiles.get(d.name)}
+            for d in decoders]
     rows += [{"context": ctx, "batch": batch, "impl": m, "error": e} for m, e in engines.items() if isinstance(e, str)]
     return rows
 
@@ -150,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hf_model = AutoModelForCausalLM.from_pretrained(reference_hf_dir(args.engine), dtype=torch.float32).eval()
     warm_up(engines, hf_model)
-    info = machine_info()
+    info = {**machine_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['torch_threads']} "
           f"threads), load average {info['loadavg_start'][0]:.1f}; loaded in {time.perf_counter() - t0:.0f}s")
     rows: list[dict[str, Any]] = []
@@ -164,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     info["loadavg_end"] = os.getloadavg()
     print(f"\nprompts: {rows[0]['prompt_source']}; {args.decode_steps} timed decode steps after "
           f"{args.warmup_steps} warm-up steps; total {time.perf_counter() - t0:.0f}s\n")
+    if args.profile:
+        print(f"profiled ms/step by op group (self CPU time; tables in {args.profile}/):")
+        for r in rows:
+            if r.get("profile_ms_per_step"):
+                groups = ", ".join(f"{g} {ms:.0f}" for g, ms in r["profile_ms_per_step"].items())
+                print(f"  {r['prompt_tokens']:>5} x{r['batch']} {r['impl']:<20} {groups}")
+        print()
     print(format_table(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -194,6 +194,33 @@ class EngineDecoder:
             self.engine.step()
 
 
+# ---- profiling ----------------------------------------------------------------------------------
+# Self time of aten ops, grouped by what they do in a decode step.
+OP_GROUPS = {
+    "linear (mm)": ("aten::mm", "aten::addmm"),
+    "attention math": ("aten::bmm", "aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                       "aten::_scaled_dot_product_attention_math"),
+    "copies (KV read / cat / write)": ("aten::copy_", "aten::cat", "aten::_index_put_impl_", "aten::index",
+                                       "aten::index_select", "aten::gather"),
+}
+
+
+def profile_steps(decoder, steps: int, path: Path) -> dict[str, float]:
+    """Run `steps` untimed decode steps under torch.profiler; write the op table to `path` and return
+    ms per step by op group (the rest of the self time, mostly dispatch and small ops, is "other")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            decoder.step(timed=False)
+    events = prof.key_averages()
+    path.write_text(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    self_us = {e.key: e.self_cpu_time_total for e in events}
+    groups = {g: sum(self_us.get(op, 0.0) for op in ops) for g, ops in OP_GROUPS.items()}
+    groups["other"] = sum(self_us.values()) - sum(groups.values())
+    return {g: round(us / 1000 / steps, 2) for g, us in groups.items()}
+
+
 # ---- machine and results ------------------------------------------------------------------------
 def machine_info() -> dict[str, Any]:
     def git(*args: str) -> str:
