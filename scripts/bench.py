@@ -133,8 +133,8 @@ def _row(d, ref, ctx: int, length: int, batch: int, source: str) -> dict[str, An
     t = d.timing
     tps = batch * t.timed_steps / t.decode_s
     ref_tps = batch * ref.timing.timed_steps / ref.timing.decode_s
-    kv_full = length * 2 * ref.model.config.num_hidden_layers * ref.model.config.num_key_value_heads \
-        * ref.model.config.head_dim * 4
+    c = ref.model.config
+    kv_full = length * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * ref.model.dtype.itemsize
     device = getattr(d, "device_bytes_per_seq", None)
     agree = min(_prefix(a, b) for a, b in zip(t.tokens, ref.timing.tokens))
     return {"context": ctx, "prompt_tokens": length, "batch": batch, "impl": d.name, "prompt_source": source,
