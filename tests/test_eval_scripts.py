@@ -151,7 +151,7 @@ def test_profile_agreement_runs_checks_and_resumes(tiny_dir, tmp_path, small_wor
     assert {"settings", "machine", "crosscheck_vs_runtime", "summary", "plots", "records"} <= set(res)
     # our re-ranking of the tapped scores equals the runtime's own metric at the run's K
     assert res["crosscheck_vs_runtime"]["compared"] > 0
-    assert res["crosscheck_vs_runtime"]["max_abs_diff"] < 1e-9
+    assert res["crosscheck_vs_runtime"]["max_abs_diff"] < 1e-6     # fp32 sums in the runtime
     rows = {(r["trajectory"], r["source"], r["draft"]): r for r in res["summary"]}
     assert len(rows) == 2 * 2 * 3
     for r in rows.values():
