@@ -1,7 +1,10 @@
 """The host KV pool: the full cache of every sequence, paged in blocks, one tensor per layer.
 
-Layout per layer: k, v `[num_blocks, num_kv_heads, block_size, head_dim]` — one KV head's block is
-contiguous, so the lookahead path moves (block, head) units without repacking.
+Layout per layer: k, v `[num_kv_heads, num_blocks, block_size, head_dim]` (head-major).
+- One KV head's block is contiguous, so the lookahead path moves (block, head) units as they are.
+- A sequence whose blocks form one run (the usual case: admission reserves all its blocks at
+  once) is read for dense attention as a view `[KVH, tokens, D]`, without copying its cache.
+`by_block(layer)` gives the `[num_blocks, KVH, bs, D]` view the ops' contracts use.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ class KVPool:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  pin_memory: bool = False):
-        shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self.v = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -28,24 +31,25 @@ class KVPool:
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
               block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
         """k, v: [T, KVH, D]; block_ids, offsets: [T] int64 -> stored at those slots."""
-        self.k[layer_idx, block_ids, :, offsets] = k
-        self.v[layer_idx, block_ids, :, offsets] = v
+        self.k[layer_idx, :, block_ids, offsets] = k.transpose(0, 1)
+        self.v[layer_idx, :, block_ids, offsets] = v.transpose(0, 1)
+
+    def by_block(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v of one layer as `[num_blocks, KVH, bs, D]` views (the ops' pool layout)."""
+        return self.k[layer_idx].transpose(0, 1), self.v[layer_idx].transpose(0, 1)
 
     def read(self, layer_idx: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` tokens of a sequence as k, v `[KVH, length, D]`.
 
-        A contiguous run of block ids is sliced (no gather); otherwise blocks are gathered.
+        A contiguous run of block ids is a view (no copy); otherwise blocks are gathered once.
         """
         n = -(-length // self.block_size)
         ids = block_table[:n]
         kl, vl = self.k[layer_idx], self.v[layer_idx]
         if ids[-1] - ids[0] == n - 1 and ids == list(range(ids[0], ids[0] + n)):
-            kb, vb = kl[ids[0]:ids[0] + n], vl[ids[0]:ids[0] + n]
+            kb, vb = kl[:, ids[0]:ids[0] + n], vl[:, ids[0]:ids[0] + n]
         else:
             idx = torch.tensor(ids, dtype=torch.long, device=kl.device)
-            kb, vb = kl.index_select(0, idx), vl.index_select(0, idx)
-        # [n, KVH, bs, D] -> [KVH, n * bs, D]; the transpose makes one copy of only what is read
-        shape = (self.num_kv_heads, n * self.block_size, self.head_dim)
-        k = kb.transpose(0, 1).reshape(shape)[:, :length]
-        v = vb.transpose(0, 1).reshape(shape)[:, :length]
-        return k, v
+            kb, vb = kl.index_select(1, idx), vl.index_select(1, idx)
+        shape = (self.num_kv_heads, n * self.block_size, self.head_dim)   # [KVH, n, bs, D] -> tokens
+        return kb.reshape(shape)[:, :length], vb.reshape(shape)[:, :length]

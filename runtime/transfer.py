@@ -23,7 +23,8 @@ import torch
 class CopyJob:
     """`dst[dst_index] = src[src_index]` for K and V alike (advanced indexing, one vectorised copy).
 
-    src_*: host pool of one layer `[num_blocks, KVH, bs, D]`, src_index = (block_ids [n], heads [n]);
+    src_*: host pool of one layer as `[num_blocks, KVH, bs, D]` (a view of the head-major pool),
+           src_index = (block_ids [n], heads [n]);
     dst_*: a device buffer `[lanes, KVH, slots, bs, D]`, dst_index = (lanes [n], heads [n], slots [n]).
     """
 

@@ -123,7 +123,7 @@ class LookaheadAttention:
 
     def _copy_job(self, layer: int, buf: int, adm: Admission) -> CopyJob:
         host = self.lane_blocks[adm.lanes, adm.blocks]
-        return CopyJob(self.pool.k[layer], self.pool.v[layer], self.dev_k[buf], self.dev_v[buf],
+        return CopyJob(*self.pool.by_block(layer), self.dev_k[buf], self.dev_v[buf],
                        (host, adm.heads), (adm.lanes, adm.heads, adm.slots + self.layout.selected_start),
                        tag=(self.step_idx, layer))
 
@@ -165,7 +165,7 @@ class LookaheadAttention:
                 for h in range(self.kvh):
                     lanes.append(lane), heads.append(h), slots.append(lay.device_slot(b))
                     host.append(int(self.lane_blocks[lane, b]))
-        fixed_job = CopyJob(self.pool.k[layer], self.pool.v[layer], self.dev_k[buf], self.dev_v[buf],
+        fixed_job = CopyJob(*self.pool.by_block(layer), self.dev_k[buf], self.dev_v[buf],
                             (torch.tensor(host, dtype=torch.long), torch.tensor(heads, dtype=torch.long)),
                             (torch.tensor(lanes, dtype=torch.long), torch.tensor(heads, dtype=torch.long),
                              torch.tensor(slots, dtype=torch.long)), tag=(self.step_idx, layer, "fixed"))
@@ -235,9 +235,9 @@ def check_integrity(attn: LookaheadAttention, layer: int, d: DecodePart) -> None
     held = attn.slots.block[buf, d.lanes]                                      # [B, KVH, K]
     b_i, h_i, j_i = (held >= 0).nonzero(as_tuple=True)
     host = attn.lane_blocks[d.lanes[b_i], held[b_i, h_i, j_i]]
-    for dev, pool in ((attn.dev_k, attn.pool.k), (attn.dev_v, attn.pool.v)):
+    for dev, pool in zip((attn.dev_k, attn.dev_v), attn.pool.by_block(layer)):
         got = dev[buf, d.lanes[b_i], h_i, lay.selected_start + j_i]
-        bad = (got != pool[layer, host, h_i]).flatten(1).any(-1).nonzero()
+        bad = (got != pool[host, h_i]).flatten(1).any(-1).nonzero()
         assert bad.numel() == 0, f"layer {layer}: selected slot {int(j_i[bad[0]])} of lane " \
                                  f"{int(d.lanes[b_i[bad[0]]])} does not hold its block"
     for lane, c in zip(d.lanes.tolist(), d.context_lens):
@@ -250,5 +250,5 @@ def check_integrity(attn: LookaheadAttention, layer: int, d: DecodePart) -> None
                 blk = slot if slot < lay.num_sink else next(
                     b for b in range(lay.window_start(c), (c - 1) // bs + 1) if lay.device_slot(b) == slot)
                 host = int(attn.lane_blocks[lane, blk])
-                assert torch.equal(attn.dev_k[buf, lane, h, slot, :n], attn.pool.k[layer, host, h, :n]), \
+                assert torch.equal(attn.dev_k[buf, lane, h, slot, :n], attn.pool.k[layer, h, host, :n]), \
                     f"layer {layer} lane {lane} head {h}: window/sink slot {slot} is stale"
