@@ -9,8 +9,9 @@ tokens; batch b = b different prompts), then all of them decode greedily *interl
 (the order rotates every step), so load from other processes falls on every implementation alike.
 Only decode steps are timed: tokens/s = batch x timed steps / their summed time. transformers runs
 its default path: one forward over the prompt (DynamicCache), then one-token forwards.
-`--modes` picks our implementations: dense, lookahead-resident, lookahead-pingpong (a mode the
-engine refuses is reported as 'not available'). Prints the table last; `--json` adds machine info.
+`--modes` picks our implementations: dense (default), lookahead-resident, lookahead-pingpong, or all
+(a mode the engine refuses is reported as 'not available'). Prints the table last; `--json` adds
+machine info; `--profile DIR` adds where each implementation's decode step spends its time.
 """
 from __future__ import annotations
 
