@@ -35,7 +35,6 @@ class LookaheadAttention:
         self.pingpong = cfg.residency == "pingpong"
         self.num_buffers = 2 if self.pingpong else mcfg.num_layers
         self.max_blocks = max_blocks
-        self.k_sel = min(cfg.top_k, max_blocks)
         dtype = pool.k.dtype
         shape = (self.num_buffers, num_lanes, self.kvh, lay.num_slots, lay.block_size, self.hd)
         self.dev_k = torch.zeros(shape, dtype=dtype)          # the device tier's KV working set
@@ -112,13 +111,18 @@ class LookaheadAttention:
         dk[lanes, :, slot, offsets] = kr
         dv[lanes, :, slot, offsets] = vr
 
-    def _score(self, layer: int, q: torch.Tensor, valid: torch.Tensor, n: int):
-        """q [n, H, D] for lanes [0, n) -> (top-K logical blocks [n, KVH, K], scores [n, KVH, NB])."""
-        kmin = self.kmin[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n]
-        kmax = self.kmax[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n]
-        idx, scores = plugins.block_topk(q, kmin, kmax, valid, self.k_sel)
-        if self.k_sel < self.cfg.top_k:
-            idx = torch.nn.functional.pad(idx, (0, self.cfg.top_k - self.k_sel), value=-1)
+    def _score(self, layer: int, q: torch.Tensor, valid: torch.Tensor, n: int, num_blocks: int):
+        """q [n, H, D] for lanes [0, n) -> (top-K logical blocks [n, KVH, K], scores [n, KVH, nb]).
+
+        Only the first `num_blocks` logical blocks (those any lane's context reaches) are scored.
+        """
+        nb = min(num_blocks, self.max_blocks)
+        kmin = self.kmin[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n, :nb]
+        kmax = self.kmax[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n, :nb]
+        k_sel = min(self.cfg.top_k, nb)
+        idx, scores = plugins.block_topk(q, kmin, kmax, valid[:, :nb], k_sel)
+        if k_sel < self.cfg.top_k:
+            idx = torch.nn.functional.pad(idx, (0, self.cfg.top_k - k_sel), value=-1)
         return idx, scores
 
     def _copy_job(self, layer: int, buf: int, adm: Admission) -> CopyJob:
@@ -136,7 +140,7 @@ class LookaheadAttention:
         pad_q[lane] = q_last
         pad_valid = torch.zeros(lane + 1, self.max_blocks, dtype=torch.bool)
         pad_valid[lane] = valid
-        idx, scores = self._score(layer, pad_q, pad_valid, lane + 1)
+        idx, scores = self._score(layer, pad_q, pad_valid, lane + 1, context_len // self.layout.block_size + 1)
         idx, scores = idx[lanes], scores[lanes]
         self._predict(layer, lanes, idx, scores, cap=self.cfg.top_k)
 
@@ -190,7 +194,8 @@ class LookaheadAttention:
         qd = torch.zeros(n, 2, q.shape[1], q.shape[2], dtype=q.dtype)
         qd[d.lanes, 0], qd[d.lanes, 1] = q[d.real_rows], q[d.draft_rows]
         # the real query's true top-K: for `urgent`, and for the agreement metric
-        true_idx, true_scores = self._score(layer, qd[:, 0], d.cand_mask, n)
+        nb = max(d.context_lens) // lay.block_size + 1          # covers this and the next step
+        true_idx, true_scores = self._score(layer, qd[:, 0], d.cand_mask, n, nb)
         t_idx = true_idx[d.lanes]
         resident = self.slots.resident(buf, d.lanes, t_idx)
         prev = self.pred[layer, d.lanes] if bool(self.has_pred[layer, d.lanes].all()) else None
@@ -217,7 +222,7 @@ class LookaheadAttention:
         o = plugins.lookahead_attention(qd, kb, vb, mask, kx, vx, xmask, self.scale)
         out[d.real_rows], out[d.draft_rows] = o[d.lanes, 0], o[d.lanes, 1]
         # look ahead: the draft query predicts the next step's top-K for this layer
-        p_idx, p_scores = self._score(layer, qd[:, 1], d.next_cand_mask, n)
+        p_idx, p_scores = self._score(layer, qd[:, 1], d.next_cand_mask, n, nb)
         self._predict(layer, d.lanes, p_idx[d.lanes], p_scores[d.lanes], cap=self.cfg.fetch_cap)
         if self.pingpong and layer + 2 < self.num_layers:
             self._refill(layer + 2, d)                            # this half is free again
