@@ -115,8 +115,8 @@ class ScoreTap:
     def close(self) -> None:
         self.attn._score = self._orig
 
-    def _score(self, layer: int, q: torch.Tensor, valid: torch.Tensor, n: int):
-        idx, scores = self._orig(layer, q, valid, n)
+    def _score(self, layer: int, q: torch.Tensor, valid: torch.Tensor, n: int, *args):
+        idx, scores = self._orig(layer, q, valid, n, *args)
         plan = self.attn.plan
         dec = plan.decode if plan is not None else None
         if dec is not None and valid is dec.cand_mask:          # the real query of this step
@@ -132,6 +132,10 @@ class ScoreTap:
         pred = self.pending.pop(layer, None)
         if pred is None or self.candidates[-1] == 0:
             return
+        # the backend scores only the blocks the contexts reach, so the two steps' widths can differ
+        width = max(pred.shape[-1], true.shape[-1])
+        pred, true = (torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=float("-inf"))
+                      for x in (pred, true))
         row = []
         for k in self.ks:
             t, p = top_k_mask(true, k), top_k_mask(pred, k)
