@@ -28,7 +28,13 @@ def block_gather_ref(src: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
 
 def block_topk_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, H, D], kmin/kmax [B, NB, KVH, D], valid [B, NB] -> (indices [B, KVH, k], scores [B, KVH, NB])."""
+    """q [B, H, D], kmin/kmax [B, NB, KVH, D], valid [B, NB] -> (indices [B, KVH, k], scores [B, KVH, NB]).
+
+    q [B, R, H, D] with valid [B, R, NB]: each row r on its own -> [B, R, KVH, k], [B, R, KVH, NB].
+    """
+    if q.dim() == 4:
+        outs = [block_topk_ref(q[:, r], kmin, kmax, valid[:, r], k) for r in range(q.shape[1])]
+        return torch.stack([o[0] for o in outs], 1), torch.stack([o[1] for o in outs], 1)
     B, H, _ = q.shape
     num_blocks, num_kv_heads = kmin.shape[1], kmin.shape[2]
     group = H // num_kv_heads

@@ -7,24 +7,25 @@ from ._common import FLOAT_DTYPES, check_same, check_shape, check_tensor, define
 
 
 def _group_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """q [B, H, D], kmin/kmax [B, NB, KVH, D] -> fp32 group scores [B, KVH, NB].
+    """q [B, R, H, D], kmin/kmax [B, NB, KVH, D] -> fp32 group scores [B, R, KVH, NB].
 
     With kmin <= kmax, max(q_d*kmin_d, q_d*kmax_d) = relu(q_d)*kmax_d + min(q_d, 0)*kmin_d, which
     is linear in q: a GQA group's heads fold into one weight pair per KV head before touching the
     summaries. Reading the summaries is the whole cost, so each is read once, in its native
-    layout, by one bmm of its (block, head) rows against all KV heads' weights, keeping the
-    matching head (the diagonal); KVH-fold arithmetic is free next to the memory traffic, and
-    unlike a broadcast multiply it allocates no summary-sized temporary.
+    layout, by one bmm of its (block, head) rows against all rows' and KV heads' weights, keeping
+    the matching head (the diagonal); R*KVH-fold arithmetic is free next to the memory traffic,
+    and unlike a broadcast multiply it allocates no summary-sized temporary. R query rows per
+    sequence (e.g. the real and the draft token) share that one read.
     """
-    B, H, D = q.shape
+    B, R, H, D = q.shape
     num_blocks, num_kv_heads = kmin.shape[1], kmin.shape[2]
-    qf = q.float().reshape(B, num_kv_heads, H // num_kv_heads, D)
-    w_max = qf.clamp_min(0).sum(2).transpose(1, 2)                              # [B, D, KVH]
-    w_min = qf.clamp_max(0).sum(2).transpose(1, 2)
+    qf = q.float().reshape(B, R, num_kv_heads, H // num_kv_heads, D)
+    w_max = qf.clamp_min(0).sum(3).reshape(B, R * num_kv_heads, D).transpose(1, 2)   # [B, D, R*KVH]
+    w_min = qf.clamp_max(0).sum(3).reshape(B, R * num_kv_heads, D).transpose(1, 2)
     rows = (B, num_blocks * num_kv_heads, D)
     scores = torch.bmm(kmax.float().reshape(rows), w_max).baddbmm_(kmin.float().reshape(rows), w_min)
-    scores = scores.view(B, num_blocks, num_kv_heads, num_kv_heads).diagonal(dim1=2, dim2=3)
-    return scores.transpose(1, 2).contiguous()                                   # [B, KVH, NB]
+    scores = scores.view(B, num_blocks, num_kv_heads, R, num_kv_heads).diagonal(dim1=2, dim2=4)
+    return scores.permute(0, 2, 3, 1).contiguous()                               # [B, R, KVH, NB]
 
 
 def _rank_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -46,22 +47,31 @@ def _rank_keys(scores: torch.Tensor) -> torch.Tensor:
 def _block_topk_impl(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
     B, num_blocks, num_kv_heads, _ = kmin.shape
+    rows = q.dim() == 4                          # [B, R, H, D]: R query rows per sequence
+    q4, v3 = (q, valid) if rows else (q.unsqueeze(1), valid.unsqueeze(1))
+    R = q4.shape[1]
     # Masked after scoring: an empty block's +-inf summary may score NaN; the fill overwrites it.
-    scores = _group_scores(q, kmin, kmax).masked_fill_(~valid.unsqueeze(1), float("-inf"))
+    scores = _group_scores(q4, kmin, kmax).masked_fill_(~v3.unsqueeze(2), float("-inf"))
+    scores = scores.view(B * R, num_kv_heads, num_blocks)
+    v2 = v3.reshape(B * R, num_blocks)
 
     top = torch.topk(_rank_keys(scores), k, dim=-1, sorted=False).values
-    top = (num_blocks - 1) - (top & 0xFFFFFFFF)                         # block ids [B, KVH, k]
+    top = (num_blocks - 1) - (top & 0xFFFFFFFF)                         # block ids [B*R, KVH, k]
     # Valid blocks score finitely and rank first; what else was picked is padding (k > #valid).
-    picked_valid = torch.gather(valid.unsqueeze(1).expand(B, num_kv_heads, num_blocks), -1, top)
+    picked_valid = torch.gather(v2.unsqueeze(1).expand(B * R, num_kv_heads, num_blocks), -1, top)
     top = torch.sort(top.masked_fill(~picked_valid, num_blocks), dim=-1).values  # padding last
-    return top.masked_fill(top == num_blocks, -1), scores
+    top = top.masked_fill(top == num_blocks, -1)
+    if rows:
+        return top.view(B, R, num_kv_heads, k), scores.view(B, R, num_kv_heads, num_blocks)
+    return top, scores
 
 
 def _block_topk_fake(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
     B, num_blocks, num_kv_heads, _ = kmin.shape
-    return (q.new_empty((B, num_kv_heads, k), dtype=torch.int64),
-            q.new_empty((B, num_kv_heads, num_blocks), dtype=torch.float32))
+    lead = tuple(q.shape[:-2])                   # (B,) or (B, R)
+    return (q.new_empty((*lead, num_kv_heads, k), dtype=torch.int64),
+            q.new_empty((*lead, num_kv_heads, num_blocks), dtype=torch.float32))
 
 
 define_op("block_topk", _block_topk_impl, _block_topk_fake)
@@ -77,36 +87,38 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
 
     Parameters
     ----------
-    q : Tensor, [B, H, D], float32/float16/bfloat16
-        One query per sequence (e.g. the draft row), post-RoPE.
+    q : Tensor, [B, H, D] or [B, R, H, D], float32/float16/bfloat16
+        One query per sequence (e.g. the draft row), post-RoPE; or R query rows per sequence (the
+        real and the draft token of a decode step), scored in one read of the summaries.
     kmin, kmax : Tensor, [B, NB, KVH, D], dtype of ``q``
         Per-block coordinate-wise min / max of the post-RoPE keys; ``kmin <= kmax`` on valid blocks.
-    valid : Tensor, [B, NB], bool
+    valid : Tensor, [B, NB] (or [B, R, NB] with 4-D q), bool
         Blocks that hold at least one key; the others score ``-inf`` and are never selected.
     k : int
         Blocks to select per (sequence, KV head), ``1 <= k <= NB``.
 
     Returns
     -------
-    indices : Tensor, [B, KVH, k], int64
+    indices : Tensor, [B, KVH, k] (or [B, R, KVH, k]), int64
         The selected block ids, ascending; where fewer than ``k`` blocks are valid, the row's
         tail is ``-1``. Ties in score go to the lower block id.
-    scores : Tensor, [B, KVH, NB], float32
+    scores : Tensor, [B, KVH, NB] (or [B, R, KVH, NB]), float32
         The group scores, ``-inf`` on invalid blocks.
     """
-    check_tensor("q", q, 3, FLOAT_DTYPES)
+    check_tensor("q", q, q.dim() if isinstance(q, torch.Tensor) and q.dim() in (3, 4) else 3, FLOAT_DTYPES)
     check_tensor("kmin", kmin, 4, FLOAT_DTYPES)
     check_same("kmin", kmin, "q", q)
     check_same("kmax", kmax, "kmin", kmin)
     check_shape("kmax", kmax, kmin.shape, "[B, NB, KVH, D] like kmin")
-    B, H, D = q.shape
+    B, H, D = q.shape[0], q.shape[-2], q.shape[-1]
+    lead = tuple(q.shape[:-2])                   # (B,) or (B, R)
     num_blocks, num_kv_heads = kmin.shape[1], kmin.shape[2]
     if kmin.shape[0] != B or kmin.shape[3] != D:
         fail("kmin", f"expected [B={B}, NB, KVH, D={D}] to match q, got {tuple(kmin.shape)}")
     if H % num_kv_heads:
         fail("kmin", f"num_kv_heads={num_kv_heads} (dim 2) does not divide q's num_heads={H}")
-    check_tensor("valid", valid, 2, torch.bool)
-    check_shape("valid", valid, (B, num_blocks), "[B, NB]")
+    check_tensor("valid", valid, len(lead) + 1, torch.bool)
+    check_shape("valid", valid, (*lead, num_blocks), "[B, NB]" if len(lead) == 1 else "[B, R, NB]")
     if valid.device != q.device:
         fail("valid", f"device {valid.device} differs from q's {q.device}")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= num_blocks:

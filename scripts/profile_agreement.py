@@ -119,10 +119,12 @@ class ScoreTap:
         idx, scores = self._orig(layer, q, valid, n, *args)
         plan = self.attn.plan
         dec = plan.decode if plan is not None else None
-        if dec is not None and valid is dec.cand_mask:          # the real query of this step
-            self._record(layer, scores[int(dec.lanes[0])])
-        else:           # the draft query (decode) or the last prompt token's query (pre-decoding)
-            self.pending[layer] = scores[n - 1 if dec is None else int(dec.lanes[0])].clone()
+        if scores.dim() == 4:       # a decode step: row 0 the real query, row 1 the draft query
+            lane = int(dec.lanes[0])
+            self._record(layer, scores[lane, 0])
+            self.pending[layer] = scores[lane, 1].clone()
+        else:                       # pre-decoding: the last prompt token's query seeds the set
+            self.pending[layer] = scores[n - 1].clone()
         return idx, scores
 
     def _record(self, layer: int, true: torch.Tensor) -> None:

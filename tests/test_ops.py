@@ -97,6 +97,35 @@ def test_block_topk_matches_reference(seed, dtype, group, k):
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", FLOATS)
+def test_block_topk_rows_match_reference_row_by_row(seed, dtype):
+    # A decode step scores the real and the draft query in one call, each with its own mask.
+    g = _gen(seed)
+    B, R, KVH, group, D, NB, k = 3, 2, 3, 3, 32, 50, 9
+    q = _randn(g, B, R, KVH * group, D, dtype=dtype)
+    kmin, kmax = _summaries(g, B, NB, KVH, D, dtype)
+    valid = torch.rand(B, R, NB, generator=g) < 0.8
+    valid[2, :, 6:] = False                                               # fewer valid blocks than k
+    idx, scores = plugins.block_topk(q, kmin, kmax, valid, k)
+    assert idx.shape == (B, R, KVH, k) and scores.shape == (B, R, KVH, NB)
+    idx_ref, scores_ref = ref.block_topk_ref(q, kmin, kmax, valid, k)
+    assert torch.equal(idx, idx_ref)
+    _assert_close(scores, scores_ref, torch.float32)
+    for r in range(R):                                                    # = the one-row op
+        one_idx, one_scores = plugins.block_topk(q[:, r].contiguous(), kmin, kmax, valid[:, r].contiguous(), k)
+        assert torch.equal(idx[:, r], one_idx)
+        _assert_close(scores[:, r], one_scores, torch.float32)
+    assert not torch.equal(idx[:, 0], idx[:, 1])                          # the rows are really distinct
+
+
+def test_block_topk_rows_need_a_mask_per_row():
+    q = torch.zeros(2, 2, 4, 8)
+    kmin = torch.zeros(2, 10, 2, 8)
+    with pytest.raises(ValueError, match=r"^valid: "):
+        plugins.block_topk(q, kmin, kmin + 1, torch.ones(2, 10, dtype=torch.bool), 3)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", FLOATS)
 def test_block_topk_ties_go_to_lower_block_id(seed, dtype):
     # Small integers make every product and sum exact in fp32, so scores tie often and exactly,
     # whatever the summation order: indices must still agree with the reference bit for bit.
@@ -208,6 +237,20 @@ def test_update_summaries_matches_reference(seed, dtype, T):
     ref.update_summaries_ref(kmin_ref, kmax_ref, keys, ids, offsets)
     assert out is None
     assert torch.equal(kmin, kmin_ref) and torch.equal(kmax, kmax_ref)     # min/max: bit-exact
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_update_summaries_one_key_per_block_matches_reference(seed, dtype):
+    # A decode step: every key lands in a different block (the op's scatter-free path).
+    g = _gen(seed)
+    kmin, kmax, keys, _, offsets = _update_inputs(g, 64, 3, 16, 8, dtype)
+    ids = torch.randperm(64, generator=g)[:8]
+    kmin_ref, kmax_ref = kmin.clone(), kmax.clone()
+    plugins.update_summaries(kmin, kmax, keys, ids, offsets)
+    ref.update_summaries_ref(kmin_ref, kmax_ref, keys, ids, offsets)
+    assert torch.equal(kmin, kmin_ref) and torch.equal(kmax, kmax_ref)
+    assert not torch.equal(kmin, _update_inputs(_gen(seed), 64, 3, 16, 8, dtype)[0])   # it wrote
 
 
 def test_update_summaries_reset_after_tokens_of_the_same_call():

@@ -42,7 +42,7 @@ class LookaheadAttention:
         sshape = (mcfg.num_layers, num_lanes * max_blocks, self.kvh, self.hd)
         self.kmin = torch.zeros(sshape, dtype=dtype)           # summaries, by (lane, logical block)
         self.kmax = torch.zeros(sshape, dtype=dtype)
-        self.slots = SlotTable(self.num_buffers, num_lanes, self.kvh, cfg.top_k)
+        self.slots = SlotTable(self.num_buffers, num_lanes, self.kvh, cfg.top_k, max_blocks)
         self.pred = torch.full((mcfg.num_layers, num_lanes, self.kvh, cfg.top_k), -1, dtype=torch.long)
         self.has_pred = torch.zeros(mcfg.num_layers, num_lanes, dtype=torch.bool)
         self.lane_blocks = torch.full((num_lanes, max_blocks), -1, dtype=torch.long)  # logical -> host
@@ -112,7 +112,8 @@ class LookaheadAttention:
         dv[lanes, :, slot, offsets] = vr
 
     def _score(self, layer: int, q: torch.Tensor, valid: torch.Tensor, n: int, num_blocks: int):
-        """q [n, H, D] for lanes [0, n) -> (top-K logical blocks [n, KVH, K], scores [n, KVH, nb]).
+        """q [n, (R,) H, D] for lanes [0, n) -> (top-K logical blocks [n, (R,) KVH, K], scores
+        [n, (R,) KVH, nb]); valid [n, (R,) max_blocks].
 
         Only the first `num_blocks` logical blocks (those any lane's context reaches) are scored.
         """
@@ -120,7 +121,7 @@ class LookaheadAttention:
         kmin = self.kmin[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n, :nb]
         kmax = self.kmax[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n, :nb]
         k_sel = min(self.cfg.top_k, nb)
-        idx, scores = plugins.block_topk(q, kmin, kmax, valid[:, :nb], k_sel)
+        idx, scores = plugins.block_topk(q, kmin, kmax, valid[..., :nb], k_sel)
         if k_sel < self.cfg.top_k:
             idx = torch.nn.functional.pad(idx, (0, self.cfg.top_k - k_sel), value=-1)
         return idx, scores
@@ -193,9 +194,11 @@ class LookaheadAttention:
                                 ctx // lay.block_size, ctx % lay.block_size)
         qd = torch.zeros(n, 2, q.shape[1], q.shape[2], dtype=q.dtype)
         qd[d.lanes, 0], qd[d.lanes, 1] = q[d.real_rows], q[d.draft_rows]
-        # the real query's true top-K: for `urgent`, and for the agreement metric
+        # One read of the summaries scores both rows: the real query's true top-K (for `urgent`,
+        # and for the agreement metric) and the draft's prediction for the next step (used below).
         nb = max(d.context_lens) // lay.block_size + 1          # covers this and the next step
-        true_idx, true_scores = self._score(layer, qd[:, 0], d.cand_mask, n, nb)
+        idx2, scores2 = self._score(layer, qd, d.cand_masks, n, nb)
+        true_idx, true_scores = idx2[:, 0], scores2[:, 0]
         t_idx = true_idx[d.lanes]
         resident = self.slots.resident(buf, d.lanes, t_idx)
         prev = self.pred[layer, d.lanes] if bool(self.has_pred[layer, d.lanes].all()) else None
@@ -222,8 +225,7 @@ class LookaheadAttention:
         o = plugins.lookahead_attention(qd, kb, vb, mask, kx, vx, xmask, self.scale)
         out[d.real_rows], out[d.draft_rows] = o[d.lanes, 0], o[d.lanes, 1]
         # look ahead: the draft query predicts the next step's top-K for this layer
-        p_idx, p_scores = self._score(layer, qd[:, 1], d.next_cand_mask, n, nb)
-        self._predict(layer, d.lanes, p_idx[d.lanes], p_scores[d.lanes], cap=self.cfg.fetch_cap)
+        self._predict(layer, d.lanes, idx2[d.lanes, 1], scores2[d.lanes, 1], cap=self.cfg.fetch_cap)
         if self.pingpong and layer + 2 < self.num_layers:
             self._refill(layer + 2, d)                            # this half is free again
 

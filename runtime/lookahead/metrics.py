@@ -8,20 +8,22 @@ import torch
 
 @dataclass
 class LookaheadMetrics:
-    """Engine-wide tallies, plus per-lane tallies that become a request's metrics when it ends."""
+    """Engine-wide tallies, plus per-lane tallies that become a request's metrics when it ends.
+
+    Tallies stay tensors, so recording a layer costs a few small ops and no host round trip.
+    """
 
     num_layers: int
     num_lanes: int = 1
-    agree_sum: list[float] = field(default_factory=list)    # per layer: sum of |pred ∩ true| / |true|
-    agree_cnt: list[int] = field(default_factory=list)
-    true_blocks: int = 0             # blocks in the real query's top-K, summed over steps/layers/heads
-    hit_blocks: int = 0              # ... of which were resident before any urgent fetch
     urgent_blocks: int = 0
     prefetched_blocks: int = 0
 
     def __post_init__(self) -> None:
-        self.agree_sum = [0.0] * self.num_layers
-        self.agree_cnt = [0] * self.num_layers
+        # per layer: sum of |pred ∩ true| / |true| over (lane, head), and the count of such rows
+        self.layer = torch.zeros(self.num_layers, 2, dtype=torch.float64)
+        # blocks in the real query's top-K over steps/layers/heads, and those resident before any
+        # urgent fetch
+        self.blocks = torch.zeros(2, dtype=torch.float64)
         # per lane: true blocks, hits, agreement sum, agreement count, urgent, prefetched
         self.lane = torch.zeros(self.num_lanes, 6, dtype=torch.float64)
 
@@ -41,32 +43,32 @@ class LookaheadMetrics:
                      resident: torch.Tensor) -> None:
         """lanes [B]; pred, true: [B, KVH, K] logical blocks (-1 pad); resident: bool, for `true`."""
         valid = true >= 0
-        n_true = valid.sum(-1)                                                 # [B, KVH]
-        hits = (resident & valid).sum(-1)
-        self.true_blocks += int(n_true.sum())
-        self.hit_blocks += int(hits.sum())
-        self.lane[lanes, 0] += n_true.sum(-1).double()
-        self.lane[lanes, 1] += hits.sum(-1).double()
+        n_true = valid.sum(-1).double()                                        # [B, KVH]
+        hits = (resident & valid).sum(-1).double()
+        self.blocks += torch.stack([n_true.sum(), hits.sum()])
+        self.lane[lanes, :2] += torch.stack([n_true.sum(-1), hits.sum(-1)], -1)
         if pred is None:
             return
-        both = ((true[..., :, None] == pred[..., None, :]) & (pred >= 0)[..., None, :]).any(-1) & valid
+        # membership through a per-(lane, head) bitmap of the predicted blocks (column 0 = "-1")
+        width = int(torch.maximum(true.max(), pred.max())) + 2
+        in_pred = torch.zeros(*pred.shape[:-1], width, dtype=torch.bool).scatter_(-1, pred + 1, True)
+        in_pred[..., 0] = False
+        both = in_pred.gather(-1, true + 1) & valid
         rows = n_true > 0
-        if rows.any():
-            frac = torch.where(rows, both.sum(-1).double() / n_true.clamp(min=1), 0.0)   # [B, KVH]
-            self.agree_sum[layer] += float(frac.sum())
-            self.agree_cnt[layer] += int(rows.sum())
-            self.lane[lanes, 2] += frac.sum(-1)
-            self.lane[lanes, 3] += rows.sum(-1).double()
+        frac = both.sum(-1).double() / n_true.clamp(min=1)                      # [B, KVH]; 0 if no row
+        self.layer[layer] += torch.stack([frac.sum(), rows.sum().double()])
+        self.lane[lanes, 2:4] += torch.stack([frac.sum(-1), rows.sum(-1).double()], -1)
 
     def per_layer_agreement(self) -> list[float | None]:
-        return [s / c if c else None for s, c in zip(self.agree_sum, self.agree_cnt)]
+        return [s / c if c else None for s, c in self.layer.tolist()]
 
     def summary(self) -> dict:
         per = [a for a in self.per_layer_agreement() if a is not None]
+        true, hit = self.blocks.tolist()
         return {
             "agreement_mean": sum(per) / len(per) if per else None,
             "agreement_per_layer": self.per_layer_agreement(),
-            "prefetch_hit_rate": self.hit_blocks / self.true_blocks if self.true_blocks else None,
+            "prefetch_hit_rate": hit / true if true else None,
             "urgent_blocks": self.urgent_blocks,
             "prefetched_blocks": self.prefetched_blocks,
         }

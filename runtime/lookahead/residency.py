@@ -2,6 +2,7 @@
 
 Bookkeeping only (small int tensors, no KV bytes): `plan` decides, the transfer engine moves.
 Shapes: `[num_buffers, lanes, KVH, K]`; a buffer is a layer (resident) or a ping-pong half.
+An inverse map (logical block -> slot) makes membership a gather instead of a K x K' compare.
 """
 from __future__ import annotations
 
@@ -24,24 +25,36 @@ class Admission:
 
 
 class SlotTable:
-    def __init__(self, num_buffers: int, num_lanes: int, num_kv_heads: int, top_k: int):
+    def __init__(self, num_buffers: int, num_lanes: int, num_kv_heads: int, top_k: int, max_blocks: int):
         shape = (num_buffers, num_lanes, num_kv_heads, top_k)
+        self.top_k, self.max_blocks = top_k, max_blocks
         self.block = torch.full(shape, -1, dtype=torch.long)
         self.last_used = torch.full(shape, -1, dtype=torch.long)
+        # slot_of[..., b] = slot holding logical block b, or -1; column max_blocks stands for "no
+        # block" (-1 entries of a request) and stays -1
+        self.slot_of = torch.full((num_buffers, num_lanes, num_kv_heads, max_blocks + 1), -1, dtype=torch.long)
 
     def reset_lane(self, lane: int) -> None:
         self.block[:, lane] = -1
         self.last_used[:, lane] = -1
+        self.slot_of[:, lane] = -1
+
+    def _col(self, blocks: torch.Tensor) -> torch.Tensor:
+        return torch.where(blocks >= 0, blocks, self.max_blocks)
 
     def resident(self, buf: int, lanes: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """blocks [B, KVH, n] (-1 = none) -> bool [B, KVH, n]: is the block in a selected slot?"""
-        held = self.block[buf, lanes]                                           # [B, KVH, K]
-        return ((blocks[..., :, None] == held[..., None, :]) & (held >= 0)[..., None, :]).any(-1) & (blocks >= 0)
+        return self.slot_of[buf, lanes].gather(-1, self._col(blocks)) >= 0
 
     def assign(self, buf: int, lanes: torch.Tensor, blocks: torch.Tensor, step: int) -> None:
         """Ping-pong refill: slot j of each (lane, head) now holds blocks[..., j]."""
         self.block[buf, lanes] = blocks
         self.last_used[buf, lanes] = torch.where(blocks >= 0, step, -1)
+        inv = torch.full_like(self.slot_of[buf, lanes], -1)
+        slots = torch.arange(blocks.shape[-1]).expand_as(blocks)
+        inv.scatter_(-1, self._col(blocks), torch.where(blocks >= 0, slots, -1))
+        inv[..., self.max_blocks] = -1
+        self.slot_of[buf, lanes] = inv
 
     def plan(self, buf: int, lanes: torch.Tensor, want: torch.Tensor, priority: torch.Tensor,
              cap: int, step: int) -> Admission:
@@ -52,22 +65,30 @@ class SlotTable:
         """
         held = self.block[buf, lanes]                                           # [B, KVH, K]
         last = self.last_used[buf, lanes]
+        inv = self.slot_of[buf, lanes]
         valid = want >= 0
-        eq = (held[..., :, None] == want[..., None, :]) & valid[..., None, :]  # [B, KVH, K, K']
-        slot_wanted = eq.any(-1) & (held >= 0)                                  # keep these
-        missing = valid & ~eq.any(-2)                                           # [B, KVH, K']
+        where = inv.gather(-1, self._col(want))                                 # [B, KVH, K'] slot or -1
+        missing = valid & (where < 0)
+        # slots holding a wanted block: scatter into a spare column K for the not-held ones
+        slot_wanted = torch.zeros(*held.shape[:-1], self.top_k + 1, dtype=torch.bool)
+        slot_wanted.scatter_(-1, torch.where(where >= 0, where, self.top_k), True)
+        slot_wanted = slot_wanted[..., : self.top_k]
         last = torch.where(slot_wanted, step, last)
         victims = torch.argsort(torch.where(slot_wanted, torch.iinfo(torch.long).max, last), dim=-1,
                                 stable=True)
         order = torch.argsort(torch.where(missing, -priority, float("inf")), dim=-1, stable=True)
         n_admit = missing.sum(-1).clamp(max=cap)                                # [B, KVH]
-        k_want = want.shape[-1]
-        take = torch.arange(k_want) < n_admit[..., None]                        # [B, KVH, K']
+        take = torch.arange(want.shape[-1]) < n_admit[..., None]                # [B, KVH, K']
         b_idx, h_idx, j_idx = take.nonzero(as_tuple=True)
         slots = victims[b_idx, h_idx, j_idx]
         blocks = want.gather(-1, order)[b_idx, h_idx, j_idx]
+        evicted = held[b_idx, h_idx, slots]
+        inv[b_idx, h_idx, self._col(evicted)] = -1
+        inv[b_idx, h_idx, blocks] = slots
+        inv[..., self.max_blocks] = -1
         held[b_idx, h_idx, slots] = blocks
         last[b_idx, h_idx, slots] = step
         self.block[buf, lanes] = held
         self.last_used[buf, lanes] = last
+        self.slot_of[buf, lanes] = inv
         return Admission(lanes[b_idx], h_idx, slots, blocks)

@@ -26,8 +26,8 @@ class DecodePart:
     num_lanes: int                 # lanes [0, num_lanes) are computed; inactive ones are masked out
     base_mask: torch.Tensor        # [num_lanes, (S + Wb) * bs] bool: sink + window tokens visible
     lane_active: torch.Tensor      # [num_lanes] bool
-    cand_mask: torch.Tensor        # [num_lanes, max_blocks] bool: top-K candidates this step
-    next_cand_mask: torch.Tensor   # [num_lanes, max_blocks] bool: ... at the next step
+    cand_masks: torch.Tensor       # [num_lanes, 2, max_blocks] bool: top-K candidates of the real
+                                   # query (this step) and of the draft query (the next step)
     context_lens: list[int]        # per decoding lane, after this step's real token
 
     @property
@@ -68,13 +68,12 @@ def build_decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int]
                       context_lens: list[int], max_blocks: int) -> DecodePart:
     n = max(lanes) + 1
     base = torch.zeros(n, layout.selected_start * layout.block_size, dtype=torch.bool)
-    cand = torch.zeros(n, max_blocks, dtype=torch.bool)
-    nxt = torch.zeros(n, max_blocks, dtype=torch.bool)
+    cand = torch.zeros(n, 2, max_blocks, dtype=torch.bool)
     active = torch.zeros(n, dtype=torch.bool)
     for lane, c in zip(lanes, context_lens):
         base[lane] = window_mask(layout, c)
-        cand[lane] = candidate_mask(layout, c, max_blocks)
-        nxt[lane] = candidate_mask(layout, c + 1, max_blocks)
+        cand[lane, 0] = candidate_mask(layout, c, max_blocks)
+        cand[lane, 1] = candidate_mask(layout, c + 1, max_blocks)
         active[lane] = True
     t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    return DecodePart(t(lanes), t(real_rows), t(draft_rows), n, base, active, cand, nxt, list(context_lens))
+    return DecodePart(t(lanes), t(real_rows), t(draft_rows), n, base, active, cand, list(context_lens))

@@ -1,0 +1,99 @@
+"""SlotTable (capped eviction) against a plain-Python statement of the rule, on random request streams."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from runtime.lookahead.residency import SlotTable
+
+
+def plan_ref(held: list[int], last: list[int], want: list[int], prio: list[float], cap: int, step: int):
+    """One (lane, head): returns (held', last', [(slot, block)]) per the rule in SlotTable.plan."""
+    held, last = list(held), list(last)
+    wanted = {b for b in want if b >= 0}
+    for s, b in enumerate(held):
+        if b >= 0 and b in wanted:
+            last[s] = step
+    missing = [j for j, b in enumerate(want) if b >= 0 and b not in held]
+    missing.sort(key=lambda j: -prio[j])                       # stable: ties keep request order
+    free = [s for s in range(len(held)) if not (held[s] >= 0 and held[s] in wanted)]
+    free.sort(key=lambda s: last[s])                           # stable: ties to the lower slot
+    admitted = []
+    for j, s in zip(missing[:cap], free):
+        held[s], last[s] = want[j], step
+        admitted.append((s, want[j]))
+    return held, last, admitted
+
+
+def test_plan_matches_the_rule_and_keeps_the_inverse_map_true():
+    rng = random.Random(0)
+    B, KVH, K, NB, bufs = 3, 2, 6, 20, 2
+    table = SlotTable(bufs, B, KVH, K, NB)
+    held = [[[[-1] * K for _ in range(KVH)] for _ in range(B)] for _ in range(bufs)]
+    last = [[[[-1] * K for _ in range(KVH)] for _ in range(B)] for _ in range(bufs)]
+    total = 0
+    for step in range(1, 60):
+        buf = rng.randrange(bufs)
+        lanes = sorted(rng.sample(range(B), rng.randint(1, B)))
+        kw = rng.randint(1, K)
+        want = torch.full((len(lanes), KVH, kw), -1, dtype=torch.long)
+        for i in range(len(lanes)):
+            for h in range(KVH):
+                n = rng.randint(0, kw)
+                want[i, h, :n] = torch.tensor(rng.sample(range(NB), n))
+        prio = torch.randint(0, 4, want.shape).float()            # ties on purpose
+        cap = rng.randint(1, K)
+        adm = table.plan(buf, torch.tensor(lanes), want, prio, cap, step)
+        got = sorted(zip(adm.lanes.tolist(), adm.heads.tolist(), adm.slots.tolist(), adm.blocks.tolist()))
+        exp = []
+        for i, lane in enumerate(lanes):
+            for h in range(KVH):
+                hl, ls, a = plan_ref(held[buf][lane][h], last[buf][lane][h], want[i, h].tolist(),
+                                     prio[i, h].tolist(), cap, step)
+                held[buf][lane][h], last[buf][lane][h] = hl, ls
+                exp += [(lane, h, s, b) for s, b in a]
+        assert got == sorted(exp), step
+        total += len(exp)
+        assert table.block.tolist() == held and table.last_used.tolist() == last
+        # the inverse map agrees with the table, and resident() is set membership
+        for bf in range(bufs):
+            for lane in range(B):
+                for h in range(KVH):
+                    for b in range(NB):
+                        s = int(table.slot_of[bf, lane, h, b])
+                        assert (s >= 0) == (b in held[bf][lane][h]) and (s < 0 or held[bf][lane][h][s] == b)
+        probe = torch.randint(-1, NB, (len(lanes), KVH, 5))
+        res = table.resident(buf, torch.tensor(lanes), probe)
+        for i, lane in enumerate(lanes):
+            for h in range(KVH):
+                for j, b in enumerate(probe[i, h].tolist()):
+                    assert bool(res[i, h, j]) == (b >= 0 and b in held[buf][lane][h])
+    assert total > 100                                              # the stream did admit and evict
+
+
+def test_assign_and_reset_keep_the_inverse_map_true():
+    table = SlotTable(2, 2, 1, 4, 10)
+    table.assign(1, torch.tensor([0, 1]), torch.tensor([[[3, 7, -1, 1]], [[-1, -1, -1, -1]]]), step=5)
+    assert table.resident(1, torch.tensor([0]), torch.tensor([[[1, 3, 7, 2, -1]]])).tolist() == \
+        [[[True, True, True, False, False]]]
+    assert table.slot_of[1, 0, 0, 7] == 1 and (table.slot_of[1, 1] < 0).all()
+    table.assign(1, torch.tensor([0]), torch.tensor([[[2, -1, -1, -1]]]), step=6)
+    assert table.resident(1, torch.tensor([0]), torch.tensor([[[3, 2]]])).tolist() == [[[False, True]]]
+    table.reset_lane(0)
+    assert (table.slot_of[:, 0] < 0).all() and (table.block[:, 0] < 0).all()
+
+
+def test_metrics_agreement_and_hits_count_the_overlap():
+    from runtime.lookahead.metrics import LookaheadMetrics
+    m = LookaheadMetrics(num_layers=2, num_lanes=3)
+    true = torch.tensor([[[1, 5, 9, -1]], [[2, 3, -1, -1]]])        # lanes 2 and 0, one KV head
+    pred = torch.tensor([[[5, 9, 11, 40]], [[-1, -1, -1, -1]]])
+    resident = torch.tensor([[[True, False, True, False]], [[False, False, False, False]]])
+    m.record_layer(1, torch.tensor([2, 0]), pred, true, resident)
+    assert m.per_layer_agreement() == [None, (2 / 3 + 0.0) / 2]
+    s = m.summary()
+    assert s["prefetch_hit_rate"] == 2 / 5
+    lane2 = m.take_lane(2)
+    assert lane2["agreement_mean"] == 2 / 3 and lane2["prefetch_hit_rate"] == 2 / 3
+    assert m.take_lane(0)["agreement_mean"] == 0.0
