@@ -15,9 +15,10 @@ def _row_max(s: torch.Tensor) -> torch.Tensor:
     return s.amax(-1, keepdim=True)
 
 
-def _lookahead_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor,
-                              k_extra: torch.Tensor, v_extra: torch.Tensor, extra_mask: torch.Tensor,
-                              scale: float) -> torch.Tensor:
+def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor,
+                    k_extra: torch.Tensor, v_extra: torch.Tensor, extra_mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """The op in plain matmuls (fallback where torch has no fused CPU attention kernel)."""
     B, R, H, D = q.shape
     num_kv_heads, N = k.shape[1], k.shape[2]
     E = k_extra.shape[2]
@@ -40,6 +41,38 @@ def _lookahead_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # 1 only touches rows that see none, turning 0/0 into the documented zero output.
     denom = (p_kv.sum(-1, keepdim=True) + p_ex.sum(-1, keepdim=True)).clamp_min_(1.0)
     out = (p_kv @ v.float() + p_ex @ v_extra.float()) / denom              # [B, KVH, R*G, D]
+    return out.view(B, num_kv_heads, R, G, D).transpose(1, 2).reshape(B, R, H, D).to(q.dtype)
+
+
+_FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _lookahead_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor,
+                              k_extra: torch.Tensor, v_extra: torch.Tensor, extra_mask: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """CPU: torch's fused (flash) attention over the gathered KV, which also returns each row's
+    log-sum-exp, then the few extra keys merged in by that log-sum-exp. K/V are read once, by one
+    fused kernel, with the GQA group's heads and both rows folded into the query dim."""
+    if _FUSED is None or q.device.type != "cpu" or k.shape[2] == 0:
+        return _attention_math(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale)
+    B, R, H, D = q.shape
+    num_kv_heads = k.shape[1]
+    E = k_extra.shape[2]
+    G = H // num_kv_heads
+    qg = q.reshape(B, R, num_kv_heads, G, D).transpose(1, 2).reshape(B, num_kv_heads, R * G, D)
+    bias = torch.zeros(kv_mask.shape, dtype=q.dtype).masked_fill_(~kv_mask, float("-inf")).unsqueeze(2)
+    out_kv, lse = _FUSED(qg, k, v, 0.0, False, attn_mask=bias, scale=scale)   # [B,KVH,RG,D], [B,KVH,RG]
+    # A (b, kvh) with no visible gathered key gets no weight from that part (the kernel's lse is
+    # then meaningless).
+    lse = lse.masked_fill(~kv_mask.any(-1, keepdim=True), float("-inf")).unsqueeze(-1)   # [B,KVH,RG,1]
+    s_ex = (qg.float() * scale) @ k_extra.float().transpose(-1, -2)                     # [B,KVH,RG,E]
+    ex_visible = extra_mask.reshape(B, 1, R, 1, E).expand(B, 1, R, G, E).reshape(B, 1, R * G, E)
+    s_ex.masked_fill_(~ex_visible, float("-inf"))
+    m = torch.maximum(lse, _row_max(s_ex))
+    m = m.masked_fill(m == float("-inf"), 0.0)
+    w_kv, p_ex = (lse - m).exp(), (s_ex - m).exp_()
+    denom = (w_kv + p_ex.sum(-1, keepdim=True)).clamp_min_(1.0)        # >= 1 unless no key is visible
+    out = (out_kv.float() * w_kv + p_ex @ v_extra.float()) / denom       # [B, KVH, R*G, D]
     return out.view(B, num_kv_heads, R, G, D).transpose(1, 2).reshape(B, R, H, D).to(q.dtype)
 
 

@@ -34,6 +34,12 @@ class KVPool:
         self.k[layer_idx, :, block_ids, offsets] = k.transpose(0, 1)
         self.v[layer_idx, :, block_ids, offsets] = v.transpose(0, 1)
 
+    def write_layers(self, layers: slice, k: torch.Tensor, v: torch.Tensor,
+                     block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Several layers in one copy: k, v [L', T, KVH, D] for layers `layers` (a slice)."""
+        self.k[layers, :, block_ids, offsets] = k.permute(0, 2, 1, 3)
+        self.v[layers, :, block_ids, offsets] = v.permute(0, 2, 1, 3)
+
     def by_block(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v of one layer as `[num_blocks, KVH, bs, D]` views (the ops' pool layout)."""
         return self.k[layer_idx].transpose(0, 1), self.v[layer_idx].transpose(0, 1)

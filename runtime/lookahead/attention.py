@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-import plugins
+import plugins  # registers torch.ops.lookahead.*
 from ..attention_dense import prefill_attention
 from ..config import LookaheadConfig, ModelConfig
 from ..kv_pool import KVPool
@@ -23,6 +23,11 @@ from .layout import SlotLayout
 from .metrics import LookaheadMetrics
 from .residency import Admission, SlotTable
 from .step_plan import DecodePart, StepPlan
+
+# The ops unwrapped: this module builds every shape itself, and on the hot path (3 ops x layers x
+# steps) the wrappers' argument checks cost more than the ops' own work on small batches. With
+# `debug_checks` (the tests) the checked wrappers `plugins.*` run instead, on the same arguments.
+OPS = torch.ops.lookahead
 
 
 class LookaheadAttention:
@@ -51,6 +56,12 @@ class LookaheadAttention:
         self.step_idx = 0
         self.plan: StepPlan | None = None
         self.debug_checks = False           # tests: verify slot contents before every attention
+        self._step_metrics: list[tuple] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # decode rows, stored at end_step
+
+    @property
+    def _ops(self):
+        return plugins if self.debug_checks else OPS
 
     # ---- lanes ----------------------------------------------------------------------------------
     def attach(self, lane: int, block_table: list[int]) -> None:
@@ -73,21 +84,35 @@ class LookaheadAttention:
     def begin_step(self, plan: StepPlan) -> None:
         self.plan = plan
         self.step_idx += 1
+        self._step_metrics = []             # a step that failed midway leaves no half tally
+        self._pending = []
         if self.pingpong and plan.decode is not None:
             for layer in range(min(2, self.num_layers)):
                 self._refill(layer, plan.decode)
 
+    def end_step(self) -> None:
+        """After the last layer: store a decode step's K/V and tally its metrics, all layers at once."""
+        pending, self._pending = self._pending, []
+        if pending:
+            ks, vs = zip(*pending)
+            self._store(slice(0, len(pending)), torch.stack(ks), torch.stack(vs))
+        rec, self._step_metrics = self._step_metrics, []
+        if rec:
+            layers, pred, has, true, res = zip(*rec)
+            self.metrics.record_step(list(layers), self.plan.decode.lane_ix, torch.stack(pred),
+                                     torch.stack(has), torch.stack(true), torch.stack(res))
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.plan
-        kr, vr = k[p.real_rows], v[p.real_rows]
-        self.pool.write(layer, kr, vr, p.batch.slot_blocks, p.batch.slot_offsets)
-        plugins.update_summaries(self.kmin[layer], self.kmax[layer], kr,
-                                 p.real_lanes * self.max_blocks + p.real_logical, p.batch.slot_offsets,
-                                 check_indices=False)
-        if not self.pingpong:      # the device copies of sink/window blocks stay current
-            w = p.write_through
-            self._write_through(self.dev_k[layer], self.dev_v[layer], kr[w], vr[w], p.real_lanes[w],
-                                p.real_logical[w], p.batch.slot_offsets[w])
+        kr, vr = k[p.real_ix], v[p.real_ix]
+        if p.prefill:       # prefill attention and the seed read them at once
+            self._store(slice(layer, layer + 1), kr[None], vr[None])
+        else:
+            # A decode step's rows are read only as extra keys this step (decode attention) and a
+            # block being written is never a candidate (it is in the window): store all layers'
+            # rows in one go after the last layer (end_step), not three small copies per layer.
+            assert len(self._pending) == layer, "decode layers must run in order, all of them"
+            self._pending.append((kr, vr))
         out = torch.empty_like(q)
         for part in p.prefill:
             it = part.item
@@ -104,12 +129,28 @@ class LookaheadAttention:
         return out
 
     # ---- pieces -------------------------------------------------------------------------------------
-    def _write_through(self, dk, dv, kr, vr, lanes, logical, offsets) -> None:
-        """Rows of sink/window blocks also land in their device slots (computed on device: no H2D)."""
-        lay = self.layout
-        slot = torch.where(logical < lay.num_sink, logical, lay.num_sink + logical % lay.num_window)
-        dk[lanes, :, slot, offsets] = kr
-        dv[lanes, :, slot, offsets] = vr
+    def _store(self, layers: slice, ks: torch.Tensor, vs: torch.Tensor) -> None:
+        """The step's real rows of `layers`, ks/vs [L', T_real, KVH, D]: into the host pool, the
+        block summaries and (resident) the device copies of sink/window blocks."""
+        p = self.plan
+        n_layers, T = ks.shape[0], ks.shape[1]
+        self.pool.write_layers(layers, ks, vs, p.batch.slot_blocks, p.batch.slot_offsets)
+        # the layers' summaries as one [L' * lanes * max_blocks, KVH, D] table
+        per_layer = self.kmin.shape[1]
+        ids = p.real_lanes * self.max_blocks + p.real_logical
+        if n_layers > 1:
+            ids = (torch.arange(n_layers)[:, None] * per_layer + ids).reshape(-1)
+        flat = (-1, self.kvh, self.hd)
+        self._ops.update_summaries(self.kmin[layers].view(flat), self.kmax[layers].view(flat),
+                                   ks.reshape(n_layers * T, self.kvh, self.hd), ids,
+                                   p.batch.slot_offsets.repeat(n_layers))
+        if not self.pingpong:      # the device copies of sink/window blocks stay current
+            w, lay = p.write_through, self.layout
+            logical = p.real_logical[w]
+            slot = torch.where(logical < lay.num_sink, logical, lay.num_sink + logical % lay.num_window)
+            # advanced indices on dims 1, 3, 4 around a slice: the indexed view is [T_w, L', KVH, D]
+            self.dev_k[layers, p.real_lanes[w], :, slot, p.batch.slot_offsets[w]] = ks[:, w].transpose(0, 1)
+            self.dev_v[layers, p.real_lanes[w], :, slot, p.batch.slot_offsets[w]] = vs[:, w].transpose(0, 1)
 
     def _score(self, layer: int, q: torch.Tensor, valid: torch.Tensor, n: int, num_blocks: int):
         """q [n, (R,) H, D] for lanes [0, n) -> (top-K logical blocks [n, (R,) KVH, K], scores
@@ -121,7 +162,7 @@ class LookaheadAttention:
         kmin = self.kmin[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n, :nb]
         kmax = self.kmax[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n, :nb]
         k_sel = min(self.cfg.top_k, nb)
-        idx, scores = plugins.block_topk(q, kmin, kmax, valid[..., :nb], k_sel)
+        idx, scores = self._ops.block_topk(q, kmin, kmax, valid[..., :nb], k_sel)
         if k_sel < self.cfg.top_k:
             idx = torch.nn.functional.pad(idx, (0, self.cfg.top_k - k_sel), value=-1)
         return idx, scores
@@ -187,25 +228,25 @@ class LookaheadAttention:
         lay, n, buf = self.layout, d.num_lanes, (layer % 2 if self.pingpong else layer)
         for ticket in self.tickets.pop(layer, []):
             self.transfer.wait(ticket)
-        if self.pingpong:   # the half was refilled from the host pool; add this step's real rows
-            rr = d.real_rows
-            ctx = torch.tensor(d.context_lens, dtype=torch.long) - 1
-            self._write_through(self.dev_k[buf], self.dev_v[buf], k[rr], v[rr], d.lanes,
-                                ctx // lay.block_size, ctx % lay.block_size)
-        qd = torch.zeros(n, 2, q.shape[1], q.shape[2], dtype=q.dtype)
-        qd[d.lanes, 0], qd[d.lanes, 1] = q[d.real_rows], q[d.draft_rows]
+        L = d.lane_ix                       # the decoding lanes (a slice in a packed step)
+        if d.packed:                        # rows already are [lane, (real, draft)]: views only
+            qd = q.view(n, 2, q.shape[1], q.shape[2])
+        else:
+            qd = torch.zeros(n, 2, q.shape[1], q.shape[2], dtype=q.dtype)
+            qd[d.lanes, 0], qd[d.lanes, 1] = q[d.real_rows], q[d.draft_rows]
         # One read of the summaries scores both rows: the real query's true top-K (for `urgent`,
         # and for the agreement metric) and the draft's prediction for the next step (used below).
         nb = max(d.context_lens) // lay.block_size + 1          # covers this and the next step
         idx2, scores2 = self._score(layer, qd, d.cand_masks, n, nb)
         true_idx, true_scores = idx2[:, 0], scores2[:, 0]
-        t_idx = true_idx[d.lanes]
-        resident = self.slots.resident(buf, d.lanes, t_idx)
-        prev = self.pred[layer, d.lanes] if bool(self.has_pred[layer, d.lanes].all()) else None
-        self.metrics.record_layer(layer, d.lanes, prev, t_idx, resident)
+        t_idx = true_idx[L]
+        resident = self.slots.resident(buf, L, t_idx)
+        # metrics: kept per layer, tallied once per step (end_step); pred is about to be replaced
+        self._step_metrics.append((layer, self.pred[layer, L].clone(), self.has_pred[layer, L].all(),
+                                   t_idx, resident))
         if self.cfg.miss_policy == "urgent":
-            prio = true_scores[d.lanes].gather(-1, t_idx.clamp(min=0))
-            adm = self.slots.plan(buf, d.lanes, t_idx, prio, self.cfg.top_k, self.step_idx)
+            prio = true_scores[L].gather(-1, t_idx.clamp(min=0))
+            adm = self.slots.plan(buf, L, t_idx, prio, self.cfg.top_k, self.step_idx)
             if len(adm):
                 self.metrics.urgent_blocks += len(adm)
                 self.metrics.count_blocks(4, adm.lanes)
@@ -218,14 +259,24 @@ class LookaheadAttention:
         sel = (self.slots.block[buf, :n] >= 0) & d.lane_active[:, None, None]      # [n, KVH, K]
         mask = torch.cat([d.base_mask[:, None, :].expand(n, self.kvh, -1),
                           sel.repeat_interleave(lay.block_size, dim=-1)], dim=-1)
-        kx = torch.zeros(n, self.kvh, 1, self.hd, dtype=k.dtype)
-        vx = torch.zeros_like(kx)
-        kx[d.lanes, :, 0], vx[d.lanes, :, 0] = k[d.draft_rows], v[d.draft_rows]
-        xmask = torch.tensor([[False], [True]]).expand(n, 2, 1)   # only the draft row sees itself
-        o = plugins.lookahead_attention(qd, kb, vb, mask, kx, vx, xmask, self.scale)
-        out[d.real_rows], out[d.draft_rows] = o[d.lanes, 0], o[d.lanes, 1]
+        # this step's own rows are extra keys (the device tier does not hold them yet, see
+        # forward): the real row sees itself; the draft row sees the real row and itself
+        if d.packed:
+            kx = k.view(n, 2, self.kvh, self.hd).transpose(1, 2)                  # [n, KVH, 2, D]
+            vx = v.view(n, 2, self.kvh, self.hd).transpose(1, 2)
+        else:
+            kx = torch.zeros(n, self.kvh, 2, self.hd, dtype=k.dtype)
+            vx = torch.zeros_like(kx)
+            kx[d.lanes, :, 0], vx[d.lanes, :, 0] = k[d.real_rows], v[d.real_rows]
+            kx[d.lanes, :, 1], vx[d.lanes, :, 1] = k[d.draft_rows], v[d.draft_rows]
+        xmask = torch.tensor([[True, False], [True, True]]).expand(n, 2, 2)
+        o = self._ops.lookahead_attention(qd, kb, vb, mask, kx, vx, xmask, self.scale)
+        if d.packed:
+            out.view(n, 2, *out.shape[1:]).copy_(o)
+        else:
+            out[d.real_rows], out[d.draft_rows] = o[d.lanes, 0], o[d.lanes, 1]
         # look ahead: the draft query predicts the next step's top-K for this layer
-        self._predict(layer, d.lanes, idx2[d.lanes, 1], scores2[d.lanes, 1], cap=self.cfg.fetch_cap)
+        self._predict(layer, L, idx2[L, 1], scores2[L, 1], cap=self.cfg.fetch_cap)
         if self.pingpong and layer + 2 < self.num_layers:
             self._refill(layer + 2, d)                            # this half is free again
 

@@ -39,25 +39,31 @@ class LookaheadMetrics:
                 "agreement_mean": a_sum / a_cnt if a_cnt else None,
                 "urgent_blocks": int(urgent), "prefetched_blocks": int(pre)}
 
-    def record_layer(self, layer: int, lanes: torch.Tensor, pred: torch.Tensor | None, true: torch.Tensor,
+    def record_layer(self, layer: int, lanes, pred: torch.Tensor | None, true: torch.Tensor,
                      resident: torch.Tensor) -> None:
-        """lanes [B]; pred, true: [B, KVH, K] logical blocks (-1 pad); resident: bool, for `true`."""
+        """One layer: lanes [B] (or a slice); pred, true: [B, KVH, K] logical blocks (-1 pad);
+        resident: bool, for `true`; pred None when the layer had no prediction yet."""
+        has = torch.tensor([pred is not None])
+        self.record_step([layer], lanes, (torch.full_like(true, -1) if pred is None else pred)[None],
+                         has, true[None], resident[None])
+
+    def record_step(self, layers: list[int], lanes, pred: torch.Tensor, has_pred: torch.Tensor,
+                    true: torch.Tensor, resident: torch.Tensor) -> None:
+        """Several layers of one step at once: pred, true, resident [L, B, KVH, K]; has_pred [L]."""
         valid = true >= 0
-        n_true = valid.sum(-1).double()                                        # [B, KVH]
+        n_true = valid.sum(-1).double()                                        # [L, B, KVH]
         hits = (resident & valid).sum(-1).double()
         self.blocks += torch.stack([n_true.sum(), hits.sum()])
-        self.lane[lanes, :2] += torch.stack([n_true.sum(-1), hits.sum(-1)], -1)
-        if pred is None:
-            return
-        # membership through a per-(lane, head) bitmap of the predicted blocks (column 0 = "-1")
+        self.lane[lanes, :2] += torch.stack([n_true.sum((0, 2)), hits.sum((0, 2))], -1)
+        # membership through a per-(layer, lane, head) bitmap of the predicted blocks (column 0 = "-1")
         width = int(torch.maximum(true.max(), pred.max())) + 2
         in_pred = torch.zeros(*pred.shape[:-1], width, dtype=torch.bool).scatter_(-1, pred + 1, True)
         in_pred[..., 0] = False
         both = in_pred.gather(-1, true + 1) & valid
-        rows = n_true > 0
-        frac = both.sum(-1).double() / n_true.clamp(min=1)                      # [B, KVH]; 0 if no row
-        self.layer[layer] += torch.stack([frac.sum(), rows.sum().double()])
-        self.lane[lanes, 2:4] += torch.stack([frac.sum(-1), rows.sum(-1).double()], -1)
+        rows = (n_true > 0) & has_pred[:, None, None]
+        frac = torch.where(rows, both.sum(-1).double() / n_true.clamp(min=1), 0.0)   # [L, B, KVH]
+        self.layer[layers] += torch.stack([frac.sum((1, 2)), rows.sum((1, 2)).double()], -1)
+        self.lane[lanes, 2:4] += torch.stack([frac.sum((0, 2)), rows.sum((0, 2)).double()], -1)
 
     def per_layer_agreement(self) -> list[float | None]:
         return [s / c if c else None for s, c in self.layer.tolist()]

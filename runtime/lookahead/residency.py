@@ -60,6 +60,7 @@ class SlotTable:
              cap: int, step: int) -> Admission:
         """Admit up to `cap` missing wanted blocks per (lane, head), best `priority` first, each
         into the slot of a least-recently-selected block that is not wanted (empty slots first).
+        `lanes`: a tensor of lane ids, or a slice of consecutive lanes (start set, step 1).
 
         want, priority: [B, KVH, K'] (want -1 = padding, K' <= K). Updates the table in place.
         """
@@ -91,4 +92,5 @@ class SlotTable:
         self.block[buf, lanes] = held
         self.last_used[buf, lanes] = last
         self.slot_of[buf, lanes] = inv
-        return Admission(lanes[b_idx], h_idx, slots, blocks)
+        lane_ids = b_idx + lanes.start if isinstance(lanes, slice) else lanes[b_idx]
+        return Admission(lane_ids, h_idx, slots, blocks)

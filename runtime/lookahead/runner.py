@@ -43,6 +43,9 @@ class LookaheadRunner:
 
     def run(self, work: list[tuple[Sequence, int]]) -> dict[int, torch.Tensor]:
         bs = self.block_size
+        for seq, _ in work:                  # rows in lane order: a full decode batch packs (step_plan)
+            self._lane(seq)
+        work = sorted(work, key=lambda w: self.lanes[w[0].seq_id])
         tokens, positions, items, prefill = [], [], [], []
         real_rows, real_lanes, blocks, offsets, keep = [], [], [], [], []
         dec_lanes, dec_real, dec_draft, dec_ctx, dec_seqs = [], [], [], [], []
@@ -81,10 +84,16 @@ class LookaheadRunner:
         batch = StepBatch(items, t(tokens), t(positions), t(blocks), t(offsets))
         logical = t(positions)[t(real_rows)] // bs
         decode = (build_decode_part(self.attn.layout, dec_lanes, dec_real, dec_draft, dec_ctx,
-                                    self.attn.max_blocks) if dec_lanes else None)
-        self.attn.begin_step(StepPlan(batch, t(real_rows), t(real_lanes), logical,
-                                      torch.tensor(keep, dtype=torch.bool), prefill, decode))
+                                    self.attn.max_blocks, only_decode=not prefill) if dec_lanes else None)
+        plan = StepPlan(batch, t(real_rows), t(real_lanes), logical,
+                        slice(None) if all(keep) else torch.tensor(keep, dtype=torch.bool), prefill, decode)
+        if decode is not None and decode.packed:
+            plan.real_ix = decode.real_ix
+        else:
+            plan.real_ix = plan.real_rows
+        self.attn.begin_step(plan)
         hidden = self.model(batch.tokens, batch.positions, self.attn)
+        self.attn.end_step()
         for seq, n in work:
             seq.num_cached += n
         sample_rows, sample_seqs = [], []

@@ -25,10 +25,17 @@ class DecodePart:
     draft_rows: torch.Tensor       # [B]
     num_lanes: int                 # lanes [0, num_lanes) are computed; inactive ones are masked out
     base_mask: torch.Tensor        # [num_lanes, (S + Wb) * bs] bool: sink + window tokens visible
+                                   # (not this step's own token: an extra key of the attention)
     lane_active: torch.Tensor      # [num_lanes] bool
     cand_masks: torch.Tensor       # [num_lanes, 2, max_blocks] bool: top-K candidates of the real
                                    # query (this step) and of the draft query (the next step)
     context_lens: list[int]        # per decoding lane, after this step's real token
+    # Index forms for the hot path: when the lanes are 0..B-1 and the step holds only decode rows,
+    # interleaved (real, draft) per lane, these are slices, so indexing gives views, not copies.
+    lane_ix: slice | torch.Tensor | None = None
+    real_ix: slice | torch.Tensor | None = None
+    draft_ix: slice | torch.Tensor | None = None
+    packed: bool = False           # rows are exactly [real0, draft0, real1, draft1, ...]
 
     @property
     def size(self) -> int:
@@ -41,20 +48,27 @@ class StepPlan:
     real_rows: torch.Tensor        # [T_real] rows stored in the cache (prefill tokens + real decode rows)
     real_lanes: torch.Tensor       # [T_real] lane of each stored row
     real_logical: torch.Tensor     # [T_real] logical block of each stored row
-    write_through: torch.Tensor    # [T_real] bool: row's block is a sink or ends in the window; a
-                                   # prefill that wraps the ring writes each (slot, offset) once
+    write_through: torch.Tensor | slice  # [T_real] bool: row's block is a sink or ends in the
+                                   # window; a prefill that wraps the ring writes each (slot, offset)
+                                   # once. slice(None) when every row does (decode steps)
     prefill: list[PrefillPart]
     decode: DecodePart | None
+    real_ix: slice | torch.Tensor | None = None   # real_rows, as a slice when the decode is packed
 
 
-def window_mask(layout: SlotLayout, context_len: int) -> torch.Tensor:
-    """bool [(S + Wb) * bs]: which sink/window slot tokens hold context for `context_len` tokens."""
+def window_mask(layout: SlotLayout, context_len: int, visible: int | None = None) -> torch.Tensor:
+    """bool [(S + Wb) * bs]: which sink/window slot tokens hold context for `context_len` tokens.
+
+    The window is the one of `context_len` tokens; only the first `visible` (default: all) tokens
+    are exposed: a decode step's own token is not in the device tier yet (it is an extra key).
+    """
     bs, s = layout.block_size, layout.num_sink
+    visible = context_len if visible is None else visible
     mask = torch.zeros(layout.selected_start, bs, dtype=torch.bool)
     last = (context_len - 1) // bs
     blocks = list(range(min(s, last + 1))) + list(range(layout.window_start(context_len), last + 1))
     for b in blocks:
-        mask[layout.device_slot(b), : min(bs, context_len - b * bs)] = True
+        mask[layout.device_slot(b), : max(0, min(bs, visible - b * bs))] = True
     return mask.view(-1)
 
 
@@ -65,15 +79,23 @@ def candidate_mask(layout: SlotLayout, context_len: int, max_blocks: int) -> tor
 
 
 def build_decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int], draft_rows: list[int],
-                      context_lens: list[int], max_blocks: int) -> DecodePart:
+                      context_lens: list[int], max_blocks: int, only_decode: bool) -> DecodePart:
     n = max(lanes) + 1
     base = torch.zeros(n, layout.selected_start * layout.block_size, dtype=torch.bool)
     cand = torch.zeros(n, 2, max_blocks, dtype=torch.bool)
     active = torch.zeros(n, dtype=torch.bool)
     for lane, c in zip(lanes, context_lens):
-        base[lane] = window_mask(layout, c)
+        base[lane] = window_mask(layout, c, visible=c - 1)
         cand[lane, 0] = candidate_mask(layout, c, max_blocks)
         cand[lane, 1] = candidate_mask(layout, c + 1, max_blocks)
         active[lane] = True
     t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    return DecodePart(t(lanes), t(real_rows), t(draft_rows), n, base, active, cand, list(context_lens))
+    part = DecodePart(t(lanes), t(real_rows), t(draft_rows), n, base, active, cand, list(context_lens))
+    part.lane_ix, part.real_ix, part.draft_ix = part.lanes, part.real_rows, part.draft_rows
+    if lanes == list(range(n)):
+        part.lane_ix = slice(0, n)
+        part.packed = (only_decode and real_rows == list(range(0, 2 * n, 2))
+                       and draft_rows == list(range(1, 2 * n, 2)))
+        if part.packed:
+            part.real_ix, part.draft_ix = slice(0, 2 * n, 2), slice(1, 2 * n, 2)
+    return part
