@@ -126,6 +126,10 @@ class ThreadTransferEngine(TransferEngine):
         return t
 
     def _run(self) -> None:
+        # One OpenMP thread for the copies (small, memory-bound gathers): a team of its own would
+        # put more threads than cores next to the compute thread's team. Per-thread setting: the
+        # compute thread keeps its own count.
+        torch.set_num_threads(1)
         while True:
             _, _, job, ticket = self._q.get()
             if job is None:
@@ -148,4 +152,7 @@ def make_transfer_engine(kind: str = "thread") -> TransferEngine:
         return ThreadTransferEngine()
     if kind == "sync":
         return SyncTransferEngine()
-    raise ValueError(f"transfer engine {kind!r} is unknown (use 'thread' or 'sync')")
+    if kind == "cuda":
+        from .transfer_cuda import CudaTransferEngine   # lazy: needs cuda-python and a GPU
+        return CudaTransferEngine()
+    raise ValueError(f"transfer engine {kind!r} is unknown (use 'thread', 'sync' or 'cuda')")
