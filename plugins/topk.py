@@ -12,20 +12,22 @@ def _group_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> to
     With kmin <= kmax, max(q_d*kmin_d, q_d*kmax_d) = relu(q_d)*kmax_d + min(q_d, 0)*kmin_d, which
     is linear in q: a GQA group's heads fold into one weight pair per KV head before touching the
     summaries. Reading the summaries is the whole cost, so each is read once, in its native
-    layout, by one bmm of its (block, head) rows against all rows' and KV heads' weights, keeping
-    the matching head (the diagonal); R*KVH-fold arithmetic is free next to the memory traffic,
-    and unlike a broadcast multiply it allocates no summary-sized temporary. R query rows per
-    sequence (e.g. the real and the draft token) share that one read.
+    layout, by one bmm of all rows' and KV heads' weights ([R*KVH, D], the small side first: BLAS
+    runs that shape several times faster than the transposed one) against its (block, head)
+    columns, keeping the matching head (the diagonal); the KVH-fold arithmetic is free next to the
+    memory traffic, and unlike a broadcast multiply it allocates no summary-sized temporary. R
+    query rows per sequence (e.g. the real and the draft token) share that one read.
     """
     B, R, H, D = q.shape
     num_blocks, num_kv_heads = kmin.shape[1], kmin.shape[2]
     qf = q.float().reshape(B, R, num_kv_heads, H // num_kv_heads, D)
-    w_max = qf.clamp_min(0).sum(3).reshape(B, R * num_kv_heads, D).transpose(1, 2)   # [B, D, R*KVH]
-    w_min = qf.clamp_max(0).sum(3).reshape(B, R * num_kv_heads, D).transpose(1, 2)
-    rows = (B, num_blocks * num_kv_heads, D)
-    scores = torch.bmm(kmax.float().reshape(rows), w_max).baddbmm_(kmin.float().reshape(rows), w_min)
-    scores = scores.view(B, num_blocks, num_kv_heads, R, num_kv_heads).diagonal(dim1=2, dim2=4)
-    return scores.permute(0, 2, 3, 1).contiguous()                               # [B, R, KVH, NB]
+    w_max = qf.clamp_min(0).sum(3).reshape(B, R * num_kv_heads, D)                 # [B, R*KVH, D]
+    w_min = qf.clamp_max(0).sum(3).reshape(B, R * num_kv_heads, D)
+    cols = (B, num_blocks * num_kv_heads, D)
+    scores = torch.bmm(w_max, kmax.float().reshape(cols).transpose(1, 2))
+    scores = scores.baddbmm_(w_min, kmin.float().reshape(cols).transpose(1, 2))  # [B, R*KVH, NB*KVH]
+    scores = scores.view(B, R, num_kv_heads, num_blocks, num_kv_heads).diagonal(dim1=2, dim2=4)
+    return scores.permute(0, 1, 3, 2).contiguous()                               # [B, R, KVH, NB]
 
 
 def _rank_keys(scores: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,7 @@ class ModelConfig:
 
 RESIDENCY = ("resident", "pingpong")
 MISS_POLICIES = ("urgent", "drop")
-DRAFTS = ("dual_token", "prompt_lookup")
+DRAFTS = ("dual_token", "prompt_lookup", "none")   # none: sparse attention without look-ahead
 MODES = ("dense", "lookahead")
 
 
@@ -115,6 +115,13 @@ class LookaheadConfig:
         _check(self.miss_policy in MISS_POLICIES, "miss_policy", f"{self.miss_policy!r} is unknown",
                f"use one of {MISS_POLICIES}")
         _check(self.draft in DRAFTS, "draft", f"{self.draft!r} is unknown", f"use one of {DRAFTS}")
+        if self.draft == "none":    # no prediction: only the real query's on-demand fetch fills the set
+            _check(self.miss_policy == "urgent", "miss_policy",
+                   f"{self.miss_policy!r} with draft 'none' would never fill the working set",
+                   "use miss_policy 'urgent' (blocks fetched on demand), or a draft")
+            _check(self.residency == "resident", "residency",
+                   f"{self.residency!r} refills from predictions, and draft 'none' makes none",
+                   "use residency 'resident', or a draft")
         _check(self.prefetch_lead >= 1, "prefetch_lead", f"must be >= 1, got {self.prefetch_lead}")
         _check(self.prefill_chunk > 0, "prefill_chunk", f"must be > 0, got {self.prefill_chunk}")
         _check(self.max_batch_size > 0, "max_batch_size", f"must be > 0, got {self.max_batch_size}")

@@ -55,7 +55,10 @@ class RandomDraft(DraftSource):
         return self.rng.randrange(self.vocab_size)
 
 
-def make_draft(kind: str, vocab_size: int) -> DraftSource:
+def make_draft(kind: str, vocab_size: int) -> DraftSource | None:
+    """None for 'none': sparse attention without look-ahead (no draft row at all)."""
+    if kind == "none":
+        return None
     if kind == "dual_token":
         return DualTokenDraft()
     if kind == "prompt_lookup":

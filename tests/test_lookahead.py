@@ -67,6 +67,23 @@ def test_k_covering_every_block_equals_dense(tiny_dir, residency, miss):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_without_lookahead_k_covering_every_block_equals_dense(tiny_dir):
+    ps = prompts(150, 61, 97)
+    dense, dl = run(Engine.from_dir(tiny_dir, block_size=4), ps)
+    la, ll = run(Engine.from_dir(tiny_dir, **SMALL, top_k=64, draft="none"), ps)
+    assert [c.token_ids for c in la] == [c.token_ids for c in dense]
+    for a, b in zip(ll, dl):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_without_lookahead_needs_urgent_and_resident(tiny_dir):
+    from runtime.errors import ConfigError
+    with pytest.raises(ConfigError, match="miss_policy"):
+        Engine.from_dir(tiny_dir, **SMALL, draft="none", miss_policy="drop")
+    with pytest.raises(ConfigError, match="residency"):
+        Engine.from_dir(tiny_dir, **SMALL, draft="none", residency="pingpong")
+
+
 class QuestReference:
     """Independent reference backend: dense cache; each decode row attends to sink + the real
     query's Quest top-K blocks (summaries recomputed from the stored keys) + the recent window."""
@@ -105,10 +122,15 @@ class QuestReference:
         return out
 
 
-@pytest.mark.parametrize("residency", ["resident", "pingpong"])
-def test_urgent_equals_reference_sparse_attention(tiny_dir, residency):
+@pytest.mark.parametrize("residency,draft", [("resident", "dual_token"), ("pingpong", "dual_token"),
+                                             ("resident", "none")])
+def test_urgent_equals_reference_sparse_attention(tiny_dir, residency, draft):
+    # draft "none": no look-ahead at all, every block fetched on demand: the same output
     ps = prompts(150, 110, seed=4)
-    la, ll = run(Engine.from_dir(tiny_dir, **SMALL, top_k=6, residency=residency, miss_policy="urgent"), ps)
+    engine = Engine.from_dir(tiny_dir, **SMALL, top_k=6, residency=residency, miss_policy="urgent", draft=draft)
+    la, ll = run(engine, ps)
+    if draft == "none":
+        assert engine.stats()["urgent_blocks"] > 0 and engine.stats()["draft_accept_rate"] is None
     ref_engine = Engine.from_dir(tiny_dir, block_size=4)
     ref_engine.runner.attn = QuestReference(ref_engine.pool, 16 ** -0.5, top_k=6, sink=1, window_blocks=3)
     rf, rl = run(ref_engine, ps, checks=False)

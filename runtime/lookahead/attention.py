@@ -228,22 +228,25 @@ class LookaheadAttention:
         lay, n, buf = self.layout, d.num_lanes, (layer % 2 if self.pingpong else layer)
         for ticket in self.tickets.pop(layer, []):
             self.transfer.wait(ticket)
-        L = d.lane_ix                       # the decoding lanes (a slice in a packed step)
+        L, R = d.lane_ix, d.rows            # the decoding lanes (a slice in a packed step); rows
         if d.packed:                        # rows already are [lane, (real, draft)]: views only
-            qd = q.view(n, 2, q.shape[1], q.shape[2])
+            qd = q.view(n, R, q.shape[1], q.shape[2])
         else:
-            qd = torch.zeros(n, 2, q.shape[1], q.shape[2], dtype=q.dtype)
-            qd[d.lanes, 0], qd[d.lanes, 1] = q[d.real_rows], q[d.draft_rows]
+            qd = torch.zeros(n, R, q.shape[1], q.shape[2], dtype=q.dtype)
+            qd[d.lanes, 0] = q[d.real_rows]
+            if R == 2:
+                qd[d.lanes, 1] = q[d.draft_rows]
         # One read of the summaries scores both rows: the real query's true top-K (for `urgent`,
         # and for the agreement metric) and the draft's prediction for the next step (used below).
+        # Without look-ahead (R = 1) only the real query is scored, and fetched on demand.
         nb = max(d.context_lens) // lay.block_size + 1          # covers this and the next step
         idx2, scores2 = self._score(layer, qd, d.cand_masks, n, nb)
         true_idx, true_scores = idx2[:, 0], scores2[:, 0]
         t_idx = true_idx[L]
         resident = self.slots.resident(buf, L, t_idx)
         # metrics: kept per layer, tallied once per step (end_step); pred is about to be replaced
-        self._step_metrics.append((layer, self.pred[layer, L].clone(), self.has_pred[layer, L].all(),
-                                   t_idx, resident))
+        has = self.has_pred[layer, L].all() if R == 2 else torch.tensor(False)   # no prediction to score
+        self._step_metrics.append((layer, self.pred[layer, L].clone(), has, t_idx, resident))
         if self.cfg.miss_policy == "urgent":
             prio = true_scores[L].gather(-1, t_idx.clamp(min=0))
             adm = self.slots.plan(buf, L, t_idx, prio, self.cfg.top_k, self.step_idx)
@@ -262,21 +265,24 @@ class LookaheadAttention:
         # this step's own rows are extra keys (the device tier does not hold them yet, see
         # forward): the real row sees itself; the draft row sees the real row and itself
         if d.packed:
-            kx = k.view(n, 2, self.kvh, self.hd).transpose(1, 2)                  # [n, KVH, 2, D]
-            vx = v.view(n, 2, self.kvh, self.hd).transpose(1, 2)
+            kx = k.view(n, R, self.kvh, self.hd).transpose(1, 2)                  # [n, KVH, R, D]
+            vx = v.view(n, R, self.kvh, self.hd).transpose(1, 2)
         else:
-            kx = torch.zeros(n, self.kvh, 2, self.hd, dtype=k.dtype)
+            kx = torch.zeros(n, self.kvh, R, self.hd, dtype=k.dtype)
             vx = torch.zeros_like(kx)
             kx[d.lanes, :, 0], vx[d.lanes, :, 0] = k[d.real_rows], v[d.real_rows]
-            kx[d.lanes, :, 1], vx[d.lanes, :, 1] = k[d.draft_rows], v[d.draft_rows]
-        xmask = torch.tensor([[True, False], [True, True]]).expand(n, 2, 2)
+            if R == 2:
+                kx[d.lanes, :, 1], vx[d.lanes, :, 1] = k[d.draft_rows], v[d.draft_rows]
+        xmask = torch.tensor([[True, False], [True, True]])[:R, :R].expand(n, R, R)
         o = self._ops.lookahead_attention(qd, kb, vb, mask, kx, vx, xmask, self.scale)
         if d.packed:
-            out.view(n, 2, *out.shape[1:]).copy_(o)
+            out.view(n, R, *out.shape[1:]).copy_(o)
         else:
-            out[d.real_rows], out[d.draft_rows] = o[d.lanes, 0], o[d.lanes, 1]
-        # look ahead: the draft query predicts the next step's top-K for this layer
-        self._predict(layer, L, idx2[L, 1], scores2[L, 1], cap=self.cfg.fetch_cap)
+            out[d.real_rows] = o[d.lanes, 0]
+            if R == 2:
+                out[d.draft_rows] = o[d.lanes, 1]
+        if R == 2:          # look ahead: the draft query predicts the next step's top-K here
+            self._predict(layer, L, idx2[L, 1], scores2[L, 1], cap=self.cfg.fetch_cap)
         if self.pingpong and layer + 2 < self.num_layers:
             self._refill(layer + 2, d)                            # this half is free again
 

@@ -12,8 +12,9 @@ from .step_plan import PrefillPart, StepPlan, build_decode_part
 
 
 class LookaheadRunner:
-    def __init__(self, model: LlamaModel, attn: LookaheadAttention, block_size: int, draft: DraftSource,
+    def __init__(self, model: LlamaModel, attn: LookaheadAttention, block_size: int, draft: DraftSource | None,
                  num_lanes: int):
+        """draft None: sparse attention without look-ahead (one row per sequence, no prediction)."""
         self.model, self.attn, self.block_size, self.draft = model, attn, block_size, draft
         self.free_lanes = list(range(num_lanes))
         self.lanes: dict[int, int] = {}
@@ -65,6 +66,9 @@ class LookaheadRunner:
             if seq.in_prefill:
                 prefill.append(PrefillPart(item, lane, start + n == len(seq.prompt_ids)))
             else:
+                dec_lanes.append(lane), dec_real.append(row), dec_ctx.append(start + 1), dec_seqs.append(seq)
+                if self.draft is None:
+                    continue
                 real = seq.token_at(start)
                 prev = self.last_draft.get(seq.seq_id)
                 if prev is not None:
@@ -76,8 +80,7 @@ class LookaheadRunner:
                 ctx = seq.prompt_ids + seq.output_ids
                 d = self.draft.propose(ctx, self.guess.get(seq.seq_id))
                 self.last_draft[seq.seq_id] = d
-                dec_lanes.append(lane), dec_real.append(row), dec_draft.append(len(tokens))
-                dec_ctx.append(start + 1), dec_seqs.append(seq)
+                dec_draft.append(len(tokens))
                 tokens.append(d)
                 positions.append(start + 1)
         t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
@@ -106,8 +109,9 @@ class LookaheadRunner:
         if not sample_rows and not dec_draft:
             return {}
         logits = self.model.logits(hidden[t(sample_rows + dec_draft)])
-        for i, seq in enumerate(dec_seqs):                 # the draft row's guess for the step after next
-            self.guess[seq.seq_id] = int(logits[len(sample_rows) + i].argmax())
+        if dec_draft:
+            for i, seq in enumerate(dec_seqs):             # the draft row's guess for the step after next
+                self.guess[seq.seq_id] = int(logits[len(sample_rows) + i].argmax())
         return {seq.seq_id: logits[i] for i, seq in enumerate(sample_seqs)}
 
     def stats(self) -> dict:

@@ -27,8 +27,8 @@ class DecodePart:
     base_mask: torch.Tensor        # [num_lanes, (S + Wb) * bs] bool: sink + window tokens visible
                                    # (not this step's own token: an extra key of the attention)
     lane_active: torch.Tensor      # [num_lanes] bool
-    cand_masks: torch.Tensor       # [num_lanes, 2, max_blocks] bool: top-K candidates of the real
-                                   # query (this step) and of the draft query (the next step)
+    cand_masks: torch.Tensor       # [num_lanes, rows, max_blocks] bool: top-K candidates of the
+                                   # real query (this step) and of the draft query (the next step)
     context_lens: list[int]        # per decoding lane, after this step's real token
     # Index forms for the hot path: when the lanes are 0..B-1 and the step holds only decode rows,
     # interleaved (real, draft) per lane, these are slices, so indexing gives views, not copies.
@@ -36,6 +36,8 @@ class DecodePart:
     real_ix: slice | torch.Tensor | None = None
     draft_ix: slice | torch.Tensor | None = None
     packed: bool = False           # rows are exactly [real0, draft0, real1, draft1, ...]
+                                   # (or [real0, real1, ...] without a draft row)
+    rows: int = 2                  # query rows per lane: real + draft, or 1 without look-ahead
 
     @property
     def size(self) -> int:
@@ -90,12 +92,14 @@ def build_decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int]
         cand[lane, 1] = candidate_mask(layout, c + 1, max_blocks)
         active[lane] = True
     t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    part = DecodePart(t(lanes), t(real_rows), t(draft_rows), n, base, active, cand, list(context_lens))
+    rows = 2 if draft_rows else 1
+    part = DecodePart(t(lanes), t(real_rows), t(draft_rows), n, base, active, cand[:, :rows],
+                      list(context_lens), rows=rows)
     part.lane_ix, part.real_ix, part.draft_ix = part.lanes, part.real_rows, part.draft_rows
     if lanes == list(range(n)):
         part.lane_ix = slice(0, n)
-        part.packed = (only_decode and real_rows == list(range(0, 2 * n, 2))
-                       and draft_rows == list(range(1, 2 * n, 2)))
+        part.packed = (only_decode and real_rows == list(range(0, rows * n, rows))
+                       and (rows == 1 or draft_rows == list(range(1, rows * n, rows))))
         if part.packed:
-            part.real_ix, part.draft_ix = slice(0, 2 * n, 2), slice(1, 2 * n, 2)
+            part.real_ix, part.draft_ix = slice(0, rows * n, rows), slice(1, rows * n, rows)
     return part
