@@ -78,6 +78,10 @@ class SlotTable:
         victims = torch.argsort(torch.where(slot_wanted, torch.iinfo(torch.long).max, last), dim=-1,
                                 stable=True)
         order = torch.argsort(torch.where(missing, -priority, float("inf")), dim=-1, stable=True)
+        if not bool(missing.any()):           # nothing to admit: only the recency update
+            self.last_used[buf, lanes] = last
+            empty = torch.zeros(0, dtype=torch.long)
+            return Admission(empty, empty, empty, empty)
         n_admit = missing.sum(-1).clamp(max=cap)                                # [B, KVH]
         take = torch.arange(want.shape[-1]) < n_admit[..., None]                # [B, KVH, K']
         b_idx, h_idx, j_idx = take.nonzero(as_tuple=True)
@@ -89,8 +93,9 @@ class SlotTable:
         inv[..., self.max_blocks] = -1
         held[b_idx, h_idx, slots] = blocks
         last[b_idx, h_idx, slots] = step
-        self.block[buf, lanes] = held
         self.last_used[buf, lanes] = last
-        self.slot_of[buf, lanes] = inv
+        if not isinstance(lanes, slice):     # a slice indexes views: held and inv were updated in place
+            self.block[buf, lanes] = held
+            self.slot_of[buf, lanes] = inv
         lane_ids = b_idx + lanes.start if isinstance(lanes, slice) else lanes[b_idx]
         return Admission(lane_ids, h_idx, slots, blocks)
