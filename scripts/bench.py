@@ -2,16 +2,30 @@
 """Decode speed of our runtime against transformers on the same model, prompts and machine.
 
     python scripts/bench.py --engine engines/default --json results/bench.json --plot results/bench.png
+    python scripts/bench.py --contexts 2048,4096,8192 --batches 1,4,8 --modes all   # issue 6's grid
     python scripts/bench.py --quick                      # contexts 512,1024 x batch 1,2: a smoke run
 
 For every (context, batch) point each implementation prefills the same prompts (exactly `context`
 tokens; batch b = b different prompts), then all of them decode greedily *interleaved step by step*
 (the order rotates every step), so load from other processes falls on every implementation alike.
-Only decode steps are timed: tokens/s = batch x timed steps / their summed time. transformers runs
-its default path: one forward over the prompt (DynamicCache), then one-token forwards.
-`--modes` picks our implementations: dense (default), lookahead-resident, lookahead-pingpong, or all
-(a mode the engine refuses is reported as 'not available'). Prints the table last; `--json` adds
-machine info; `--profile DIR` adds where each implementation's decode step spends its time.
+Only decode steps are timed: tokens/s = batch x timed steps / their summed time.
+
+transformers (`--hf-impls`, scripts/bench_hf.py): `default` (DynamicCache, eager), `static-compile`
+(StaticCache + torch.compile of the one-token forward, compiled per point before any timed step;
+compile seconds go to the JSON as `compile_s`; a compile that fails or outlasts `--compile-timeout`
+makes the row "not available (...)" and is not retried at later points), `offloaded`
+(DynamicCache(offloading=True); CUDA only, so on a CPU machine the row says "not available").
+Ours (`--modes`): dense (default), lookahead-resident, lookahead-pingpong, sparse-ondemand (top-K
+sparse attention without look-ahead: the real query's blocks fetched on demand), or all (a mode the
+engine refuses is reported as 'not available').
+
+Columns beyond speed: stall ms/step (time our decode step waited for KV copies, transfer_wait_s /
+timed steps) and the memory-bandwidth floor: the bytes a step must read (bench_floor.step_read_bytes:
+weights once + the whole KV of every sequence for dense paths; for sparse modes the device working
+set of all layers + the block summaries scored + the H2D bytes) over the bandwidth measured at the
+start of the run (best of a ~1 GiB fp32 sum and copy; both in the JSON's machine info).
+"floor ms" is that time, "x floor" is ms/step over it. Prints the table last; `--json` adds machine
+info; `--profile DIR` adds where each implementation's decode step spends its time.
 """
 from __future__ import annotations
 
@@ -29,14 +43,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runtime  # noqa: E402,F401  first: its CPU threading defaults (OpenMP wait policy) then apply to both sides
 import torch  # noqa: E402
 
-from bench_lib import (EngineDecoder, TransformersDecoder, format_table, machine_info,  # noqa: E402
-                       make_prompts, plot, profile_steps, reference_hf_dir)
+from bench_floor import memory_bandwidth, step_read_bytes, weight_bytes  # noqa: E402
+from bench_hf import HF_IMPLS, HF_NAMES, NotAvailable, make_hf_decoders  # noqa: E402
+from bench_lib import (EngineDecoder, format_table, machine_info, make_prompts, plot,  # noqa: E402
+                       profile_steps, reference_hf_dir)
 from runtime.engine import Engine  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 
 MODES = {"dense": {"mode": "dense"},
          "lookahead-resident": {"mode": "lookahead", "residency": "resident"},
-         "lookahead-pingpong": {"mode": "lookahead", "residency": "pingpong"}}
+         "lookahead-pingpong": {"mode": "lookahead", "residency": "pingpong"},
+         # sparse attention without look-ahead: one row per sequence, its top-K fetched on demand
+         "sparse-ondemand": {"mode": "lookahead", "residency": "resident", "miss_policy": "urgent",
+                             "draft": "none"}}
 PROFILE_STEPS = 4
 
 
@@ -50,7 +69,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps first (default: %(default)s)")
     p.add_argument("--modes", default="dense", help=f"ours, comma-separated: {', '.join(MODES)}, or 'all' "
                    "(default: %(default)s; each lookahead mode adds its own prefill, ~+50%% run time)")
+    p.add_argument("--hf-impls", default="default,static-compile,offloaded",
+                   help=f"transformers paths, comma-separated: {', '.join(HF_IMPLS)}, or 'all' (default: "
+                   "%(default)s; 'default' is the reference of 'vs transformers' and must stay; "
+                   "static-compile compiles once per point, ~1-2 min each on 2 CPU cores)")
+    p.add_argument("--compile-timeout", type=float, default=300.0, metavar="S",
+                   help="static-compile: give up on a point's torch.compile after S seconds and report "
+                   "'not available' (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--prefill-threads", type=int, default=None,
+                   help="torch threads while prefilling (default: --threads); prefill is not timed, "
+                   "and at 8K it is most of a run's time")
     p.add_argument("--quick", action="store_true", help="smoke run: contexts 512,1024, batches 1,2")
     p.add_argument("--json", help="write rows + machine info here")
     p.add_argument("--plot", help="write a bar chart (PNG) here")
@@ -66,6 +95,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         p.error(f"--modes: unknown {unknown[0]!r}; known: {', '.join(MODES)}")
+    args.hf_impls = (list(HF_IMPLS) if args.hf_impls == "all"
+                     else list(dict.fromkeys(m.strip() for m in args.hf_impls.split(",") if m.strip())))
+    unknown = [m for m in args.hf_impls if m not in HF_IMPLS]
+    if unknown:
+        p.error(f"--hf-impls: unknown {unknown[0]!r}; known: {', '.join(HF_IMPLS)}")
+    if "default" not in args.hf_impls:
+        p.error("--hf-impls must include 'default': it is the reference of 'vs transformers' and 'same tokens'")
     if args.decode_steps < 1 or args.warmup_steps < 0:
         p.error("--decode-steps must be >= 1 and --warmup-steps >= 0")
     return args
@@ -99,20 +135,40 @@ def warm_up(engines: dict[str, Engine | str], hf_model) -> None:
                       pad_token_id=0)
 
 
-def run_point(args, engines, hf_model, ctx: int, batch: int, order: int) -> list[dict[str, Any]]:
+def run_point(args, engines, hf_model, ctx: int, batch: int, order: int, floor: dict[str, Any],
+              skip: dict[str, str]) -> list[dict[str, Any]]:
+    """One (context, batch) point: rows of every implementation. `skip` maps transformers paths
+    found unavailable at an earlier point to their reason (filled here: not retried)."""
     first = next(e for e in engines.values() if isinstance(e, Engine))
     steps = args.warmup_steps + args.decode_steps
     extra = PROFILE_STEPS if args.profile else 0
     length = min(ctx, first.max_model_len - steps - extra - 1)
     prompts, source = make_prompts(first, length, batch)
     decoders = [EngineDecoder(m, e, prompts, steps + extra + 1) for m, e in engines.items() if isinstance(e, Engine)]
-    decoders.append(TransformersDecoder(hf_model, prompts))
+    missing = [{"context": ctx, "batch": batch, "impl": m, "error": e} for m, e in engines.items() if isinstance(e, str)]
+    for d in make_hf_decoders(args.hf_impls, hf_model, prompts, steps + extra, args.compile_timeout):
+        if d.name in skip:
+            missing.append({"context": ctx, "batch": batch, "impl": d.name, "error": skip[d.name]})
+        else:
+            decoders.append(d)
     if order % 2:                      # alternate who prefills first from point to point
         decoders.reverse()
-    for d in decoders:
-        print(f"  prefill {d.name:<20} {length} tokens x {batch} ...", end=" ", flush=True)
-        d.prefill()
-        print(f"{d.timing.prefill_s:.1f}s", flush=True)
+    decode_threads = torch.get_num_threads()
+    if args.prefill_threads:
+        torch.set_num_threads(args.prefill_threads)
+    for d in list(decoders):
+        print(f"  prefill {d.name:<27} {length} tokens x {batch} ...", end=" ", flush=True)
+        try:
+            d.prefill()
+        except NotAvailable as e:
+            print(e, flush=True)
+            decoders.remove(d)
+            skip[d.name] = str(e)
+            missing.append({"context": ctx, "batch": batch, "impl": d.name, "error": str(e)})
+            continue
+        compiled = f" (+ torch.compile and warm-up {d.compile_s:.0f}s)" if getattr(d, "compile_s", None) else ""
+        print(f"{d.timing.prefill_s:.1f}s{compiled}", flush=True)
+    torch.set_num_threads(decode_threads)
     for s in range(steps):             # interleaved: the order rotates every step
         for d in decoders[s % len(decoders):] + decoders[:s % len(decoders)]:
             d.step(timed=s >= args.warmup_steps)
@@ -124,27 +180,44 @@ def run_point(args, engines, hf_model, ctx: int, batch: int, order: int) -> list
     for d in decoders:
         d.close()
     ref = next(d for d in decoders if d.name == "transformers")
-    rows = [{**_row(d, ref, ctx, length, batch, source), "profile_ms_per_step": profiles.get(d.name)}
+    rows = [{**_row(d, ref, ctx, length, batch, source, floor), "profile_ms_per_step": profiles.get(d.name)}
             for d in decoders]
-    rows += [{"context": ctx, "batch": batch, "impl": m, "error": e} for m, e in engines.items() if isinstance(e, str)]
-    return rows
+    order = [*engines, *(HF_NAMES[i] for i in args.hf_impls)]
+    return sorted(rows + missing, key=lambda r: order.index(r["impl"]))     # a fixed order per point
 
 
-def _row(d, ref, ctx: int, length: int, batch: int, source: str) -> dict[str, Any]:
+def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str, Any]) -> dict[str, Any]:
     t = d.timing
     tps = batch * t.timed_steps / t.decode_s
     ref_tps = batch * ref.timing.timed_steps / ref.timing.decode_s
     c = ref.model.config
-    kv_full = length * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * ref.model.dtype.itemsize
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * ref.model.dtype.itemsize
     device = getattr(d, "device_bytes_per_seq", None)
+    h2d = getattr(d, "h2d_bytes", 0) / t.timed_steps if device is not None else None
+    wait = getattr(d, "wait_s", None)
+    sparse = d.sparse_read_bytes_per_seq(length) if isinstance(d, EngineDecoder) else None
+    read = step_read_bytes(floor["weight_bytes"], kv_per_token, getattr(d, "kv_tokens", length), batch,
+                           sparse, h2d or 0.0)
+    on_cpu = getattr(d, "device", "cpu") == "cpu"     # the bandwidth was measured on the CPU
+    floor_ms = 1000 * read / (floor["bandwidth_gbps"] * 1e9) if on_cpu else None
+    ms = 1000 * t.decode_s / t.timed_steps
     agree = min(_prefix(a, b) for a, b in zip(t.tokens, ref.timing.tokens))
     return {"context": ctx, "prompt_tokens": length, "batch": batch, "impl": d.name, "prompt_source": source,
-            "prefill_s": t.prefill_s, "decode_s": t.decode_s, "timed_steps": t.timed_steps,
-            "decode_tokens_per_s": tps, "ms_per_step": 1000 * t.decode_s / t.timed_steps,
+            "device": getattr(d, "device", "cpu"),
+            "prefill_s": t.prefill_s, "compile_s": getattr(d, "compile_s", None),
+            "decode_s": t.decode_s, "timed_steps": t.timed_steps,
+            "decode_tokens_per_s": tps, "ms_per_step": ms,
             "ratio": None if d is ref else tps / ref_tps,
-            "kv_device_bytes_per_seq": device if device is not None else kv_full,
-            "h2d_bytes_per_step": getattr(d, "h2d_bytes", 0) / t.timed_steps if device is not None else None,
-            "transfer_wait_s": getattr(d, "wait_s", None),
+            "kv_device_bytes_per_seq": device if device is not None else length * kv_per_token,
+            "h2d_bytes_per_step": h2d,
+            "transfer_wait_s": wait,
+            "stall_ms_per_step": None if wait is None else 1000 * wait / t.timed_steps,
+            "step_read_bytes": read,
+            "step_read_parts": {"weights": floor["weight_bytes"],
+                                **({"kv": read - floor["weight_bytes"]} if sparse is None else
+                                   {"working_set": batch * sparse[0], "summaries": batch * sparse[1],
+                                    "h2d": h2d})},
+            "floor_ms": floor_ms, "x_floor": ms / floor_ms if floor_ms else None,
             "same_tokens": f"{agree}/{len(ref.timing.tokens[0])}", "tokens": t.tokens}
 
 
@@ -164,14 +237,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hf_model = AutoModelForCausalLM.from_pretrained(reference_hf_dir(args.engine), dtype=torch.float32).eval()
     warm_up(engines, hf_model)
-    info = {**machine_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+    bandwidth = memory_bandwidth()
+    floor = {"weight_bytes": weight_bytes(hf_model), "bandwidth_gbps": bandwidth["bandwidth_gbps"]}
+    info = {**machine_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "memory_bandwidth": bandwidth,
+            "weight_bytes": floor["weight_bytes"], "cuda_available": torch.cuda.is_available()}
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['torch_threads']} "
-          f"threads), load average {info['loadavg_start'][0]:.1f}; loaded in {time.perf_counter() - t0:.0f}s")
+          f"threads, OMP_NUM_THREADS={info['omp_num_threads']}), load average {info['loadavg_start'][0]:.1f}; "
+          f"loaded in {time.perf_counter() - t0:.0f}s")
+    print(f"memory bandwidth: {bandwidth['sum_read_gbps']:.1f} GB/s read (sum), {bandwidth['copy_read_write_gbps']:.1f}"
+          f" GB/s read+write (copy); floor uses {floor['bandwidth_gbps']:.1f} GB/s; weights "
+          f"{floor['weight_bytes'] / 2**20:.0f} MiB per step")
     rows: list[dict[str, Any]] = []
     points = [(c, b) for c in args.contexts for b in args.batches]
+    skip: dict[str, str] = {}          # transformers paths found unavailable: not retried
     for i, (ctx, batch) in enumerate(points):
         print(f"[{i + 1}/{len(points)}] context {ctx}, batch {batch}", flush=True)
-        rows += run_point(args, engines, hf_model, ctx, batch, i)
+        rows += run_point(args, engines, hf_model, ctx, batch, i, floor, skip)
     for e in engines.values():
         if isinstance(e, Engine):
             e.close()
@@ -183,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             if r.get("profile_ms_per_step"):
                 groups = ", ".join(f"{g} {ms:.0f}" for g, ms in r["profile_ms_per_step"].items())
-                print(f"  {r['prompt_tokens']:>5} x{r['batch']} {r['impl']:<20} {groups}")
+                print(f"  {r['prompt_tokens']:>5} x{r['batch']} {r['impl']:<27} {groups}")
         print()
     print(format_table(rows))
     if args.json:

@@ -1,7 +1,8 @@
-"""Helpers of scripts/bench.py: prompts, the two step-wise decoders, machine info, table and plot.
+"""Helpers of scripts/bench.py: prompts, our step-wise decoder, profiling, machine info, table and
+plot (transformers' decoders are in scripts/bench_hf.py, the bandwidth floor in bench_floor.py).
 
-Both decoders expose the same two calls, `prefill()` and `step()`, so the benchmark can interleave
-them step by step: a burst of load from another process then slows both sides alike.
+Every decoder exposes the same two calls, `prefill()` and `step()`, so the benchmark can interleave
+them step by step: a burst of load from another process then slows every side alike.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def make_prompts(engine: Engine, length: int, count: int) -> tuple[list[list[int
     return [ids[i * length:(i + 1) * length] for i in range(count)], source
 
 
-# ---- the two decoders ---------------------------------------------------------------------------
+# ---- decoders: timing, and ours -----------------------------------------------------------------
 @dataclass
 class Timing:
     prefill_s: float = 0.0
@@ -116,37 +117,6 @@ class Timing:
         if timed:
             self.decode_s += seconds
             self.timed_steps += 1
-
-
-class TransformersDecoder:
-    """transformers' own path: one forward over the prompts (default DynamicCache), then a manual
-    greedy loop of one-token forwards, so prefill and generate()'s bookkeeping are not timed."""
-
-    name = "transformers"
-
-    def __init__(self, model: torch.nn.Module, prompts: list[list[int]]):
-        self.model, self.ids = model, torch.tensor(prompts)            # [B, L]
-        self.timing = Timing()
-
-    @torch.inference_mode()
-    def prefill(self) -> None:
-        t0 = time.perf_counter()
-        out = self.model(input_ids=self.ids, use_cache=True, logits_to_keep=1)
-        self.cache, self.next = out.cache, out.logits[:, -1].argmax(-1)                # next: [B]
-        self.timing.prefill_s = time.perf_counter() - t0
-        self.timing.tokens = [[t] for t in self.next.tolist()]
-
-    @torch.inference_mode()
-    def step(self, timed: bool) -> None:
-        t0 = time.perf_counter()
-        out = self.model(input_ids=self.next[:, None], cache=self.cache, use_cache=True)
-        self.next = out.logits[:, -1].argmax(-1)
-        self.timing.add(time.perf_counter() - t0, timed)
-        for seq, t in zip(self.timing.tokens, self.next.tolist()):
-            seq.append(t)
-
-    def close(self) -> None:
-        self.cache = None
 
 
 class EngineDecoder:
@@ -188,6 +158,16 @@ class EngineDecoder:
             self.h2d_bytes += s1["h2d_bytes"] - s0["h2d_bytes"]
             self.wait_s += s1["transfer_wait_s"] - s0["transfer_wait_s"]
             self.device_bytes_per_seq = s1.get("device_bytes_per_seq")
+
+    def sparse_read_bytes_per_seq(self, context: int) -> tuple[int, int] | None:
+        """(device working set of all layers, block summaries scored) that one sequence's decode step
+        reads; None in dense mode. The attention op reads every slot of a layer's working set (a
+        mask hides the empty ones); pingpong holds 2 layers' buffers but reads each layer's once."""
+        if self.device_bytes_per_seq is None:
+            return None
+        attn = self.engine.runner.attn
+        per_layer = self.device_bytes_per_seq // attn.num_buffers
+        return per_layer * attn.num_layers, attn.summary_bytes(context)
 
     def close(self) -> None:
         while self.engine.has_unfinished():
@@ -248,20 +228,28 @@ def _read(path: str) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = ("context", "batch", "impl", "prefill s", "decode tok/s", "ms/step", "vs transformers",
-            "KV on device/seq", "H2D/step", "same tokens")
-    lines = [head]
+            "KV on device/seq", "H2D/step", "stall ms/step", "floor ms", "x floor", "same tokens")
+    lines, errors = [head], {}         # a row that did not run: its reason after the first columns
     for r in rows:
         if r.get("error"):
-            lines.append((str(r["context"]), str(r["batch"]), r["impl"], "-", r["error"], "", "", "", "", ""))
+            errors[len(lines)] = r["error"]
+            lines.append((str(r["context"]), str(r["batch"]), r["impl"], "-", *[""] * (len(head) - 4)))
             continue
         lines.append((str(r["prompt_tokens"]), str(r["batch"]), r["impl"], f"{r['prefill_s']:.1f}",
                       f"{r['decode_tokens_per_s']:.2f}", f"{r['ms_per_step']:.0f}",
                       "" if r["ratio"] is None else f"{r['ratio']:.2f}x", _mib(r.get("kv_device_bytes_per_seq")),
-                      _mib(r.get("h2d_bytes_per_step")), r.get("same_tokens", "")))
+                      _mib(r.get("h2d_bytes_per_step")), _num(r.get("stall_ms_per_step"), ".1f"),
+                      _num(r.get("floor_ms"), ".1f"), _num(r.get("x_floor"), ".1f", "x"),
+                      r.get("same_tokens", "")))
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     fmt = lambda row: "  ".join(c.rjust(w) if i not in (2, 4) or c.replace(".", "").isdigit()  # noqa: E731
                                 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-    return "\n".join([fmt(lines[0]), "  ".join("-" * w for w in widths), *map(fmt, lines[1:])])
+    out = [fmt(row[:4]) + "  " + errors[i] if i in errors else fmt(row) for i, row in enumerate(lines)]
+    return "\n".join([out[0], "  ".join("-" * w for w in widths), *out[1:]])
+
+
+def _num(x: float | None, spec: str, unit: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{unit}"
 
 
 def _mib(n: float | None) -> str:
@@ -277,7 +265,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     points = sorted({(r["context"], r["batch"]) for r in ok})
     impls = list(dict.fromkeys(r["impl"] for r in ok))
     width = 0.8 / max(1, len(impls))
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(points), 4))
+    fig, ax = plt.subplots(figsize=(4.0 + 1.6 * len(points), 4))
     for i, impl in enumerate(impls):
         ys = [next((r["decode_tokens_per_s"] for r in ok if (r["context"], r["batch"]) == p
                     and r["impl"] == impl), 0.0) for p in points]
@@ -286,6 +274,6 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax.set_xticklabels([f"{c // 1024}K x{b}" if c >= 1024 else f"{c} x{b}" for c, b in points])
     ax.set_xlabel("context x batch")
     ax.set_ylabel("decode tokens/s (all sequences)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # outside: bars stay visible
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,7 +1,9 @@
-"""The accuracy and agreement scripts: their data helpers, and both end to end on a tiny engine."""
+"""The accuracy, agreement and speed scripts: their data helpers, the first two end to end on a tiny
+engine, and a one-point smoke run of the speed benchmark (scripts/bench.py) on the real model."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import types
 from pathlib import Path
@@ -12,7 +14,10 @@ import torch
 from tiny_engine import make_tiny_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench  # noqa: E402
 import eval_accuracy  # noqa: E402
+from bench_floor import step_read_bytes  # noqa: E402
+from bench_lib import format_table  # noqa: E402
 import longctx_data as data  # noqa: E402
 import profile_agreement  # noqa: E402
 
@@ -184,3 +189,73 @@ def test_top_k_mask_breaks_ties_to_the_lower_block():
     assert profile_agreement.top_k_mask(s, 10).tolist() == [[True, True, True, False, True]]
     s = torch.tensor([[5.0, 5.0, 5.0]])
     assert profile_agreement.top_k_mask(s, 1).tolist() == [[True, False, False]]
+
+
+# ---- bench ------------------------------------------------------------------------------------
+def test_bench_args():
+    args = bench.parse_args(["--modes", "all"])
+    assert args.modes == list(bench.MODES) and "sparse-ondemand" in args.modes
+    assert bench.MODES["sparse-ondemand"]["draft"] == "none"
+    assert args.hf_impls == ["default", "static-compile", "offloaded"]
+    assert bench.parse_args(["--hf-impls", "default"]).hf_impls == ["default"]
+    for bad in (["--hf-impls", "static-compile"], ["--hf-impls", "default,eager"], ["--modes", "sparse"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_bench_step_read_bytes():
+    # dense: weights + the whole KV of every sequence
+    assert step_read_bytes(1000, kv_bytes_per_token=10, kv_tokens=50, batch=3) == 1000 + 10 * 50 * 3
+    # sparse: weights + per sequence (working set + summaries) + the step's H2D bytes
+    assert step_read_bytes(1000, 10, 50, 3, sparse=(200, 7), h2d_per_step=40.0) == 1000 + 3 * 207 + 40
+
+
+def test_bench_table_has_the_floor_and_keeps_reasons_out_of_the_columns():
+    row = {"context": 512, "prompt_tokens": 512, "batch": 1, "impl": "dense", "prefill_s": 1.0,
+           "decode_tokens_per_s": 10.0, "ms_per_step": 100.0, "ratio": None, "kv_device_bytes_per_seq": 2**20,
+           "h2d_bytes_per_step": None, "stall_ms_per_step": 0.0, "floor_ms": 25.0, "x_floor": 4.0,
+           "same_tokens": "3/3"}
+    err = {"context": 512, "batch": 1, "impl": "transformers-static-compile", "error": "not available (x)"}
+    head, rule, ok, bad = format_table([row, err]).splitlines()
+    assert "floor ms" in head and "x floor" in head and "stall ms/step" in head
+    assert "25.0" in ok and "4.0x" in ok and len(rule) == len(head)
+    assert bad.endswith("not available (x)") and len(bad) < len(head) + len("not available (x)")
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_bench_smoke(default_engine_dir, tmp_path, capsys):
+    """One point (512 tokens x 2), ours dense + sparse-ondemand, transformers' three paths. The
+    static-compile row is timed or "not available (...)" (compile capped by --compile-timeout, so
+    the test does not depend on torch.compile); offloaded needs CUDA. Under ~2 minutes on 2 cores."""
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--engine", str(default_engine_dir), "--contexts", "512", "--batches", "2",
+                     "--decode-steps", "2", "--warmup-steps", "1", "--modes", "dense,sparse-ondemand",
+                     "--hf-impls", "default,static-compile,offloaded", "--compile-timeout", "60",
+                     "--threads", "1", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    bw = doc["machine"]["memory_bandwidth"]
+    assert bw["bandwidth_gbps"] > 0 and bw["sum_read_gbps"] > 0 and bw["copy_read_write_gbps"] > 0
+    assert "omp_num_threads" in doc["machine"] and doc["machine"]["weight_bytes"] > 0
+    rows = {r["impl"]: r for r in doc["rows"]}
+    assert set(rows) == {"dense", "sparse-ondemand", "transformers", "transformers-static-compile",
+                         "transformers-offloaded"}
+    sparse = rows["sparse-ondemand"]
+    assert not sparse.get("error") and math.isfinite(sparse["decode_tokens_per_s"]) and sparse["decode_tokens_per_s"] > 0
+    assert sparse["step_read_parts"]["summaries"] > 0 and sparse["stall_ms_per_step"] >= 0
+    timed = [r for r in rows.values() if not r.get("error")]
+    for r in timed:
+        assert r["floor_ms"] > 0 and r["x_floor"] > 0, r["impl"]
+        assert r["step_read_bytes"] > doc["machine"]["weight_bytes"]
+    static = rows["transformers-static-compile"]
+    if static.get("error"):
+        assert static["error"].startswith("not available (")
+    else:
+        assert math.isfinite(static["decode_tokens_per_s"]) and static["compile_s"] > 0
+    if not torch.cuda.is_available():
+        assert "needs CUDA" in rows["transformers-offloaded"]["error"]
+    table = capsys.readouterr().out.rstrip().splitlines()
+    head = next(i for i, line in enumerate(table) if line.startswith("context"))
+    assert "floor ms" in table[head] and "x floor" in table[head]
+    assert len(table) - head == 2 + len(rows)                # the table is printed last

@@ -1,0 +1,63 @@
+"""The memory-bandwidth floor of a decode step, for scripts/bench.py.
+
+A decode step must at least read its weights and the KV it attends over once; at the machine's
+memory bandwidth, measured in the same run, that takes
+
+    floor_s = step_read_bytes(...) / (bandwidth_gbps x 1e9)
+
+and a row's "x floor" is its measured ms/step over floor ms: how far the step is from memory-bound.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def memory_bandwidth(gib: float = 1.0, reps: int = 3) -> dict[str, float]:
+    """The machine's memory bandwidth, GB/s (1e9), best of `reps`, on torch's threads: a sum over a
+    `gib` GiB fp32 tensor (bytes read / s) and a copy of it (bytes read + written / s).
+    `bandwidth_gbps`, the larger of the two, is the divisor of every row's floor."""
+    x = torch.ones(int(gib * 2**30) // 4)          # touched: page faults stay out of the timing
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best_sum = best_copy = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best_sum = min(best_sum, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        best_copy = min(best_copy, time.perf_counter() - t0)
+    read, copy = x.nbytes / best_sum / 1e9, 2 * x.nbytes / best_copy / 1e9
+    return {"sum_read_gbps": round(read, 2), "copy_read_write_gbps": round(copy, 2),
+            "bandwidth_gbps": round(max(read, copy), 2), "tensor_gib": gib, "reps": reps}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Parameter bytes one decode step reads: every parameter once. A tied embedding counts once
+    (the lm_head reads all of it); an untied input embedding is left out (a step reads B rows)."""
+    params = {p.data_ptr(): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if emb.data_ptr() != head.data_ptr():
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def step_read_bytes(weights: int, kv_bytes_per_token: int, kv_tokens: int, batch: int,
+                    sparse: tuple[int, int] | None = None, h2d_per_step: float = 0.0) -> float:
+    """Bytes one decode step of `batch` sequences must read (the floor's numerator).
+
+    dense:   weights + kv_bytes_per_token x kv_tokens x batch, where kv_bytes_per_token =
+             2 (K, V) x layers x kv_heads x head_dim x dtype bytes and kv_tokens the positions the
+             step attends over (the context; a StaticCache's whole buffer);
+    sparse:  weights + batch x (working set + summaries) + h2d_per_step, with `sparse` =
+             (working set of all layers, block summaries) per sequence: working set = per-layer
+             device bytes x layers, summaries = 2 x layers x ceil(context / block) x kv_heads x
+             head_dim x 4 (fp32 min/max); h2d_per_step = bytes copied into the device tier.
+    """
+    if sparse is None:
+        return weights + kv_bytes_per_token * kv_tokens * batch
+    working_set, summaries = sparse
+    return weights + batch * (working_set + summaries) + h2d_per_step
