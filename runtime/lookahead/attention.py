@@ -1,14 +1,20 @@
 """Lookahead attention backend: the per-layer data flow of DESIGN.md ("One decode step").
 
-For layer l of a step:
-  1. store the real rows' K/V (host pool, write-through) and fold them into the block summaries;
-  2. wait for layer l's working set (its ticket only); under `urgent`, score the real query and
-     fetch the missing blocks of its true top-K on the urgent queue;
-  3. dual-row sparse attention over sink + selected + window (+ the real row, for the draft row);
-  4. score the draft query against the summaries: the predicted top-K for layer l of the next step;
+For layer l of a decode step:
+  1. keep the real rows' K/V for the end of the step (step 6): this step they are extra keys;
+  2. wait for layer l's working set (its ticket only); score the real and the draft query in one
+     read of the summaries; under `urgent`, fetch the missing blocks of the real query's true
+     top-K on the urgent queue;
+  3. dual-row sparse attention over sink + selected + window, plus the rows' own K/V (the real
+     row sees itself, the draft row sees the real row and itself);
+  4. the draft query's top-K is the prediction for layer l of the next step;
   5. hand it to the residency manager, which admits up to `fetch_cap` blocks per head and queues
      the copies (resident), or remember it for the ping-pong refill of that layer (pingpong).
-Prefill rows use dense attention over the host pool, and seed the first working set.
+  6. after the last layer (`end_step`): store every layer's real rows at once (host pool,
+     window write-through, block summaries) and tally the step's metrics. Nothing reads them
+     sooner: a block being written is in the window, never a top-K candidate.
+Prefill rows use dense attention over the host pool, store their K/V at once, and seed the first
+working set. `draft none`: one row per sequence, no step 4/5 (sparse attention on demand).
 """
 from __future__ import annotations
 
