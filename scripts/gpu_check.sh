@@ -83,8 +83,13 @@ env_report() {
 import importlib.util, sys
 import torch
 print("python", sys.version.split()[0], "| torch", torch.__version__, "| torch CUDA", torch.version.cuda)
+def installed(m):
+    try:
+        return importlib.util.find_spec(m) is not None
+    except ModuleNotFoundError:      # a submodule whose parent package is missing
+        return False
 for m in ("cuda.bindings", "numpy", "safetensors", "tokenizers", "yaml", "pytest"):
-    print(f"module {m}: {'yes' if importlib.util.find_spec(m) else 'MISSING'}")
+    print(f"module {m}: {'yes' if installed(m) else 'MISSING'}")
 from runtime.transfer_cuda import unavailable_reason
 print("CUDA transfer engine:", unavailable_reason() or "available")
 if not torch.cuda.is_available():
