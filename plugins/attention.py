@@ -60,6 +60,9 @@ def _lookahead_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     E = k_extra.shape[2]
     G = H // num_kv_heads
     qg = q.reshape(B, R, num_kv_heads, G, D).transpose(1, 2).reshape(B, num_kv_heads, R * G, D)
+    # The fused kernel reads rows with a unit stride in the last dim, whatever the tensor says
+    # (a transposed K gave wrong numbers, no error): give it such rows.
+    qg, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (qg, k, v))
     bias = torch.zeros(kv_mask.shape, dtype=q.dtype).masked_fill_(~kv_mask, float("-inf")).unsqueeze(2)
     out_kv, lse = _FUSED(qg, k, v, 0.0, False, attn_mask=bias, scale=scale)   # [B,KVH,RG,D], [B,KVH,RG]
     # A (b, kvh) with no visible gathered key gets no weight from that part (the kernel's lse is

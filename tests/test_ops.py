@@ -549,3 +549,18 @@ def test_cuda_kernel_failure_warns_and_keeps_the_torch_ops(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="plugins"):
         plugins._register_cuda_kernels()
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lookahead_attention_any_strides_match_reference(seed):
+    # K/V rows with a stride other than D, heads interleaved with tokens, a transposed K: the fused
+    # CPU kernel trusts a unit last-dim stride, the op must hold whatever the tensor's layout.
+    g = _gen(30 + seed)
+    B, R, H, KVH, N, E, D = 2, 2, 6, 2, 30, 2, 16
+    args = list(_attention_inputs(30 + seed, B, R, H, KVH, N, E, D, torch.float32))
+    args[0] = _randn(g, B, R, H, 3 * D)[..., D:2 * D]
+    args[1] = _randn(g, B, KVH, 2 * N, 2 * D)[:, :, ::2, :D]
+    args[2] = _randn(g, B, N, KVH, D).transpose(1, 2)
+    _assert_close(plugins.lookahead_attention(*args), ref.lookahead_attention_ref(*args), torch.float32)
+    args[1] = _randn(g, B, KVH, D, N).transpose(2, 3)
+    _assert_close(plugins.lookahead_attention(*args), ref.lookahead_attention_ref(*args), torch.float32)
