@@ -231,17 +231,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "opening the assistant turn; base: RULER's plain template")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="override the per-task answer budget " + json.dumps(MAX_NEW_TOKENS))
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads; 1 because on a shared 2-core machine OpenMP's spin-waiting "
-                        "threads made runs 3-15x slower (measured), 2 on an idle machine")
     p.add_argument("--run-trivial", action="store_true",
                    help="also run lookahead where K covers every block (equal to dense by construction)")
-    p.add_argument("--report-only", action="store_true",
-                   help="run nothing: summarize what --jsonl holds for these settings")
-    p.add_argument("--jsonl", default=str(ROOT / "results" / "accuracy.jsonl"),
-                   help="per-sample results, appended (the resume state)")
-    p.add_argument("--json", default=str(ROOT / "results" / "accuracy.json"), help="summary")
+    add_run_args(p, "accuracy", "per-sample", "summarize what --jsonl holds for these settings")
     args = p.parse_args(argv)
     if "dense" not in args.modes:
         args.modes = ["dense"] + args.modes     # deltas are paired against dense
@@ -316,6 +308,18 @@ def run_missing(args: argparse.Namespace, settings: str, jsonl: Path, done: dict
                     done[key] = rec
                     bar.update(1)
     bar.close()
+
+
+def add_run_args(p, stem: str, unit: str, report: str) -> None:
+    """The flags every resumable evaluation script shares (this one and profile_agreement.py)."""
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads; 1 because on a shared 2-core machine OpenMP's spin-waiting "
+                        "threads made runs 3-15x slower (measured), 2 on an idle machine")
+    p.add_argument("--report-only", action="store_true", help=f"run nothing: {report}")
+    p.add_argument("--jsonl", default=str(ROOT / "results" / f"{stem}.jsonl"),
+                   help=f"{unit} results, appended (the resume state)")
+    p.add_argument("--json", default=str(ROOT / "results" / f"{stem}.json"), help="summary")
 
 
 def set_threads(n: int) -> None:

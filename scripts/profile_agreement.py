@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))          # run from a checkout without pip install
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import longctx_data as data  # noqa: E402
-from eval_accuracy import EngineFactory, append_record, machine_info, set_threads  # noqa: E402
+from eval_accuracy import EngineFactory, add_run_args, append_record, machine_info, set_threads  # noqa: E402
 from runtime.draft import DraftSource, DualTokenDraft, RandomDraft  # noqa: E402
 
 SWEEP = (16, 32, 64, 128, 256)
@@ -340,15 +340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=1, help="prompts per source and context")
     p.add_argument("--steps", type=int, default=24, help="decode steps measured per run")
     p.add_argument("--template", choices=("chat", "base"), default="chat")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads; 1 because on a shared 2-core machine OpenMP's spin-waiting "
-                        "threads made runs 3-15x slower (measured), 2 on an idle machine")
-    p.add_argument("--report-only", action="store_true",
-                   help="run nothing: summarize and plot the runs --jsonl holds for these settings")
-    p.add_argument("--jsonl", default=str(ROOT / "results" / "agreement.jsonl"),
-                   help="per-run results, appended (the resume state)")
-    p.add_argument("--json", default=str(ROOT / "results" / "agreement.json"), help="summary")
+    add_run_args(p, "agreement", "per-run", "summarize and plot the runs --jsonl holds for these settings")
     p.add_argument("--plot", default=str(ROOT / "results" / "agreement.png"),
                    help="PNG path; one file per trajectory (<stem>_<trajectory>.png); '' for none")
     args = p.parse_args(argv)
