@@ -279,8 +279,7 @@ class LookaheadAttention:
             kx[d.lanes, :, 0], vx[d.lanes, :, 0] = k[d.real_rows], v[d.real_rows]
             if R == 2:
                 kx[d.lanes, :, 1], vx[d.lanes, :, 1] = k[d.draft_rows], v[d.draft_rows]
-        xmask = torch.tensor([[True, False], [True, True]])[:R, :R].expand(n, R, R)
-        o = self._ops.lookahead_attention(qd, kb, vb, mask, kx, vx, xmask, self.scale)
+        o = self._ops.lookahead_attention(qd, kb, vb, mask, kx, vx, d.extra_mask, self.scale)
         if d.packed:
             out.view(n, R, *out.shape[1:]).copy_(o)
         else:

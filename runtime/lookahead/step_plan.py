@@ -38,6 +38,8 @@ class DecodePart:
     packed: bool = False           # rows are exactly [real0, draft0, real1, draft1, ...]
                                    # (or [real0, real1, ...] without a draft row)
     rows: int = 2                  # query rows per lane: real + draft, or 1 without look-ahead
+    extra_mask: torch.Tensor | None = None   # [num_lanes, rows, rows] bool: which of this step's
+                                   # own rows each row sees (real: itself; draft: real and itself)
 
     @property
     def size(self) -> int:
@@ -95,6 +97,7 @@ def build_decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int]
     rows = 2 if draft_rows else 1
     part = DecodePart(t(lanes), t(real_rows), t(draft_rows), n, base, active, cand[:, :rows],
                       list(context_lens), rows=rows)
+    part.extra_mask = torch.tensor([[True, False], [True, True]])[:rows, :rows].expand(n, rows, rows)
     part.lane_ix, part.real_ix, part.draft_ix = part.lanes, part.real_rows, part.draft_rows
     if lanes == list(range(n)):
         part.lane_ix = slice(0, n)
