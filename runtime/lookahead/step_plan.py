@@ -34,7 +34,6 @@ class DecodePart:
     # interleaved (real, draft) per lane, these are slices, so indexing gives views, not copies.
     lane_ix: slice | torch.Tensor | None = None
     real_ix: slice | torch.Tensor | None = None
-    draft_ix: slice | torch.Tensor | None = None
     packed: bool = False           # rows are exactly [real0, draft0, real1, draft1, ...]
                                    # (or [real0, real1, ...] without a draft row)
     rows: int = 2                  # query rows per lane: real + draft, or 1 without look-ahead
@@ -98,11 +97,11 @@ def build_decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int]
     part = DecodePart(t(lanes), t(real_rows), t(draft_rows), n, base, active, cand[:, :rows],
                       list(context_lens), rows=rows)
     part.extra_mask = torch.tensor([[True, False], [True, True]])[:rows, :rows].expand(n, rows, rows)
-    part.lane_ix, part.real_ix, part.draft_ix = part.lanes, part.real_rows, part.draft_rows
+    part.lane_ix, part.real_ix = part.lanes, part.real_rows
     if lanes == list(range(n)):
         part.lane_ix = slice(0, n)
         part.packed = (only_decode and real_rows == list(range(0, rows * n, rows))
                        and (rows == 1 or draft_rows == list(range(1, rows * n, rows))))
         if part.packed:
-            part.real_ix, part.draft_ix = slice(0, rows * n, rows), slice(1, rows * n, rows)
+            part.real_ix = slice(0, rows * n, rows)     # the step's rows are then views of q/k/v
     return part
