@@ -27,13 +27,15 @@ def block_gather_ref(src: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
 
 
 def block_topk_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
-                   k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   k: int, group_score: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, D], kmin/kmax [B, NB, KVH, D], valid [B, NB] -> (indices [B, KVH, k], scores [B, KVH, NB]).
+
+    A KV head's score is the sum (group_score "sum") or the max ("max") of its query heads' scores.
 
     q [B, R, H, D] with valid [B, R, NB]: each row r on its own -> [B, R, KVH, k], [B, R, KVH, NB].
     """
     if q.dim() == 4:
-        outs = [block_topk_ref(q[:, r], kmin, kmax, valid[:, r], k) for r in range(q.shape[1])]
+        outs = [block_topk_ref(q[:, r], kmin, kmax, valid[:, r], k, group_score) for r in range(q.shape[1])]
         return torch.stack([o[0] for o in outs], 1), torch.stack([o[1] for o in outs], 1)
     B, H, _ = q.shape
     num_blocks, num_kv_heads = kmin.shape[1], kmin.shape[2]
@@ -46,12 +48,10 @@ def block_topk_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, vali
                 if not valid[b, n]:
                     continue
                 lo, hi = kmin[b, n, g].float(), kmax[b, n, g].float()
-                s = torch.zeros((), dtype=torch.float32, device=q.device)
-                for h in range(H):
-                    if h // group == g:
-                        qh = q[b, h].float()
-                        s = s + torch.maximum(qh * lo, qh * hi).sum()
-                scores[b, g, n] = s
+                head_scores = [torch.maximum(q[b, h].float() * lo, q[b, h].float() * hi).sum()
+                               for h in range(H) if h // group == g]
+                scores[b, g, n] = (sum(head_scores) if group_score == "sum"
+                                   else torch.stack(head_scores).max())
             ranked = sorted((n for n in range(num_blocks) if valid[b, n]),
                             key=lambda n: (-float(scores[b, g, n]), n))    # ties: lower id first
             chosen = sorted(ranked[:k])

@@ -6,27 +6,34 @@ import torch
 from ._common import FLOAT_DTYPES, check_same, check_shape, check_tensor, define_op, fail
 
 
-def _group_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+GROUP_SCORES = ("sum", "max")      # how a GQA group's query heads combine into a KV head's score
+
+
+def _group_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, group_score: str) -> torch.Tensor:
     """q [B, R, H, D], kmin/kmax [B, NB, KVH, D] -> fp32 group scores [B, R, KVH, NB].
 
     With kmin <= kmax, max(q_d*kmin_d, q_d*kmax_d) = relu(q_d)*kmax_d + min(q_d, 0)*kmin_d, which
-    is linear in q: a GQA group's heads fold into one weight pair per KV head before touching the
-    summaries. Reading the summaries is the whole cost, so each is read once, in its native
-    layout, by one bmm of all rows' and KV heads' weights ([R*KVH, D], the small side first: BLAS
+    is linear in q. "sum": a GQA group's heads fold into one weight pair per KV head before
+    touching the summaries; "max": each head keeps its own pair and the group takes the largest
+    head score. Reading the summaries is the whole cost, so each is read once, in its native
+    layout, by one bmm of all rows' and heads' weights ([R*KVH*G', D], the small side first: BLAS
     runs that shape several times faster than the transposed one) against its (block, head)
-    columns, keeping the matching head (the diagonal); the KVH-fold arithmetic is free next to the
-    memory traffic, and unlike a broadcast multiply it allocates no summary-sized temporary. R
-    query rows per sequence (e.g. the real and the draft token) share that one read.
+    columns, keeping the matching KV head (the diagonal); the extra arithmetic is free next to
+    the memory traffic, and unlike a broadcast multiply it allocates no summary-sized temporary.
+    R query rows per sequence (e.g. the real and the draft token) share that one read.
     """
     B, R, H, D = q.shape
     num_blocks, num_kv_heads = kmin.shape[1], kmin.shape[2]
     qf = q.float().reshape(B, R, num_kv_heads, H // num_kv_heads, D)
-    w_max = qf.clamp_min(0).sum(3).reshape(B, R * num_kv_heads, D)                 # [B, R*KVH, D]
-    w_min = qf.clamp_max(0).sum(3).reshape(B, R * num_kv_heads, D)
+    w_max, w_min = qf.clamp_min(0), qf.clamp_max(0)                              # [B, R, KVH, G, D]
+    if group_score == "sum":
+        w_max, w_min = w_max.sum(3, keepdim=True), w_min.sum(3, keepdim=True)  # G' = 1
+    g = w_max.shape[3]
     cols = (B, num_blocks * num_kv_heads, D)
-    scores = torch.bmm(w_max, kmax.float().reshape(cols).transpose(1, 2))
-    scores = scores.baddbmm_(w_min, kmin.float().reshape(cols).transpose(1, 2))  # [B, R*KVH, NB*KVH]
-    scores = scores.view(B, R, num_kv_heads, num_blocks, num_kv_heads).diagonal(dim1=2, dim2=4)
+    scores = torch.bmm(w_max.reshape(B, -1, D), kmax.float().reshape(cols).transpose(1, 2))
+    scores = scores.baddbmm_(w_min.reshape(B, -1, D), kmin.float().reshape(cols).transpose(1, 2))
+    scores = scores.view(B, R, num_kv_heads, g, num_blocks, num_kv_heads).diagonal(dim1=2, dim2=5)
+    scores = scores[:, :, 0] if g == 1 else scores.amax(2)                       # [B, R, NB, KVH]
     return scores.permute(0, 1, 3, 2).contiguous()                               # [B, R, KVH, NB]
 
 
@@ -47,13 +54,13 @@ def _rank_keys(scores: torch.Tensor) -> torch.Tensor:
 
 
 def _block_topk_impl(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
-                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     k: int, group_score: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
     B, num_blocks, num_kv_heads, _ = kmin.shape
     rows = q.dim() == 4                          # [B, R, H, D]: R query rows per sequence
     q4, v3 = (q, valid) if rows else (q.unsqueeze(1), valid.unsqueeze(1))
     R = q4.shape[1]
     # Masked after scoring: an empty block's +-inf summary may score NaN; the fill overwrites it.
-    scores = _group_scores(q4, kmin, kmax).masked_fill_(~v3.unsqueeze(2), float("-inf"))
+    scores = _group_scores(q4, kmin, kmax, group_score).masked_fill_(~v3.unsqueeze(2), float("-inf"))
     scores = scores.view(B * R, num_kv_heads, num_blocks)
     v2 = v3.reshape(B * R, num_blocks)
 
@@ -69,7 +76,7 @@ def _block_topk_impl(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, va
 
 
 def _block_topk_fake(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
-                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     k: int, group_score: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
     B, num_blocks, num_kv_heads, _ = kmin.shape
     lead = tuple(q.shape[:-2])                   # (B,) or (B, R)
     return (q.new_empty((*lead, num_kv_heads, k), dtype=torch.int64),
@@ -80,12 +87,14 @@ define_op("block_topk", _block_topk_impl, _block_topk_fake)
 
 
 def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
-               k: int) -> tuple[torch.Tensor, torch.Tensor]:
+               k: int, group_score: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
     """Score blocks by the Quest upper bound and select the top ``k`` per KV head.
 
     For query head h and block n, ``s_h(n) = sum_d max(q[h,d]*kmin[n,d], q[h,d]*kmax[n,d])``
-    (fp32), an upper bound of ``q_h . key`` over the block's keys. A KV head's score is the sum
-    over the query heads of its GQA group (``h // (H // KVH) == kv_head``).
+    (fp32), an upper bound of ``q_h . key`` over the block's keys. A KV head's score combines the
+    query heads of its GQA group (``h // (H // KVH) == kv_head``): their sum (``group_score="sum"``,
+    DESIGN.md's rule) or their maximum (``"max"``: a block one head needs is not outvoted by the
+    group's other heads).
 
     Parameters
     ----------
@@ -98,6 +107,8 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
         Blocks that hold at least one key; the others score ``-inf`` and are never selected.
     k : int
         Blocks to select per (sequence, KV head), ``1 <= k <= NB``.
+    group_score : str
+        ``"sum"`` or ``"max"`` over the GQA group's query heads.
 
     Returns
     -------
@@ -125,4 +136,6 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
         fail("valid", f"device {valid.device} differs from q's {q.device}")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= num_blocks:
         fail("k", f"must be an int in [1, NB={num_blocks}], got {k!r}")
-    return torch.ops.lookahead.block_topk(q, kmin, kmax, valid, k)
+    if group_score not in GROUP_SCORES:
+        fail("group_score", f"{group_score!r} is unknown: use one of {GROUP_SCORES}")
+    return torch.ops.lookahead.block_topk(q, kmin, kmax, valid, k, group_score)

@@ -75,7 +75,8 @@ class ModelConfig:
 
 RESIDENCY = ("resident", "pingpong")
 MISS_POLICIES = ("urgent", "drop")
-DRAFTS = ("dual_token", "prompt_lookup", "none")   # none: sparse attention without look-ahead
+DRAFTS = ("dual_token", "prompt_lookup", "none")
+GROUP_SCORES = ("sum", "max")   # none: sparse attention without look-ahead
 MODES = ("dense", "lookahead")
 
 
@@ -93,6 +94,7 @@ class LookaheadConfig:
     residency: str = "resident"
     miss_policy: str = "urgent"
     draft: str = "dual_token"
+    group_score: str = "sum"       # a GQA group's block score: sum (DESIGN.md) or max over its heads
     prefetch_lead: int = 2         # pingpong: layer l+lead is fetched while layer l computes
     prefill_chunk: int = 512       # tokens per prefill chunk
     max_batch_size: int = 8
@@ -115,6 +117,8 @@ class LookaheadConfig:
         _check(self.miss_policy in MISS_POLICIES, "miss_policy", f"{self.miss_policy!r} is unknown",
                f"use one of {MISS_POLICIES}")
         _check(self.draft in DRAFTS, "draft", f"{self.draft!r} is unknown", f"use one of {DRAFTS}")
+        _check(self.group_score in GROUP_SCORES, "group_score", f"{self.group_score!r} is unknown",
+               f"use one of {GROUP_SCORES}")
         if self.draft == "none":    # no prediction: only the real query's on-demand fetch fills the set
             _check(self.miss_policy == "urgent", "miss_policy",
                    f"{self.miss_policy!r} with draft 'none' would never fill the working set",

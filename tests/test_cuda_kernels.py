@@ -109,8 +109,9 @@ class TorchEntryPoints:
         out.copy_(torch.ops.lookahead.block_gather(src, block_ids))
 
     @staticmethod
-    def block_topk_out(q, kmin, kmax, valid, k, indices, scores):
-        got_indices, got_scores = torch.ops.lookahead.block_topk(q, kmin, kmax, valid, k)
+    def block_topk_out(q, kmin, kmax, valid, k, group_max, indices, scores):
+        got_indices, got_scores = torch.ops.lookahead.block_topk(q, kmin, kmax, valid, k,
+                                                                 "max" if group_max else "sum")
         indices.copy_(got_indices)
         scores.copy_(got_scores)
 
@@ -146,10 +147,10 @@ class TiesToTheHigherId(TorchEntryPoints):
     """Selects on the blocks in reverse order: equal scores then go to the higher id."""
 
     @staticmethod
-    def block_topk_out(q, kmin, kmax, valid, k, indices, scores):
+    def block_topk_out(q, kmin, kmax, valid, k, group_max, indices, scores):
         num_blocks = kmin.shape[1]
         flipped = (torch.flip(kmin, [1]), torch.flip(kmax, [1]), torch.flip(valid, [1]))
-        got_indices, got_scores = torch.ops.lookahead.block_topk(q, *flipped, k)
+        got_indices, got_scores = torch.ops.lookahead.block_topk(q, *flipped, k, "max" if group_max else "sum")
         ids = torch.where(got_indices >= 0, num_blocks - 1 - got_indices, num_blocks).sort(-1).values
         indices.copy_(ids.masked_fill(ids == num_blocks, -1))
         scores.copy_(torch.flip(got_scores, [-1]))

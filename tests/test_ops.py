@@ -81,15 +81,16 @@ def _summaries(g, B, NB, KVH, D, dtype):
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("k", [1, 7, 40])
-def test_block_topk_matches_reference(seed, dtype, group, k):
+@pytest.mark.parametrize("group_score", ["sum", "max"])
+def test_block_topk_matches_reference(seed, dtype, group, k, group_score):
     g = _gen(seed)
     B, KVH, D, NB = 2, 3, 32, 40
     q = _randn(g, B, KVH * group, D, dtype=dtype)
     kmin, kmax = _summaries(g, B, NB, KVH, D, dtype)
     valid = torch.rand(B, NB, generator=g) < 0.8
     valid[1, 25:] = False                                                 # a shorter sequence
-    idx, scores = plugins.block_topk(q, kmin, kmax, valid, k)
-    idx_ref, scores_ref = ref.block_topk_ref(q, kmin, kmax, valid, k)
+    idx, scores = plugins.block_topk(q, kmin, kmax, valid, k, group_score)
+    idx_ref, scores_ref = ref.block_topk_ref(q, kmin, kmax, valid, k, group_score)
     assert idx.dtype == torch.int64 and scores.dtype == torch.float32
     assert torch.equal(idx, idx_ref)
     _assert_close(scores, scores_ref, torch.float32)                      # fp32 math for every dtype
@@ -117,6 +118,23 @@ def test_block_topk_rows_match_reference_row_by_row(seed, dtype):
     assert not torch.equal(idx[:, 0], idx[:, 1])                          # the rows are really distinct
 
 
+def test_block_topk_max_keeps_a_block_only_one_head_wants():
+    # One head of a group of three scores block 5 highest by far, the other two rank it last:
+    # the group's max keeps it in the top 2, the group's sum drops it.
+    D, NB = 4, 8
+    q = torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 1.0, 0, 0]])[None]      # [1, H=3, D]
+    keys = torch.zeros(1, NB, 1, D)
+    keys[0, :, 0, 1] = torch.arange(NB, dtype=torch.float32) / NB                   # heads 1, 2: later is better
+    keys[0, 5, 0, 0], keys[0, 5, 0, 1] = 1.5, -1.0                                   # head 0's block
+    valid = torch.ones(1, NB, dtype=torch.bool)
+    top_max, _ = plugins.block_topk(q, keys, keys, valid, 2, "max")
+    top_sum, _ = plugins.block_topk(q, keys, keys, valid, 2, "sum")
+    assert top_max.tolist() == [[[5, 7]]]
+    assert 5 not in top_sum.flatten().tolist()
+    with pytest.raises(ValueError, match=r"^group_score: 'mean' is unknown"):
+        plugins.block_topk(q, keys, keys, valid, 2, "mean")
+
+
 def test_block_topk_rows_need_a_mask_per_row():
     q = torch.zeros(2, 2, 4, 8)
     kmin = torch.zeros(2, 10, 2, 8)
@@ -126,7 +144,8 @@ def test_block_topk_rows_need_a_mask_per_row():
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_block_topk_ties_go_to_lower_block_id(seed, dtype):
+@pytest.mark.parametrize("group_score", ["sum", "max"])
+def test_block_topk_ties_go_to_lower_block_id(seed, dtype, group_score):
     # Small integers make every product and sum exact in fp32, so scores tie often and exactly,
     # whatever the summation order: indices must still agree with the reference bit for bit.
     g = _gen(seed)
@@ -136,8 +155,8 @@ def test_block_topk_ties_go_to_lower_block_id(seed, dtype):
     b = torch.randint(-2, 3, (B, NB, KVH, D), generator=g).to(dtype)
     kmin, kmax = torch.minimum(a, b), torch.maximum(a, b)
     valid = torch.ones(B, NB, dtype=torch.bool)
-    idx, scores = plugins.block_topk(q, kmin, kmax, valid, 10)
-    idx_ref, scores_ref = ref.block_topk_ref(q, kmin, kmax, valid, 10)
+    idx, scores = plugins.block_topk(q, kmin, kmax, valid, 10, group_score)
+    idx_ref, scores_ref = ref.block_topk_ref(q, kmin, kmax, valid, 10, group_score)
     assert torch.equal(scores, scores_ref)
     assert torch.equal(idx, idx_ref)
     threshold = scores.gather(-1, idx).amin(-1, keepdim=True)

@@ -18,11 +18,13 @@ constexpr int kSelectThreads = 256;
 constexpr int kSelectWarps = kSelectThreads / 32;
 
 // One warp per block: lanes stride over head_dim, the group's queries wait in shared memory.
+// group_max 0: the group's head scores are summed (in one warp sum); 1: each head's score is
+// warp-summed on its own and the group takes the largest.
 template <typename T>
 __global__ void __launch_bounds__(kScoreWarps * 32) score_kernel(T const* __restrict__ q,
     T const* __restrict__ kmin, T const* __restrict__ kmax, uint8_t const* __restrict__ valid,
     float* __restrict__ scores, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t head_dim,
-    int64_t chunks_per_row)
+    int64_t chunks_per_row, int32_t group_max)
 {
     extern __shared__ float q_group[]; // [group, head_dim]
     int64_t const row = blockIdx.x / chunks_per_row; // b * num_kv_heads + g
@@ -53,17 +55,34 @@ __global__ void __launch_bounds__(kScoreWarps * 32) score_kernel(T const* __rest
         }
         int64_t const base = ((b * num_blocks + n) * num_kv_heads + g) * head_dim;
         float s = 0.0f;
-        for (int64_t d = lane; d < head_dim; d += 32)
+        if (group_max)
         {
-            float const lo = to_float(kmin[base + d]);
-            float const hi = to_float(kmax[base + d]);
+            s = -INFINITY;
             for (int64_t h = 0; h < group; ++h)
             {
-                float const qd = q_group[h * head_dim + d];
-                s += fmaxf(qd * lo, qd * hi);
+                float sh = 0.0f;
+                for (int64_t d = lane; d < head_dim; d += 32)
+                {
+                    float const qd = q_group[h * head_dim + d];
+                    sh += fmaxf(qd * to_float(kmin[base + d]), qd * to_float(kmax[base + d]));
+                }
+                s = fmaxf(s, warp_sum(sh)); // every lane holds the full sum after warp_sum
             }
         }
-        s = warp_sum(s);
+        else
+        {
+            for (int64_t d = lane; d < head_dim; d += 32)
+            {
+                float const lo = to_float(kmin[base + d]);
+                float const hi = to_float(kmax[base + d]);
+                for (int64_t h = 0; h < group; ++h)
+                {
+                    float const qd = q_group[h * head_dim + d];
+                    s += fmaxf(qd * lo, qd * hi);
+                }
+            }
+            s = warp_sum(s);
+        }
         if (lane == 0)
         {
             scores[row * num_blocks + n] = s;
@@ -245,7 +264,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(float const* __r
 
 extern "C" cudaError_t lookahead_kv_block_topk(void const* q, void const* kmin, void const* kmax,
     uint8_t const* valid, int64_t* indices, float* scores, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-    int64_t num_blocks, int64_t head_dim, int64_t k, int32_t dtype, cudaStream_t stream)
+    int64_t num_blocks, int64_t head_dim, int64_t k, int32_t group_max, int32_t dtype, cudaStream_t stream)
 {
     using namespace lookahead_kv::cuda;
     if (batch < 0 || num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_blocks < 0
@@ -270,7 +289,7 @@ extern "C" cudaError_t lookahead_kv_block_topk(void const* q, void const* kmin, 
             using T = typename decltype(tag)::type;
             score_kernel<T><<<unsigned(rows * chunks_per_row), kScoreWarps * 32, q_bytes, stream>>>(
                 static_cast<T const*>(q), static_cast<T const*>(kmin), static_cast<T const*>(kmax), valid, scores,
-                num_heads, num_kv_heads, num_blocks, head_dim, chunks_per_row);
+                num_heads, num_kv_heads, num_blocks, head_dim, chunks_per_row, group_max);
             return cudaGetLastError();
         });
         if (err != cudaSuccess)

@@ -78,15 +78,15 @@ def _block_gather(src: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
-                k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                k: int, group_score: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
     if q.dim() == 4:    # R rows per sequence: one kernel launch per row
-        outs = [_block_topk(q[:, r], kmin, kmax, valid[:, r], k) for r in range(q.shape[1])]
+        outs = [_block_topk(q[:, r], kmin, kmax, valid[:, r], k, group_score) for r in range(q.shape[1])]
         return torch.stack([o[0] for o in outs], 1), torch.stack([o[1] for o in outs], 1)
     B, num_blocks, num_kv_heads, _ = kmin.shape
     indices = torch.empty((B, num_kv_heads, k), dtype=torch.int64, device=q.device)
     scores = torch.empty((B, num_kv_heads, num_blocks), dtype=torch.float32, device=q.device)
     load_extension().block_topk_out(q.contiguous(), kmin.contiguous(), kmax.contiguous(), valid.contiguous(),
-                                    k, indices, scores)
+                                    k, group_score == "max", indices, scores)
     return indices, scores
 
 

@@ -45,10 +45,11 @@ LOOKAHEAD_KV_API cudaError_t lookahead_kv_block_gather(void const* src, int64_t 
 //   valid      [batch, num_blocks] bool (one byte each)
 //   indices    [batch, num_kv_heads, k] int64   ascending; -1 past the valid count
 //   scores     [batch, num_kv_heads, num_blocks] float32, -inf on invalid blocks
+// A KV head's score is the sum (group_max 0) or the max (group_max 1) of its query heads' scores.
 // Ties in score go to the lower block id. 1 <= k; num_blocks < 2^31.
 LOOKAHEAD_KV_API cudaError_t lookahead_kv_block_topk(void const* q, void const* kmin, void const* kmax,
     uint8_t const* valid, int64_t* indices, float* scores, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-    int64_t num_blocks, int64_t head_dim, int64_t k, int32_t dtype, cudaStream_t stream);
+    int64_t num_blocks, int64_t head_dim, int64_t k, int32_t group_max, int32_t dtype, cudaStream_t stream);
 
 // Fold keys into per-block min/max summaries, in place, as if applied token by token: offset 0
 // resets the block's summary to the key, any other offset takes the min/max.

@@ -118,7 +118,7 @@ def _topk_from_scores(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torc
     return top.masked_fill(top == num_blocks, -1)
 
 
-def _scores_chunked(q, kmin, kmax, valid, chunk: int = 1 << 15) -> torch.Tensor:
+def _scores_chunked(q, kmin, kmax, valid, group_score: str = "sum", chunk: int = 1 << 15) -> torch.Tensor:
     """Vectorised reference scores, in chunks of blocks (the large case does not fit at once)."""
     B, H, D = q.shape
     num_blocks, num_kv_heads = kmin.shape[1], kmin.shape[2]
@@ -126,23 +126,26 @@ def _scores_chunked(q, kmin, kmax, valid, chunk: int = 1 << 15) -> torch.Tensor:
     parts = []
     for s in range(0, num_blocks, chunk):
         lo, hi = kmin[:, s:s + chunk].float().unsqueeze(3), kmax[:, s:s + chunk].float().unsqueeze(3)
-        parts.append(torch.maximum(qg * lo, qg * hi).sum((3, 4)))         # [B, chunk, KVH]
+        per_head = torch.maximum(qg * lo, qg * hi).sum(4)                  # [B, chunk, KVH, G]
+        parts.append(per_head.sum(3) if group_score == "sum" else per_head.amax(3))
     scores = torch.cat(parts, 1).transpose(1, 2)
     return scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
 
 
-def _run_topk(ext, q, kmin, kmax, valid, k) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_topk(ext, q, kmin, kmax, valid, k, group_score) -> tuple[torch.Tensor, torch.Tensor]:
     B, num_blocks, num_kv_heads, _ = kmin.shape
     indices = torch.full((B, num_kv_heads, k), -7, dtype=torch.int64, device=q.device)
     scores = torch.full((B, num_kv_heads, num_blocks), float("nan"), device=q.device)
-    ext.block_topk_out(q, kmin, kmax, valid, k, indices, scores)
+    ext.block_topk_out(q, kmin, kmax, valid, k, group_score == "max", indices, scores)
     return indices, scores
 
 
 def check_block_topk(dtype: torch.dtype, case: str, target: Target | None = None, seed: int = 0) -> list[Check]:
     """case: "integer" (exact scores, many ties) | "ties" (every block scores the same) | "random"
-    | "large" (2^31+ summary elements)."""
+    | "large" (2^31+ summary elements); a "_max" suffix scores a GQA group by its best head."""
     target = target or cuda_target()
+    group_score = "max" if case.endswith("_max") else "sum"
+    case = case.removesuffix("_max")
     gen = _gen(seed, target.device)
     if case == "large":
         B, H, num_kv_heads, D, num_blocks, k = 1, 32, 8, 128, LARGE // (8 * 128) + 1, 128
@@ -159,16 +162,18 @@ def check_block_topk(dtype: torch.dtype, case: str, target: Target | None = None
     if B > 1:                              # the last sequence has fewer valid blocks than k: a -1 tail
         valid[-1] = False
         valid[-1, :5] = True
-    indices, scores = _run_topk(target.ext, q, kmin, kmax, valid, k)
+    indices, scores = _run_topk(target.ext, q, kmin, kmax, valid, k, group_score)
     if case == "large":
-        exp_scores = _scores_chunked(q, kmin, kmax, valid)
+        exp_scores = _scores_chunked(q, kmin, kmax, valid, group_score)
         exp_indices = _topk_from_scores(exp_scores, valid, k)
     elif exact:
-        exp_indices, exp_scores = reference.block_topk_ref(q.cpu(), kmin.cpu(), kmax.cpu(), valid.cpu(), k)
+        exp_indices, exp_scores = reference.block_topk_ref(q.cpu(), kmin.cpu(), kmax.cpu(), valid.cpu(), k,
+                                                           group_score)
     else:   # float sums differ in the last bits: indices must follow the kernel's own scores
-        _, exp_scores = reference.block_topk_ref(q.cpu(), kmin.cpu(), kmax.cpu(), valid.cpu(), k)
+        _, exp_scores = reference.block_topk_ref(q.cpu(), kmin.cpu(), kmax.cpu(), valid.cpu(), k, group_score)
         exp_indices = _topk_from_scores(scores, valid, k)
     # Scores are fp32 sums whatever the input dtype: fp32 tolerance.
+    case = case + ("_max" if group_score == "max" else "")
     score_check = _compare("block_topk.scores", dtype, case, scores, exp_scores, exact=exact,
                            tol_dtype=torch.float32)
     index_check = _compare("block_topk.indices", dtype, case, indices, exp_indices, exact=True)
@@ -285,7 +290,7 @@ def check_lookahead_attention(dtype: torch.dtype, case: str, target: Target | No
 
 SMALL_CASES = {
     check_block_gather: ("device", "host", "unaligned"),
-    check_block_topk: ("integer", "ties", "random"),
+    check_block_topk: ("integer", "ties", "random", "integer_max", "random_max"),
     check_update_summaries: ("prefill", "decode"),
     check_lookahead_attention: ("smollm2", "llama8b", "group16", "long", "short"),
 }

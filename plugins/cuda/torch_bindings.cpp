@@ -71,7 +71,7 @@ void block_gather_out(at::Tensor const& src, at::Tensor const& block_ids, at::Te
 }
 
 void block_topk_out(at::Tensor const& q, at::Tensor const& kmin, at::Tensor const& kmax, at::Tensor const& valid,
-    int64_t k, at::Tensor& indices, at::Tensor& scores)
+    int64_t k, bool group_max, at::Tensor& indices, at::Tensor& scores)
 {
     at::Device const device = q.device();
     c10::cuda::CUDAGuard guard(device);
@@ -84,7 +84,7 @@ void block_topk_out(at::Tensor const& q, at::Tensor const& kmin, at::Tensor cons
         "indices must be int64 and scores float32");
     check_launch(lookahead_kv_block_topk(q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), mask_ptr(valid),
                      indices.data_ptr<int64_t>(), scores.data_ptr<float>(), q.size(0), q.size(1), kmin.size(2),
-                     kmin.size(1), q.size(2), k, dtype_code(q), c10::cuda::getCurrentCUDAStream()),
+                     kmin.size(1), q.size(2), k, group_max ? 1 : 0, dtype_code(q), c10::cuda::getCurrentCUDAStream()),
         "block_topk");
 }
 
