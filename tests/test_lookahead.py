@@ -88,8 +88,9 @@ class QuestReference:
     """Independent reference backend: dense cache; each decode row attends to sink + the real
     query's Quest top-K blocks (summaries recomputed from the stored keys) + the recent window."""
 
-    def __init__(self, pool, scale, top_k, sink, window_blocks):
+    def __init__(self, pool, scale, top_k, sink, window_blocks, group_score="sum"):
         self.pool, self.scale, self.k, self.s, self.wb = pool, scale, top_k, sink, window_blocks
+        self.group_score = group_score      # the GQA group's heads (dim 1 of sc): summed or their max
         self.batch = None            # set by DenseRunner before each forward
 
     def forward(self, layer, q, k, v):
@@ -113,7 +114,9 @@ class QuestReference:
                 kb = kc[:, : w0 * bs].reshape(kvh, w0, bs, d)[:, self.s:]          # [KVH, C, bs, D]
                 kmin, kmax = kb.amin(2), kb.amax(2)
                 sc = torch.maximum(qg[:, :, None] * kmin[:, None], qg[:, :, None] * kmax[:, None])
-                top = torch.topk(sc.sum(-1).sum(1), min(self.k, w0 - self.s), dim=-1).indices + self.s
+                per_head = sc.sum(-1)                                               # [KVH, G, C]
+                group = per_head.sum(1) if self.group_score == "sum" else per_head.amax(1)
+                top = torch.topk(group, min(self.k, w0 - self.s), dim=-1).indices + self.s
                 for h in range(kvh):
                     for blk in top[h].tolist():
                         keep[h, blk * bs:(blk + 1) * bs] = True
@@ -122,17 +125,20 @@ class QuestReference:
         return out
 
 
-@pytest.mark.parametrize("residency,draft", [("resident", "dual_token"), ("pingpong", "dual_token"),
-                                             ("resident", "none")])
-def test_urgent_equals_reference_sparse_attention(tiny_dir, residency, draft):
+@pytest.mark.parametrize("residency,draft,group_score", [
+    ("resident", "dual_token", "sum"), ("pingpong", "dual_token", "sum"), ("resident", "none", "sum"),
+    ("resident", "dual_token", "max"), ("pingpong", "dual_token", "max")])
+def test_urgent_equals_reference_sparse_attention(tiny_dir, residency, draft, group_score):
     # draft "none": no look-ahead at all, every block fetched on demand: the same output
     ps = prompts(150, 110, seed=4)
-    engine = Engine.from_dir(tiny_dir, **SMALL, top_k=6, residency=residency, miss_policy="urgent", draft=draft)
+    engine = Engine.from_dir(tiny_dir, **SMALL, top_k=6, residency=residency, miss_policy="urgent", draft=draft,
+                             group_score=group_score)
     la, ll = run(engine, ps)
     if draft == "none":
         assert engine.stats()["urgent_blocks"] > 0 and engine.stats()["draft_accept_rate"] is None
     ref_engine = Engine.from_dir(tiny_dir, block_size=4)
-    ref_engine.runner.attn = QuestReference(ref_engine.pool, 16 ** -0.5, top_k=6, sink=1, window_blocks=3)
+    ref_engine.runner.attn = QuestReference(ref_engine.pool, 16 ** -0.5, top_k=6, sink=1, window_blocks=3,
+                                            group_score=group_score)
     rf, rl = run(ref_engine, ps, checks=False)
     assert [c.token_ids for c in la] == [c.token_ids for c in rf]
     for a, b in zip(ll, rl):
@@ -162,9 +168,15 @@ def test_adversarial_draft_under_urgent_equals_perfect_draft(tiny_dir, residency
 def test_random_draft_under_drop_never_corrupts_the_cache(tiny_dir):
     eng = Engine.from_dir(tiny_dir, **SMALL, top_k=4, miss_policy="drop", fetch_ratio=0.25)
     eng.runner.draft = RandomDraft(256, seed=2)
+    urgent_steps = []
+    orig = eng.runner.attn.transfer.submit
+    eng.runner.attn.transfer.submit = lambda job, urgent=False: (
+        urgent and urgent_steps.append(job.tag[0]), orig(job, urgent))[1]
     outs, _ = run(eng, prompts(160, 120, seed=6))      # check_integrity runs before every attention
     assert all(len(o.token_ids) == SP.max_tokens for o in outs)
-    assert eng.stats()["urgent_blocks"] == 0
+    # drop fetches misses only at the first decode step (step 2: both prompts prefill in step 1),
+    # whose working set the seed predicted, not a draft
+    assert eng.stats()["urgent_blocks"] > 0 and set(urgent_steps) == {2}
 
 
 @pytest.mark.parametrize("residency", ["resident", "pingpong"])

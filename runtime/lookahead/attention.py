@@ -56,6 +56,7 @@ class LookaheadAttention:
         self.slots = SlotTable(self.num_buffers, num_lanes, self.kvh, cfg.top_k, max_blocks)
         self.pred = torch.full((mcfg.num_layers, num_lanes, self.kvh, cfg.top_k), -1, dtype=torch.long)
         self.has_pred = torch.zeros(mcfg.num_layers, num_lanes, dtype=torch.bool)
+        self.seeded = torch.zeros(mcfg.num_layers, num_lanes, dtype=torch.bool)  # pred is the seed's
         self.lane_blocks = torch.full((num_lanes, max_blocks), -1, dtype=torch.long)  # logical -> host
         self.tickets: dict[int, list[Ticket]] = {}             # layer -> copies it must wait for
         self.metrics = LookaheadMetrics(mcfg.num_layers, num_lanes)
@@ -76,6 +77,7 @@ class LookaheadAttention:
         self.slots.reset_lane(lane)
         self.pred[:, lane] = -1
         self.has_pred[:, lane] = False
+        self.seeded[:, lane] = False
 
     def device_bytes_per_lane(self) -> int:
         """KV working-set bytes one sequence holds in the device tier (the budgeted quantity)."""
@@ -168,7 +170,7 @@ class LookaheadAttention:
         kmin = self.kmin[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n, :nb]
         kmax = self.kmax[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n, :nb]
         k_sel = min(self.cfg.top_k, nb)
-        idx, scores = self._ops.block_topk(q, kmin, kmax, valid[..., :nb], k_sel)
+        idx, scores = self._ops.block_topk(q, kmin, kmax, valid[..., :nb], k_sel, self.cfg.group_score)
         if k_sel < self.cfg.top_k:
             idx = torch.nn.functional.pad(idx, (0, self.cfg.top_k - k_sel), value=-1)
         return idx, scores
@@ -191,6 +193,7 @@ class LookaheadAttention:
         idx, scores = self._score(layer, pad_q, pad_valid, lane + 1, context_len // self.layout.block_size + 1)
         idx, scores = idx[lanes], scores[lanes]
         self._predict(layer, lanes, idx, scores, cap=self.cfg.top_k)
+        self.seeded[layer, lane] = True
 
     def _predict(self, layer: int, lanes: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor, cap: int):
         """Record the prediction for layer `layer` of the next step; resident: queue its copies now."""
@@ -204,6 +207,15 @@ class LookaheadAttention:
             self.metrics.prefetched_blocks += len(adm)
             self.metrics.count_blocks(5, adm.lanes)
             self.tickets.setdefault(layer, []).append(self.transfer.submit(self._copy_job(layer, layer, adm)))
+
+    def _fetch_urgent(self, layer: int, buf: int, lanes, want: torch.Tensor, scores: torch.Tensor) -> None:
+        """Copy the blocks of `want` [lanes, KVH, K] missing from `buf` on the urgent queue, and wait."""
+        prio = scores.gather(-1, want.clamp(min=0))
+        adm = self.slots.plan(buf, lanes, want, prio, self.cfg.top_k, self.step_idx)
+        if len(adm):
+            self.metrics.urgent_blocks += len(adm)
+            self.metrics.count_blocks(4, adm.lanes)
+            self.transfer.wait(self.transfer.submit(self._copy_job(layer, buf, adm), urgent=True))
 
     def _refill(self, layer: int, d: DecodePart) -> None:
         """Ping-pong: copy layer `layer`'s whole sparse set (sink, window, predicted) into its half."""
@@ -254,12 +266,12 @@ class LookaheadAttention:
         has = self.has_pred[layer, L].all() if R == 2 else torch.tensor(False)   # no prediction to score
         self._step_metrics.append((layer, self.pred[layer, L].clone(), has, t_idx, resident))
         if self.cfg.miss_policy == "urgent":
-            prio = true_scores[L].gather(-1, t_idx.clamp(min=0))
-            adm = self.slots.plan(buf, L, t_idx, prio, self.cfg.top_k, self.step_idx)
-            if len(adm):
-                self.metrics.urgent_blocks += len(adm)
-                self.metrics.count_blocks(4, adm.lanes)
-                self.transfer.wait(self.transfer.submit(self._copy_job(layer, buf, adm), urgent=True))
+            self._fetch_urgent(layer, buf, L, t_idx, true_scores[L])
+        elif (first := self.seeded[layer, L]).any():
+            # drop tolerates a draft's misses, but a lane's first decode step was predicted by the
+            # seed (the last prompt token's query), not by a draft: fetch that step's misses once
+            self._fetch_urgent(layer, buf, d.lanes[first], t_idx[first], true_scores[L][first])
+            self.seeded[layer, L] = False
         if self.debug_checks:
             check_integrity(self, layer, d)
         # attention over the device tier: [n, KVH, NS * bs, D] is a view, no gather
