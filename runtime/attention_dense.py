@@ -41,11 +41,14 @@ class DenseAttention:
     def __init__(self, pool: KVPool, scale: float):
         self.pool, self.scale = pool, scale
         self.batch: StepBatch | None = None
+        self.store_only = False     # a replayed prefill (prefill_cache): store K/V, skip attention
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
         self.pool.write(layer_idx, k, v, b.slot_blocks, b.slot_offsets)
         out = torch.empty_like(q)
+        if self.store_only:
+            return out
         for it in b.items:
             rows = slice(it.row_start, it.row_start + it.num_tokens)
             if it.start_pos == 0:       # whole sequence is in this chunk: no need to read the pool

@@ -26,6 +26,7 @@ from .engine_dir import TOKENIZER_DIR, WEIGHTS, Manifest, load_manifest
 from .errors import ConfigError, RequestError
 from .kv_pool import KVPool
 from .model import LlamaModel
+from .prefill_cache import PrefillCache
 from .runner import DenseRunner
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
@@ -66,8 +67,11 @@ class Completion:
 class Engine:
     def __init__(self, manifest: Manifest, model: LlamaModel, tokenizer: TextTokenizer,
                  config: LookaheadConfig, num_host_blocks: int | None = None, max_queue: int = 256,
-                 transfer: str = "thread"):
+                 transfer: str = "thread", prefill_cache: PrefillCache | None = None):
+        """prefill_cache: shared by engines over the same `model`, a prompt prefilled by one is
+        replayed by the others (runtime/prefill_cache.py), e.g. one prompt under several modes."""
         self.manifest, self.model, self.tokenizer, self.config = manifest, model, tokenizer, config
+        self.prefill_cache = prefill_cache
         mcfg = manifest.model
         self.eos_ids = mcfg.eos_token_ids
         bs = config.block_size
@@ -89,7 +93,8 @@ class Engine:
     def _make_runner(self, transfer: str):
         mcfg, cfg = self.manifest.model, self.config
         if cfg.mode == "dense":
-            return DenseRunner(self.model, DenseAttention(self.pool, mcfg.head_dim ** -0.5), cfg.block_size)
+            return DenseRunner(self.model, DenseAttention(self.pool, mcfg.head_dim ** -0.5), cfg.block_size,
+                               self.prefill_cache)
         from .draft import make_draft
         from .lookahead.attention import LookaheadAttention
         from .lookahead.runner import LookaheadRunner
@@ -98,7 +103,7 @@ class Engine:
                                   blocks_needed(self.max_model_len, cfg.block_size), make_transfer_engine(transfer))
         check_budget(cfg, attn)
         return LookaheadRunner(self.model, attn, cfg.block_size, make_draft(cfg.draft, mcfg.vocab_size),
-                               cfg.max_batch_size)
+                               cfg.max_batch_size, self.prefill_cache)
 
     def close(self) -> None:
         """Stop background workers (the transfer engine's thread)."""

@@ -5,6 +5,7 @@ import torch
 
 from .attention_dense import DenseAttention
 from .model import LlamaModel
+from .prefill_cache import PrefillCache
 from .sequence import Sequence
 from .step import StepBatch, StepItem
 
@@ -12,8 +13,10 @@ from .step import StepBatch, StepItem
 class DenseRunner:
     """Dense mode: every row attends to its sequence's full cached context."""
 
-    def __init__(self, model: LlamaModel, attn: DenseAttention, block_size: int):
+    def __init__(self, model: LlamaModel, attn: DenseAttention, block_size: int,
+                 prefill_cache: PrefillCache | None = None):
         self.model, self.attn, self.block_size = model, attn, block_size
+        self.prefill_cache = prefill_cache
 
     def release(self, seq: Sequence) -> None:
         """Nothing per sequence to free beyond its blocks (the scheduler frees those)."""
@@ -33,13 +36,24 @@ class DenseRunner:
             row += n
         batch = StepBatch.build(items, token_ids, self.block_size)
         self.attn.batch = batch
-        hidden = self.model(batch.tokens, batch.positions, self.attn)           # [T, hidden]
+        cache = self.prefill_cache
+        if cache is not None and (replay := cache.replay(self.model, work, items)) is not None:
+            out = replay.run(self.attn, len(self.model.layers))
+            for seq, n in work:
+                seq.num_cached += n
+            return out
+        rec = cache.record(self.model, work, items) if cache is not None else None
+        backend = rec.wrap(self.attn, len(self.model.layers)) if rec else self.attn
+        hidden = self.model(batch.tokens, batch.positions, backend)               # [T, hidden]
         sampling = [(seq, it) for (seq, n), it in zip(work, items)
                     if it.context_len >= len(seq.prompt_ids)]                     # prompt done
         for seq, n in work:
             seq.num_cached += n
-        if not sampling:
-            return {}
-        last_rows = torch.tensor([it.row_start + it.num_tokens - 1 for _, it in sampling])
-        logits = self.model.logits(hidden[last_rows])                             # [S, vocab]
-        return {seq.seq_id: logits[i] for i, (seq, _) in enumerate(sampling)}
+        out = {}
+        if sampling:
+            last_rows = torch.tensor([it.row_start + it.num_tokens - 1 for _, it in sampling])
+            logits = self.model.logits(hidden[last_rows])                         # [S, vocab]
+            out = {seq.seq_id: logits[i] for i, (seq, _) in enumerate(sampling)}
+        if rec:
+            rec.finish(out)
+        return out

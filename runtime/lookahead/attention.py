@@ -63,6 +63,7 @@ class LookaheadAttention:
         self.step_idx = 0
         self.plan: StepPlan | None = None
         self.debug_checks = False           # tests: verify slot contents before every attention
+        self.store_only = False             # a replayed prefill (prefill_cache): store and seed only
         self._step_metrics: list[tuple] = []
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # decode rows, stored at end_step
 
@@ -125,11 +126,12 @@ class LookaheadAttention:
         for part in p.prefill:
             it = part.item
             rows = slice(it.row_start, it.row_start + it.num_tokens)
-            if it.start_pos == 0:
-                kc, vc = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            if self.store_only:
+                pass
+            elif it.start_pos == 0:
+                out[rows] = prefill_attention(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1))
             else:
-                kc, vc = self.pool.read(layer, it.block_table, it.context_len)
-            out[rows] = prefill_attention(q[rows], kc, vc)
+                out[rows] = prefill_attention(q[rows], *self.pool.read(layer, it.block_table, it.context_len))
             if part.completes_prompt:
                 self._seed(layer, part.lane, q[it.row_start + it.num_tokens - 1], it.context_len)
         if p.decode is not None:

@@ -5,6 +5,7 @@ import torch
 
 from ..draft import DraftSource
 from ..model import LlamaModel
+from ..prefill_cache import PrefillCache
 from ..sequence import Sequence
 from ..step import StepBatch, StepItem
 from .attention import LookaheadAttention
@@ -13,9 +14,10 @@ from .step_plan import PrefillPart, StepPlan, build_decode_part
 
 class LookaheadRunner:
     def __init__(self, model: LlamaModel, attn: LookaheadAttention, block_size: int, draft: DraftSource | None,
-                 num_lanes: int):
+                 num_lanes: int, prefill_cache: PrefillCache | None = None):
         """draft None: sparse attention without look-ahead (one row per sequence, no prediction)."""
         self.model, self.attn, self.block_size, self.draft = model, attn, block_size, draft
+        self.prefill_cache = prefill_cache
         self.free_lanes = list(range(num_lanes))
         self.lanes: dict[int, int] = {}
         self.guess: dict[int, int] = {}          # seq_id -> argmax of its last draft row
@@ -95,7 +97,15 @@ class LookaheadRunner:
         else:
             plan.real_ix = plan.real_rows
         self.attn.begin_step(plan)
-        hidden = self.model(batch.tokens, batch.positions, self.attn)
+        cache, num_layers = self.prefill_cache, len(self.model.layers)
+        if cache is not None and (replay := cache.replay(self.model, work, items)) is not None:
+            out = replay.run(self.attn, num_layers)
+            self.attn.end_step()
+            for seq, n in work:
+                seq.num_cached += n
+            return out
+        rec = cache.record(self.model, work, items) if cache is not None else None
+        hidden = self.model(batch.tokens, batch.positions, rec.wrap(self.attn, num_layers) if rec else self.attn)
         self.attn.end_step()
         for seq, n in work:
             seq.num_cached += n
@@ -106,13 +116,15 @@ class LookaheadRunner:
                 sample_seqs.append(next(s for s, _ in work if s.seq_id == part.item.seq_id))
         sample_rows += dec_real
         sample_seqs += dec_seqs
-        if not sample_rows and not dec_draft:
-            return {}
-        logits = self.model.logits(hidden[t(sample_rows + dec_draft)])
-        if dec_draft:
-            for i, seq in enumerate(dec_seqs):             # the draft row's guess for the step after next
+        out = {}
+        if sample_rows or dec_draft:
+            logits = self.model.logits(hidden[t(sample_rows + dec_draft)])
+            for i, seq in enumerate(dec_seqs if dec_draft else []):   # the draft row's guess for the step after next
                 self.guess[seq.seq_id] = int(logits[len(sample_rows) + i].argmax())
-        return {seq.seq_id: logits[i] for i, seq in enumerate(sample_seqs)}
+            out = {seq.seq_id: logits[i] for i, seq in enumerate(sample_seqs)}
+        if rec:
+            rec.finish(out)
+        return out
 
     def stats(self) -> dict:
         a, tr = self.attn, self.attn.transfer

@@ -1,0 +1,138 @@
+"""Reuse one prompt's prefill across engines that share a model (e.g. the modes of an accuracy eval).
+
+Prefill is the same computation in every mode: dense causal attention over the prompt. What
+differs is what the attention backend keeps of the prompt's K/V (dense: the host pool; lookahead:
+the pool, the block summaries, the device window, the seeded working set). A `PrefillCache`
+records, for a whole prompt, what every layer's attention received (the post-RoPE K/V rows and
+the last row's query) and the last row's logits. A later engine prefilling the same prompt on
+the same model object hands those inputs to its own backend with `store_only` set: the backend
+stores them exactly as in a real prefill, and the model's matmuls and the prefill attention are
+skipped. The decode that follows is bit-identical to an uncached run (a test).
+
+A step replays only when every item in it is a prefill chunk of a recorded prompt; anything else
+runs the model (and records the prompts it starts). Keyed by the model object and the prompt's
+token ids; the `max_prompts` most recent are kept (an 8K prompt of SmolLM2-135M is ~380 MB).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .sequence import Sequence
+from .step import StepItem
+
+
+@dataclass
+class _Entry:
+    k: torch.Tensor | None = None        # [L, P, KVH, D] post-RoPE keys of every prompt token
+    v: torch.Tensor | None = None
+    q_last: torch.Tensor | None = None   # [L, H, D] the last prompt token's query
+    logits: torch.Tensor | None = None   # [vocab] the last prompt token's logits: complete when set
+    filled: int = 0                      # prompt rows recorded so far (chunks arrive in order)
+
+
+class PrefillCache:
+    def __init__(self, max_prompts: int = 1):
+        if max_prompts < 1:
+            raise ValueError(f"max_prompts: must be >= 1, got {max_prompts}")
+        self.max_prompts = max_prompts
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self.hits = self.misses = 0     # prompts replayed / recorded
+
+    @staticmethod
+    def _key(model, seq: Sequence) -> tuple:
+        return id(model), tuple(seq.prompt_ids)
+
+    def replay(self, model, work: list[tuple[Sequence, int]], items: list[StepItem]) -> "Replay | None":
+        """The step's replay when every item is a prefill chunk of a recorded prompt, else None."""
+        if not work or not all(seq.in_prefill for seq, _ in work):
+            return None
+        entries = [self._entries.get(self._key(model, seq)) for seq, _ in work]
+        if any(e is None or e.logits is None for e in entries):
+            return None
+        for (seq, _), it in zip(work, items):
+            self._entries.move_to_end(self._key(model, seq))
+            self.hits += it.start_pos == 0
+        return Replay(list(zip(work, items, entries)))
+
+    def record(self, model, work: list[tuple[Sequence, int]], items: list[StepItem]) -> "Recording | None":
+        """What this step should record: the prefill chunks that start or continue a prompt."""
+        rec = []
+        for (seq, n), it in zip(work, items):
+            if not seq.in_prefill:
+                continue
+            key = self._key(model, seq)
+            entry = self._entries.get(key)
+            if it.start_pos == 0 and (entry is None or entry.logits is None):
+                entry = self._entries[key] = _Entry()         # a new prompt (or a restarted one)
+                self.misses += 1
+                while len(self._entries) > self.max_prompts:
+                    self._entries.popitem(last=False)
+            if entry is not None and entry.logits is None and entry.filled == it.start_pos:
+                rec.append((seq, it, entry))
+        return Recording(rec) if rec else None
+
+
+class Replay:
+    """Feeds the recorded per-layer inputs of a step's prefill chunks to the backend."""
+
+    def __init__(self, parts: list[tuple[tuple[Sequence, int], StepItem, _Entry]]):
+        self.parts = parts
+
+    def run(self, attn, num_layers: int) -> dict[int, torch.Tensor]:
+        """Store every layer's recorded K/V through `attn` (store_only); {seq_id: logits} of the
+        sequences whose prompt completes this step."""
+        e0 = self.parts[0][2]
+        T = sum(it.num_tokens for _, it, _ in self.parts)
+        q = torch.zeros(T, *e0.q_last.shape[1:], dtype=e0.q_last.dtype)
+        attn.store_only = True
+        try:
+            for layer in range(num_layers):
+                ks, vs = [], []
+                for (seq, _), it, e in self.parts:
+                    rows = slice(it.start_pos, it.start_pos + it.num_tokens)
+                    ks.append(e.k[layer, rows])
+                    vs.append(e.v[layer, rows])
+                    if it.context_len == len(seq.prompt_ids):
+                        q[it.row_start + it.num_tokens - 1] = e.q_last[layer]
+                attn.forward(layer, q, torch.cat(ks), torch.cat(vs))
+        finally:
+            attn.store_only = False
+        return {seq.seq_id: e.logits for (seq, _), it, e in self.parts
+                if it.context_len == len(seq.prompt_ids)}
+
+
+class Recording:
+    """Wraps the step's attention backend to copy what each layer receives for the recorded chunks."""
+
+    def __init__(self, parts: list[tuple[Sequence, StepItem, _Entry]]):
+        self.parts = parts
+        self._attn, self._num_layers = None, 0
+
+    def wrap(self, attn, num_layers: int) -> "Recording":
+        """This recording as the step's backend, in front of `attn`."""
+        self._attn, self._num_layers = attn, num_layers
+        return self
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        for seq, it, e in self.parts:
+            if e.k is None:
+                P, L = len(seq.prompt_ids), self._num_layers
+                e.k = k.new_empty(L, P, *k.shape[1:])
+                e.v = v.new_empty(L, P, *v.shape[1:])
+                e.q_last = q.new_empty(L, *q.shape[1:])
+            rows = slice(it.row_start, it.row_start + it.num_tokens)
+            e.k[layer, it.start_pos:it.context_len] = k[rows]
+            e.v[layer, it.start_pos:it.context_len] = v[rows]
+            if it.context_len == len(seq.prompt_ids):
+                e.q_last[layer] = q[it.row_start + it.num_tokens - 1]
+        return self._attn.forward(layer, q, k, v)
+
+    def finish(self, logits: dict[int, torch.Tensor]) -> None:
+        """After the step: the chunks are recorded; a completed prompt keeps its logits."""
+        for seq, it, e in self.parts:
+            e.filled = it.context_len
+            if it.context_len == len(seq.prompt_ids):
+                e.logits = logits[seq.seq_id].clone()

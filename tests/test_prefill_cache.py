@@ -1,0 +1,77 @@
+"""A prompt prefilled by one engine is replayed by another over the same model: same outputs, bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.engine import Engine
+from runtime.prefill_cache import PrefillCache
+from runtime.sampling import SamplingParams
+from test_lookahead import SMALL, prompts, run
+from tiny_engine import make_tiny_engine
+
+SP = SamplingParams(max_tokens=12, ignore_eos=True)
+MODES = {
+    "dense": dict(block_size=4),
+    "resident-urgent": dict(SMALL, top_k=6),
+    "resident-drop-max": dict(SMALL, top_k=6, miss_policy="drop", group_score="max"),
+    "pingpong-drop": dict(SMALL, top_k=6, residency="pingpong", miss_policy="drop"),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_engine(tmp_path_factory.mktemp("tiny_pc"), seed=11)
+
+
+def sibling(base: Engine, cache: PrefillCache | None, **overrides) -> Engine:
+    """An engine over `base`'s model object (what shares a cache), with its own config."""
+    return Engine(base.manifest, base.model, base.tokenizer, base.manifest.lookahead.replace(**overrides),
+                  prefill_cache=cache)
+
+
+def count_rows(engine: Engine) -> list[int]:
+    """Token rows the model's forward sees, per call."""
+    rows: list[int] = []
+    orig = engine.model.forward
+    engine.model.forward = lambda tokens, positions, attn: (rows.append(len(tokens)), orig(tokens, positions, attn))[1]
+    return rows
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("chunk", [512, 40])      # one prefill step; several chunks, mixed with decodes
+def test_replayed_prefill_decodes_exactly_like_a_real_one(tiny_dir, mode, chunk):
+    ps = prompts(150, 61, 97, seed=12)
+    base = Engine.from_dir(tiny_dir)
+    ref, ref_logits = run(sibling(base, None, **MODES[mode], prefill_chunk=chunk), ps, SP)
+
+    cache = PrefillCache(max_prompts=3)
+    run(sibling(base, cache, **MODES["dense"], prefill_chunk=chunk), ps, SP)        # records
+    assert cache.misses == 3 and cache.hits == 0
+    eng = sibling(base, cache, **MODES[mode], prefill_chunk=chunk)
+    rows = count_rows(eng)
+    got, got_logits = run(eng, ps, SP)
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    for a, b in zip(got_logits, ref_logits):
+        assert torch.equal(a, b)
+    if chunk == 512:    # all three prompts fit one step: replayed, the model never ran a prompt row
+        assert cache.hits == 3 and max(rows) <= 2 * len(ps)
+    else:               # a chunk that shares its step with a decode runs the model (not recorded twice)
+        assert cache.hits >= 1 and cache.misses == 3
+
+
+def test_other_model_objects_and_evicted_prompts_miss(tiny_dir):
+    ps = prompts(80, 90, seed=13)
+    cache = PrefillCache(max_prompts=1)
+    a = sibling(Engine.from_dir(tiny_dir), cache, block_size=4)
+    run(a, ps, SP)                                  # both recorded; the second evicts the first
+    b = sibling(Engine.from_dir(tiny_dir), cache, block_size=4)     # same weights, another object
+    run(b, ps[1:], SP)
+    assert cache.hits == 0
+    c = sibling(a, cache, block_size=4)
+    run(c, ps[:1], SP)                              # evicted: recorded again
+    assert cache.hits == 0 and cache.misses == 4
+    run(sibling(a, cache, block_size=4), ps[:1], SP)
+    assert cache.hits == 1
+    with pytest.raises(ValueError, match="max_prompts"):
+        PrefillCache(0)
