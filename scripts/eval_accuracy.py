@@ -11,7 +11,9 @@ as JSON.
 
 Resumable: each (sample, mode) result is appended to `--jsonl` as soon as it is done, and a
 restart with the same settings skips what is there. Prefill dominates the cost, so all modes of
-a sample run back to back, on engines that share one loaded model.
+a sample run back to back, on engines that share one loaded model and its prefill: the first
+mode prefills the prompt, the others replay it (runtime/prefill_cache.py), so a record's time_s
+and ttft_s include the prefill only for the first mode of its sample.
 
 When K covers every candidate block of a prompt (e.g. 2K context at K=128), lookahead attends
 to the whole context and equals dense by construction (DESIGN.md's first invariant, a test);
@@ -45,22 +47,43 @@ STAT_KEYS = ("agreement_mean", "prefetch_hit_rate", "draft_accept_rate", "urgent
 
 # ---- engines ----------------------------------------------------------------------------------
 def mode_overrides(mode: str, top_k: int) -> dict[str, Any]:
-    """'dense' or 'RESIDENCY:MISS_POLICY' -> LookaheadConfig overrides."""
+    """'dense' or 'RESIDENCY:MISS_POLICY[@FIELD=VALUE,...]' -> LookaheadConfig overrides, e.g.
+    'resident:urgent@group_score=max,top_k=64' (a field set there wins over --top-k)."""
     if mode == "dense":
         return {"mode": "dense"}
-    residency, _, miss = mode.partition(":")
-    return {"mode": "lookahead", "residency": residency, "miss_policy": miss, "top_k": top_k}
+    base, _, extra = mode.partition("@")
+    residency, _, miss = base.partition(":")
+    out: dict[str, Any] = {"mode": "lookahead", "residency": residency, "miss_policy": miss, "top_k": top_k}
+    for item in filter(None, extra.split(",")):
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{item!r} in mode {mode!r}: expected FIELD=VALUE")
+        out[name] = _typed(value)
+    return out
+
+
+def _typed(value: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
 
 
 class EngineFactory:
-    """Engines that share one loaded model (it holds no per-request state).
+    """Engines that share one loaded model (it holds no per-request state) and one prefill cache.
 
     A fresh engine per run gives per-run stats and costs a KV-pool allocation, not a weight load.
+    The modes of a sample run back to back on the same prompt: the first prefills it, the others
+    replay that prefill (runtime/prefill_cache.py; decoding is bit-identical to a fresh prefill).
     """
 
     def __init__(self, engine_dir: str | Path, max_model_len: int):
         from runtime.engine import Engine
+        from runtime.prefill_cache import PrefillCache
         self.max_model_len = max_model_len
+        self.prefill_cache = PrefillCache(max_prompts=1)
         self.base = Engine.from_dir(engine_dir, max_batch_size=1, max_model_len=max_model_len,
                                     num_host_blocks=1)
         self.tokenizer = self.base.tokenizer
@@ -69,7 +92,7 @@ class EngineFactory:
         from runtime.engine import Engine
         b = self.base
         cfg = b.manifest.lookahead.replace(max_batch_size=1, max_model_len=self.max_model_len, **overrides)
-        return Engine(b.manifest, b.model, b.tokenizer, cfg)
+        return Engine(b.manifest, b.model, b.tokenizer, cfg, prefill_cache=self.prefill_cache)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
@@ -224,7 +247,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="RULER lengths (prompt + RULER's answer budget), e.g. 2048 4096 8192")
     p.add_argument("--samples", type=int, default=2, help="samples per task and context")
     p.add_argument("--modes", nargs="+", default=list(ALL_MODES),
-                   help="dense and/or RESIDENCY:MISS_POLICY (resident|pingpong : urgent|drop)")
+                   help="dense and/or RESIDENCY:MISS_POLICY (resident|pingpong : urgent|drop), optionally "
+                        "with config fields: resident:drop@group_score=max,top_k=64")
     p.add_argument("--top-k", type=int, default=128, help="lookahead blocks per layer and KV head")
     p.add_argument("--template", choices=("chat", "base"), default="chat",
                    help="chat: the engine's chat template around RULER's task, the answer prefix "
@@ -237,10 +261,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if "dense" not in args.modes:
         args.modes = ["dense"] + args.modes     # deltas are paired against dense
-    bad = [m for m in args.modes if m != "dense" and m.partition(":")[0::2] not in
+    bad = [m for m in args.modes if m != "dense" and m.partition("@")[0].partition(":")[0::2] not in
            {(r, x) for r in ("resident", "pingpong") for x in ("urgent", "drop")}]
     if bad:
         p.error(f"unknown mode {bad[0]!r}: use dense or RESIDENCY:MISS_POLICY, e.g. resident:urgent")
+    from runtime.config import LookaheadConfig
+    for m in args.modes:
+        try:
+            LookaheadConfig().replace(**mode_overrides(m, args.top_k))
+        except ValueError as e:             # ConfigError names the field and the fix
+            p.error(f"mode {m!r}: {e}")
     return args
 
 
@@ -298,8 +328,8 @@ def run_missing(args: argparse.Namespace, settings: str, jsonl: Path, done: dict
                     cand = num_candidates(cfg, n_prompt + max_new)
                     rec = {"settings": settings, "task": task, "context": ctx, "index": s.index,
                            "mode": mode, "prompt_sha": sha, "answers": s.answers, "metric": s.metric,
-                           "candidates": cand, "top_k": args.top_k}
-                    if mode != "dense" and args.top_k >= cand and not args.run_trivial:
+                           "candidates": cand, "top_k": cfg.top_k}
+                    if mode != "dense" and cfg.top_k >= cand and not args.run_trivial:
                         rec.update(trivial=True, prompt_tokens=n_prompt)
                     else:
                         bar.set_postfix_str(f"{task}@{ctx} #{s.index} {mode}")
