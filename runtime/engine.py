@@ -105,6 +105,13 @@ class Engine:
         return LookaheadRunner(self.model, attn, cfg.block_size, make_draft(cfg.draft, mcfg.vocab_size),
                                cfg.max_batch_size, self.prefill_cache)
 
+    def sibling(self, prefill_cache: PrefillCache | None = None, **overrides: Any) -> "Engine":
+        """A new engine over this one's loaded model (no second weight load) with its own KV pool,
+        `overrides` applied to this engine's config; engines sharing a `prefill_cache` replay each
+        other's prompts."""
+        return Engine(self.manifest, self.model, self.tokenizer, self.config.replace(**overrides),
+                      prefill_cache=prefill_cache)
+
     def close(self) -> None:
         """Stop background workers (the transfer engine's thread)."""
         attn = getattr(self.runner, "attn", None)

@@ -89,10 +89,8 @@ class EngineFactory:
         self.tokenizer = self.base.tokenizer
 
     def make(self, **overrides: Any):
-        from runtime.engine import Engine
-        b = self.base
-        cfg = b.manifest.lookahead.replace(max_batch_size=1, max_model_len=self.max_model_len, **overrides)
-        return Engine(b.manifest, b.model, b.tokenizer, cfg, prefill_cache=self.prefill_cache)
+        return self.base.sibling(self.prefill_cache, max_batch_size=1, max_model_len=self.max_model_len,
+                                 **overrides)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))

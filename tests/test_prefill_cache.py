@@ -26,8 +26,7 @@ def tiny_dir(tmp_path_factory):
 
 def sibling(base: Engine, cache: PrefillCache | None, **overrides) -> Engine:
     """An engine over `base`'s model object (what shares a cache), with its own config."""
-    return Engine(base.manifest, base.model, base.tokenizer, base.manifest.lookahead.replace(**overrides),
-                  prefill_cache=cache)
+    return base.sibling(cache, **overrides)
 
 
 def count_rows(engine: Engine) -> list[int]:
