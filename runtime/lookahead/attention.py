@@ -126,12 +126,10 @@ class LookaheadAttention:
         for part in p.prefill:
             it = part.item
             rows = slice(it.row_start, it.row_start + it.num_tokens)
-            if self.store_only:
-                pass
-            elif it.start_pos == 0:
-                out[rows] = prefill_attention(q[rows], k[rows].transpose(0, 1), v[rows].transpose(0, 1))
-            else:
-                out[rows] = prefill_attention(q[rows], *self.pool.read(layer, it.block_table, it.context_len))
+            if not self.store_only:         # a replayed prefill only stores and seeds
+                kc, vc = ((k[rows].transpose(0, 1), v[rows].transpose(0, 1)) if it.start_pos == 0
+                          else self.pool.read(layer, it.block_table, it.context_len))
+                out[rows] = prefill_attention(q[rows], kc, vc)
             if part.completes_prompt:
                 self._seed(layer, part.lane, q[it.row_start + it.num_tokens - 1], it.context_len)
         if p.decode is not None:
