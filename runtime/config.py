@@ -94,7 +94,7 @@ class LookaheadConfig:
     residency: str = "resident"
     miss_policy: str = "urgent"
     draft: str = "dual_token"
-    group_score: str = "sum"       # a GQA group's block score: sum (DESIGN.md) or max over its heads
+    group_score: str = "max"       # a GQA group's block score: max over its heads, or sum (DESIGN.md)
     prefetch_lead: int = 2         # pingpong: layer l+lead is fetched while layer l computes
     prefill_chunk: int = 512       # tokens per prefill chunk
     max_batch_size: int = 8

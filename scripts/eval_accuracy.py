@@ -122,8 +122,19 @@ def run_one(factory: EngineFactory, sample: data.Sample, mode: str, top_k: int, 
 def settings_key(args: argparse.Namespace) -> str:
     """What makes two records comparable: a restart with other settings does not reuse them."""
     s = {"engine": str(Path(args.engine).resolve()), "top_k": args.top_k, "template": args.template,
-         "seed": args.seed, "max_new": args.max_new_tokens}
+         "seed": args.seed, "max_new": args.max_new_tokens, "policy": engine_policy(args.engine)}
     return hashlib.sha1(json.dumps(s, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def engine_policy(engine_dir: str | Path) -> dict[str, Any]:
+    """The lookahead config a mode starts from (engine.yaml + the runtime's defaults): records made
+    under other defaults (e.g. before group_score's default changed) are not comparable."""
+    from runtime.engine_dir import load_manifest
+    from runtime.errors import EngineDirError
+    try:
+        return load_manifest(engine_dir, verify_checksums=False).lookahead.to_dict()
+    except EngineDirError:      # no engine: nothing to run, and --report-only finds no records
+        return {}
 
 
 def record_key(task: str, context: int, index: int, mode: str) -> str:

@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT))          # run from a checkout without pip install
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import longctx_data as data  # noqa: E402
-from eval_accuracy import EngineFactory, add_run_args, append_record, machine_info, set_threads  # noqa: E402
+from eval_accuracy import (EngineFactory, add_run_args, append_record, engine_policy, machine_info,  # noqa: E402
+                           set_threads)
 from runtime.draft import DraftSource, DualTokenDraft, RandomDraft  # noqa: E402
 
 SWEEP = (16, 32, 64, 128, 256)
@@ -362,7 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
     set_threads(args.threads)
     settings = hashlib.sha1(json.dumps({"engine": str(Path(args.engine).resolve()), "ks": args.ks,
                                         "steps": args.steps, "production_k": args.production_k, "template": args.template,
-                                        "seed": args.seed}, sort_keys=True).encode()).hexdigest()[:12]
+                                        "seed": args.seed, "policy": engine_policy(args.engine)},
+                                       sort_keys=True).encode()).hexdigest()[:12]
     jsonl = Path(args.jsonl)
     jsonl.parent.mkdir(parents=True, exist_ok=True)
     done = {}
