@@ -20,7 +20,7 @@ def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: 
                     scale: float) -> torch.Tensor:
     """The op in plain matmuls (fallback where torch has no fused CPU attention kernel)."""
     B, R, H, D = q.shape
-    num_kv_heads, N = k.shape[1], k.shape[2]
+    num_kv_heads = k.shape[1]
     E = k_extra.shape[2]
     G = H // num_kv_heads
     # Fold the rows and a group's query heads into one query dim per KV head (h = kvh * G + g),

@@ -19,15 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import os
-import random
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -35,151 +32,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-WORDS = ("the of and to in is that for it as with was on be by this are at from or an have not which but "
-         "all were when we there can one more has their if will about so out up into some than them could "
-         "time only new other would these two may first then do any like now such our over most also made "
-         "after where years between long through cache memory block layer token model decode attention "
-         "device host transfer budget query key value sparse dense window batch stream server request").split()
-
+from load_report import plot, print_table  # noqa: E402
+from load_workload import Prompts, Record, Run, Schedule, process_tree_cpu_s, summarize  # noqa: E402,F401
 
 WARMUP_ID = 1_000_000          # warm-up prompts come from ids the measured run never uses
-
-
-# ---- workload ---------------------------------------------------------------------------------------
-@dataclass
-class Schedule:
-    """When request i is sent and when to stop sending: the same for the served and in-process runs."""
-
-    concurrency: int | None
-    request_rate: float | None
-    num_requests: int | None
-    duration_s: float | None
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        self._rng, self._arrivals = random.Random(self.seed), [0.0]
-
-    def arrival(self, i: int) -> float:
-        """Poisson process: exponential gaps of mean 1/rate; the first request goes at once."""
-        while len(self._arrivals) <= i:
-            self._arrivals.append(self._arrivals[-1] + self._rng.expovariate(self.request_rate))
-        return self._arrivals[i]
-
-    def more(self, i: int, elapsed: float) -> bool:
-        return (self.num_requests is None or i < self.num_requests) and \
-               (self.duration_s is None or elapsed < self.duration_s)
-
-
-class Prompts:
-    """Prompt i, deterministic in (seed, i); lengths in tokens when a tokenizer is available."""
-
-    def __init__(self, mean: int, std: float, dataset: str | None, tokenizer, seed: int):
-        self.mean, self.std, self.tok, self.seed = mean, std, tokenizer, seed
-        self.corpus = load_essays() if dataset == "essays" else None
-        self.corpus_ids = tokenizer.encode(self.corpus) if (self.corpus and tokenizer) else None
-
-    def length(self, i: int) -> int:
-        rng = np.random.default_rng([self.seed, i, 1])
-        return max(1, int(round(rng.normal(self.mean, self.std)))) if self.std > 0 else self.mean
-
-    def get(self, i: int) -> str:
-        n, rng = self.length(i), random.Random(self.seed * 1_000_003 + i)
-        if self.corpus_ids is not None:
-            start = rng.randrange(0, max(1, len(self.corpus_ids) - n))
-            return self.tok.decode(self.corpus_ids[start:start + n])
-        if self.corpus is not None:           # no tokenizer: ~4 characters per token
-            start = rng.randrange(0, max(1, len(self.corpus) - 4 * n))
-            return self.corpus[start:start + 4 * n]
-        text = " ".join(rng.choice(WORDS) for _ in range(n))
-        if self.tok is not None:              # trim to n tokens exactly (a word may be several)
-            text = self.tok.decode(self.tok.encode(text)[:n])
-        return text
-
-
-def load_essays() -> str:
-    """Paul Graham's essays as one document (the loader the accuracy scripts use)."""
-    from longctx_data import load_essays as essays
-    try:
-        return "\n\n".join(essays())
-    except ModuleNotFoundError as e:
-        sys.exit(f"load_test: --dataset essays: {e}; or use --prompt-len for synthetic prompts")
-
-
-# ---- measurements -----------------------------------------------------------------------------------
-@dataclass
-class Record:
-    start: float
-    token_times: list[tuple[float, int]] = field(default_factory=list)   # (time, tokens in that response)
-    end: float | None = None
-    num_prompt_tokens: int = 0
-    error: str | None = None
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(n for _, n in self.token_times)
-
-    @property
-    def ttft(self) -> float | None:
-        return self.token_times[0][0] - self.start if self.token_times else None
-
-    def itls(self) -> list[float]:
-        """Gap to each later token; a response carrying k tokens contributes k gaps of dt/k."""
-        out, prev = [], self.token_times[0][0] if self.token_times else None
-        for t, n in self.token_times[1:]:
-            out += [(t - prev) / n] * n
-            prev = t
-        return out
-
-
-@dataclass
-class Run:
-    records: list[Record]
-    cpu_s: float | None = None       # engine-side CPU seconds over the measured requests
-
-
-def process_tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) used so far by `pid` and its descendants, from /proc (Linux)."""
-    stats = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue                                  # the process ended meanwhile
-        stats[int(stat.parent.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, ticks
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        kids = [p for p, (ppid, _) in stats.items() if ppid == parent and p not in tree]
-        tree.update(kids)
-        frontier += kids
-    return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
-
-
-def summarize(records: list[Record], cpu_s: float | None = None) -> dict:
-    ok = [r for r in records if r.error is None and r.end is not None]
-    t0 = min((r.start for r in records), default=0.0)
-    t1 = max((r.end for r in ok), default=t0)
-    wall = max(t1 - t0, 1e-9)
-    ttft = np.array([r.ttft for r in ok if r.ttft is not None]) * 1e3
-    itl = np.array([x for r in ok for x in r.itls()]) * 1e3
-    e2e = np.array([r.end - r.start for r in ok]) * 1e3
-    pct = lambda a, q: round(float(np.percentile(a, q)), 2) if len(a) else None
-    mean = lambda a: round(float(np.mean(a)), 2) if len(a) else None
-    tokens = sum(r.num_output_tokens for r in ok)
-    errors = [r.error for r in records if r.error is not None]
-    return {
-        "requests": len(records), "completed": len(ok), "errors": len(errors), "error_examples": errors[:3],
-        "wall_s": round(wall, 3), "output_tokens": tokens,
-        "output_tokens_per_s": round(tokens / wall, 2), "requests_per_s": round(len(ok) / wall, 3),
-        "ttft_ms": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99), "mean": mean(ttft)},
-        "itl_ms": {"p50": pct(itl, 50), "p99": pct(itl, 99), "mean": mean(itl)},
-        "e2e_ms": {"p50": pct(e2e, 50), "p99": pct(e2e, 99)},
-        "mean_prompt_tokens": round(float(np.mean([r.num_prompt_tokens for r in ok])), 1) if ok else None,
-        # Engine-side CPU per output token: on a shared machine wall-clock rates follow the
-        # neighbours' load, this does not (served: the server's processes; in-process: the engine's).
-        "cpu_s": None if cpu_s is None else round(cpu_s, 2),
-        "cpu_ms_per_output_token": round(1e3 * cpu_s / tokens, 2) if cpu_s is not None and tokens else None,
-    }
 
 
 def progress(total: int | None, desc: str, enabled: bool):
@@ -357,57 +213,6 @@ def _drive_engine(engine, args, schedule: Schedule, prompts: Prompts, desc: str 
                 bar.update(1)
     bar.close()
     return Run(records, time.process_time() - cpu0)
-
-
-# ---- report ----------------------------------------------------------------------------------------
-def print_table(results: dict[str, dict]) -> None:
-    rows = [("requests (completed/errors)", lambda s: f"{s['completed']}/{s['errors']}"),
-            ("output tokens/s", lambda s: f"{s['output_tokens_per_s']:.1f}"),
-            ("requests/s", lambda s: f"{s['requests_per_s']:.2f}"),
-            ("TTFT p50 / p90 / p99 (ms)", lambda s: "/".join(_ms(s["ttft_ms"][q]) for q in ("p50", "p90", "p99"))),
-            ("ITL p50 / p99 (ms)", lambda s: "/".join(_ms(s["itl_ms"][q]) for q in ("p50", "p99"))),
-            ("E2E p50 / p99 (ms)", lambda s: "/".join(_ms(s["e2e_ms"][q]) for q in ("p50", "p99"))),
-            ("engine CPU ms / output token", lambda s: _ms(s["cpu_ms_per_output_token"])),
-            ("mean prompt tokens", lambda s: str(s["mean_prompt_tokens"])),
-            ("wall (s)", lambda s: f"{s['wall_s']:.1f}")]
-    names = list(results)
-    w0, w = max(len(r[0]) for r in rows), max(16, *(len(n) for n in names))
-    print(f"{'':<{w0}}  " + "  ".join(f"{n:>{w}}" for n in names))
-    for label, fmt in rows:
-        print(f"{label:<{w0}}  " + "  ".join(f"{fmt(results[n]):>{w}}" for n in names))
-
-
-def _ms(v) -> str:
-    return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
-
-
-def plot(runs: dict[str, Run], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-    for name, run in runs.items():
-        recs = run.records
-        ok = [r for r in recs if r.error is None and r.token_times]
-        for a, values in ((ax[0], [r.ttft * 1e3 for r in ok]), (ax[1], [x * 1e3 for r in ok for x in r.itls()])):
-            if values:
-                v = np.sort(values)
-                a.plot(v, np.arange(1, len(v) + 1) / len(v), label=name)
-        t0 = min(r.start for r in recs)
-        times = [(t - t0, n) for r in ok for t, n in r.token_times]
-        if times:
-            edges = np.arange(0, math.ceil(max(t for t, _ in times)) + 1.0, 1.0)
-            hist, _ = np.histogram([t for t, _ in times], bins=edges, weights=[n for _, n in times])
-            ax[2].step(edges[:-1], hist, where="post", label=name)
-    for a, title, xl in ((ax[0], "time to first token (CDF)", "ms"), (ax[1], "inter-token latency (CDF)", "ms"),
-                         (ax[2], "output tokens/s over time (1 s bins)", "s since start")):
-        a.set_title(title)
-        a.set_xlabel(xl)
-        a.grid(alpha=0.3)
-        a.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 # ---- main ------------------------------------------------------------------------------------------

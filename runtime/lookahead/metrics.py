@@ -1,7 +1,7 @@
 """Lookahead metrics: prediction agreement per layer, prefetch hits, urgent fetches, bytes, stalls."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
