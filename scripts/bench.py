@@ -25,8 +25,11 @@ timed steps) and the memory-bandwidth floor: the bytes a step must read (bench_f
 weights once + the whole KV of every sequence for dense paths; for sparse modes the device working
 set of all layers + the block summaries scored + the H2D bytes) over the bandwidth measured at the
 start of the run (best of a ~1 GiB fp32 sum and copy; both in the JSON's machine info).
-"floor ms" is that time, "x floor" is ms/step over it. Prints the table last; `--json` adds machine
-info; `--profile DIR` adds where each implementation's decode step spends its time.
+"floor ms" is that time, "x floor" is ms/step over it. "compute floor ms" is the step's FLOPs
+(bench_floor.step_flops: 2 per weight per computed row, a draft row included, + the attention's
+dot products) at the fp32 GEMM rate measured at the start; where it exceeds "floor ms" the step is
+compute-bound on this machine and "x floor" cannot approach 1. Prints the table last; `--json`
+adds machine info; `--profile DIR` adds where each implementation's decode step spends its time.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runtime  # noqa: E402,F401  first: its CPU threading defaults (OpenMP wait policy) then apply to both sides
 import torch  # noqa: E402
 
-from bench_floor import memory_bandwidth, step_read_bytes, weight_bytes  # noqa: E402
+from bench_floor import matmul_gflops, memory_bandwidth, step_flops, step_read_bytes, weight_bytes  # noqa: E402
 from bench_hf import HF_IMPLS, HF_NAMES, NotAvailable, make_hf_decoders  # noqa: E402
 from bench_lib import (EngineDecoder, format_table, machine_info, make_prompts, plot,  # noqa: E402
                        profile_steps, reference_hf_dir)
@@ -209,6 +212,12 @@ def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str
                            sparse, h2d or 0.0)
     on_cpu = getattr(d, "device", "cpu") == "cpu"     # the bandwidth was measured on the CPU
     floor_ms = 1000 * read / (floor["bandwidth_gbps"] * 1e9) if on_cpu else None
+    # the tokens each row attends over: the working set's slots (all read, some masked) or the cache
+    attended = sparse[0] // kv_per_token if sparse is not None else getattr(d, "kv_tokens", length)
+    rows = batch * getattr(d, "rows_per_seq", 1)
+    flops = step_flops(floor["weight_bytes"], ref.model.dtype.itemsize, rows, c.num_hidden_layers,
+                       c.num_attention_heads, c.head_dim, attended)
+    compute_ms = 1000 * flops / (floor["matmul_gflops"] * 1e9) if on_cpu else None
     ms = 1000 * t.decode_s / t.timed_steps
     agree = min(_prefix(a, b) for a, b in zip(t.tokens, ref.timing.tokens))
     return {"context": ctx, "prompt_tokens": length, "batch": batch, "impl": d.name, "prompt_source": source,
@@ -227,6 +236,8 @@ def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str
                                    {"working_set": batch * sparse[0], "summaries": batch * sparse[1],
                                     "h2d": h2d})},
             "floor_ms": floor_ms, "x_floor": ms / floor_ms if floor_ms else None,
+            "step_flops": flops, "compute_floor_ms": compute_ms,
+            "x_roofline": ms / max(floor_ms, compute_ms) if floor_ms and compute_ms else None,
             "same_tokens": f"{agree}/{len(ref.timing.tokens[0])}", "tokens": t.tokens}
 
 
@@ -246,17 +257,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hf_model = AutoModelForCausalLM.from_pretrained(reference_hf_dir(args.engine), dtype=torch.float32).eval()
     warm_up(engines, hf_model)
-    bandwidth = memory_bandwidth()
-    floor = {"weight_bytes": weight_bytes(hf_model), "bandwidth_gbps": bandwidth["bandwidth_gbps"]}
+    bandwidth, gemm = memory_bandwidth(), matmul_gflops()
+    floor = {"weight_bytes": weight_bytes(hf_model), "bandwidth_gbps": bandwidth["bandwidth_gbps"],
+             "matmul_gflops": gemm["matmul_gflops"]}
     info = {**machine_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "memory_bandwidth": bandwidth,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "memory_bandwidth": bandwidth, "matmul": gemm,
             "weight_bytes": floor["weight_bytes"], "cuda_available": torch.cuda.is_available()}
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['torch_threads']} "
           f"threads, OMP_NUM_THREADS={info['omp_num_threads']}), load average {info['loadavg_start'][0]:.1f}; "
           f"loaded in {time.perf_counter() - t0:.0f}s")
     print(f"memory bandwidth: {bandwidth['sum_read_gbps']:.1f} GB/s read (sum), {bandwidth['copy_read_write_gbps']:.1f}"
           f" GB/s read+write (copy); floor uses {floor['bandwidth_gbps']:.1f} GB/s; weights "
-          f"{floor['weight_bytes'] / 2**20:.0f} MiB per step")
+          f"{floor['weight_bytes'] / 2**20:.0f} MiB per step; fp32 matmul {gemm['matmul_gflops']:.0f} GFLOP/s "
+          f"({gemm['threads']} threads): the compute floor's divisor")
     rows: list[dict[str, Any]] = []
     points = [(c, b) for c in args.contexts for b in args.batches]
     skip: dict[str, str] = {}          # transformers paths found unavailable: not retried

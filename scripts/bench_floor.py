@@ -1,4 +1,4 @@
-"""The memory-bandwidth floor of a decode step, for scripts/bench.py.
+"""The floors of a decode step, for scripts/bench.py.
 
 A decode step must at least read its weights and the KV it attends over once; at the machine's
 memory bandwidth, measured in the same run, that takes
@@ -6,6 +6,14 @@ memory bandwidth, measured in the same run, that takes
     floor_s = step_read_bytes(...) / (bandwidth_gbps x 1e9)
 
 and a row's "x floor" is its measured ms/step over floor ms: how far the step is from memory-bound.
+It must also do its arithmetic: every weight multiplies every row the step computes (x 2 FLOPs),
+and every row's every head takes a D-long dot product with each key and value it attends over;
+at the fp32 matmul rate measured in the same run (a large square GEMM, on the run's threads):
+
+    compute_floor_s = step_flops(...) / (matmul_gflops x 1e9)
+
+On a CPU with few cores a batched decode step can be bound by that instead: then no step gets
+near its bandwidth floor, and the larger of the two is the step's real lower bound.
 """
 from __future__ import annotations
 
@@ -32,6 +40,28 @@ def memory_bandwidth(gib: float = 1.0, reps: int = 3) -> dict[str, float]:
     read, copy = x.nbytes / best_sum / 1e9, 2 * x.nbytes / best_copy / 1e9
     return {"sum_read_gbps": round(read, 2), "copy_read_write_gbps": round(copy, 2),
             "bandwidth_gbps": round(max(read, copy), 2), "tensor_gib": gib, "reps": reps}
+
+
+def matmul_gflops(n: int = 1024, reps: int = 3) -> dict[str, float]:
+    """fp32 GEMM rate (1e9 FLOP/s), best of `reps` n^3 matmuls on torch's current threads."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return {"matmul_gflops": round(2 * n ** 3 / best / 1e9, 1), "n": n, "reps": reps,
+            "threads": torch.get_num_threads()}
+
+
+def step_flops(weights: int, dtype_bytes: int, rows: int, layers: int, heads: int, head_dim: int,
+               attended_tokens: int) -> float:
+    """FLOPs of one decode step computing `rows` query rows (batch x rows per sequence: 2 with a
+    draft row), each attending over `attended_tokens` keys per layer: 2 per weight per row (every
+    projection, the MLP and the LM head, whose logits every row here computes) + 4 x head_dim per
+    (row, layer, head, key) for q.k and p.v."""
+    return 2.0 * rows * weights / dtype_bytes + 4.0 * rows * layers * heads * head_dim * attended_tokens
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -169,6 +169,13 @@ class EngineDecoder:
         per_layer = self.device_bytes_per_seq // attn.num_buffers
         return per_layer * attn.num_layers, attn.summary_bytes(context)
 
+    @property
+    def rows_per_seq(self) -> int:
+        """Query rows a decode step computes per sequence: the real one, and a draft row when the
+        engine looks ahead."""
+        cfg = self.engine.config
+        return 2 if cfg.mode == "lookahead" and cfg.draft != "none" else 1
+
     def close(self) -> None:
         while self.engine.has_unfinished():
             self.engine.step()
@@ -228,7 +235,8 @@ def _read(path: str) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = ("context", "batch", "impl", "prefill s", "decode tok/s", "ms/step", "vs transformers",
-            "KV on device/seq", "H2D/step", "stall ms/step", "floor ms", "x floor", "same tokens")
+            "KV on device/seq", "H2D/step", "stall ms/step", "floor ms", "x floor", "compute floor ms",
+            "same tokens")
     lines, errors = [head], {}         # a row that did not run: its reason after the first columns
     for r in rows:
         if r.get("error"):
@@ -240,7 +248,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                       "" if r["ratio"] is None else f"{r['ratio']:.2f}x", _mib(r.get("kv_device_bytes_per_seq")),
                       _mib(r.get("h2d_bytes_per_step")), _num(r.get("stall_ms_per_step"), ".1f"),
                       _num(r.get("floor_ms"), ".1f"), _num(r.get("x_floor"), ".1f", "x"),
-                      r.get("same_tokens", "")))
+                      _num(r.get("compute_floor_ms"), ".1f"), r.get("same_tokens", "")))
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     fmt = lambda row: "  ".join(c.rjust(w) if i not in (2, 4) or c.replace(".", "").isdigit()  # noqa: E731
                                 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))

@@ -16,7 +16,7 @@ from tiny_engine import make_tiny_engine
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench  # noqa: E402
 import eval_accuracy  # noqa: E402
-from bench_floor import step_read_bytes  # noqa: E402
+from bench_floor import step_flops, step_read_bytes  # noqa: E402
 from bench_lib import format_table  # noqa: E402
 import longctx_data as data  # noqa: E402
 import profile_agreement  # noqa: E402
@@ -210,6 +210,14 @@ def test_bench_step_read_bytes():
     assert step_read_bytes(1000, 10, 50, 3, sparse=(200, 7), h2d_per_step=40.0) == 1000 + 3 * 207 + 40
 
 
+def test_bench_step_flops():
+    # 2 FLOPs per weight per row (fp32: 4 bytes a weight) + 4 x D per (row, layer, head, key)
+    assert step_flops(4000, 4, rows=3, layers=2, heads=5, head_dim=8, attended_tokens=7) == \
+        2 * 3 * 1000 + 4 * 3 * 2 * 5 * 8 * 7
+    # a draft row doubles the rows: twice the FLOPs of the same step without it
+    assert step_flops(4000, 4, 6, 2, 5, 8, 7) == 2 * step_flops(4000, 4, 3, 2, 5, 8, 7)
+
+
 def test_bench_table_has_the_floor_and_keeps_reasons_out_of_the_columns():
     row = {"context": 512, "prompt_tokens": 512, "batch": 1, "impl": "dense", "prefill_s": 1.0,
            "decode_tokens_per_s": 10.0, "ms_per_step": 100.0, "ratio": None, "kv_device_bytes_per_seq": 2**20,
@@ -246,7 +254,7 @@ def test_bench_smoke(default_engine_dir, tmp_path, capsys):
     assert sparse["step_read_parts"]["summaries"] > 0 and sparse["stall_ms_per_step"] >= 0
     timed = [r for r in rows.values() if not r.get("error")]
     for r in timed:
-        assert r["floor_ms"] > 0 and r["x_floor"] > 0, r["impl"]
+        assert r["floor_ms"] > 0 and r["x_floor"] > 0 and r["compute_floor_ms"] > 0, r["impl"]
         assert r["step_read_bytes"] > doc["machine"]["weight_bytes"]
     static = rows["transformers-static-compile"]
     if static.get("error"):
