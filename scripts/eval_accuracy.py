@@ -213,7 +213,8 @@ def format_table(summary: dict, modes: list[str]) -> str:
         tasks = list(dict.fromkeys(c["task"] for c in summary["cells"] if c["context"] == ctx))
         lines.append(f"\ncontext {ctx}: accuracy % (delta vs dense, same samples); "
                      "'=dense' = K covers every block (trivial, not run)")
-        lines.append(f"{'task':<16}{'n':>3}  " + "".join(f"{m:>18}" for m in modes))
+        widths = [max(18, len(m) + 2) for m in modes]
+        lines.append(f"{'task':<16}{'n':>3}  " + "".join(f"{m:>{w}}" for m, w in zip(modes, widths)))
         for task in tasks + ["mean"]:
             vals = []
             n = ""
@@ -233,7 +234,7 @@ def format_table(summary: dict, modes: list[str]) -> str:
                     vals.append(f"{c['accuracy']:.1f}")
                 else:
                     vals.append(f"{c['accuracy']:.1f} ({c['delta_vs_dense']:+.1f})")
-            lines.append(f"{task:<16}{n:>3}  " + "".join(f"{v:>18}" for v in vals))
+            lines.append(f"{task:<16}{n:>3}  " + "".join(f"{v:>{w}}" for v, w in zip(vals, widths)))
         stat_rows = [(m, cells) for m in modes if m != "dense"]
         for m, _ in stat_rows:
             agg = [c for (cx, _t, mm), c in cells.items() if cx == ctx and mm == m and c["n"]]
