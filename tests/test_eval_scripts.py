@@ -144,6 +144,19 @@ def test_eval_accuracy_rejects_unknown_modes():
         eval_accuracy.parse_args(["--modes", "resident:sometimes"])
 
 
+def test_eval_accuracy_modes_set_config_fields(capsys):
+    ov = eval_accuracy.mode_overrides("resident:drop@group_score=sum,top_k=64,fetch_ratio=0.1", 128)
+    assert ov == {"mode": "lookahead", "residency": "resident", "miss_policy": "drop", "top_k": 64,
+                  "group_score": "sum", "fetch_ratio": 0.1}
+    args = eval_accuracy.parse_args(["--modes", "resident:urgent@group_score=max"])
+    assert args.modes == ["dense", "resident:urgent@group_score=max"]
+    for bad, named in (("resident:urgent@group_score=mean", "group_score"), ("resident:urgent@k=3", "k"),
+                       ("resident:urgent@top_k", "top_k")):
+        with pytest.raises(SystemExit):
+            eval_accuracy.parse_args(["--modes", bad])
+        assert named in capsys.readouterr().err
+
+
 # ---- profile_agreement end to end -------------------------------------------------------------
 @needs_ruler
 @needs_essays
