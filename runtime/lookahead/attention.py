@@ -274,10 +274,16 @@ class LookaheadAttention:
             self.seeded[layer, L] = False
         if self.debug_checks:
             check_integrity(self, layer, d)
-        # attention over the device tier: [n, KVH, NS * bs, D] is a view, no gather
-        kv_shape = (self.dev_k.shape[1], self.kvh, lay.num_slots * lay.block_size, self.hd)
-        kb, vb = self.dev_k[buf].view(kv_shape)[:n], self.dev_v[buf].view(kv_shape)[:n]
+        # attention over the device tier: [n, KVH, NS * bs, D] is a view, no gather. Selected
+        # slots past the last one any (lane, head) holds are empty: left out, not masked (at a
+        # short context most of the K slots are, and the kernel reads every slot it is given)
         sel = (self.slots.block[buf, :n] >= 0) & d.lane_active[:, None, None]      # [n, KVH, K]
+        held = sel.any(1).any(0).nonzero()
+        used = int(held[-1]) + 1 if len(held) else 0
+        sel = sel[..., :used]
+        kv_shape = (self.dev_k.shape[1], self.kvh, lay.num_slots * lay.block_size, self.hd)
+        n_keys = (lay.selected_start + used) * lay.block_size
+        kb, vb = (t[buf].view(kv_shape)[:n, :, :n_keys] for t in (self.dev_k, self.dev_v))
         mask = torch.cat([d.base_mask[:, None, :].expand(n, self.kvh, -1),
                           sel.repeat_interleave(lay.block_size, dim=-1)], dim=-1)
         # this step's own rows are extra keys (the device tier does not hold them yet, see
