@@ -156,8 +156,8 @@ class EngineLoop:
 
     def _publish_stats(self) -> bool:
         """Send a stats snapshot to `on_stats` if anything changed; returns whether it did."""
-        if self.on_stats is None or not (self._stats_dirty or self._rate.active()):
-            return False
+        if self.on_stats is None or self._stopping or not (self._stats_dirty or self._rate.active()):
+            return False        # stopping: the server is unloading, and a metric update is IPC to it
         self._stats_dirty = False
         stats = self.engine.stats()
         stats["tokens_per_s"] = self._rate.update(stats["output_tokens"])

@@ -52,7 +52,9 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        self.loop.stop()
+        # well inside tritonserver's --exit-timeout-secs (5 s): a loop thread still in a step or a
+        # metric update after 2 s is left behind (a daemon thread), not waited for
+        self.loop.stop(timeout=2.0)
         self.engine.close()
         self.metrics.close()
 
