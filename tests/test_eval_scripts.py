@@ -231,6 +231,17 @@ def test_bench_step_flops():
     assert step_flops(4000, 4, 6, 2, 5, 8, 7) == 2 * step_flops(4000, 4, 3, 2, 5, 8, 7)
 
 
+def test_bench_kernels_reports_every_row(tmp_path, capsys):
+    import bench_kernels
+    out = tmp_path / "k.json"
+    assert bench_kernels.main(["--rows", "2", "--json", str(out)]) == 0
+    rows = [r for rs in json.loads(out.read_text())["rows"].values() for r in rs]
+    assert [r["what"] for r in rows] == ["sum over the weights", "F.linear, 2 row(s)", "sum over K and V",
+                                         "fused attention, masked", "fused attention, no mask"]
+    assert all(r["gbps"] > 0 for r in rows)
+    assert "F.linear, 2 row(s)" in capsys.readouterr().out
+
+
 def test_bench_table_has_the_floor_and_keeps_reasons_out_of_the_columns():
     row = {"context": 512, "prompt_tokens": 512, "batch": 1, "impl": "dense", "prefill_s": 1.0,
            "decode_tokens_per_s": 10.0, "ms_per_step": 100.0, "ratio": None, "kv_device_bytes_per_seq": 2**20,

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""The two kernels a CPU decode step spends most of its time in, at decode shapes, against a plain
+streaming read of the same bytes (what the bandwidth floor assumes).
+
+    python scripts/bench_kernels.py --threads 1 --json results/bench_kernels.json
+
+1. The weights: M rows (a decode batch; x2 with look-ahead's draft row) through every linear layer
+   of the default model's shape (SmolLM2-135M: 30 layers of q/k/v, o, gate/up, down), fp32,
+   `F.linear` as the runtime calls it. Reported as weight bytes read per second.
+2. The attention over a layer's working set: torch's fused CPU kernel, as
+   `plugins.lookahead_attention` calls it (a lane's 3 KV heads, 6 query rows each = 3 query heads
+   x (real, draft), K + window + sink slots of 16 tokens), for 30 layers of 4 lanes, with and
+   without its mask. Reported as K/V bytes read per second.
+The reference is `sum()` over the same tensors. Best of 3 after a warm-up; prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+LAYERS, HIDDEN, KV_DIM, INTER = 30, 576, 192, 1536          # SmolLM2-135M
+LINEARS = [(HIDDEN, HIDDEN + 2 * KV_DIM), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTER), (INTER, HIDDEN)]
+
+
+def best_of(fn, reps: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def weights_rows(rows: list[int]) -> list[dict]:
+    ws = [torch.randn(o, i) for _ in range(LAYERS) for i, o in LINEARS]
+    nbytes = sum(w.nbytes for w in ws)
+    out = [{"what": "sum over the weights", "gbps": nbytes / best_of(lambda: [w.sum() for w in ws]) / 1e9}]
+    for m in rows:
+        xs = {i: torch.randn(m, i) for i, _ in LINEARS}
+        s = best_of(lambda: [F.linear(xs[w.shape[1]], w) for w in ws])
+        out.append({"what": f"F.linear, {m} row(s)", "gbps": nbytes / s / 1e9, "ms": 1e3 * s})
+    return out
+
+
+def attention_rows(lanes: int = 4, kv_heads: int = 3, q_rows: int = 6, head_dim: int = 64,
+                   slots: int = 134, block: int = 16) -> list[dict]:
+    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    n = slots * block
+    qs = [torch.randn(lanes, kv_heads, q_rows, head_dim) for _ in range(LAYERS)]
+    ks = [torch.randn(lanes, kv_heads, n, head_dim) for _ in range(LAYERS)]
+    vs = [torch.randn(lanes, kv_heads, n, head_dim) for _ in range(LAYERS)]
+    bias = torch.zeros(lanes, kv_heads, 1, n).masked_fill_(torch.rand(lanes, kv_heads, 1, n) > 0.97, float("-inf"))
+    nbytes = 2 * sum(k.nbytes for k in ks)
+    cases = {"sum over K and V": lambda: [(k.sum(), v.sum()) for k, v in zip(ks, vs)],
+             "fused attention, masked": lambda: [fused(q, k, v, 0.0, False, attn_mask=bias, scale=0.125)
+                                                 for q, k, v in zip(qs, ks, vs)],
+             "fused attention, no mask": lambda: [fused(q, k, v, 0.0, False, scale=0.125)
+                                                  for q, k, v in zip(qs, ks, vs)]}
+    return [{"what": name, "gbps": nbytes / (s := best_of(fn)) / 1e9, "ms": 1e3 * s} for name, fn in cases.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s, as the bench)")
+    p.add_argument("--rows", default="1,2,4,8", help="batch rows through the weights (default: %(default)s)")
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = {"linear weights of 30 layers (405 MiB fp32; no embedding / LM head)":
+            weights_rows([int(m) for m in args.rows.split(",")]),
+            "attention over one step's working sets (30 layers x 4 lanes, 377 MiB of K/V)": attention_rows()}
+    for title, rs in rows.items():
+        print(title)
+        for r in rs:
+            ms = f"{r['ms']:7.1f} ms" if "ms" in r else " " * 10
+            print(f"  {r['what']:<28} {ms}  {r['gbps']:5.1f} GB/s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
