@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from . import cpu
 from ._common import FLOAT_DTYPES, check_same, check_shape, check_tensor, define_op, fail
 
 
@@ -44,15 +45,20 @@ def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: 
     return out.view(B, num_kv_heads, R, G, D).transpose(1, 2).reshape(B, R, H, D).to(q.dtype)
 
 
+# fp32 on CPU: plugins/cpu's C kernel (one pass over the visible keys, masked ones never read);
+# tests switch it off to check the torch path below on the same inputs
+USE_CPU_KERNEL = True
 _FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _lookahead_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor,
                               k_extra: torch.Tensor, v_extra: torch.Tensor, extra_mask: torch.Tensor,
                               scale: float) -> torch.Tensor:
-    """CPU: torch's fused (flash) attention over the gathered KV, which also returns each row's
+    """CPU, where plugins.cpu does not run it: torch's fused (flash) attention over the gathered KV, which also returns each row's
     log-sum-exp, then the few extra keys merged in by that log-sum-exp. K/V are read once, by one
     fused kernel, with the GQA group's heads and both rows folded into the query dim."""
+    if q.device.type == "cpu" and USE_CPU_KERNEL and cpu.attention_supported(q, k, v, k_extra, v_extra):
+        return cpu.attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale)
     if _FUSED is None or q.device.type != "cpu" or k.shape[2] == 0:
         return _attention_math(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale)
     B, R, H, D = q.shape

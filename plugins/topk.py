@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu
 from ._common import FLOAT_DTYPES, check_same, check_shape, check_tensor, define_op, fail
 
 
-GROUP_SCORES = ("sum", "max")      # how a GQA group's query heads combine into a KV head's score
+GROUP_SCORES = ("sum", "max")
+# fp32 on CPU: plugins/cpu's C kernel (scores and selection in one call); tests switch it off to
+# check the torch path below on the same inputs
+USE_CPU_KERNEL = True      # how a GQA group's query heads combine into a KV head's score
 
 
 def _group_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, group_score: str) -> torch.Tensor:
@@ -58,6 +62,9 @@ def _block_topk_impl(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, va
     B, num_blocks, num_kv_heads, _ = kmin.shape
     rows = q.dim() == 4                          # [B, R, H, D]: R query rows per sequence
     q4, v3 = (q, valid) if rows else (q.unsqueeze(1), valid.unsqueeze(1))
+    if q.device.type == "cpu" and USE_CPU_KERNEL and cpu.block_topk_supported(q4, kmin, kmax, v3):
+        top, scores = cpu.block_topk(q4, kmin, kmax, v3, k, group_score)
+        return (top, scores) if rows else (top[:, 0], scores[:, 0])
     R = q4.shape[1]
     # Masked after scoring: an empty block's +-inf summary may score NaN; the fill overwrites it.
     scores = _group_scores(q4, kmin, kmax, group_score).masked_fill_(~v3.unsqueeze(2), float("-inf"))

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plugins.cpu import linear
+
 from .config import ModelConfig
 from .rope import RotaryEmbedding
 
@@ -20,6 +22,12 @@ class AttentionBackend(Protocol):
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] (post-RoPE) -> out [T, H, D]."""
         ...
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A decode step's few rows go through plugins.cpu's kernel on CPU (it reads the weights at up
+    to twice BLAS's small-M rate here); anything else is F.linear."""
+    return linear(x, layer.weight, layer.bias)
 
 
 class RMSNorm(nn.Module):
@@ -50,15 +58,15 @@ class DecoderLayer(nn.Module):
                 attn: AttentionBackend) -> torch.Tensor:
         c = self.cfg
         T = x.shape[0]
-        qkv = self.wqkv(self.attn_norm(x))                                  # [T, q + 2kv]
+        qkv = _linear(self.wqkv, self.attn_norm(x))                                  # [T, q + 2kv]
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = rope.apply(q.view(T, c.num_heads, c.head_dim), positions)        # [T, H, D]
         k = rope.apply(k.view(T, c.num_kv_heads, c.head_dim), positions)     # [T, KVH, D]
         v = v.reshape(T, c.num_kv_heads, c.head_dim)
         o = attn.forward(self.layer_idx, q, k, v)                           # [T, H, D]
-        x = x + self.wo(o.reshape(T, c.q_size))
-        gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up)
+        x = x + _linear(self.wo, o.reshape(T, c.q_size))
+        gate, up = _linear(self.w13, self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + _linear(self.w2, F.silu(gate) * up)
 
 
 class LlamaModel(nn.Module):
@@ -88,7 +96,7 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return linear(hidden, w).float()
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load runtime-layout tensors (see engine_dir.WEIGHT_LAYOUT); strict on names and shapes."""

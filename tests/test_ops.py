@@ -72,6 +72,13 @@ def test_block_gather_large_block_ids():
 
 # ---------------------------------------------------------------- block_topk
 
+@pytest.fixture(params=["cpu_kernel", "torch"])
+def topk_path(request, monkeypatch):
+    """fp32 CPU inputs with D % 8 == 0 go to plugins.cpu's C kernel where it builds: run both."""
+    monkeypatch.setattr(plugins.topk, "USE_CPU_KERNEL", request.param == "cpu_kernel")
+    return request.param
+
+
 def _summaries(g, B, NB, KVH, D, dtype):
     a, b = _randn(g, B, NB, KVH, D, dtype=dtype), _randn(g, B, NB, KVH, D, dtype=dtype)
     return torch.minimum(a, b), torch.maximum(a, b)
@@ -82,7 +89,7 @@ def _summaries(g, B, NB, KVH, D, dtype):
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("k", [1, 7, 40])
 @pytest.mark.parametrize("group_score", ["sum", "max"])
-def test_block_topk_matches_reference(seed, dtype, group, k, group_score):
+def test_block_topk_matches_reference(seed, dtype, group, k, group_score, topk_path):
     g = _gen(seed)
     B, KVH, D, NB = 2, 3, 32, 40
     q = _randn(g, B, KVH * group, D, dtype=dtype)
@@ -98,7 +105,7 @@ def test_block_topk_matches_reference(seed, dtype, group, k, group_score):
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_block_topk_rows_match_reference_row_by_row(seed, dtype):
+def test_block_topk_rows_match_reference_row_by_row(seed, dtype, topk_path):
     # A decode step scores the real and the draft query in one call, each with its own mask.
     g = _gen(seed)
     B, R, KVH, group, D, NB, k = 3, 2, 3, 3, 32, 50, 9
@@ -118,11 +125,11 @@ def test_block_topk_rows_match_reference_row_by_row(seed, dtype):
     assert not torch.equal(idx[:, 0], idx[:, 1])                          # the rows are really distinct
 
 
-def test_block_topk_max_keeps_a_block_only_one_head_wants():
+def test_block_topk_max_keeps_a_block_only_one_head_wants(topk_path):
     # One head of a group of three scores block 5 highest by far, the other two rank it last:
     # the group's max keeps it in the top 2, the group's sum drops it.
-    D, NB = 4, 8
-    q = torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 1.0, 0, 0]])[None]      # [1, H=3, D]
+    D, NB = 8, 8
+    q = torch.eye(D)[[0, 1, 1]][None]                                               # [1, H=3, D]
     keys = torch.zeros(1, NB, 1, D)
     keys[0, :, 0, 1] = torch.arange(NB, dtype=torch.float32) / NB                   # heads 1, 2: later is better
     keys[0, 5, 0, 0], keys[0, 5, 0, 1] = 1.5, -1.0                                   # head 0's block
@@ -145,11 +152,11 @@ def test_block_topk_rows_need_a_mask_per_row():
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("group_score", ["sum", "max"])
-def test_block_topk_ties_go_to_lower_block_id(seed, dtype, group_score):
+def test_block_topk_ties_go_to_lower_block_id(seed, dtype, group_score, topk_path):
     # Small integers make every product and sum exact in fp32, so scores tie often and exactly,
     # whatever the summation order: indices must still agree with the reference bit for bit.
     g = _gen(seed)
-    B, H, KVH, D, NB = 2, 6, 2, 4, 48
+    B, H, KVH, D, NB = 2, 6, 2, 8, 48
     q = torch.randint(-2, 3, (B, H, D), generator=g).to(dtype)
     a = torch.randint(-2, 3, (B, NB, KVH, D), generator=g).to(dtype)
     b = torch.randint(-2, 3, (B, NB, KVH, D), generator=g).to(dtype)
@@ -179,7 +186,7 @@ def _bound_by_corners(q, kmin, kmax):
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("group", [1, 3])
-def test_block_topk_against_brute_force(seed, group):
+def test_block_topk_against_brute_force(seed, group, topk_path):
     g = _gen(seed)
     B, KVH, D, NB, k = 2, 2, 4, 30, 9
     q = _randn(g, B, KVH * group, D)
@@ -203,7 +210,7 @@ def test_block_topk_against_brute_force(seed, group):
                 assert s[i] > s[j] or (s[i] == s[j] and i < j)
 
 
-def test_block_topk_pads_with_minus_one():
+def test_block_topk_pads_with_minus_one(topk_path):
     g = _gen(4)
     B, H, KVH, D, NB = 1, 3, 3, 8, 12
     q = _randn(g, B, H, D)
@@ -341,10 +348,17 @@ SHAPES = [  # B, R, H, KVH, N, E, D
 ]
 
 
+@pytest.fixture(params=["cpu_kernel", "torch"])
+def attention_path(request, monkeypatch):
+    """fp32 CPU inputs go to plugins.cpu's C kernel where it builds: run each test both ways."""
+    monkeypatch.setattr(plugins.attention, "USE_CPU_KERNEL", request.param == "cpu_kernel")
+    return request.param
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_lookahead_attention_matches_reference(seed, dtype, shape):
+def test_lookahead_attention_matches_reference(seed, dtype, shape, attention_path):
     args = _attention_inputs(seed, *shape, dtype=dtype)
     out = plugins.lookahead_attention(*args)
     assert out.shape == args[0].shape and out.dtype == dtype
@@ -366,7 +380,7 @@ def _dense_sdpa(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale):
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("shape", SHAPES[:2])
-def test_lookahead_attention_reference_equals_dense_sdpa(seed, shape):
+def test_lookahead_attention_reference_equals_dense_sdpa(seed, shape, attention_path):
     args = _attention_inputs(seed + 10, *shape, dtype=torch.float32)
     expected = _dense_sdpa(*args)
     _assert_close(ref.lookahead_attention_ref(*args), expected, torch.float32)
@@ -386,8 +400,8 @@ def test_lookahead_attention_draft_row_sees_real_row_not_reverse():
     assert (out[0, 1, :, 1] > 0).all()
 
 
-def test_lookahead_attention_row_without_keys_is_zero():
-    args = list(_attention_inputs(8, 2, 2, 6, 2, 20, 2, 16, torch.float32))
+def test_lookahead_attention_row_without_keys_is_zero(attention_path):
+    args = list(_attention_inputs(8, 2, 2, 6, 2, 20, 2, 32, torch.float32))
     args[3][0] = False                    # kv_mask: sequence 0 selected nothing
     args[6][0, 0] = False                 # extra_mask: its real row does not see itself either
     out = plugins.lookahead_attention(*args)

@@ -1,0 +1,99 @@
+"""Build plugins/cpu/kernels.c with the machine's C compiler on first use and bind it with ctypes.
+
+The library lands in build/cpu/ (git-ignored), named by a hash of the source and flags, so an
+edited kernel is rebuilt and a stale one never loaded. It needs AVX2 and FMA (x86-64 since
+2013); without them, a compiler, or with LOOKAHEAD_CPU_KERNELS=0 in the environment, `library()`
+returns None with the reason in `unavailable_reason()` and callers use the torch paths.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cpu"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
+ENV_SWITCH = "LOOKAHEAD_CPU_KERNELS"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+_i64 = ctypes.c_int64
+SIGNATURES = {
+    "lkv_linear": (None, [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p, _i64, ctypes.c_void_p,
+                          ctypes.c_void_p, ctypes.c_int]),
+    "lkv_block_topk": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _i64, ctypes.c_void_p,
+                                      _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_int,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]),
+    "lkv_attention": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _i64, _i64,
+                                     ctypes.c_void_p, ctypes.c_void_p, _i64, _i64, _i64,
+                                     ctypes.c_void_p, _i64, _i64, _i64, ctypes.c_void_p, ctypes.c_void_p, _i64, _i64, _i64, _i64, _i64, _i64,
+                                     _i64, ctypes.c_float, ctypes.c_int]),
+}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _build() -> ctypes.CDLL:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        raise RuntimeError(f"disabled by {ENV_SWITCH}=0")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"the kernels are x86-64 AVX2 code; this machine is {platform.machine()}")
+    missing = {"avx2", "fma"} - _cpu_flags()
+    if missing:
+        raise RuntimeError(f"the CPU lacks {', '.join(sorted(missing))}")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (install gcc, or set CC)")
+    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    lib = BUILD_DIR / f"liblookahead_cpu-{tag}.so"
+    if not lib.exists():
+        BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=BUILD_DIR) as tmp:     # atomic: build, then rename
+            out = Path(tmp) / lib.name
+            proc = subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE), "-lm"],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-400:]}")
+            os.replace(out, lib)
+    dll = ctypes.CDLL(str(lib))
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(dll, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return dll
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None (the reason: `unavailable_reason()`). Built once per process."""
+    with _lock:
+        if "lib" not in _state:
+            try:
+                _state["lib"] = _build()
+            except (OSError, RuntimeError) as e:
+                _state["lib"], _state["reason"] = None, str(e)
+                logger.info("CPU kernels unavailable (%s); using torch", e)
+        return _state["lib"]  # type: ignore[return-value]
+
+
+def unavailable_reason() -> str | None:
+    library()
+    return _state.get("reason")  # type: ignore[return-value]

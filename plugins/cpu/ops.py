@@ -1,0 +1,95 @@
+"""torch-facing wrappers of the C kernels: check what the kernels assume, else say no.
+
+`linear` falls back to `F.linear` itself; `attention` returns None when it does not apply, and
+`plugins.attention` then runs its torch path. Both follow torch's intra-op thread count.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .loader import library
+
+MAX_LINEAR_ROWS = 16       # above this BLAS's own GEMM is as good (scripts/bench_kernels.py)
+MAX_EXTRA_KEYS = 8         # kernels.c keeps an extra key's score on the stack
+MAX_GROUP_ROWS = 64        # R * H / KVH query rows per KV head, likewise
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` for 2-D fp32 CPU inputs of at most MAX_LINEAR_ROWS rows through the C kernel."""
+    lib = library()
+    if (lib is None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_LINEAR_ROWS or x.dtype != torch.float32
+            or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.device.type != "cpu"
+            or not weight.is_contiguous() or (bias is not None and (bias.dtype != torch.float32
+                                                                      or not bias.is_contiguous()))
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return F.linear(x, weight, bias)
+    x = x.contiguous()
+    (M, K), N = x.shape, weight.shape[0]
+    if weight.shape[1] != K:
+        return F.linear(x, weight, bias)            # torch raises its own shape error
+    y = torch.empty(M, N, dtype=torch.float32)
+    lib.lkv_linear(x.data_ptr(), M, K, weight.data_ptr(), N, bias.data_ptr() if bias is not None else None,
+                   y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_extra: torch.Tensor,
+                        v_extra: torch.Tensor) -> bool:
+    """Whether `attention` runs these (checked) arguments: fp32 on CPU, D a multiple of 32, K/V rows
+    contiguous with one stride pattern for K and V, extra rows contiguous, few extra keys and rows."""
+    B, R, H, D = q.shape
+    kvh, N, E = k.shape[1], k.shape[2], k_extra.shape[2]
+    return (library() is not None and q.dtype == torch.float32 and q.device.type == "cpu"
+            and D % 32 == 0 and E <= MAX_EXTRA_KEYS and R * (H // kvh) <= MAX_GROUP_ROWS and N < 2 ** 31
+            and k.stride() == v.stride() and k.stride(3) == 1 and (k.stride(2) == D or N <= 1)
+            and k_extra.stride(3) == 1 and v_extra.stride(3) == 1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor, k_extra: torch.Tensor,
+              v_extra: torch.Tensor, extra_mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """lookahead_attention's math in one C call (shapes as in plugins.attention; the caller has
+    checked them and `attention_supported`)."""
+    B, R, H, D = q.shape
+    kvh, N, E = k.shape[1], k.shape[2], k_extra.shape[2]
+    q = q.contiguous()
+    kv_mask, extra_mask = kv_mask.contiguous(), extra_mask.contiguous()
+    out = torch.empty(B, R, H, D, dtype=torch.float32)
+    rc = library().lkv_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), kv_mask.data_ptr(),
+        k_extra.data_ptr(), *k_extra.stride()[:3], v_extra.data_ptr(), *v_extra.stride()[:3], extra_mask.data_ptr(), out.data_ptr(), B, R, H, kvh, N, E, D, float(scale), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("lookahead_attention (CPU kernel): scratch allocation failed")
+    return out
+
+
+def block_topk_supported(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor) -> bool:
+    """Whether `block_topk` runs these (checked) arguments: fp32 on CPU, D a multiple of 8, each
+    sequence's summaries one contiguous [NB, KVH, D] run (alike for kmin and kmax), valid rows
+    contiguous."""
+    _, num_blocks, kvh, D = kmin.shape
+    return (library() is not None and q.dtype == torch.float32 and q.device.type == "cpu"
+            and D % 8 == 0 and num_blocks < 2 ** 31 and kmin.stride()[1:] == (kvh * D, D, 1)
+            and kmax.stride() == kmin.stride() and valid.stride(-1) == 1)
+
+
+def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor, k: int,
+               group_score: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_topk in one C call; q [B, R, H, D], valid [B, R, NB] (the caller's checked 4-D form,
+    `block_topk_supported`)."""
+    B, R, H, D = q.shape
+    _, num_blocks, kvh, _ = kmin.shape
+    q = q.contiguous()
+    scores = torch.empty(B, R, kvh, num_blocks, dtype=torch.float32)
+    idx = torch.empty(B, R, kvh, k, dtype=torch.int64)
+    rc = library().lkv_block_topk(
+        q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), kmin.stride(0), valid.data_ptr(), valid.stride(0),
+        valid.stride(1), B, R, H, kvh, num_blocks, D, k, int(group_score == "max"), scores.data_ptr(),
+        idx.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("block_topk (CPU kernel): scratch allocation failed")
+    return idx, scores

@@ -1,0 +1,126 @@
+"""plugins/cpu: the C kernels against torch on fresh random inputs, in the layouts the runtime
+passes them (strided views of the device tier and the summaries), and their fallbacks."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import plugins
+from plugins import cpu
+from plugins import reference as ref
+from plugins.attention import _attention_math
+from plugins.cpu import loader
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"plugins.cpu: {loader.unavailable_reason()}")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 16])
+@pytest.mark.parametrize("n_out,n_in", [(960, 576), (577, 100), (1, 8), (6, 3)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_matches_torch(rows, n_out, n_in, threads):
+    g = _gen(rows * 1000 + n_out)
+    x, w, b = (torch.randn(s, generator=g) for s in ((rows, n_in), (n_out, n_in), (n_out,)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for bias in (None, b):
+            torch.testing.assert_close(cpu.linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(cpu.linear(x.t().contiguous().t(), w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_linear_falls_back_where_the_kernel_does_not_apply():
+    g = _gen(1)
+    w = torch.randn(40, 24, generator=g)
+    for x in (torch.randn(17, 24, generator=g), torch.randn(2, 3, 24, generator=g)):       # many rows; 3-D
+        torch.testing.assert_close(cpu.linear(x, w), F.linear(x, w))
+    xh, wh = torch.randn(2, 24, generator=g).half(), w.half()
+    assert cpu.linear(xh, wh).dtype == torch.float16
+    x = torch.randn(2, 24, generator=g, requires_grad=True)
+    cpu.linear(x, w).sum().backward()                                                     # autograd intact
+    torch.testing.assert_close(x.grad, w.sum(0).expand(2, -1))
+    with pytest.raises(RuntimeError):
+        cpu.linear(torch.randn(2, 23), w)                                                 # torch's shape error
+
+
+def _device_tier(g, B, KVH, slots, D, used):
+    """K/V as the runtime passes them: a [:B, :, :used] view of a larger [lanes, KVH, slots, D] buffer."""
+    k = torch.randn(B + 1, KVH, slots, D, generator=g)
+    v = torch.randn(B + 1, KVH, slots, D, generator=g)
+    return k[:B, :, :used], v[:B, :, :used]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("B,R,H,KVH,D,used,E", [(4, 2, 9, 3, 64, 300, 2), (2, 1, 32, 8, 128, 77, 1),
+                                                 (1, 2, 4, 4, 32, 9, 2), (3, 2, 64, 2, 64, 40, 0)])
+def test_attention_matches_torch_on_runtime_layouts(seed, B, R, H, KVH, D, used, E):
+    g = _gen(seed)
+    q = torch.randn(B, R, H, D, generator=g)
+    k, v = _device_tier(g, B, KVH, used + 16, D, used)
+    kv_mask = torch.rand(B, KVH, used, generator=g) < 0.5
+    kv_mask[0, 0] = False                                     # a head that selected nothing
+    # the rows' own K/V: views into one fused projection, K and V with different strides
+    qkv = torch.randn(B * R, 3 * KVH * D + 5, generator=g)
+    kx = qkv[:, :KVH * D].reshape(B, R, KVH, D)[:, :E].transpose(1, 2)
+    vx = qkv[:, 2 * KVH * D + 5:].reshape(B, R, KVH, D)[:, :E].transpose(1, 2)
+    extra_mask = torch.ones(R, E, dtype=torch.bool).tril().expand(B, R, E).contiguous()
+    if E:
+        extra_mask[-1, 0] = False
+    args = (q, k, v, kv_mask, kx, vx, extra_mask, D ** -0.5)
+    assert cpu.attention_supported(q, k, v, kx, vx)
+    torch.testing.assert_close(cpu.attention(*args), _attention_math(*args), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(plugins.lookahead_attention(*args), ref.lookahead_attention_ref(*args),
+                               atol=2e-5, rtol=1e-5)
+
+
+def test_attention_zero_keys_and_unsupported_shapes():
+    g = _gen(3)
+    q = torch.randn(2, 2, 6, 64, generator=g)
+    k = v = torch.randn(2, 3, 0, 64, generator=g)
+    kx = vx = torch.randn(2, 3, 2, 64, generator=g)
+    none = torch.zeros(2, 2, 2, dtype=torch.bool)
+    out = cpu.attention(q, k, v, torch.zeros(2, 3, 0, dtype=torch.bool), kx, vx, none, 0.125)
+    assert torch.equal(out, torch.zeros_like(out))                                  # sees no key: zeros
+    assert not cpu.attention_supported(q[..., :16], k[..., :16], v[..., :16], kx[..., :16], vx[..., :16])
+    assert not cpu.attention_supported(q.half(), k.half(), v.half(), kx.half(), vx.half())
+    wide = torch.randn(2, 3, 9, 64, generator=g)
+    assert not cpu.attention_supported(q, k, v, wide, wide)                          # E > 8
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("group_score", ["sum", "max"])
+def test_block_topk_on_runtime_layouts(seed, group_score):
+    # the runtime scores a [:n, :nb] view of [lanes * max_blocks, KVH, D] summaries with a
+    # [:, :, :nb] view of its candidate masks
+    g = _gen(seed)
+    lanes, max_blocks, KVH, D, n, nb, R, H, k = 4, 70, 3, 64, 3, 61, 2, 9, 16
+    a, b = torch.randn(2, lanes * max_blocks, KVH, D, generator=g)
+    kmin = torch.minimum(a, b).view(lanes, max_blocks, KVH, D)[:n, :nb]
+    kmax = torch.maximum(a, b).view(lanes, max_blocks, KVH, D)[:n, :nb]
+    valid = (torch.rand(n, R, max_blocks, generator=g) < 0.8)[..., :nb]
+    valid[2, 1, 5:] = False                                                           # fewer than k
+    q = torch.randn(n, R, H, D, generator=g)
+    assert cpu.block_topk_supported(q, kmin, kmax, valid)
+    idx, scores = plugins.block_topk(q, kmin, kmax, valid, k, group_score)
+    idx_ref, scores_ref = ref.block_topk_ref(q, kmin, kmax, valid, k, group_score)
+    assert torch.equal(idx, idx_ref)
+    torch.testing.assert_close(scores, scores_ref, atol=1e-4, rtol=1e-5)
+    assert (idx[2, 1, :, 5:] == -1).all()                                            # padding
+
+
+def test_disabled_by_environment_names_the_switch():
+    code = "from plugins.cpu import loader; print(loader.library() is None, loader.unavailable_reason())"
+    env = {**os.environ, loader.ENV_SWITCH: "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=loader.SOURCE.parents[2]).stdout
+    assert out.startswith("True") and f"{loader.ENV_SWITCH}=0" in out
