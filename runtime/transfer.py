@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from plugins.cpu import bookkeeping
+
 
 @dataclass
 class CopyJob:
@@ -46,7 +48,9 @@ class CopyJob:
         return 2 * unit * self.num_units
 
     def execute(self) -> None:
-        if self.num_units:
+        """One memcpy per unit on CPU (plugins/cpu/residency.c, no gathered temporary), else indexing."""
+        if self.num_units and not bookkeeping.copy_blocks(self.src_k, self.src_v, self.dst_k, self.dst_v,
+                                                          self.src_index, self.dst_index):
             self.dst_k[self.dst_index] = self.src_k[self.src_index]
             self.dst_v[self.dst_index] = self.src_v[self.src_index]
 

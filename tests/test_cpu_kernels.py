@@ -24,7 +24,7 @@ def _gen(seed):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 16])
-@pytest.mark.parametrize("n_out,n_in", [(960, 576), (577, 100), (1, 8), (6, 3)])
+@pytest.mark.parametrize("n_out,n_in", [(960, 576), (577, 100), (1, 8), (6, 3), (32, 1536)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_linear_matches_torch(rows, n_out, n_in, threads):
     g = _gen(rows * 1000 + n_out)
@@ -122,5 +122,39 @@ def test_disabled_by_environment_names_the_switch():
     code = "from plugins.cpu import loader; print(loader.library() is None, loader.unavailable_reason())"
     env = {**os.environ, loader.ENV_SWITCH: "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                         cwd=loader.SOURCE.parents[2]).stdout
+                         cwd=loader.SOURCES[0].parents[2]).stdout
     assert out.startswith("True") and f"{loader.ENV_SWITCH}=0" in out
+
+
+def test_copy_blocks_matches_indexing_and_checks_bounds():
+    from plugins.cpu import bookkeeping
+    from runtime.transfer import CopyJob
+    g = _gen(4)
+    L, KVH, NB, bs, D, lanes, slots, n = 2, 3, 50, 16, 64, 4, 9, 30
+    pool_k, pool_v = torch.randn(2, L, KVH, NB, bs, D, generator=g)     # head-major, as KVPool
+    src_k, src_v = pool_k[1].transpose(0, 1), pool_v[1].transpose(0, 1)  # KVPool.by_block's views
+    dst_k, dst_v = torch.zeros(2, lanes, KVH, slots, bs, D)
+    src_index = (torch.randint(0, NB, (n,), generator=g), torch.randint(0, KVH, (n,), generator=g))
+    flat = torch.randperm(lanes * slots, generator=g)[:n]                 # distinct destinations
+    dst_index = (flat // slots, src_index[1], flat % slots)
+    CopyJob(src_k, src_v, dst_k, dst_v, src_index, dst_index).execute()
+    ek, ev = torch.zeros_like(dst_k), torch.zeros_like(dst_v)
+    ek[dst_index], ev[dst_index] = src_k[src_index], src_v[src_index]
+    assert torch.equal(dst_k, ek) and torch.equal(dst_v, ev)
+    bad = (dst_index[0], dst_index[1], dst_index[2] + slots)
+    with pytest.raises(IndexError, match="copy_blocks"):
+        bookkeeping.copy_blocks(src_k, src_v, dst_k, dst_v, src_index, bad)
+    assert not bookkeeping.copy_blocks(src_k.half(), src_v.half(), dst_k.half(), dst_v.half(), src_index, dst_index)
+    short = (dst_index[0][:-1], dst_index[1][:-1], dst_index[2][:-1])
+    assert not bookkeeping.copy_blocks(src_k, src_v, dst_k, dst_v, src_index, short)  # left to torch's error
+
+
+def test_linear_packed_weights_follow_in_place_changes():
+    g = _gen(5)
+    w, x = torch.randn(32, 24, generator=g), torch.randn(3, 24, generator=g)
+    first = cpu.linear(x, w)
+    assert cpu.ops.packed_weight(w) is not None                       # N % 16 == 0: the packed path
+    with torch.no_grad():
+        w.mul_(2.0)                                                   # in place: the pack must follow
+    torch.testing.assert_close(cpu.linear(x, w), 2 * first, atol=1e-4, rtol=1e-5)
+    assert cpu.ops.packed_weight(torch.randn(24, 24)) is None          # N % 16 != 0: the row-major kernel

@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
+from plugins import cpu
+from plugins.cpu import loader
 from runtime.lookahead.residency import SlotTable
+
+PATHS = ["torch", pytest.param("cpu_kernel", marks=pytest.mark.skipif(
+    not cpu.available(), reason=f"plugins.cpu: {loader.unavailable_reason()}"))]
 
 
 def plan_ref(held: list[int], last: list[int], want: list[int], prio: list[float], cap: int, step: int):
@@ -26,10 +32,14 @@ def plan_ref(held: list[int], last: list[int], want: list[int], prio: list[float
     return held, last, admitted
 
 
-def test_plan_matches_the_rule_and_keeps_the_inverse_map_true():
+@pytest.mark.parametrize("path", PATHS)
+def test_plan_matches_the_rule_and_keeps_the_inverse_map_true(path, monkeypatch):
     rng = random.Random(0)
     B, KVH, K, NB, bufs = 3, 2, 6, 20, 2
     table = SlotTable(bufs, B, KVH, K, NB)
+    table.use_kernel = path == "cpu_kernel"
+    if table.use_kernel:        # the C plan must really run: its torch twin would fail the test
+        monkeypatch.setattr(table, "plan_torch", None)
     held = [[[[-1] * K for _ in range(KVH)] for _ in range(B)] for _ in range(bufs)]
     last = [[[[-1] * K for _ in range(KVH)] for _ in range(B)] for _ in range(bufs)]
     total = 0
@@ -97,3 +107,14 @@ def test_metrics_agreement_and_hits_count_the_overlap():
     lane2 = m.take_lane(2)
     assert lane2["agreement_mean"] == 2 / 3 and lane2["prefetch_hit_rate"] == 2 / 3
     assert m.take_lane(0)["agreement_mean"] == 0.0
+
+
+@pytest.mark.skipif(not cpu.available(), reason=f"plugins.cpu: {loader.unavailable_reason()}")
+def test_kernel_plan_refuses_out_of_range_indices_and_leaves_the_table():
+    table = SlotTable(1, 2, 1, 4, 10)
+    table.plan(0, torch.tensor([0]), torch.tensor([[[3, 7]]]), torch.ones(1, 1, 2), 2, step=1)
+    before = [t.clone() for t in (table.block, table.last_used, table.slot_of)]
+    for lanes, want in ((torch.tensor([2]), torch.tensor([[[1]]])), (torch.tensor([0]), torch.tensor([[[10]]]))):
+        with pytest.raises(IndexError, match="SlotTable.plan"):
+            table.plan(0, lanes, want, torch.ones(1, 1, 1), 1, step=2)
+    assert all(torch.equal(a, b) for a, b in zip(before, (table.block, table.last_used, table.slot_of)))

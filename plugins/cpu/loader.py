@@ -1,4 +1,4 @@
-"""Build plugins/cpu/kernels.c with the machine's C compiler on first use and bind it with ctypes.
+"""Build plugins/cpu/*.c with the machine's C compiler on first use and bind it with ctypes.
 
 The library lands in build/cpu/ (git-ignored), named by a hash of the source and flags, so an
 edited kernel is rebuilt and a stale one never loaded. It needs AVX2 and FMA (x86-64 since
@@ -20,7 +20,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "residency.c")]
 BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cpu"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
 ENV_SWITCH = "LOOKAHEAD_CPU_KERNELS"
@@ -32,9 +32,15 @@ _i64 = ctypes.c_int64
 SIGNATURES = {
     "lkv_linear": (None, [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p, _i64, ctypes.c_void_p,
                           ctypes.c_void_p, ctypes.c_int]),
+    "lkv_linear_packed": (None, [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p, _i64, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_int]),
     "lkv_block_topk": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _i64, ctypes.c_void_p,
                                       _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_int,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]),
+    "lkv_plan": (_i64, [ctypes.c_void_p] * 3 + [ctypes.c_void_p, _i64, _i64, _i64, _i64, _i64, ctypes.c_void_p,
+                                                ctypes.c_void_p, _i64, _i64, _i64] + [ctypes.c_void_p] * 4),
+    "lkv_copy_blocks": (ctypes.c_int, [ctypes.c_void_p] * 2 + [_i64] * 2 + [ctypes.c_void_p] * 2 + [_i64] * 3
+                        + [ctypes.c_void_p] * 5 + [_i64] * 6),
     "lkv_attention": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _i64, _i64,
                                      ctypes.c_void_p, ctypes.c_void_p, _i64, _i64, _i64,
                                      ctypes.c_void_p, _i64, _i64, _i64, ctypes.c_void_p, ctypes.c_void_p, _i64, _i64, _i64, _i64, _i64, _i64,
@@ -64,13 +70,14 @@ def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (install gcc, or set CC)")
-    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join([cc, *FLAGS]).encode())
+    tag = tag.hexdigest()[:16]
     lib = BUILD_DIR / f"liblookahead_cpu-{tag}.so"
     if not lib.exists():
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=BUILD_DIR) as tmp:     # atomic: build, then rename
             out = Path(tmp) / lib.name
-            proc = subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE), "-lm"],
+            proc = subprocess.run([cc, *FLAGS, "-o", str(out), *map(str, SOURCES), "-lm"],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-400:]}")

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from plugins.cpu import bookkeeping
+
 
 @dataclass
 class Admission:
@@ -33,6 +35,7 @@ class SlotTable:
         # slot_of[..., b] = slot holding logical block b, or -1; column max_blocks stands for "no
         # block" (-1 entries of a request) and stays -1
         self.slot_of = torch.full((num_buffers, num_lanes, num_kv_heads, max_blocks + 1), -1, dtype=torch.long)
+        self.use_kernel = True          # tests compare the C plan with plan_torch
 
     def reset_lane(self, lane: int) -> None:
         self.block[:, lane] = -1
@@ -63,7 +66,21 @@ class SlotTable:
         `lanes`: a tensor of lane ids, or a slice of consecutive lanes (start set, step 1).
 
         want, priority: [B, KVH, K'] (want -1 = padding, K' <= K). Updates the table in place.
+        On CPU this runs as one C call (plugins/cpu/residency.c); `plan_torch` is the same rule
+        in torch ops, its reference in the tests.
         """
+        if self.use_kernel:
+            lane_ids = (torch.arange(lanes.start, lanes.start + want.shape[0]) if isinstance(lanes, slice)
+                        else lanes)
+            out = bookkeeping.plan(self.block[buf], self.last_used[buf], self.slot_of[buf], lane_ids, want,
+                                   priority, cap, step)
+            if out is not None:
+                return Admission(*out)
+        return self.plan_torch(buf, lanes, want, priority, cap, step)
+
+    def plan_torch(self, buf: int, lanes: torch.Tensor, want: torch.Tensor, priority: torch.Tensor,
+                   cap: int, step: int) -> Admission:
+        """`plan` in torch ops."""
         held = self.block[buf, lanes]                                           # [B, KVH, K]
         last = self.last_used[buf, lanes]
         inv = self.slot_of[buf, lanes]

@@ -1,0 +1,63 @@
+"""torch-facing wrappers of residency.c: the lookahead runtime's slot planning and block copies.
+
+Both return None (plan) or False (copy) when the C library or the layout does not apply; the
+callers then run their torch formulation.
+"""
+from __future__ import annotations
+
+import torch
+
+from .loader import library
+
+
+def plan(block: torch.Tensor, last_used: torch.Tensor, slot_of: torch.Tensor, lanes: torch.Tensor,
+         want: torch.Tensor, priority: torch.Tensor, cap: int, step: int):
+    """SlotTable.plan on one buffer's tables (block/last_used [lanes, KVH, K], slot_of [lanes, KVH,
+    MB + 1], updated in place) -> (lanes, heads, slots, blocks) of the admissions, or None."""
+    lib = library()
+    if (lib is None or not (block.is_contiguous() and last_used.is_contiguous() and slot_of.is_contiguous())
+            or block.dtype != torch.int64 or block.device.type != "cpu"):
+        return None
+    want = want.to(torch.int64).contiguous()
+    priority = priority.to(torch.float32).contiguous()
+    lanes = lanes.to(torch.int64).contiguous()
+    B, kvh, kw = want.shape
+    if priority.shape != want.shape or lanes.shape != (B,) or kvh != block.shape[1]:
+        return None                     # plan_torch raises its own error
+    cap_rows = max(0, min(cap, kw))
+    out = torch.empty(4, B * kvh * cap_rows, dtype=torch.int64)
+    n = lib.lkv_plan(block.data_ptr(), last_used.data_ptr(), slot_of.data_ptr(), lanes.data_ptr(), block.shape[0], B, kvh,
+                     block.shape[-1], slot_of.shape[-1] - 1, want.data_ptr(), priority.data_ptr(), kw, cap_rows,
+                     step, *(out[i].data_ptr() for i in range(4)))
+    if n == -2:
+        raise IndexError(f"SlotTable.plan: a lane outside [0, {block.shape[0]}) or a wanted block outside "
+                         f"[-1, {slot_of.shape[-1] - 1})")
+    if n < 0:
+        raise MemoryError("SlotTable.plan (CPU kernel): scratch allocation failed")
+    return tuple(out[i, :n] for i in range(4))
+
+
+def copy_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
+                src_index: tuple[torch.Tensor, ...], dst_index: tuple[torch.Tensor, ...]) -> bool:
+    """dst[lanes, heads, slots] = src[blocks, heads] for K and V (CopyJob's layouts: src [NB, KVH,
+    bs, D], dst [lanes, KVH, slots, bs, D]); False when the C path does not apply (nothing done)."""
+    lib = library()
+    unit = src_k.shape[2] * src_k.shape[3]
+    if (lib is None or src_k.dtype != torch.float32 or src_k.device.type != "cpu"
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (src_v, dst_k, dst_v))
+            or src_k.stride() != src_v.stride() or dst_k.stride() != dst_v.stride()
+            or src_k.stride()[2:] != (src_k.shape[3], 1) or dst_k.stride()[3:] != (dst_k.shape[4], 1)
+            or dst_k.shape[3:] != src_k.shape[2:]):
+        return False
+    sb, sh = (t.to(torch.int64).contiguous() for t in src_index)
+    dl, dh, ds = (t.to(torch.int64).contiguous() for t in dst_index)
+    if any(t.dim() != 1 or t.numel() != sb.numel() for t in (sh, dl, dh, ds)):
+        return False                    # indexing raises its own error for mismatched indices
+    rc = lib.lkv_copy_blocks(src_k.data_ptr(), src_v.data_ptr(), src_k.stride(0), src_k.stride(1), dst_k.data_ptr(),
+                             dst_v.data_ptr(), dst_k.stride(0), dst_k.stride(1), dst_k.stride(2), sb.data_ptr(),
+                             sh.data_ptr(), dl.data_ptr(), dh.data_ptr(), ds.data_ptr(), sb.numel(), unit,
+                             src_k.shape[0], src_k.shape[1], dst_k.shape[0], dst_k.shape[2])
+    if rc != 0:
+        raise IndexError(f"copy_blocks: an index outside src [{src_k.shape[0]}, {src_k.shape[1]}] or dst "
+                         f"[{dst_k.shape[0]}, {dst_k.shape[1]}, {dst_k.shape[2]}]")
+    return True
