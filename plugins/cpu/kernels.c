@@ -176,7 +176,7 @@ static float dot1(const float *a, const float *b, int64_t D) {
 
 /* One (sequence, KV head). qs [RG, D] (scaled), keys/values at kb/vb with row stride D, visible
  * key ids vis[nv]; extras xk/xv [E] rows at strides xks/xvs, xvis[r * E + e]; out rows at orow[rg].
- * Scratch: s [RG, nv8], acc [RG, D]. D is a multiple of 32. */
+ * Scratch: s [RG, nv8], acc [RG + 1, D]. D is a multiple of 32. */
 static void attend_one(const float *qs, int RG, int G, const float *kb, const float *vb, const int32_t *vis,
                        int64_t nv, const float *xk, int64_t xks, const float *xv, int64_t xvs, const uint8_t *xvis, int64_t E,
                        int64_t D, float *const *orow, float *s, int64_t nv8, float *acc) {
@@ -210,27 +210,46 @@ static void attend_one(const float *qs, int RG, int G, const float *kb, const fl
         inv[rg] = l > 0.0f ? 1.0f / l : 0.0f;    /* l >= 1 when a key is visible (its max is 1) */
     }
     /* P @ V, key tiles outer so that V is read once (a tile stays in L1 across the rows); the
-     * rows' running sums live in `acc` [RG, D] */
+     * rows' running sums live in `acc` [RG, D], three rows x 32 columns in registers at a time */
     for (int64_t i = 0; i < RG * D; i++) acc[i] = 0.0f;
+    const float zeros[8] = {0};
     for (int64_t t = 0; t < nv; t += 8) {
         const int tn = nv - t < 8 ? (int)(nv - t) : 8;
         const float *vr[8];
         for (int i = 0; i < tn; i++) vr[i] = vb + (int64_t)vis[t + i] * D;
-        for (int rg = 0; rg < RG; rg++) {
-            const float *pr = s + rg * nv8 + t;
+        for (int rg = 0; rg < RG; rg += 3) {
+            /* rows past RG read zero weights and add into a spare row of acc */
+            const float *p0 = s + rg * nv8 + t;
+            const float *p1 = rg + 1 < RG ? s + (rg + 1) * nv8 + t : zeros;
+            const float *p2 = rg + 2 < RG ? s + (rg + 2) * nv8 + t : zeros;
+            float *o0 = acc + rg * D, *o1 = rg + 1 < RG ? o0 + D : acc + RG * D;
+            float *o2 = rg + 2 < RG ? o0 + 2 * D : acc + RG * D;
             for (int64_t d = 0; d < D; d += 32) {
-                float *a = acc + rg * D + d;
-                __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
-                __m256 a2 = _mm256_loadu_ps(a + 16), a3 = _mm256_loadu_ps(a + 24);
+                __m256 x0 = _mm256_loadu_ps(o0 + d), x1 = _mm256_loadu_ps(o0 + d + 8);
+                __m256 x2 = _mm256_loadu_ps(o0 + d + 16), x3 = _mm256_loadu_ps(o0 + d + 24);
+                __m256 y0 = _mm256_loadu_ps(o1 + d), y1 = _mm256_loadu_ps(o1 + d + 8);
+                __m256 y2 = _mm256_loadu_ps(o1 + d + 16), y3 = _mm256_loadu_ps(o1 + d + 24);
+                __m256 z0 = _mm256_loadu_ps(o2 + d), z1 = _mm256_loadu_ps(o2 + d + 8);
+                __m256 z2 = _mm256_loadu_ps(o2 + d + 16), z3 = _mm256_loadu_ps(o2 + d + 24);
                 for (int i = 0; i < tn; i++) {
-                    const __m256 p = _mm256_broadcast_ss(pr + i);
-                    a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr[i] + d), a0);
-                    a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr[i] + d + 8), a1);
-                    a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr[i] + d + 16), a2);
-                    a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr[i] + d + 24), a3);
+                    const __m256 a = _mm256_broadcast_ss(p0 + i), b = _mm256_broadcast_ss(p1 + i);
+                    const __m256 c = _mm256_broadcast_ss(p2 + i);
+                    const float *v = vr[i] + d;
+                    __m256 w = _mm256_loadu_ps(v);
+                    x0 = _mm256_fmadd_ps(a, w, x0); y0 = _mm256_fmadd_ps(b, w, y0); z0 = _mm256_fmadd_ps(c, w, z0);
+                    w = _mm256_loadu_ps(v + 8);
+                    x1 = _mm256_fmadd_ps(a, w, x1); y1 = _mm256_fmadd_ps(b, w, y1); z1 = _mm256_fmadd_ps(c, w, z1);
+                    w = _mm256_loadu_ps(v + 16);
+                    x2 = _mm256_fmadd_ps(a, w, x2); y2 = _mm256_fmadd_ps(b, w, y2); z2 = _mm256_fmadd_ps(c, w, z2);
+                    w = _mm256_loadu_ps(v + 24);
+                    x3 = _mm256_fmadd_ps(a, w, x3); y3 = _mm256_fmadd_ps(b, w, y3); z3 = _mm256_fmadd_ps(c, w, z3);
                 }
-                _mm256_storeu_ps(a, a0); _mm256_storeu_ps(a + 8, a1);
-                _mm256_storeu_ps(a + 16, a2); _mm256_storeu_ps(a + 24, a3);
+                _mm256_storeu_ps(o0 + d, x0); _mm256_storeu_ps(o0 + d + 8, x1);
+                _mm256_storeu_ps(o0 + d + 16, x2); _mm256_storeu_ps(o0 + d + 24, x3);
+                _mm256_storeu_ps(o1 + d, y0); _mm256_storeu_ps(o1 + d + 8, y1);
+                _mm256_storeu_ps(o1 + d + 16, y2); _mm256_storeu_ps(o1 + d + 24, y3);
+                _mm256_storeu_ps(o2 + d, z0); _mm256_storeu_ps(o2 + d + 8, z1);
+                _mm256_storeu_ps(o2 + d + 16, z2); _mm256_storeu_ps(o2 + d + 24, z3);
             }
         }
     }
@@ -257,7 +276,7 @@ int lkv_attention(const float *q, const float *k, const float *v, int64_t ksb, i
     int failed = 0;
 #pragma omp parallel num_threads(nthreads > 1 ? nthreads : 1) if (nthreads > 1) reduction(| : failed)
     {
-        float *s = malloc(sizeof(float) * (RG * nv8 + 2 * RG * D + 8));
+        float *s = malloc(sizeof(float) * (RG * nv8 + (2 * RG + 1) * D + 8));
         int32_t *vis = malloc(sizeof(int32_t) * (N + 1));
         if (!s || !vis) failed = 1;
         else {
