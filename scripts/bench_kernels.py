@@ -5,12 +5,13 @@ streaming read of the same bytes (what the bandwidth floor assumes).
     python scripts/bench_kernels.py --threads 1 --json results/bench_kernels.json
 
 1. The weights: M rows (a decode batch; x2 with look-ahead's draft row) through every linear layer
-   of the default model's shape (SmolLM2-135M: 30 layers of q/k/v, o, gate/up, down), fp32,
-   `F.linear` as the runtime calls it. Reported as weight bytes read per second.
-2. The attention over a layer's working set: torch's fused CPU kernel, as
-   `plugins.lookahead_attention` calls it (a lane's 3 KV heads, 6 query rows each = 3 query heads
-   x (real, draft), K + window + sink slots of 16 tokens), for 30 layers of 4 lanes, with and
-   without its mask. Reported as K/V bytes read per second.
+   of the default model's shape (SmolLM2-135M: 30 layers of q/k/v, o, gate/up, down), fp32:
+   BLAS (`F.linear`) and plugins/cpu's C kernel (`plugins.cpu.linear`, what the runtime calls
+   when it builds). Reported as weight bytes read per second.
+2. The attention over a layer's working set (a lane's 3 KV heads, 6 query rows each = 3 query
+   heads x (real, draft), K + window + sink slots of 16 tokens), for 30 layers of 4 lanes:
+   torch's fused CPU kernel with and without a mask, and plugins/cpu's C kernel (what
+   `plugins.lookahead_attention` runs when it builds). Reported as K/V bytes read per second.
 The reference is `sum()` over the same tensors. Best of 3 after a warm-up; prints a table.
 """
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from plugins import cpu
 
 LAYERS, HIDDEN, KV_DIM, INTER = 30, 576, 192, 1536          # SmolLM2-135M
 LINEARS = [(HIDDEN, HIDDEN + 2 * KV_DIM), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTER), (INTER, HIDDEN)]
@@ -45,6 +48,9 @@ def weights_rows(rows: list[int]) -> list[dict]:
         xs = {i: torch.randn(m, i) for i, _ in LINEARS}
         s = best_of(lambda: [F.linear(xs[w.shape[1]], w) for w in ws])
         out.append({"what": f"F.linear, {m} row(s)", "gbps": nbytes / s / 1e9, "ms": 1e3 * s})
+        if cpu.available():
+            s = best_of(lambda: [cpu.linear(xs[w.shape[1]], w) for w in ws])
+            out.append({"what": f"plugins.cpu.linear, {m} row(s)", "gbps": nbytes / s / 1e9, "ms": 1e3 * s})
     return out
 
 
@@ -62,6 +68,14 @@ def attention_rows(lanes: int = 4, kv_heads: int = 3, q_rows: int = 6, head_dim:
                                                  for q, k, v in zip(qs, ks, vs)],
              "fused attention, no mask": lambda: [fused(q, k, v, 0.0, False, scale=0.125)
                                                   for q, k, v in zip(qs, ks, vs)]}
+    if cpu.available():       # the op's layout: q [lanes, rows, heads, D], two extra keys (the rows' own)
+        q4 = [q.view(lanes, kv_heads, 2, q_rows // 2, head_dim).transpose(1, 2).reshape(lanes, 2, -1, head_dim)
+              for q in qs]
+        mask = bias[:, :, 0] == 0
+        kx = torch.randn(lanes, kv_heads, 2, head_dim)
+        xm = torch.ones(2, 2, dtype=torch.bool).tril().expand(lanes, 2, 2).contiguous()
+        cases["plugins.cpu attention"] = lambda: [cpu.attention(q, k, v, mask, kx, kx, xm, 0.125)
+                                                  for q, k, v in zip(q4, ks, vs)]
     return [{"what": name, "gbps": nbytes / (s := best_of(fn)) / 1e9, "ms": 1e3 * s} for name, fn in cases.items()]
 
 
@@ -79,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(title)
         for r in rs:
             ms = f"{r['ms']:7.1f} ms" if "ms" in r else " " * 10
-            print(f"  {r['what']:<28} {ms}  {r['gbps']:5.1f} GB/s")
+            print(f"  {r['what']:<32} {ms}  {r['gbps']:5.1f} GB/s")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1) + "\n")

@@ -347,11 +347,6 @@ static void select_top(int64_t *a, int64_t n, int64_t k) {
     }
 }
 
-static int cmp_i64(const void *x, const void *y) {
-    const int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
-    return (a > b) - (a < b);
-}
-
 /* q [B, R, H, D] contiguous; kmin/kmax rows of D floats at k + b*ksb + n*KVH*D + h*D; valid
  * bytes at valid + b*vsb + r*vsr + n; group_max: 1 = "max", 0 = "sum". Writes scores
  * [B, R, KVH, NB] (-inf where not valid) and idx [B, R, KVH, k]. Returns 0, or -1 when scratch
@@ -365,7 +360,8 @@ int lkv_block_topk(const float *q, const float *kmin, const float *kmax, int64_t
     {
         float *w = malloc(sizeof(float) * (2 * R * KVH * GW * D + 8));
         int64_t *keys = malloc(sizeof(int64_t) * (NB + 1));
-        if (!w || !keys) failed = 1;
+        uint8_t *picked = malloc(NB + 1);
+        if (!w || !keys || !picked) failed = 1;
         else {
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < B; b++) {
@@ -415,12 +411,10 @@ int lkv_block_topk(const float *q, const float *kmin, const float *kmax, int64_t
                             keys[n] = rank_key(srow[n], n, NB);
                         }
                         select_top(keys, NB, k);
-                        int64_t nk = 0;
-                        for (int64_t i = 0; i < k; i++) {
-                            const int64_t n = NB - 1 - (keys[i] & 0xFFFFFFFF);
-                            if (vr[n]) out[nk++] = n;           /* a picked invalid block is padding */
-                        }
-                        qsort(out, nk, sizeof(int64_t), cmp_i64);
+                        memset(picked, 0, NB);
+                        for (int64_t i = 0; i < k; i++) picked[NB - 1 - (keys[i] & 0xFFFFFFFF)] = 1;
+                        int64_t nk = 0;                     /* ascending ids; a picked invalid block is padding */
+                        for (int64_t n = 0; n < NB; n++) if (picked[n] && vr[n]) out[nk++] = n;
                         for (int64_t i = nk; i < k; i++) out[i] = -1;
                     }
                 }
@@ -428,6 +422,7 @@ int lkv_block_topk(const float *q, const float *kmin, const float *kmax, int64_t
         }
         free(w);
         free(keys);
+        free(picked);
     }
     return failed ? -1 : 0;
 }

@@ -30,6 +30,27 @@ static int cmp_prio(const void *x, const void *y) {
     return (a->idx > b->idx) - (a->idx < b->idx);
 }
 
+/* Put the m first (by cmp) of a[0, n) in order at a[0, m): a full sort when m is a large part of
+ * n, else insertion into a sorted prefix (a step admits a few blocks out of K slots). */
+#define LKV_SMALLEST(name, type, cmp)                                                        \
+    static void name(type *a, int64_t n, int64_t m) {                                         \
+        if (m <= 0) return;                                                                   \
+        if (4 * m >= n) { qsort(a, n, sizeof(type), cmp); return; }                           \
+        for (int64_t i = 1; i < m; i++)                        /* sort the first m */        \
+            for (int64_t j = i; j > 0 && cmp(&a[j], &a[j - 1]) < 0; j--) {                    \
+                type t = a[j]; a[j] = a[j - 1]; a[j - 1] = t;                                 \
+            }                                                                                 \
+        for (int64_t i = m; i < n; i++) {                      /* keep them the m first */   \
+            if (cmp(&a[i], &a[m - 1]) >= 0) continue;                                         \
+            type t = a[m - 1]; a[m - 1] = a[i]; a[i] = t;                                     \
+            for (int64_t j = m - 1; j > 0 && cmp(&a[j], &a[j - 1]) < 0; j--) {                \
+                t = a[j]; a[j] = a[j - 1]; a[j - 1] = t;                                      \
+            }                                                                                 \
+        }                                                                                     \
+    }
+LKV_SMALLEST(smallest_keyed, keyed_t, cmp_keyed)
+LKV_SMALLEST(smallest_prio, fkeyed_t, cmp_prio)
+
 /* Tables of one buffer: held/last [lanes, KVH, K], inv [lanes, KVH, MB + 1] (contiguous).
  * want [B, KVH, KW] (-1 = none) and prio [B, KVH, KW] contiguous; lanes [B]. Admissions go to
  * out_* (capacity B * KVH * min(cap, KW)) in (row, rank) order; returns their count, -1 when
@@ -62,10 +83,10 @@ int64_t lkv_plan(int64_t *held_t, int64_t *last_t, int64_t *inv_t, const int64_t
             }
             for (int64_t s = 0; s < K; s++) if (wanted[s]) last[s] = step;
             if (n_missing == 0) continue;
-            for (int64_t s = 0; s < K; s++) victims[s] = (keyed_t){wanted[s] ? INT64_MAX : last[s], s};
-            qsort(victims, K, sizeof(keyed_t), cmp_keyed);
-            qsort(order, n_missing, sizeof(fkeyed_t), cmp_prio);
             const int64_t n_admit = n_missing < cap ? n_missing : cap;
+            for (int64_t s = 0; s < K; s++) victims[s] = (keyed_t){wanted[s] ? INT64_MAX : last[s], s};
+            smallest_keyed(victims, K, n_admit);
+            smallest_prio(order, n_missing, n_admit);
             for (int64_t i = 0; i < n_admit; i++) {
                 const int64_t slot = victims[i].idx, block = wr[order[i].idx], evicted = held[slot];
                 if (evicted >= 0) inv[evicted] = -1;
