@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from plugins import cpu
+
 from .kv_pool import KVPool
 from .step import StepBatch
 
@@ -11,9 +13,16 @@ from .step import StepBatch
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One query row per head without repeating K/V across the GQA group.
 
-    q: [H, D]; k, v: [KVH, L, D] -> [H, D]
+    q: [H, D]; k, v: [KVH, L, D] -> [H, D]. fp32 on CPU: plugins/cpu's C kernel (one pass over
+    K and V, ~2x torch's matmuls here) where it builds and takes the layout.
     """
     kvh = k.shape[0]
+    if q.device.type == "cpu" and cpu.available():
+        q4, k4, v4 = q[None, None], k.unsqueeze(0), v.unsqueeze(0)
+        none = k4[:, :, :0]                                       # no extra keys
+        if cpu.attention_supported(q4, k4, v4, none, none):
+            every = torch.ones(1, kvh, k.shape[1], dtype=torch.bool)
+            return cpu.attention(q4, k4, v4, every, none, none, torch.zeros(1, 1, 0, dtype=torch.bool), scale)[0, 0]
     qg = q.view(kvh, -1, q.shape[-1])                       # [KVH, G, D]
     probs = torch.softmax((qg @ k.transpose(1, 2)).float() * scale, dim=-1).to(v.dtype)
     return (probs @ v).view(q.shape)                         # [KVH, G, D] -> [H, D]

@@ -158,3 +158,18 @@ def test_linear_packed_weights_follow_in_place_changes():
         w.mul_(2.0)                                                   # in place: the pack must follow
     torch.testing.assert_close(cpu.linear(x, w), 2 * first, atol=1e-4, rtol=1e-5)
     assert cpu.ops.packed_weight(torch.randn(24, 24)) is None          # N % 16 != 0: the row-major kernel
+
+
+@pytest.mark.parametrize("length", [1, 37, 300])
+def test_dense_decode_attention_on_a_pool_view(length):
+    from runtime.attention_dense import decode_attention
+    g = _gen(length)
+    H, KVH, D, bs = 9, 3, 64, 16
+    pool_k, pool_v = torch.randn(2, KVH, 40, bs, D, generator=g)                      # [KVH, blocks, bs, D]
+    n = -(-length // bs)
+    k = pool_k[:, 5:5 + n].reshape(KVH, n * bs, D)[:, :length]                       # KVPool.read's view
+    v = pool_v[:, 5:5 + n].reshape(KVH, n * bs, D)[:, :length]
+    q = torch.randn(H, D, generator=g)
+    expected = F.scaled_dot_product_attention(q[None, :, None], k[None], v[None], scale=D ** -0.5,
+                                              enable_gqa=True)[0, :, 0]
+    torch.testing.assert_close(decode_attention(q, k, v, D ** -0.5), expected, atol=2e-5, rtol=1e-5)

@@ -349,12 +349,13 @@ static void select_top(int64_t *a, int64_t n, int64_t k) {
 
 /* q [B, R, H, D] contiguous; kmin/kmax rows of D floats at k + b*ksb + n*KVH*D + h*D; valid
  * bytes at valid + b*vsb + r*vsr + n; group_max: 1 = "max", 0 = "sum". Writes scores
- * [B, R, KVH, NB] (-inf where not valid) and idx [B, R, KVH, k]. Returns 0, or -1 when scratch
- * memory ran out. */
+ * [B, R, KVH, NB] (-inf where not valid) and idx [B, R, KVH, k]. Returns 0, -1 when scratch
+ * memory ran out, -2 unless 1 <= k <= NB. */
 int lkv_block_topk(const float *q, const float *kmin, const float *kmax, int64_t ksb, const uint8_t *valid,
                    int64_t vsb, int64_t vsr, int64_t B, int64_t R, int64_t H, int64_t KVH, int64_t NB,
                    int64_t D, int64_t k, int group_max, float *scores, int64_t *idx, int nthreads) {
     const int64_t G = H / KVH, GW = group_max ? G : 1;     /* weight rows per (row, KV head) */
+    if (NB <= 0 || k <= 0 || k > NB) return -2;            /* the wrapper's checks exclude these */
     int failed = 0;
 #pragma omp parallel num_threads(nthreads > 1 ? nthreads : 1) if (nthreads > 1) reduction(| : failed)
     {
@@ -409,9 +410,9 @@ int lkv_block_topk(const float *q, const float *kmin, const float *kmax, int64_t
                         for (int64_t n = 0; n < NB; n++) {
                             if (!vr[n]) srow[n] = -INFINITY;   /* after scoring: an empty block may be NaN */
                             keys[n] = rank_key(srow[n], n, NB);
+                            picked[n] = 0;
                         }
                         select_top(keys, NB, k);
-                        memset(picked, 0, NB);
                         for (int64_t i = 0; i < k; i++) picked[NB - 1 - (keys[i] & 0xFFFFFFFF)] = 1;
                         int64_t nk = 0;                     /* ascending ids; a picked invalid block is padding */
                         for (int64_t n = 0; n < NB; n++) if (picked[n] && vr[n]) out[nk++] = n;

@@ -111,6 +111,8 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
         q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), kmin.stride(0), valid.data_ptr(), valid.stride(0),
         valid.stride(1), B, R, H, kvh, num_blocks, D, k, int(group_score == "max"), scores.data_ptr(),
         idx.data_ptr(), torch.get_num_threads())
+    if rc == -2:
+        raise ValueError(f"k: must be in [1, NB={num_blocks}], got {k}")
     if rc != 0:
         raise MemoryError("block_topk (CPU kernel): scratch allocation failed")
     return idx, scores
