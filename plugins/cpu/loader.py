@@ -28,23 +28,15 @@ ENV_SWITCH = "LOOKAHEAD_CPU_KERNELS"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
-_i64 = ctypes.c_int64
-SIGNATURES = {
-    "lkv_linear": (None, [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p, _i64, ctypes.c_void_p,
-                          ctypes.c_void_p, ctypes.c_int]),
-    "lkv_linear_packed": (None, [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p, _i64, ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_int]),
-    "lkv_block_topk": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _i64, ctypes.c_void_p,
-                                      _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_int,
-                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]),
-    "lkv_plan": (_i64, [ctypes.c_void_p] * 3 + [ctypes.c_void_p, _i64, _i64, _i64, _i64, _i64, ctypes.c_void_p,
-                                                ctypes.c_void_p, _i64, _i64, _i64] + [ctypes.c_void_p] * 4),
-    "lkv_copy_blocks": (ctypes.c_int, [ctypes.c_void_p] * 2 + [_i64] * 2 + [ctypes.c_void_p] * 2 + [_i64] * 3
-                        + [ctypes.c_void_p] * 5 + [_i64] * 6),
-    "lkv_attention": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _i64, _i64,
-                                     ctypes.c_void_p, ctypes.c_void_p, _i64, _i64, _i64,
-                                     ctypes.c_void_p, _i64, _i64, _i64, ctypes.c_void_p, ctypes.c_void_p, _i64, _i64, _i64, _i64, _i64, _i64,
-                                     _i64, ctypes.c_float, ctypes.c_int]),
+_i64, _p, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+SIGNATURES = {       # (restype, argtypes) of each kernel; see the C sources for the arguments
+    "lkv_linear": (None, [_p, _i64, _i64, _p, _i64, _p, _p, _int]),
+    "lkv_linear_packed": (None, [_p, _i64, _i64, _p, _i64, _p, _p, _int]),
+    "lkv_block_topk": (_int, [_p, _p, _p, _i64, _p] + [_i64] * 9 + [_int, _p, _p, _int]),
+    "lkv_attention": (_int, [_p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _p]
+                      + [_i64] * 7 + [ctypes.c_float, _int]),
+    "lkv_plan": (_i64, [_p] * 4 + [_i64] * 5 + [_p, _p] + [_i64] * 3 + [_p] * 4),
+    "lkv_copy_blocks": (_int, [_p] * 2 + [_i64] * 2 + [_p] * 2 + [_i64] * 3 + [_p] * 5 + [_i64] * 6),
 }
 
 

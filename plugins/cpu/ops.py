@@ -1,7 +1,8 @@
-"""torch-facing wrappers of the C kernels: check what the kernels assume, else say no.
+"""torch-facing wrappers of kernels.c: each checks what its kernel assumes.
 
-`linear` falls back to `F.linear` itself; `attention` returns None when it does not apply, and
-`plugins.attention` then runs its torch path. Both follow torch's intra-op thread count.
+`linear` falls back to `F.linear` itself; `attention` and `block_topk` are called by the ops
+(plugins/attention.py, plugins/topk.py) only where `*_supported` says yes, else the ops run
+their torch paths. All follow torch's intra-op thread count.
 """
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.
     out = torch.empty(B, R, H, D, dtype=torch.float32)
     rc = library().lkv_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), kv_mask.data_ptr(),
-        k_extra.data_ptr(), *k_extra.stride()[:3], v_extra.data_ptr(), *v_extra.stride()[:3], extra_mask.data_ptr(), out.data_ptr(), B, R, H, kvh, N, E, D, float(scale), torch.get_num_threads())
+        k_extra.data_ptr(), *k_extra.stride()[:3], v_extra.data_ptr(), *v_extra.stride()[:3],
+        extra_mask.data_ptr(), out.data_ptr(), B, R, H, kvh, N, E, D, float(scale), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("lookahead_attention (CPU kernel): scratch allocation failed")
     return out
