@@ -16,9 +16,9 @@ transformers (`--hf-impls`, scripts/bench_hf.py): `default` (DynamicCache, eager
 compile seconds go to the JSON as `compile_s`; a compile that fails or outlasts `--compile-timeout`
 makes the row "not available (...)" and is not retried at later points), `offloaded`
 (DynamicCache(offloading=True); CUDA only, so on a CPU machine the row says "not available").
-Ours (`--modes`): dense (default), lookahead-resident, lookahead-pingpong, sparse-ondemand (top-K
-sparse attention without look-ahead: the real query's blocks fetched on demand), or all (a mode the
-engine refuses is reported as 'not available').
+Ours (`--modes`): dense (default), lookahead-resident, lookahead-pingpong, lookahead-drop (resident,
+miss policy drop), sparse-ondemand (top-K sparse attention without look-ahead: the real query's
+blocks fetched on demand), or all (a mode the engine refuses is reported as 'not available').
 
 Columns beyond speed: stall ms/step (time our decode step waited for KV copies, transfer_wait_s /
 timed steps) and the memory-bandwidth floor: the bytes a step must read (bench_floor.step_read_bytes:
@@ -58,6 +58,9 @@ from runtime.sampling import SamplingParams  # noqa: E402
 MODES = {"dense": {"mode": "dense"},
          "lookahead-resident": {"mode": "lookahead", "residency": "resident"},
          "lookahead-pingpong": {"mode": "lookahead", "residency": "pingpong"},
+         # the same as lookahead-resident, but a draft's misses are attended without (no urgent
+         # fetch): the miss policy that kept 8K accuracy (docs/RESULTS.md)
+         "lookahead-drop": {"mode": "lookahead", "residency": "resident", "miss_policy": "drop"},
          # sparse attention without look-ahead: one row per sequence, its top-K fetched on demand
          "sparse-ondemand": {"mode": "lookahead", "residency": "resident", "miss_policy": "urgent",
                              "draft": "none"}}

@@ -183,12 +183,14 @@ class EngineDecoder:
 
 # ---- profiling ----------------------------------------------------------------------------------
 # Self time of aten ops, grouped by what they do in a decode step.
+# plugins/cpu's kernels appear as lookahead_cpu::* ranges (plugins.cpu.ops.traced).
 OP_GROUPS = {
-    "linear (mm)": ("aten::mm", "aten::addmm"),
+    "linear (mm)": ("aten::mm", "aten::addmm", "lookahead_cpu::linear"),
     "attention math": ("aten::bmm", "aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu",
-                       "aten::_scaled_dot_product_attention_math"),
+                       "aten::_scaled_dot_product_attention_math", "lookahead_cpu::attention",
+                       "lookahead_cpu::block_topk"),
     "copies (KV read / cat / write)": ("aten::copy_", "aten::cat", "aten::_index_put_impl_", "aten::index",
-                                       "aten::index_select", "aten::gather"),
+                                       "aten::index_select", "aten::gather", "lookahead_cpu::copy_blocks"),
 }
 
 

@@ -1,4 +1,6 @@
-"""CPU kernels (C, AVX2) for the decode step's memory-bound reads; see kernels.c and loader.py."""
+"""CPU kernels (C, AVX2 + FMA) for the decode step: linear.c, attention.c, topk.c (the ops' math,
+wrapped by ops.py) and residency.c (the lookahead runtime's slot planning and block copies,
+wrapped by bookkeeping.py); loader.py builds them on first use."""
 from .ops import attention, attention_supported, available, block_topk, block_topk_supported, linear
 
 __all__ = ["attention", "attention_supported", "available", "block_topk", "block_topk_supported", "linear"]

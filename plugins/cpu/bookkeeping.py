@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .loader import library
+from .ops import traced
 
 
 def plan(block: torch.Tensor, last_used: torch.Tensor, slot_of: torch.Tensor, lanes: torch.Tensor,
@@ -26,9 +27,10 @@ def plan(block: torch.Tensor, last_used: torch.Tensor, slot_of: torch.Tensor, la
         return None                     # plan_torch raises its own error
     cap_rows = max(0, min(cap, kw))
     out = torch.empty(4, B * kvh * cap_rows, dtype=torch.int64)
-    n = lib.lkv_plan(block.data_ptr(), last_used.data_ptr(), slot_of.data_ptr(), lanes.data_ptr(), block.shape[0], B, kvh,
-                     block.shape[-1], slot_of.shape[-1] - 1, want.data_ptr(), priority.data_ptr(), kw, cap_rows,
-                     step, *(out[i].data_ptr() for i in range(4)))
+    with traced("plan"):
+        n = lib.lkv_plan(block.data_ptr(), last_used.data_ptr(), slot_of.data_ptr(), lanes.data_ptr(), block.shape[0],
+                         B, kvh, block.shape[-1], slot_of.shape[-1] - 1, want.data_ptr(), priority.data_ptr(), kw,
+                         cap_rows, step, *(out[i].data_ptr() for i in range(4)))
     if n == -2:
         raise IndexError(f"SlotTable.plan: a lane outside [0, {block.shape[0]}) or a wanted block outside "
                          f"[-1, {slot_of.shape[-1] - 1})")
@@ -53,10 +55,11 @@ def copy_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, d
     dl, dh, ds = (t.to(torch.int64).contiguous() for t in dst_index)
     if any(t.dim() != 1 or t.numel() != sb.numel() for t in (sh, dl, dh, ds)):
         return False                    # indexing raises its own error for mismatched indices
-    rc = lib.lkv_copy_blocks(src_k.data_ptr(), src_v.data_ptr(), src_k.stride(0), src_k.stride(1), dst_k.data_ptr(),
-                             dst_v.data_ptr(), dst_k.stride(0), dst_k.stride(1), dst_k.stride(2), sb.data_ptr(),
-                             sh.data_ptr(), dl.data_ptr(), dh.data_ptr(), ds.data_ptr(), sb.numel(), unit,
-                             src_k.shape[0], src_k.shape[1], dst_k.shape[0], dst_k.shape[2])
+    with traced("copy_blocks"):
+        rc = lib.lkv_copy_blocks(src_k.data_ptr(), src_v.data_ptr(), src_k.stride(0), src_k.stride(1),
+                                 dst_k.data_ptr(), dst_v.data_ptr(), dst_k.stride(0), dst_k.stride(1), dst_k.stride(2),
+                                 sb.data_ptr(), sh.data_ptr(), dl.data_ptr(), dh.data_ptr(), ds.data_ptr(), sb.numel(),
+                                 unit, src_k.shape[0], src_k.shape[1], dst_k.shape[0], dst_k.shape[2])
     if rc != 0:
         raise IndexError(f"copy_blocks: an index outside src [{src_k.shape[0]}, {src_k.shape[1]}] or dst "
                          f"[{dst_k.shape[0]}, {dst_k.shape[1]}, {dst_k.shape[2]}]")

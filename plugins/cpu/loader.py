@@ -20,7 +20,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "residency.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("linear.c", "attention.c", "topk.c", "residency.c")]
+HEADERS = [Path(__file__).with_name("common.h")]
 BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cpu"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
 ENV_SWITCH = "LOOKAHEAD_CPU_KERNELS"
@@ -62,7 +63,7 @@ def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (install gcc, or set CC)")
-    tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join([cc, *FLAGS]).encode())
+    tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join([cc, *FLAGS]).encode())
     tag = tag.hexdigest()[:16]
     lib = BUILD_DIR / f"liblookahead_cpu-{tag}.so"
     if not lib.exists():

@@ -1,4 +1,4 @@
-"""torch-facing wrappers of kernels.c: each checks what its kernel assumes.
+"""torch-facing wrappers of linear.c, attention.c and topk.c: each checks what its kernel assumes.
 
 `linear` falls back to `F.linear` itself; `attention` and `block_topk` are called by the ops
 (plugins/attention.py, plugins/topk.py) only where `*_supported` says yes, else the ops run
@@ -6,18 +6,28 @@ their torch paths. All follow torch's intra-op thread count.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch._C._autograd import _profiler_enabled
 
 from .loader import library
 
 MAX_LINEAR_ROWS = 16       # above this BLAS's own GEMM is as good (scripts/bench_kernels.py)
-MAX_EXTRA_KEYS = 8         # kernels.c keeps an extra key's score on the stack
+MAX_EXTRA_KEYS = 8         # attention.c keeps an extra key's score on the stack
 MAX_GROUP_ROWS = 64        # R * H / KVH query rows per KV head, likewise
 
 
 def available() -> bool:
     return library() is not None
+
+
+def traced(name: str):
+    """A torch.profiler range named `lookahead_cpu::<name>` while a profiler runs (the ctypes calls
+    are invisible to it otherwise); a no-op context (~0.1 us) when none does."""
+    return torch.profiler.record_function(f"lookahead_cpu::{name}") if _profiler_enabled() \
+        else contextlib.nullcontext()
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -53,10 +63,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(M, N, dtype=torch.float32)
     b = bias.data_ptr() if bias is not None else None
     packed = packed_weight(weight)
-    if packed is not None:
-        lib.lkv_linear_packed(x.data_ptr(), M, K, packed.data_ptr(), N, b, y.data_ptr(), torch.get_num_threads())
-    else:
-        lib.lkv_linear(x.data_ptr(), M, K, weight.data_ptr(), N, b, y.data_ptr(), torch.get_num_threads())
+    with traced("linear"):
+        if packed is not None:
+            lib.lkv_linear_packed(x.data_ptr(), M, K, packed.data_ptr(), N, b, y.data_ptr(), torch.get_num_threads())
+        else:
+            lib.lkv_linear(x.data_ptr(), M, K, weight.data_ptr(), N, b, y.data_ptr(), torch.get_num_threads())
     return y
 
 
@@ -81,10 +92,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.
     q = q.contiguous()
     kv_mask, extra_mask = kv_mask.contiguous(), extra_mask.contiguous()
     out = torch.empty(B, R, H, D, dtype=torch.float32)
-    rc = library().lkv_attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), kv_mask.data_ptr(),
-        k_extra.data_ptr(), *k_extra.stride()[:3], v_extra.data_ptr(), *v_extra.stride()[:3],
-        extra_mask.data_ptr(), out.data_ptr(), B, R, H, kvh, N, E, D, float(scale), torch.get_num_threads())
+    with traced("attention"):
+        rc = library().lkv_attention(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), kv_mask.data_ptr(),
+            k_extra.data_ptr(), *k_extra.stride()[:3], v_extra.data_ptr(), *v_extra.stride()[:3],
+            extra_mask.data_ptr(), out.data_ptr(), B, R, H, kvh, N, E, D, float(scale), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("lookahead_attention (CPU kernel): scratch allocation failed")
     return out
@@ -109,10 +121,11 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
     q = q.contiguous()
     scores = torch.empty(B, R, kvh, num_blocks, dtype=torch.float32)
     idx = torch.empty(B, R, kvh, k, dtype=torch.int64)
-    rc = library().lkv_block_topk(
-        q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), kmin.stride(0), valid.data_ptr(), valid.stride(0),
-        valid.stride(1), B, R, H, kvh, num_blocks, D, k, int(group_score == "max"), scores.data_ptr(),
-        idx.data_ptr(), torch.get_num_threads())
+    with traced("block_topk"):
+        rc = library().lkv_block_topk(
+            q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), kmin.stride(0), valid.data_ptr(), valid.stride(0),
+            valid.stride(1), B, R, H, kvh, num_blocks, D, k, int(group_score == "max"), scores.data_ptr(),
+            idx.data_ptr(), torch.get_num_threads())
     if rc == -2:
         raise ValueError(f"k: must be in [1, NB={num_blocks}], got {k}")
     if rc != 0:
