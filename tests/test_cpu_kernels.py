@@ -157,7 +157,9 @@ def test_linear_packed_weights_follow_in_place_changes():
     with torch.no_grad():
         w.mul_(2.0)                                                   # in place: the pack must follow
     torch.testing.assert_close(cpu.linear(x, w), 2 * first, atol=1e-4, rtol=1e-5)
-    assert cpu.ops.packed_weight(torch.randn(24, 24)) is None          # N % 16 != 0: the row-major kernel
+    assert cpu.ops.packed_weight(torch.randn(24, 24)) is None          # N % 16 != 0: F.linear runs
+    wt = torch.randn(24, 32, generator=g).t()                         # a transposed (strided) weight packs too
+    torch.testing.assert_close(cpu.linear(x, wt), F.linear(x, wt), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("length", [1, 37, 300])

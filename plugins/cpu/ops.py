@@ -34,40 +34,35 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [N, K] packed as [N/8, K, 8] for lkv_linear_packed (N % 16 == 0), cached on the
     tensor and rebuilt when it changes in place (its version counter) or is replaced; None if
     the shape does not fit. The cache holds a second copy of every weight used for decoding."""
-    if weight.shape[0] % 16 or weight.dim() != 2:
+    if weight.dim() != 2 or weight.shape[0] % 16:
         return None
     cached = getattr(weight, "_lkv_packed", None)
     key = (weight._version, weight.data_ptr())
     if cached is None or cached[0] != key:
         with torch.no_grad():
-            packed = weight.detach().view(weight.shape[0] // 8, 8, weight.shape[1]).transpose(1, 2).contiguous()
+            packed = weight.detach().reshape(weight.shape[0] // 8, 8, weight.shape[1]).transpose(1, 2).contiguous()
         cached = (key, packed)
         weight._lkv_packed = cached
     return cached[1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` for 2-D fp32 CPU inputs of at most MAX_LINEAR_ROWS rows through the C kernels
-    (packed weights where N % 16 == 0, see `packed_weight`)."""
+    """`F.linear`; for 2-D fp32 CPU inputs of at most MAX_LINEAR_ROWS rows whose weight packs
+    (N % 16 == 0, see `packed_weight`), through the C kernel."""
     lib = library()
     if (lib is None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_LINEAR_ROWS or x.dtype != torch.float32
             or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.device.type != "cpu"
-            or not weight.is_contiguous() or (bias is not None and (bias.dtype != torch.float32
-                                                                      or not bias.is_contiguous()))
+            or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.shape[0] % 16
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.shape[0],)))
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return F.linear(x, weight, bias)
-    x = x.contiguous()
+        return F.linear(x, weight, bias)            # including torch's own shape errors
+    x, packed = x.contiguous(), packed_weight(weight)
     (M, K), N = x.shape, weight.shape[0]
-    if weight.shape[1] != K or (bias is not None and bias.shape != (N,)):
-        return F.linear(x, weight, bias)            # torch raises its own shape error
     y = torch.empty(M, N, dtype=torch.float32)
-    b = bias.data_ptr() if bias is not None else None
-    packed = packed_weight(weight)
     with traced("linear"):
-        if packed is not None:
-            lib.lkv_linear_packed(x.data_ptr(), M, K, packed.data_ptr(), N, b, y.data_ptr(), torch.get_num_threads())
-        else:
-            lib.lkv_linear(x.data_ptr(), M, K, weight.data_ptr(), N, b, y.data_ptr(), torch.get_num_threads())
+        lib.lkv_linear_packed(x.data_ptr(), M, K, packed.data_ptr(), N,
+                              bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(),
+                              torch.get_num_threads())
     return y
 
 
