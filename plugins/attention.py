@@ -54,9 +54,10 @@ _FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 def _lookahead_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor,
                               k_extra: torch.Tensor, v_extra: torch.Tensor, extra_mask: torch.Tensor,
                               scale: float) -> torch.Tensor:
-    """CPU, where plugins.cpu does not run it: torch's fused (flash) attention over the gathered KV, which also returns each row's
-    log-sum-exp, then the few extra keys merged in by that log-sum-exp. K/V are read once, by one
-    fused kernel, with the GQA group's heads and both rows folded into the query dim."""
+    """CPU, where plugins.cpu does not run it: torch's fused (flash) attention over the gathered
+    KV, which also returns each row's log-sum-exp, then the few extra keys merged in by that
+    log-sum-exp. K/V are read once, by one fused kernel, with the GQA group's heads and both rows
+    folded into the query dim."""
     if q.device.type == "cpu" and USE_CPU_KERNEL and cpu.attention_supported(q, k, v, k_extra, v_extra):
         return cpu.attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale)
     if _FUSED is None or q.device.type != "cpu" or k.shape[2] == 0:

@@ -7,10 +7,10 @@ from . import cpu
 from ._common import FLOAT_DTYPES, check_same, check_shape, check_tensor, define_op, fail
 
 
-GROUP_SCORES = ("sum", "max")
+GROUP_SCORES = ("sum", "max")      # how a GQA group's query heads combine into a KV head's score
 # fp32 on CPU: plugins/cpu's C kernel (scores and selection in one call); tests switch it off to
 # check the torch path below on the same inputs
-USE_CPU_KERNEL = True      # how a GQA group's query heads combine into a KV head's score
+USE_CPU_KERNEL = True
 
 
 def _group_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, group_score: str) -> torch.Tensor:

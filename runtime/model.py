@@ -58,7 +58,7 @@ class DecoderLayer(nn.Module):
                 attn: AttentionBackend) -> torch.Tensor:
         c = self.cfg
         T = x.shape[0]
-        qkv = _linear(self.wqkv, self.attn_norm(x))                                  # [T, q + 2kv]
+        qkv = _linear(self.wqkv, self.attn_norm(x))                         # [T, q + 2kv]
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = rope.apply(q.view(T, c.num_heads, c.head_dim), positions)        # [T, H, D]
         k = rope.apply(k.view(T, c.num_kv_heads, c.head_dim), positions)     # [T, KVH, D]
