@@ -58,7 +58,8 @@ def _lookahead_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     KV, which also returns each row's log-sum-exp, then the few extra keys merged in by that
     log-sum-exp. K/V are read once, by one fused kernel, with the GQA group's heads and both rows
     folded into the query dim."""
-    if q.device.type == "cpu" and USE_CPU_KERNEL and cpu.attention_supported(q, k, v, k_extra, v_extra):
+    if (q.device.type == "cpu" and USE_CPU_KERNEL
+            and cpu.attention_supported(q, k, v, k_extra, v_extra, kv_mask, extra_mask)):
         return cpu.attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale)
     if _FUSED is None or q.device.type != "cpu" or k.shape[2] == 0:
         return _attention_math(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale)

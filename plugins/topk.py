@@ -62,7 +62,7 @@ def _block_topk_impl(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, va
     B, num_blocks, num_kv_heads, _ = kmin.shape
     rows = q.dim() == 4                          # [B, R, H, D]: R query rows per sequence
     q4, v3 = (q, valid) if rows else (q.unsqueeze(1), valid.unsqueeze(1))
-    if q.device.type == "cpu" and USE_CPU_KERNEL and cpu.block_topk_supported(q4, kmin, kmax, v3):
+    if q.device.type == "cpu" and USE_CPU_KERNEL and cpu.block_topk_supported(q4, kmin, kmax, v3, k):
         top, scores = cpu.block_topk(q4, kmin, kmax, v3, k, group_score)
         return (top, scores) if rows else (top[:, 0], scores[:, 0])
     R = q4.shape[1]

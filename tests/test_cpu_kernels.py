@@ -183,3 +183,25 @@ def test_kernels_show_up_in_the_torch_profiler():
     with profile() as prof:
         cpu.linear(torch.randn(2, 24), torch.randn(32, 24))
     assert "lookahead_cpu::linear" in {e.key for e in prof.key_averages()}
+
+
+def test_unvalidated_op_entry_never_hands_the_kernels_inconsistent_shapes():
+    # torch.ops.lookahead.* skips the wrappers' checks (CONTRACTS.md); inputs a kernel would read
+    # out of bounds must take the torch path, which raises, instead
+    g = _gen(6)
+    q = torch.randn(2, 2, 6, 64, generator=g)
+    kmin = torch.randn(2, 10, 3, 64, generator=g)
+    valid = torch.ones(2, 2, 10, dtype=torch.bool)
+    assert cpu.block_topk_supported(q, kmin, kmin + 1, valid, 4)
+    for bad_kmax, bad_valid, k in ((kmin[:, :5] + 1, valid, 4), (kmin + 1, valid[:, :, :5], 4), (kmin + 1, valid, 11)):
+        assert not cpu.block_topk_supported(q, kmin, bad_kmax, bad_valid, k)
+        with pytest.raises((RuntimeError, IndexError, ValueError)):
+            torch.ops.lookahead.block_topk(q, kmin, bad_kmax, bad_valid, k, "max")
+    k = v = torch.randn(2, 3, 20, 64, generator=g)
+    kx = vx = torch.randn(2, 3, 2, 64, generator=g)
+    mask, xm = torch.ones(2, 3, 20, dtype=torch.bool), torch.ones(2, 2, 2, dtype=torch.bool)
+    assert cpu.attention_supported(q, k, v, kx, vx, mask, xm)
+    for args in ((k, v[:, :, :10], mask, xm), (k, v, mask[:, :, :10], xm), (k, v, mask, xm[:, :1])):
+        assert not cpu.attention_supported(q, args[0], args[1], kx, vx, args[2], args[3])
+        with pytest.raises((RuntimeError, IndexError, ValueError)):
+            torch.ops.lookahead.lookahead_attention(q, args[0], args[1], args[2], kx, vx, args[3], 0.125)

@@ -47,6 +47,7 @@ def copy_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, d
     unit = src_k.shape[2] * src_k.shape[3]
     if (lib is None or src_k.dtype != torch.float32 or src_k.device.type != "cpu"
             or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (src_v, dst_k, dst_v))
+            or src_k.shape != src_v.shape or dst_k.shape != dst_v.shape
             or src_k.stride() != src_v.stride() or dst_k.stride() != dst_v.stride()
             or src_k.stride()[2:] != (src_k.shape[3], 1) or dst_k.stride()[3:] != (dst_k.shape[4], 1)
             or dst_k.shape[3:] != src_k.shape[2:]):

@@ -67,12 +67,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_extra: torch.Tensor,
-                        v_extra: torch.Tensor) -> bool:
-    """Whether `attention` runs these (checked) arguments: fp32 on CPU, D a multiple of 32, K/V rows
-    contiguous with one stride pattern for K and V, extra rows contiguous, few extra keys and rows."""
+                        v_extra: torch.Tensor, kv_mask: torch.Tensor | None = None,
+                        extra_mask: torch.Tensor | None = None) -> bool:
+    """Whether `attention` runs these arguments: fp32 on CPU, D a multiple of 32, K/V rows
+    contiguous with one stride pattern for K and V, extra rows contiguous, few extra keys and rows,
+    and every shape consistent (the raw `torch.ops.lookahead` entry does not validate: anything
+    else goes to the torch path, which raises its own errors, never to a kernel reading out of
+    bounds). The masks, when given, must be bool of shape [B, KVH, N] and [B, R, E]."""
+    if q.dim() != 4 or k.dim() != 4 or k_extra.dim() != 4:
+        return False
     B, R, H, D = q.shape
     kvh, N, E = k.shape[1], k.shape[2], k_extra.shape[2]
-    return (library() is not None and q.dtype == torch.float32 and q.device.type == "cpu"
+    return (library() is not None and q.device.type == "cpu" and kvh > 0 and H % kvh == 0
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v, k_extra, v_extra))
+            and k.shape == v.shape == (B, kvh, N, D) and k_extra.shape == v_extra.shape == (B, kvh, E, D)
+            and (kv_mask is None or (kv_mask.dtype == torch.bool and kv_mask.shape == (B, kvh, N)))
+            and (extra_mask is None or (extra_mask.dtype == torch.bool and extra_mask.shape == (B, R, E)))
             and D % 32 == 0 and E <= MAX_EXTRA_KEYS and R * (H // kvh) <= MAX_GROUP_ROWS and N < 2 ** 31
             and k.stride() == v.stride() and k.stride(3) == 1 and (k.stride(2) == D or N <= 1)
             and k_extra.stride(3) == 1 and v_extra.stride(3) == 1)
@@ -97,19 +107,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.
     return out
 
 
-def block_topk_supported(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor) -> bool:
-    """Whether `block_topk` runs these (checked) arguments: fp32 on CPU, D a multiple of 8, each
-    sequence's summaries one contiguous [NB, KVH, D] run (alike for kmin and kmax), valid rows
-    contiguous."""
-    _, num_blocks, kvh, D = kmin.shape
-    return (library() is not None and q.dtype == torch.float32 and q.device.type == "cpu"
+def block_topk_supported(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
+                         k: int | None = None) -> bool:
+    """Whether `block_topk` runs these arguments: fp32 on CPU, D a multiple of 8, each sequence's
+    summaries one contiguous [NB, KVH, D] run (alike for kmin and kmax), valid rows contiguous,
+    every shape consistent and 1 <= k <= NB (else the torch path runs and raises its own errors)."""
+    if q.dim() != 4 or kmin.dim() != 4 or valid.dim() != 3:
+        return False
+    B, R, H, D = q.shape
+    _, num_blocks, kvh, _ = kmin.shape
+    return (library() is not None and q.device.type == "cpu" and kvh > 0 and H % kvh == 0
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, kmin, kmax))
+            and kmin.shape == kmax.shape == (B, num_blocks, kvh, D)
+            and valid.dtype == torch.bool and valid.shape == (B, R, num_blocks)
+            and (k is None or 1 <= k <= num_blocks)
             and D % 8 == 0 and num_blocks < 2 ** 31 and kmin.stride()[1:] == (kvh * D, D, 1)
             and kmax.stride() == kmin.stride() and valid.stride(-1) == 1)
 
 
 def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor, k: int,
                group_score: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_topk in one C call; q [B, R, H, D], valid [B, R, NB] (the caller's checked 4-D form,
+    """block_topk in one C call; q [B, R, H, D], valid [B, R, NB] (the caller has checked
     `block_topk_supported`)."""
     B, R, H, D = q.shape
     _, num_blocks, kvh, _ = kmin.shape
