@@ -24,7 +24,7 @@ def _gen(seed):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 16])
-@pytest.mark.parametrize("n_out,n_in", [(960, 576), (577, 100), (1, 8), (6, 3), (32, 1536)])
+@pytest.mark.parametrize("n_out,n_in", [(960, 576), (577, 100), (1, 8), (6, 3), (32, 1536), (40, 70), (8, 33)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_linear_matches_torch(rows, n_out, n_in, threads):
     g = _gen(rows * 1000 + n_out)
@@ -153,11 +153,11 @@ def test_linear_packed_weights_follow_in_place_changes():
     g = _gen(5)
     w, x = torch.randn(32, 24, generator=g), torch.randn(3, 24, generator=g)
     first = cpu.linear(x, w)
-    assert cpu.ops.packed_weight(w) is not None                       # N % 16 == 0: the packed path
+    assert cpu.ops.packed_weight(w) is not None                       # N % 8 == 0: the packed path
     with torch.no_grad():
         w.mul_(2.0)                                                   # in place: the pack must follow
     torch.testing.assert_close(cpu.linear(x, w), 2 * first, atol=1e-4, rtol=1e-5)
-    assert cpu.ops.packed_weight(torch.randn(24, 24)) is None          # N % 16 != 0: F.linear runs
+    assert cpu.ops.packed_weight(torch.randn(20, 24)) is None          # N % 8 != 0: F.linear runs
     wt = torch.randn(24, 32, generator=g).t()                         # a transposed (strided) weight packs too
     torch.testing.assert_close(cpu.linear(x, wt), F.linear(x, wt), atol=1e-4, rtol=1e-5)
 

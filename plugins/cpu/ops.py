@@ -31,10 +31,10 @@ def traced(name: str):
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [N, K] packed as [N/8, K, 8] for lkv_linear_packed (N % 16 == 0), cached on the
+    """`weight` [N, K] packed as [N/8, K, 8] for lkv_linear_packed (N % 8 == 0), cached on the
     tensor and rebuilt when it changes in place (its version counter) or is replaced; None if
     the shape does not fit. The cache holds a second copy of every weight used for decoding."""
-    if weight.dim() != 2 or weight.shape[0] % 16:
+    if weight.dim() != 2 or weight.shape[0] % 8:
         return None
     cached = getattr(weight, "_lkv_packed", None)
     key = (weight._version, weight.data_ptr())
@@ -48,11 +48,11 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`; for 2-D fp32 CPU inputs of at most MAX_LINEAR_ROWS rows whose weight packs
-    (N % 16 == 0, see `packed_weight`), through the C kernel."""
+    (N % 8 == 0, see `packed_weight`), through the C kernel."""
     lib = library()
     if (lib is None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_LINEAR_ROWS or x.dtype != torch.float32
             or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.device.type != "cpu"
-            or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.shape[0] % 16
+            or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.shape[0] % 8
             or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.shape[0],)))
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)            # including torch's own shape errors
