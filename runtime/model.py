@@ -37,6 +37,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)     # one op, not seven
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(x.dtype) * self.weight
@@ -55,14 +57,15 @@ class DecoderLayer(nn.Module):
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                attn: AttentionBackend) -> torch.Tensor:
+                attn: AttentionBackend, rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         c = self.cfg
         T = x.shape[0]
         qkv = _linear(self.wqkv, self.attn_norm(x))                         # [T, q + 2kv]
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = rope.apply(q.view(T, c.num_heads, c.head_dim), positions)        # [T, H, D]
-        k = rope.apply(k.view(T, c.num_kv_heads, c.head_dim), positions)     # [T, KVH, D]
-        v = v.reshape(T, c.num_kv_heads, c.head_dim)
+        # q and k are adjacent in qkv: one rotation covers both heads' sets (half the small ops)
+        qk = rope.apply(qkv[:, : c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim),
+                        positions, rope_tables)
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]                    # [T, H, D], [T, KVH, D]
+        v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim)
         o = attn.forward(self.layer_idx, q, k, v)                           # [T, H, D]
         x = x + _linear(self.wo, o.reshape(T, c.q_size))
         gate, up = _linear(self.w13, self.mlp_norm(x)).chunk(2, dim=-1)
@@ -90,8 +93,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(tokens)
+        tables = self.rope.tables(positions)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, attn)
+            x = layer(x, positions, self.rope, attn, tables)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -43,10 +43,15 @@ class RotaryEmbedding:
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         self.max_positions = max_positions
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, n_heads, D], positions: [T] int64 -> rotated x, same shape."""
-        cos = self.cos[positions].unsqueeze(1)                        # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, 1, D] of `positions` [T]: looked up once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor,
+              tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: [T, n_heads, D], positions: [T] int64 -> rotated x, same shape. `tables`: this
+        step's `tables(positions)`, when the caller has them."""
+        cos, sin = tables if tables is not None else self.tables(positions)
         half = x.shape[-1] // 2
         rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rot * sin

@@ -44,7 +44,7 @@ class CopyJob:
 
     @property
     def nbytes(self) -> int:
-        unit = self.src_k[0, 0].numel() * self.src_k.element_size()      # one (block, head) of K
+        unit = self.src_k.shape[2] * self.src_k.shape[3] * self.src_k.element_size()   # one (block, head) of K
         return 2 * unit * self.num_units
 
     def execute(self) -> None:

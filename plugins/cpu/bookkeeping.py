@@ -30,13 +30,13 @@ def plan(block: torch.Tensor, last_used: torch.Tensor, slot_of: torch.Tensor, la
     with traced("plan"):
         n = lib.lkv_plan(block.data_ptr(), last_used.data_ptr(), slot_of.data_ptr(), lanes.data_ptr(), block.shape[0],
                          B, kvh, block.shape[-1], slot_of.shape[-1] - 1, want.data_ptr(), priority.data_ptr(), kw,
-                         cap_rows, step, *(out[i].data_ptr() for i in range(4)))
+                         cap_rows, step, *(out.data_ptr() + i * out.stride(0) * 8 for i in range(4)))
     if n == -2:
         raise IndexError(f"SlotTable.plan: a lane outside [0, {block.shape[0]}) or a wanted block outside "
                          f"[-1, {slot_of.shape[-1] - 1})")
     if n < 0:
         raise MemoryError("SlotTable.plan (CPU kernel): scratch allocation failed")
-    return tuple(out[i, :n] for i in range(4))
+    return out[:, :n].unbind(0)
 
 
 def copy_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,

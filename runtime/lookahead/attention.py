@@ -54,6 +54,14 @@ class LookaheadAttention:
         self.kmin = torch.zeros(sshape, dtype=dtype)           # summaries, by (lane, logical block)
         self.kmax = torch.zeros(sshape, dtype=dtype)
         self.slots = SlotTable(self.num_buffers, num_lanes, self.kvh, cfg.top_k, max_blocks)
+        # views made once: a layer's host pool by block, a buffer's K/V as [lanes, KVH, tokens, D]
+        self._pool_views = [pool.by_block(layer) for layer in range(self.num_layers)]
+        tokens = (num_lanes, self.kvh, lay.num_slots * lay.block_size, self.hd)
+        self._dev_views = [(self.dev_k[b], self.dev_v[b]) for b in range(self.num_buffers)]
+        self._dev_tokens = [(self.dev_k[b].view(tokens), self.dev_v[b].view(tokens)) for b in range(self.num_buffers)]
+        # attention's key mask by slot and token: sink/window rows set once per step (begin_step),
+        # the selected rows per layer from the slot table
+        self._mask = torch.zeros(num_lanes, self.kvh, lay.num_slots, lay.block_size, dtype=torch.bool)
         self.pred = torch.full((mcfg.num_layers, num_lanes, self.kvh, cfg.top_k), -1, dtype=torch.long)
         self.has_pred = torch.zeros(mcfg.num_layers, num_lanes, dtype=torch.bool)
         self.seeded = torch.zeros(mcfg.num_layers, num_lanes, dtype=torch.bool)  # pred is the seed's
@@ -95,6 +103,10 @@ class LookaheadAttention:
         self.step_idx += 1
         self._step_metrics = []             # a step that failed midway leaves no half tally
         self._pending = []
+        if plan.decode is not None:
+            d, lay = plan.decode, self.layout
+            self._mask[: d.num_lanes, :, : lay.selected_start] = d.base_mask.view(d.num_lanes, 1, lay.selected_start,
+                                                                                  lay.block_size)
         if self.pingpong and plan.decode is not None:
             for layer in range(min(2, self.num_layers)):
                 self._refill(layer, plan.decode)
@@ -105,6 +117,7 @@ class LookaheadAttention:
         if pending:
             ks, vs = zip(*pending)
             self._store(slice(0, len(pending)), torch.stack(ks), torch.stack(vs))
+        self.metrics.flush()
         rec, self._step_metrics = self._step_metrics, []
         if rec:
             layers, pred, has, true, res = zip(*rec)
@@ -177,7 +190,7 @@ class LookaheadAttention:
 
     def _copy_job(self, layer: int, buf: int, adm: Admission) -> CopyJob:
         host = self.lane_blocks[adm.lanes, adm.blocks]
-        return CopyJob(*self.pool.by_block(layer), self.dev_k[buf], self.dev_v[buf],
+        return CopyJob(*self._pool_views[layer], *self._dev_views[buf],
                        (host, adm.heads), (adm.lanes, adm.heads, adm.slots + self.layout.selected_start),
                        tag=(self.step_idx, layer))
 
@@ -229,7 +242,7 @@ class LookaheadAttention:
                 for h in range(self.kvh):
                     lanes.append(lane), heads.append(h), slots.append(lay.device_slot(b))
                     host.append(int(self.lane_blocks[lane, b]))
-        fixed_job = CopyJob(*self.pool.by_block(layer), self.dev_k[buf], self.dev_v[buf],
+        fixed_job = CopyJob(*self._pool_views[layer], *self._dev_views[buf],
                             (torch.tensor(host, dtype=torch.long), torch.tensor(heads, dtype=torch.long)),
                             (torch.tensor(lanes, dtype=torch.long), torch.tensor(heads, dtype=torch.long),
                              torch.tensor(slots, dtype=torch.long)), tag=(self.step_idx, layer, "fixed"))
@@ -248,7 +261,7 @@ class LookaheadAttention:
             self.transfer.wait(ticket)
         L, R = d.lane_ix, d.rows            # the decoding lanes (a slice in a packed step); rows
         if d.packed:                        # rows already are [lane, (real, draft)]: views only
-            qd = q.view(n, R, q.shape[1], q.shape[2])
+            qd = q.view(n, R, q.shape[1], q.shape[2]).contiguous()     # (scoring and attention read it)
         else:
             qd = torch.zeros(n, R, q.shape[1], q.shape[2], dtype=q.dtype)
             qd[d.lanes, 0] = q[d.real_rows]
@@ -275,17 +288,16 @@ class LookaheadAttention:
         if self.debug_checks:
             check_integrity(self, layer, d)
         # attention over the device tier: [n, KVH, NS * bs, D] is a view, no gather. Selected
-        # slots past the last one any (lane, head) holds are empty: left out, not masked (at a
-        # short context most of the K slots are, and the kernel reads every slot it is given)
-        sel = (self.slots.block[buf, :n] >= 0) & d.lane_active[:, None, None]      # [n, KVH, K]
-        held = sel.any(1).any(0).nonzero()
-        used = int(held[-1]) + 1 if len(held) else 0
-        sel = sel[..., :used]
-        kv_shape = (self.dev_k.shape[1], self.kvh, lay.num_slots * lay.block_size, self.hd)
-        n_keys = (lay.selected_start + used) * lay.block_size
-        kb, vb = (t[buf].view(kv_shape)[:n, :, :n_keys] for t in (self.dev_k, self.dev_v))
-        mask = torch.cat([d.base_mask[:, None, :].expand(n, self.kvh, -1),
-                          sel.repeat_interleave(lay.block_size, dim=-1)], dim=-1)
+        # slots past `high` are empty in every lane: left out, not masked (at a short context
+        # most of the K slots are, and the torch path reads every slot it is given)
+        used, S = self.slots.high[buf], lay.selected_start
+        sel = self.slots.block[buf, :n, :, :used] >= 0                             # [n, KVH, used]
+        if not d.packed:                    # a packed step's lanes all decode
+            sel &= d.lane_active[:, None, None]
+        self._mask[:n, :, S: S + used] = sel[..., None]
+        n_keys = (S + used) * lay.block_size
+        mask = self._mask[:n].view(n, self.kvh, -1)[:, :, :n_keys]
+        kb, vb = (t[:n, :, :n_keys] for t in self._dev_tokens[buf])
         # this step's own rows are extra keys (the device tier does not hold them yet, see
         # forward): the real row sees itself; the draft row sees the real row and itself
         if d.packed:

@@ -26,13 +26,23 @@ class LookaheadMetrics:
         self.blocks = torch.zeros(2, dtype=torch.float64)
         # per lane: true blocks, hits, agreement sum, agreement count, urgent, prefetched
         self.lane = torch.zeros(self.num_lanes, 6, dtype=torch.float64)
+        self._counts: list[tuple[int, torch.Tensor]] = []     # count_blocks calls not yet added
 
     def count_blocks(self, column: int, lanes: torch.Tensor) -> None:
-        """Add one per entry of `lanes` to a per-lane column (4: urgent, 5: prefetched)."""
-        self.lane[:, column] += torch.bincount(lanes, minlength=self.num_lanes).double()
+        """Add one per entry of `lanes` to a per-lane column (4: urgent, 5: prefetched). Added at
+        `flush` (the end of a step, or before a lane is read): one bincount per step, not per layer."""
+        self._counts.append((column, lanes))
+
+    def flush(self) -> None:
+        counts, self._counts = self._counts, []
+        for column in (4, 5):
+            lanes = [ln for c, ln in counts if c == column]
+            if lanes:
+                self.lane[:, column] += torch.bincount(torch.cat(lanes), minlength=self.num_lanes).double()
 
     def take_lane(self, lane: int) -> dict:
         """A finished request's metrics; resets the lane for its next sequence."""
+        self.flush()
         true, hit, a_sum, a_cnt, urgent, pre = self.lane[lane].tolist()
         self.lane[lane] = 0
         return {"prefetch_hit_rate": hit / true if true else None,

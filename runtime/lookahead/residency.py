@@ -36,6 +36,9 @@ class SlotTable:
         # block" (-1 entries of a request) and stays -1
         self.slot_of = torch.full((num_buffers, num_lanes, num_kv_heads, max_blocks + 1), -1, dtype=torch.long)
         self.use_kernel = True          # tests compare the C plan with plan_torch
+        # per buffer: every selected slot at or past high[buf] is empty in every lane (a bound that
+        # only grows: attention leaves those slots out without looking at the table)
+        self.high = [0] * num_buffers
 
     def reset_lane(self, lane: int) -> None:
         self.block[:, lane] = -1
@@ -52,6 +55,7 @@ class SlotTable:
     def assign(self, buf: int, lanes: torch.Tensor, blocks: torch.Tensor, step: int) -> None:
         """Ping-pong refill: slot j of each (lane, head) now holds blocks[..., j]."""
         self.block[buf, lanes] = blocks
+        self.high[buf] = max(self.high[buf], blocks.shape[-1])
         self.last_used[buf, lanes] = torch.where(blocks >= 0, step, -1)
         inv = torch.full_like(self.slot_of[buf, lanes], -1)
         slots = torch.arange(blocks.shape[-1]).expand_as(blocks)
@@ -69,14 +73,18 @@ class SlotTable:
         On CPU this runs as one C call (plugins/cpu/residency.c); `plan_torch` is the same rule
         in torch ops, its reference in the tests.
         """
+        adm = None
         if self.use_kernel:
             lane_ids = (torch.arange(lanes.start, lanes.start + want.shape[0]) if isinstance(lanes, slice)
                         else lanes)
             out = bookkeeping.plan(self.block[buf], self.last_used[buf], self.slot_of[buf], lane_ids, want,
                                    priority, cap, step)
-            if out is not None:
-                return Admission(*out)
-        return self.plan_torch(buf, lanes, want, priority, cap, step)
+            adm = Admission(*out) if out is not None else None
+        if adm is None:
+            adm = self.plan_torch(buf, lanes, want, priority, cap, step)
+        if len(adm):
+            self.high[buf] = max(self.high[buf], int(adm.slots.max()) + 1)
+        return adm
 
     def plan_torch(self, buf: int, lanes: torch.Tensor, want: torch.Tensor, priority: torch.Tensor,
                    cap: int, step: int) -> Admission:
