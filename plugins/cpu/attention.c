@@ -21,23 +21,52 @@ static inline __m256 exp_neg(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-/* q . k for eight key rows at once: eight independent FMA chains, then one transposing reduction. */
-static inline __m256 dot8(const float *q, const float *const *kr, int64_t D) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+/* Scores of NR (<= 3, a constant once inlined) query rows against four key rows: twelve
+ * independent FMA chains over D with the query chunks in registers and each key chunk loaded
+ * once (16 ymm registers in all), then a hadd reduction per row giving its four scores. */
+static inline __attribute__((always_inline)) void qk_block(const float *q, int NR, const float *const *kr,
+                                                           int64_t D, float *s, int64_t ss) {
+    __m256 a[3][4];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[0] + d), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[1] + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[2] + d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[3] + d), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[4] + d), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[5] + d), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[6] + d), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[7] + d), a7);
+        __m256 qv[3];
+        for (int r = 0; r < NR; r++) qv[r] = _mm256_loadu_ps(q + r * D + d);
+        for (int j = 0; j < 4; j++) {
+            const __m256 kv = _mm256_loadu_ps(kr[j] + d);
+            for (int r = 0; r < NR; r++) a[r][j] = _mm256_fmadd_ps(qv[r], kv, a[r][j]);
+        }
     }
-    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    for (int r = 0; r < NR; r++) {
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
+        _mm_storeu_ps(s + r * ss, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+}
+
+/* acc rows o[r] (r < NR <= 3) += sum_i p[r * ps + i] * v_i over tn value rows, 32 columns from d:
+ * twelve accumulators in registers across the tile, three broadcasts and four loads per key. The
+ * same columns of the next tile's rows vb + nvis[i] * D (i < tnn) are prefetched along the way. */
+static inline __attribute__((always_inline)) void pv_block(const float *p, int64_t ps, int NR, const float *const *vr,
+                                                           int tn, int64_t d, float *o, int64_t D,
+                                                           const float *vb, const int32_t *nvis, int tnn) {
+    __m256 x[3][4];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < 4; c++) x[r][c] = _mm256_loadu_ps(o + r * D + d + 8 * c);
+    for (int i = 0; i < tn; i++) {
+        __m256 w[3];
+        for (int r = 0; r < NR; r++) w[r] = _mm256_broadcast_ss(p + r * ps + i);
+        const float *v = vr[i] + d;
+        if (i < tnn) {                           /* one row a key, spread out: a burst would stall */
+            const char *pf = (const char *)(vb + (int64_t)nvis[i] * D + d);
+            _mm_prefetch(pf, _MM_HINT_T0); _mm_prefetch(pf + 64, _MM_HINT_T0);
+        }
+        for (int c = 0; c < 4; c++) {
+            const __m256 vv = _mm256_loadu_ps(v + 8 * c);
+            for (int r = 0; r < NR; r++) x[r][c] = _mm256_fmadd_ps(w[r], vv, x[r][c]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + r * D + d + 8 * c, x[r][c]);
 }
 
 static float dot1(const float *a, const float *b, int64_t D) {
@@ -46,23 +75,43 @@ static float dot1(const float *a, const float *b, int64_t D) {
     return hsum(s);
 }
 
+/* Software prefetch distances. The hardware prefetchers stop at 4 KiB pages (16 rows at D = 64)
+ * and the FMA work keeps demand loads from running ahead, so from DRAM the reads would not overlap
+ * the arithmetic without them. */
+#define QK_PF 16     /* keys ahead in Q K^T */
+#define PV_TILE 32   /* keys per P @ V tile, which stays in L1 while the next one is prefetched */
+
 /* One (sequence, KV head). qs [RG, D] (scaled), keys/values at kb/vb with row stride D, visible
  * key ids vis[nv]; extras xk/xv [E] rows at strides xks/xvs, xvis[r * E + e]; out rows at orow[rg].
- * Scratch: s [RG, nv8], acc [RG + 1, D]. D is a multiple of 32. */
+ * Scratch: s [RG, nv8], acc [RG, D]. D is a multiple of 32. */
 static void attend_one(const float *qs, int RG, int G, const float *kb, const float *vb, const int32_t *vis,
                        int64_t nv, const float *xk, int64_t xks, const float *xv, int64_t xvs, const uint8_t *xvis, int64_t E,
                        int64_t D, float *const *orow, float *s, int64_t nv8, float *acc) {
-    const float *kr[8];
-    for (int64_t t = 0; t < nv; t += 8) {
-        for (int i = 0; i < 8; i++) kr[i] = kb + (int64_t)vis[t + i < nv ? t + i : nv - 1] * D;
-        for (int rg = 0; rg < RG; rg++) _mm256_storeu_ps(s + rg * nv8 + t, dot8(qs + rg * D, kr, D));
+    /* Q K^T, four keys at a time (past nv the last key repeats: its score is a real one, so the
+     * padded row max is unchanged, and the padding is dropped below); the four key rows are read
+     * from memory once and from L1 by the other row groups, the rows QK_PF keys on prefetched */
+    for (int64_t t = 0; t < nv; t += 4) {
+        const float *kr[4];
+        for (int i = 0; i < 4; i++) kr[i] = kb + (int64_t)vis[t + i < nv ? t + i : nv - 1] * D;
+        if (t + QK_PF + 4 <= nv)
+            for (int i = 0; i < 4; i++) {
+                const char *pf = (const char *)(kb + (int64_t)vis[t + QK_PF + i] * D);
+                for (int64_t c = 0; c < D * 4; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+            }
+        int rg = 0;
+        for (; rg + 3 <= RG; rg += 3) qk_block(qs + rg * D, 3, kr, D, s + rg * nv8 + t, nv8);
+        if (RG - rg == 2) qk_block(qs + rg * D, 2, kr, D, s + rg * nv8 + t, nv8);
+        else if (RG - rg == 1) qk_block(qs + rg * D, 1, kr, D, s + rg * nv8 + t, nv8);
     }
+    const int64_t nv4 = (nv + 3) & ~(int64_t)3;
     float xp[64 * 8], inv[64];                           /* extra keys' weights, 1 / denominators */
     for (int rg = 0; rg < RG; rg++) {
         const int r = rg / G;
         float *sr = s + rg * nv8, *xe = xp + rg * 8;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nv; j++) m = sr[j] > m ? sr[j] : m;
+        __m128 m4 = _mm_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < nv4; j += 4) m4 = _mm_max_ps(m4, _mm_loadu_ps(sr + j));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
         for (int64_t e = 0; e < E; e++) {
             xe[e] = xvis[r * E + e] ? dot1(qs + rg * D, xk + e * xks, D) : -INFINITY;
             m = xe[e] > m ? xe[e] : m;
@@ -81,48 +130,24 @@ static void attend_one(const float *qs, int RG, int G, const float *kb, const fl
         for (int64_t e = 0; e < E; e++) { xe[e] = xvis[r * E + e] ? expf(xe[e] - m) : 0.0f; l += xe[e]; }
         inv[rg] = l > 0.0f ? 1.0f / l : 0.0f;    /* l >= 1 when a key is visible (its max is 1) */
     }
-    /* P @ V, key tiles outer so that V is read once (a tile stays in L1 across the rows); the
-     * rows' running sums live in `acc` [RG, D], three rows x 32 columns in registers at a time */
+    /* P @ V over key tiles that stay in L1 while every row group and column block passes over
+     * them, so that V is read from memory once; the running sums live in `acc` [RG, D] */
     for (int64_t i = 0; i < RG * D; i++) acc[i] = 0.0f;
-    const float zeros[8] = {0};
-    for (int64_t t = 0; t < nv; t += 8) {
-        const int tn = nv - t < 8 ? (int)(nv - t) : 8;
-        const float *vr[8];
+    for (int64_t t = 0; t < nv; t += PV_TILE) {
+        const int tn = nv - t < PV_TILE ? (int)(nv - t) : PV_TILE;
+        const float *vr[PV_TILE];
         for (int i = 0; i < tn; i++) vr[i] = vb + (int64_t)vis[t + i] * D;
-        for (int rg = 0; rg < RG; rg += 3) {
-            /* rows past RG read zero weights and add into a spare row of acc */
-            const float *p0 = s + rg * nv8 + t;
-            const float *p1 = rg + 1 < RG ? s + (rg + 1) * nv8 + t : zeros;
-            const float *p2 = rg + 2 < RG ? s + (rg + 2) * nv8 + t : zeros;
-            float *o0 = acc + rg * D, *o1 = rg + 1 < RG ? o0 + D : acc + RG * D;
-            float *o2 = rg + 2 < RG ? o0 + 2 * D : acc + RG * D;
-            for (int64_t d = 0; d < D; d += 32) {
-                __m256 x0 = _mm256_loadu_ps(o0 + d), x1 = _mm256_loadu_ps(o0 + d + 8);
-                __m256 x2 = _mm256_loadu_ps(o0 + d + 16), x3 = _mm256_loadu_ps(o0 + d + 24);
-                __m256 y0 = _mm256_loadu_ps(o1 + d), y1 = _mm256_loadu_ps(o1 + d + 8);
-                __m256 y2 = _mm256_loadu_ps(o1 + d + 16), y3 = _mm256_loadu_ps(o1 + d + 24);
-                __m256 z0 = _mm256_loadu_ps(o2 + d), z1 = _mm256_loadu_ps(o2 + d + 8);
-                __m256 z2 = _mm256_loadu_ps(o2 + d + 16), z3 = _mm256_loadu_ps(o2 + d + 24);
-                for (int i = 0; i < tn; i++) {
-                    const __m256 a = _mm256_broadcast_ss(p0 + i), b = _mm256_broadcast_ss(p1 + i);
-                    const __m256 c = _mm256_broadcast_ss(p2 + i);
-                    const float *v = vr[i] + d;
-                    __m256 w = _mm256_loadu_ps(v);
-                    x0 = _mm256_fmadd_ps(a, w, x0); y0 = _mm256_fmadd_ps(b, w, y0); z0 = _mm256_fmadd_ps(c, w, z0);
-                    w = _mm256_loadu_ps(v + 8);
-                    x1 = _mm256_fmadd_ps(a, w, x1); y1 = _mm256_fmadd_ps(b, w, y1); z1 = _mm256_fmadd_ps(c, w, z1);
-                    w = _mm256_loadu_ps(v + 16);
-                    x2 = _mm256_fmadd_ps(a, w, x2); y2 = _mm256_fmadd_ps(b, w, y2); z2 = _mm256_fmadd_ps(c, w, z2);
-                    w = _mm256_loadu_ps(v + 24);
-                    x3 = _mm256_fmadd_ps(a, w, x3); y3 = _mm256_fmadd_ps(b, w, y3); z3 = _mm256_fmadd_ps(c, w, z3);
-                }
-                _mm256_storeu_ps(o0 + d, x0); _mm256_storeu_ps(o0 + d + 8, x1);
-                _mm256_storeu_ps(o0 + d + 16, x2); _mm256_storeu_ps(o0 + d + 24, x3);
-                _mm256_storeu_ps(o1 + d, y0); _mm256_storeu_ps(o1 + d + 8, y1);
-                _mm256_storeu_ps(o1 + d + 16, y2); _mm256_storeu_ps(o1 + d + 24, y3);
-                _mm256_storeu_ps(o2 + d, z0); _mm256_storeu_ps(o2 + d + 8, z1);
-                _mm256_storeu_ps(o2 + d + 16, z2); _mm256_storeu_ps(o2 + d + 24, z3);
-            }
+        /* the next tile's rows, prefetched by the first row group's passes */
+        const int64_t left = nv - t - PV_TILE;
+        const int tnn = left < 0 ? 0 : left < PV_TILE ? (int)left : PV_TILE;
+        const int32_t *nvis = vis + t + PV_TILE;
+        int rg = 0;
+        for (; rg + 3 <= RG; rg += 3)
+            for (int64_t d = 0; d < D; d += 32)
+                pv_block(s + rg * nv8 + t, nv8, 3, vr, tn, d, acc + rg * D, D, vb, nvis, rg == 0 ? tnn : 0);
+        for (int64_t d = 0; d < D; d += 32) {
+            if (RG - rg == 2) pv_block(s + rg * nv8 + t, nv8, 2, vr, tn, d, acc + rg * D, D, vb, nvis, rg == 0 ? tnn : 0);
+            else if (RG - rg == 1) pv_block(s + rg * nv8 + t, nv8, 1, vr, tn, d, acc + rg * D, D, vb, nvis, rg == 0 ? tnn : 0);
         }
     }
     for (int rg = 0; rg < RG; rg++) {
@@ -133,6 +158,25 @@ static void attend_one(const float *qs, int RG, int G, const float *kb, const fl
                 for (int64_t d = 0; d < D; d++) a[d] += xp[rg * 8 + e] * xv[e * xvs + d];
         for (int64_t d = 0; d < D; d++) o[d] = a[d] * inv[rg];
     }
+}
+
+/* The visible key ids of one mask row; 32 bytes at a time, a run of all-visible bytes (the usual
+ * case) written as consecutive ids without a per-key branch. Returns their number. */
+static int64_t visible_ids(const uint8_t *mk, int64_t N, int32_t *vis) {
+    int64_t nv = 0, n = 0;
+    const __m256i step = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (; n + 32 <= N; n += 32) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(mk + n));
+        if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(b, _mm256_setzero_si256())) == 0) {
+            for (int i = 0; i < 32; i += 8)
+                _mm256_storeu_si256((__m256i *)(vis + nv + i), _mm256_add_epi32(step, _mm256_set1_epi32((int32_t)(n + i))));
+            nv += 32;
+        } else {
+            for (int i = 0; i < 32; i++) { vis[nv] = (int32_t)(n + i); nv += mk[n + i] != 0; }
+        }
+    }
+    for (; n < N; n++) { vis[nv] = (int32_t)n; nv += mk[n] != 0; }
+    return nv;
 }
 
 /* q, out [B, R, H, D] contiguous; k, v rows of D floats at k + b*ksb + h*ksh + n*D (same strides
@@ -148,7 +192,7 @@ int lkv_attention(const float *q, const float *k, const float *v, int64_t ksb, i
     int failed = 0;
 #pragma omp parallel num_threads(nthreads > 1 ? nthreads : 1) if (nthreads > 1) reduction(| : failed)
     {
-        float *s = malloc(sizeof(float) * (RG * nv8 + (2 * RG + 1) * D + 8));
+        float *s = malloc(sizeof(float) * (RG * nv8 + 2 * RG * D + 8));
         int32_t *vis = malloc(sizeof(int32_t) * (N + 1));
         if (!s || !vis) failed = 1;
         else {
@@ -157,8 +201,7 @@ int lkv_attention(const float *q, const float *k, const float *v, int64_t ksb, i
             for (int64_t bh = 0; bh < B * KVH; bh++) {
                 const int64_t b = bh / KVH, h = bh % KVH;
                 const uint8_t *mk = kv_mask + bh * N;
-                int64_t nv = 0;
-                for (int64_t n = 0; n < N; n++) if (mk[n]) vis[nv++] = (int32_t)n;
+                const int64_t nv = visible_ids(mk, N, vis);
                 float *orow[64];
                 for (int rg = 0; rg < RG; rg++) {
                     const int r = rg / G, g = rg % G;
