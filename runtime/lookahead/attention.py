@@ -33,6 +33,7 @@ from .step_plan import DecodePart, StepPlan
 # The ops unwrapped: this module builds every shape itself, and on the hot path (3 ops x layers x
 # steps) the wrappers' argument checks cost more than the ops' own work on small batches. With
 # `debug_checks` (the tests) the checked wrappers `plugins.*` run instead, on the same arguments.
+# On CPU even the dispatcher is skipped (`plugins.direct`); on CUDA it picks plugins.cuda's kernels.
 OPS = torch.ops.lookahead
 
 
@@ -71,13 +72,14 @@ class LookaheadAttention:
         self.step_idx = 0
         self.plan: StepPlan | None = None
         self.debug_checks = False           # tests: verify slot contents before every attention
+        self._fast_ops = plugins.direct if pool.k.device.type == "cpu" else OPS
         self.store_only = False             # a replayed prefill (prefill_cache): store and seed only
         self._step_metrics: list[tuple] = []
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # decode rows, stored at end_step
 
     @property
     def _ops(self):
-        return plugins if self.debug_checks else OPS
+        return plugins if self.debug_checks else self._fast_ops
 
     # ---- lanes ----------------------------------------------------------------------------------
     def attach(self, lane: int, block_table: list[int]) -> None:
