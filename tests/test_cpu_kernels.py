@@ -39,6 +39,25 @@ def test_linear_matches_torch(rows, n_out, n_in, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("rows,n", [(1, 576), (8, 576), (3, 64), (16, 8)])
+def test_rms_norm_matches_torch(rows, n):
+    g = _gen(rows * 7 + n)
+    x, w = torch.randn(rows, n + 5, generator=g)[:, 2:n + 2] * 3, torch.randn(n, generator=g)     # strided rows
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), F.rms_norm(x, (n,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    assert cpu.rms_norm(torch.zeros(2, n), w, 1e-5).abs().max() == 0                  # eps keeps 0/0 away
+
+
+def test_rms_norm_falls_back_where_the_kernel_does_not_apply():
+    g = _gen(5)
+    for x, w in ((torch.randn(2, 12, generator=g), torch.randn(12, generator=g)),                # N % 8
+                 (torch.randn(2, 3, 16, generator=g), torch.randn(16, generator=g)),             # 3-D
+                 (torch.randn(2, 16, generator=g).half(), torch.randn(16, generator=g).half())):  # fp16
+        torch.testing.assert_close(cpu.rms_norm(x, w, 1e-6), F.rms_norm(x, w.shape, w, 1e-6))
+    x = torch.randn(2, 16, generator=g, requires_grad=True)
+    cpu.rms_norm(x, torch.ones(16), 1e-6).sum().backward()                                # autograd intact
+    assert x.grad is not None
+
+
 def test_linear_falls_back_where_the_kernel_does_not_apply():
     g = _gen(1)
     w = torch.randn(40, 24, generator=g)

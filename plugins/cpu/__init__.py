@@ -1,6 +1,8 @@
-"""CPU kernels (C, AVX2 + FMA) for the decode step: linear.c, attention.c, topk.c (the ops' math,
-wrapped by ops.py) and residency.c (the lookahead runtime's slot planning and block copies,
-wrapped by bookkeeping.py); loader.py builds them on first use."""
-from .ops import attention, attention_supported, available, block_topk, block_topk_supported, linear
+"""CPU kernels (C, AVX2 + FMA) for the decode step: linear.c, attention.c, topk.c (the ops' math),
+elementwise.c (the decoder layer's RMSNorm), all wrapped by ops.py,
+and residency.c (the lookahead runtime's slot planning and block copies, wrapped by
+bookkeeping.py); loader.py builds them on first use."""
+from .ops import attention, attention_supported, available, block_topk, block_topk_supported, linear, rms_norm
 
-__all__ = ["attention", "attention_supported", "available", "block_topk", "block_topk_supported", "linear"]
+__all__ = ["attention", "attention_supported", "available", "block_topk", "block_topk_supported", "linear",
+           "rms_norm"]

@@ -144,3 +144,19 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
     if rc != 0:
         raise MemoryError("block_topk (CPU kernel): scratch allocation failed")
     return idx, scores
+
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`F.rms_norm(x, weight.shape, weight, eps)`; for 2-D fp32 CPU rows (last dim contiguous,
+    N % 8 == 0) in one C call (plugins/cpu/elementwise.c)."""
+    lib = library()
+    if (lib is None or x.dim() != 2 or weight.shape != (x.shape[1],) or x.shape[1] % 8
+            or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+            or weight.device.type != "cpu" or x.stride(1) != 1 or not weight.is_contiguous()
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return F.rms_norm(x, weight.shape, weight, eps)
+    (M, N), y = x.shape, torch.empty(x.shape, dtype=torch.float32)
+    with traced("rms_norm"):
+        lib.lkv_rmsnorm(x.data_ptr(), x.stride(0), weight.data_ptr(), float(eps), y.data_ptr(), N, M, N)
+    return y
