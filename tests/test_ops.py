@@ -435,6 +435,29 @@ def test_ops_accept_strided_inputs_under_inference_mode():
     assert torch.equal(smin[3], torch.minimum(keys[0], keys[1]))
 
 
+def test_direct_entries_compute_what_the_dispatched_ops_do():
+    # plugins.direct: the lookahead runtime's CPU entry (no dispatcher); the same results
+    g = _gen(13)
+    args = _attention_inputs(13, 2, 2, 6, 2, 40, 2, 32, torch.float32)
+    _assert_close(plugins.direct.lookahead_attention(*args), torch.ops.lookahead.lookahead_attention(*args),
+                  torch.float32)
+    q = _randn(g, 2, 2, 6, 32)
+    kmin, kmax = _summaries(g, 2, 20, 2, 32, torch.float32)
+    valid = torch.rand(2, 2, 20, generator=g) < 0.8
+    for a, b in zip(plugins.direct.block_topk(q, kmin, kmax, valid, 6, "max"),
+                    torch.ops.lookahead.block_topk(q, kmin, kmax, valid, 6, "max")):
+        assert torch.equal(a, b)
+    src, ids = _randn(g, 10, 2, 4, 8), torch.randint(0, 10, (2, 3), generator=g)
+    assert torch.equal(plugins.direct.block_gather(src, ids), torch.ops.lookahead.block_gather(src, ids))
+    smin, smax = _randn(g, 9, 2, 8), _randn(g, 9, 2, 8)
+    keys, bids, offs = _randn(g, 4, 2, 8), torch.tensor([3, 3, 8, 0]), torch.tensor([0, 1, 4, 2])
+    mins = [smin.clone(), smin.clone()]
+    maxs = [smax.clone(), smax.clone()]
+    plugins.direct.update_summaries(mins[0], maxs[0], keys, bids, offs)
+    torch.ops.lookahead.update_summaries(mins[1], maxs[1], keys, bids, offs)
+    assert torch.equal(mins[0], mins[1]) and torch.equal(maxs[0], maxs[1]) and not torch.equal(mins[0], smin)
+
+
 # ---------------------------------------------------------------- validation
 
 def _valid_calls():
