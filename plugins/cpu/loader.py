@@ -20,7 +20,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("linear.c", "attention.c", "topk.c", "residency.c", "elementwise.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("linear.c", "attention.c", "topk.c", "residency.c", "elementwise.c")]
 HEADERS = [Path(__file__).with_name("common.h")]
 BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cpu"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fopenmp", "-std=c11"]

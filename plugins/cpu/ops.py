@@ -146,7 +146,6 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
     return idx, scores
 
 
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`F.rms_norm(x, weight.shape, weight, eps)`; for 2-D fp32 CPU rows (last dim contiguous,
     N % 8 == 0) in one C call (plugins/cpu/elementwise.c)."""
