@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     floor = {"weight_bytes": weight_bytes(hf_model), "bandwidth_gbps": bandwidth["bandwidth_gbps"],
              "matmul_gflops": gemm["matmul_gflops"]}
     info = {**machine_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "memory_bandwidth": bandwidth, "matmul": gemm,
             "weight_bytes": floor["weight_bytes"], "cuda_available": torch.cuda.is_available()}
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['torch_threads']} "
