@@ -58,7 +58,7 @@ demo: engine
 	  print(json.dumps({"text_input": q, "max_tokens": 48, "exclude_input_in_output": True}))' \
 	  | curl -sf http://127.0.0.1:$(HTTP_PORT)/v2/models/lookahead_llm/generate -d @-; echo; \
 	$(VPY) scripts/load_test.py --url 127.0.0.1:$(GRPC_PORT) --concurrency 4 --num-requests 16 \
-	  --prompt-len 128 --prompt-len-std 32 --max-tokens 32 --in-process \
+	  --prompt-len 128 --prompt-len-std 32 --max-tokens 32 --in-process --rounds 2 \
 	  --server-pid-file build/serve/tritonserver.pid --json results/load_test.json --plot results/load_test.png
 
 .PHONY: serve serve-stop

@@ -2,6 +2,7 @@
 one recorded, and the summary statistics (shared by the served and the in-process run)."""
 from __future__ import annotations
 
+import math
 import os
 import random
 import sys
@@ -125,6 +126,26 @@ def process_tree_cpu_s(pid: int) -> float:
         tree.update(kids)
         frontier += kids
     return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
+
+
+def concat_runs(runs: list[Run]) -> Run:
+    """Several runs of one workload (load_test's rounds) as one: each later run's times shifted to
+    start where the previous one ended, so the idle gaps between them (the other side's passes)
+    count in neither the wall time nor the throughput-over-time plot; CPU seconds add up."""
+    records: list[Record] = []
+    end = None
+    for run in runs:
+        starts = [r.start for r in run.records]
+        if not starts:
+            continue
+        shift = 0.0 if end is None else end - min(starts)
+        for r in run.records:
+            records.append(Record(r.start + shift, [(t + shift, n) for t, n in r.token_times],
+                                  None if r.end is None else r.end + shift, r.num_prompt_tokens, r.error))
+        end = max(max((r.end for r in records if r.end is not None), default=-math.inf),
+                  max(r.start for r in records))
+    cpu = [run.cpu_s for run in runs]
+    return Run(records, None if any(c is None for c in cpu) else sum(cpu))
 
 
 def summarize(records: list[Record], cpu_s: float | None = None) -> dict:

@@ -368,6 +368,21 @@ def test_summary_splits_multi_token_responses_into_gaps(load_test):
     assert s["cpu_ms_per_output_token"] == 100.0
 
 
+def test_rounds_concatenate_without_the_gap_between_them(load_test):
+    R, Run = load_test.Record, load_test.Run
+    a = Run([R(10.0, [(11.0, 1), (12.0, 1)], 12.0, 5), R(10.5, [(11.5, 2)], 13.0, 5)], cpu_s=1.0)
+    b = Run([R(100.0, [(101.0, 1)], 102.0, 5), R(100.2, error="boom")], cpu_s=2.0)
+    run = load_test.concat_runs([a, b])
+    assert run.cpu_s == 3.0 and len(run.records) == 4
+    assert [r.start for r in run.records] == pytest.approx([10.0, 10.5, 13.0, 13.2])   # b starts where a ended
+    assert run.records[2].token_times == [(14.0, 1)] and run.records[2].end == pytest.approx(15.0)
+    assert run.records[3].error == "boom" and run.records[3].end is None
+    s = load_test.summarize(run.records, run.cpu_s)
+    assert s["wall_s"] == pytest.approx(5.0) and s["output_tokens"] == 5    # 3 s + 2 s, not 92 s
+    assert load_test.concat_runs([a, Run([], None)]).cpu_s is None       # an unknown CPU time stays unknown
+    assert a.records[0].start == 10.0                                       # the inputs are not modified
+
+
 def test_synthetic_prompts_have_the_requested_token_lengths(load_test, tiny_dir):
     from runtime.tokenizer import TextTokenizer
 

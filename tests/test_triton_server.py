@@ -264,12 +264,13 @@ def test_load_test_against_the_server_and_in_process(triton_server, tmp_path):
     (tmp_path / "pid").write_text(str(triton_server.proc.pid))
     rc = load_test.main(["--url", triton_server.grpc_url, "--concurrency", "3", "--num-requests", "6",
                          "--prompt-len", "24", "--prompt-len-std", "4", "--max-tokens", "8", "--warmup", "0",
-                         "--in-process", "--server-pid-file", str(tmp_path / "pid"), "--no-progress",
+                         "--in-process", "--rounds", "2", "--server-pid-file", str(tmp_path / "pid"), "--no-progress",
                          "--json", str(tmp_path / "load.json"), "--plot", str(tmp_path / "load.png")])
     doc = json.loads((tmp_path / "load.json").read_text())
     served, local = doc["results"]["served"], doc["results"]["in-process"]
     assert rc == 0 and served["errors"] == local["errors"] == 0
-    assert served["output_tokens"] == local["output_tokens"] == 6 * 8
+    assert served["output_tokens"] == local["output_tokens"] == 2 * 6 * 8       # two rounds a side
+    assert len(doc["served_over_in_process_by_round"]) == 2
     assert served["ttft_ms"]["p50"] > 0 and served["cpu_ms_per_output_token"] > 0
     assert doc["engine_dir"] == str(triton_server.engine_dir.resolve())
     assert (tmp_path / "load.png").stat().st_size > 0
