@@ -22,24 +22,35 @@ import time
 import torch
 
 
-def memory_bandwidth(gib: float = 1.0, reps: int = 3) -> dict[str, float]:
-    """The machine's memory bandwidth, GB/s (1e9), best of `reps`, on torch's threads: a sum over a
-    `gib` GiB fp32 tensor (bytes read / s) and a copy of it (bytes read + written / s).
-    `bandwidth_gbps`, the larger of the two, is the divisor of every row's floor."""
-    x = torch.ones(int(gib * 2**30) // 4)          # touched: page faults stay out of the timing
+def memory_bandwidth(gib: float = 1.0, reps: int = 3, device: str | torch.device = "cpu") -> dict[str, float]:
+    """The memory bandwidth of `device` (the CPU on torch's threads, or a GPU's), GB/s (1e9), best
+    of `reps`: a sum over a `gib` GiB fp32 tensor (bytes read / s) and a copy of it (bytes read +
+    written / s). `bandwidth_gbps`, the larger of the two, is the divisor of every row's floor."""
+    device = torch.device(device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    x = torch.ones(int(gib * 2**30) // 4, device=device)   # touched: page faults stay out of the timing
     y = torch.empty_like(x)
     y.copy_(x)
+    x.sum()
+    sync()
     best_sum = best_copy = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
         x.sum()
+        sync()
         best_sum = min(best_sum, time.perf_counter() - t0)
         t0 = time.perf_counter()
         y.copy_(x)
+        sync()
         best_copy = min(best_copy, time.perf_counter() - t0)
     read, copy = x.nbytes / best_sum / 1e9, 2 * x.nbytes / best_copy / 1e9
     return {"sum_read_gbps": round(read, 2), "copy_read_write_gbps": round(copy, 2),
-            "bandwidth_gbps": round(max(read, copy), 2), "tensor_gib": gib, "reps": reps}
+            "bandwidth_gbps": round(max(read, copy), 2), "tensor_gib": gib, "reps": reps,
+            "device": str(device)}
 
 
 def matmul_gflops(n: int = 1024, reps: int = 3) -> dict[str, float]:

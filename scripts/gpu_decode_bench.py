@@ -19,8 +19,12 @@ Modes, each through the runtime's Engine (scheduler, chunked prefill, runner, at
 
 Per mode: decode tokens/s over the timed steps, ms/step, stall (time the compute stream waited for
 KV copies), copy time (time the copy streams, or the CPU engine's thread, spent copying), the share
-of copy time hidden under compute (1 - stall / copy time), H2D bytes per step, and on a GPU the
-peak device memory. JSON goes to `<out>/decode_bench.json` after every mode; a table is printed last.
+of copy time hidden under compute (1 - stall / copy time), H2D bytes per step, on a GPU the peak
+device memory, and the step's bandwidth floor as scripts/bench.py defines it (bench_floor.py): the
+bytes a step must read from the device's memory (the weights once, and each sequence's KV at the
+context: all of it for dense, the working set + block summaries + the step's H2D bytes for
+lookahead) over the device's bandwidth measured at the start of the run, with ms/step over it.
+JSON goes to `<out>/decode_bench.json` after every mode; a table is printed last.
 
 Prompts are prefilled with the engine's chunked prefill (`--prefill-chunk`, 4096 tokens on a GPU).
 
@@ -52,6 +56,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_floor import memory_bandwidth, step_read_bytes  # noqa: E402
 
 from runtime.block_manager import blocks_needed  # noqa: E402
 from runtime.config import LookaheadConfig, ModelConfig  # noqa: E402
@@ -101,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=128, help="selected blocks per layer and KV head")
     p.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill step (default 4096 GPU, 1024 CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bandwidth-gib", type=float, default=1.0,
+                   help="tensor size of the bandwidth measurement (GiB; the floor's divisor)")
     args = p.parse_args(argv)
     gpu = torch.device(args.device).type == "cuda"
     args.models = args.models or ("smollm2,llama8b" if gpu else "smollm2")
@@ -266,6 +275,29 @@ def sizing(mcfg: ModelConfig, lcfg: LookaheadConfig, elt: int, max_len: int) -> 
             "summaries": 2 * L * nblocks * kvh * d * elt}
 
 
+def weight_read_bytes(model: LlamaModel) -> int:
+    """Parameter bytes a decode step reads: every parameter once, except an untied input embedding
+    (a step reads only the batch's rows of it); a tied one is the LM head, read whole."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+def floor_fields(weights: int, mcfg: ModelConfig, lcfg: LookaheadConfig, elt: int, mode: str, batch: int,
+                 context: int, h2d_per_step: float, ms_per_step: float, bandwidth_gbps: float) -> dict[str, Any]:
+    """The step's read bytes at `context` tokens per sequence, its floor ms at `bandwidth_gbps`, and
+    ms/step over it (bench_floor.step_read_bytes' definition)."""
+    kv_per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * elt
+    sparse = None
+    if mode != "dense":
+        s = sizing(mcfg, lcfg, elt, context)
+        sparse = (s["working_set"], s["summaries"])
+    read = step_read_bytes(weights, kv_per_token, context, batch, sparse, h2d_per_step)
+    floor_ms = 1e3 * read / (bandwidth_gbps * 1e9)
+    return {"step_read_bytes": read, "floor_ms": floor_ms, "x_floor": ms_per_step / floor_ms}
+
+
 # ---- one mode -------------------------------------------------------------------------------------------
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -350,6 +382,7 @@ def run_shape(shape: str, args, device: torch.device, results: list[dict], write
     budget = int(args.kv_budget_gib * GiB) if args.kv_budget_gib else args.dense_batch * dense_kv
     t0 = time.perf_counter()
     model = random_model(mcfg, dtype, device, args.seed)
+    weights = weight_read_bytes(model)
     sync(device)
     print(f"[{shape}] {mcfg.num_layers} layers, random weights in {time.perf_counter() - t0:.1f}s; "
           f"KV budget {budget / GiB:.2f} GiB = {budget / dense_kv:.2f} dense sequences of {max_len} tokens",
@@ -375,6 +408,8 @@ def run_shape(shape: str, args, device: torch.device, results: list[dict], write
                   f"{per_seq_device / 2**20:.1f} MiB of device KV per sequence", flush=True)
             try:
                 row.update(run_mode(model, mcfg, lcfg, batch, prompts, max_tokens, args, device))
+                row.update(floor_fields(weights, mcfg, lcfg, elt, mode, batch, args.context,
+                                        row["h2d_bytes_per_step"], row["ms_per_step"], args.bandwidth_gbps))
                 ws = row.get("device_bytes_per_seq_runtime")
                 if mode != "dense" and ws is not None and ws != s["working_set"]:
                     row["note_sizes"] = (f"the runtime's working set is {ws} bytes per sequence, this script's "
@@ -416,9 +451,10 @@ def print_table(doc: dict[str, Any]) -> None:
           f"real shapes ({a['dtype']}), {a['context']} prompt tokens, {a['steps']} timed steps after {a['warmup']}; "
           f"HBM KV budget = {a['dense_batch'] if not a['kv_budget_gib'] else a['kv_budget_gib']}"
           f"{' dense sequences' if not a['kv_budget_gib'] else ' GiB'} (dense's max batch); "
-          f"lookahead batch = min(budget fit, --max-batch {a['max_batch']}, host pool)")
+          f"lookahead batch = min(budget fit, --max-batch {a['max_batch']}, host pool); floor = bytes a step "
+          f"reads / {a['bandwidth_gbps']:.0f} GB/s (measured, {doc['memory_bandwidth']['device']})")
     head = f"{'model':<9}{'mode':<20}{'batch':>6}{'fit':>5}{'KV MiB':>9}{'tok/s':>9}{'ms/step':>9}" \
-           f"{'stall s':>9}{'copy s':>8}{'hidden':>8}{'H2D MiB/step':>14}"
+           f"{'stall s':>9}{'copy s':>8}{'hidden':>8}{'H2D MiB/step':>14}{'floor ms':>10}{'x floor':>9}"
     print(head)
     for r in rows:
         line = f"{r['model']:<9}{r['mode']:<20}{r['batch']:>6}{r['batch_fit_in_budget']:>5}" \
@@ -428,7 +464,8 @@ def print_table(doc: dict[str, Any]) -> None:
             continue
         h2d = r["h2d_bytes_per_step"] / 2**20
         print(f"{line}{r['tokens_per_s']:>9.1f}{r['ms_per_step']:>9.1f}{r['stall_s']:>9.3f}{r['copy_s']:>8.3f}"
-              f"{fmt(r['hidden_share'], '.0%'):>8}{h2d:>14.1f}")
+              f"{fmt(r['hidden_share'], '.0%'):>8}{h2d:>14.1f}{fmt(r.get('floor_ms'), '.2f'):>10}"
+              f"{fmt(r.get('x_floor'), '.2f'):>8}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,6 +487,11 @@ def main(argv: list[str] | None = None) -> int:
         doc["elapsed_s"] = time.perf_counter() - t_start
         out.write_text(json.dumps(doc, indent=1) + "\n")
 
+    with torch.inference_mode():
+        doc["memory_bandwidth"] = memory_bandwidth(gib=args.bandwidth_gib, device=device)
+    args.bandwidth_gbps = doc["args"]["bandwidth_gbps"] = doc["memory_bandwidth"]["bandwidth_gbps"]
+    print(f"memory bandwidth of {device}: {args.bandwidth_gbps:.1f} GB/s (best of a sum and a copy over "
+          f"{args.bandwidth_gib:g} GiB): the floor's divisor", flush=True)
     for shape in args.models.split(","):
         try:
             run_shape(shape, args, device, doc["results"], write)

@@ -2,6 +2,7 @@
 engine, and a one-point smoke run of the speed benchmark (scripts/bench.py) on the real model."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -256,6 +257,53 @@ def test_bench_table_has_the_floor_and_keeps_reasons_out_of_the_columns():
     assert "floor ms" in head and "x floor" in head and "stall ms/step" in head
     assert "25.0" in ok and "4.0x" in ok and len(rule) == len(head)
     assert bad.endswith("not available (x)") and len(bad) < len(head) + len("not available (x)")
+
+
+def test_gpu_decode_bench_floor_counts_what_a_step_reads():
+    """The GPU bench's floor: weights once (an untied input embedding left out), then per sequence
+    all KV at the context (dense) or working set + summaries (lookahead), + H2D bytes."""
+    import gpu_decode_bench as gdb
+    from runtime.config import LookaheadConfig
+    from runtime.model import LlamaModel
+    mcfg = gdb.model_config("smollm2", 2, 1024)
+    tied = LlamaModel(mcfg, empty=True)
+    params = sum(p.numel() * p.element_size() for p in tied.parameters())
+    assert gdb.weight_read_bytes(tied) == params
+    untied = LlamaModel(dataclasses.replace(mcfg, tie_word_embeddings=False), empty=True)
+    emb = untied.embed_tokens.weight.numel() * 4
+    assert gdb.weight_read_bytes(untied) == sum(p.numel() * 4 for p in untied.parameters()) - emb
+    assert gdb.weight_read_bytes(untied) == params              # the LM head replaces the embedding
+    lcfg = LookaheadConfig(top_k=8)
+    kv_token = 2 * 2 * mcfg.num_kv_heads * mcfg.head_dim * 4
+    dense = gdb.floor_fields(1000, mcfg, lcfg, 4, "dense", 3, 512, 0.0, 2.0, 1.0)
+    assert dense["step_read_bytes"] == 1000 + 3 * 512 * kv_token
+    assert dense["floor_ms"] == pytest.approx(1e3 * dense["step_read_bytes"] / 1e9)
+    assert dense["x_floor"] == pytest.approx(2.0 / dense["floor_ms"])
+    sizes = gdb.sizing(mcfg, lcfg.replace(mode="lookahead"), 4, 512)
+    la = gdb.floor_fields(1000, mcfg, lcfg.replace(mode="lookahead"), 4, "resident", 3, 512, 77.0, 2.0, 1.0)
+    assert la["step_read_bytes"] == 1000 + 3 * (sizes["working_set"] + sizes["summaries"]) + 77.0
+    assert sizes["summaries"] == 2 * 2 * (512 // 16) * mcfg.num_kv_heads * mcfg.head_dim * 4
+
+
+def test_gpu_decode_bench_cpu_smoke(tmp_path, capsys):
+    """The GPU bench's CPU smoke run (2 layers, 256 tokens) reports the floor for every mode."""
+    import gpu_decode_bench as gdb
+    rc = gdb.main(["--device", "cpu", "--context", "256", "--layers", "2", "--steps", "2", "--warmup", "1",
+                   "--prefill-chunk", "256", "--modes", "dense,resident", "--bandwidth-gib", "0.125", "--dense-batch", "8",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "decode_bench.json").read_text())
+    assert doc["memory_bandwidth"]["bandwidth_gbps"] > 0 and doc["memory_bandwidth"]["device"] == "cpu"
+    rows = {r["mode"]: r for r in doc["results"]}
+    assert set(rows) == {"dense", "lookahead/resident"}
+    for r in rows.values():
+        assert not r.get("error"), r
+        assert r["floor_ms"] > 0 and r["x_floor"] == pytest.approx(r["ms_per_step"] / r["floor_ms"])
+    # the lookahead step reads a bounded working set, dense all of its KV: at 256 tokens the
+    # working set (sink + window + K slots) is the larger one
+    assert rows["lookahead/resident"]["step_read_bytes"] != rows["dense"]["step_read_bytes"]
+    out = capsys.readouterr().out
+    assert "floor ms" in out and "x floor" in out
 
 
 @pytest.mark.real_model
