@@ -75,12 +75,16 @@ def step_flops(weights: int, dtype_bytes: int, rows: int, layers: int, heads: in
     return 2.0 * rows * weights / dtype_bytes + 4.0 * rows * layers * heads * head_dim * attended_tokens
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
+def weight_bytes(model: torch.nn.Module, input_embedding: torch.Tensor | None = None,
+                 output_embedding: torch.Tensor | None = None) -> int:
     """Parameter bytes one decode step reads: every parameter once. A tied embedding counts once
-    (the lm_head reads all of it); an untied input embedding is left out (a step reads B rows)."""
+    (the lm_head reads all of it); an untied input embedding is left out (a step reads B rows).
+    The embeddings default to a transformers model's (`get_input_embeddings()` ...); pass them
+    for another model (ours: `embed_tokens.weight` and `lm_head.weight`, or the former twice)."""
     params = {p.data_ptr(): p for p in model.parameters()}
     total = sum(p.numel() * p.element_size() for p in params.values())
-    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    emb = input_embedding if input_embedding is not None else model.get_input_embeddings().weight
+    head = output_embedding if output_embedding is not None else model.get_output_embeddings().weight
     if emb.data_ptr() != head.data_ptr():
         total -= emb.numel() * emb.element_size()
     return total

@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_floor import memory_bandwidth, step_read_bytes  # noqa: E402
+from bench_floor import memory_bandwidth, step_read_bytes, weight_bytes  # noqa: E402
 
 from runtime.block_manager import blocks_needed  # noqa: E402
 from runtime.config import LookaheadConfig, ModelConfig  # noqa: E402
@@ -276,12 +276,9 @@ def sizing(mcfg: ModelConfig, lcfg: LookaheadConfig, elt: int, max_len: int) -> 
 
 
 def weight_read_bytes(model: LlamaModel) -> int:
-    """Parameter bytes a decode step reads: every parameter once, except an untied input embedding
-    (a step reads only the batch's rows of it); a tied one is the LM head, read whole."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.lm_head is not None:
-        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    return total
+    """bench_floor.weight_bytes for our model: an untied input embedding is left out."""
+    emb = model.embed_tokens.weight
+    return weight_bytes(model, emb, emb if model.lm_head is None else model.lm_head.weight)
 
 
 def floor_fields(weights: int, mcfg: ModelConfig, lcfg: LookaheadConfig, elt: int, mode: str, batch: int,
