@@ -51,6 +51,25 @@ class DenseAttention:
         self.pool, self.scale = pool, scale
         self.batch: StepBatch | None = None
         self.store_only = False     # a replayed prefill (prefill_cache): store K/V, skip attention
+        self._paged: tuple | None = None     # one step's batched decode items, see _paged_decode
+
+    def _paged_decode(self, b: StepBatch) -> tuple:
+        """(b, rows, starts, lens, mask, row set) of the step's decode items that lie in one run of
+        pool blocks each, for one kernel call a layer (plugins.cpu.attention_paged, which shares
+        their (sequence, head) units out over the threads); rows is None when there are none or no
+        kernel. Worked out once a step: every layer's lengths are the same."""
+        if self._paged is not None and self._paged[0] is b:
+            return self._paged
+        rows, starts, lens = [], [], []
+        if self.pool.k.device.type == "cpu" and cpu.available():
+            for it in b.items:
+                first = self.pool.run_start(it.block_table, it.context_len) if it.num_tokens == 1 else None
+                if first is not None:
+                    rows.append(it.row_start), starts.append(first), lens.append(it.context_len)
+        self._paged = ((b, torch.tensor(rows, dtype=torch.long), starts, lens,
+                        cpu.paged_mask(lens, self.pool.num_kv_heads), frozenset(rows)) if rows
+                       else (b, None, [], [], None, frozenset()))
+        return self._paged
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
@@ -58,14 +77,24 @@ class DenseAttention:
         out = torch.empty_like(q)
         if self.store_only:
             return out
+        _, rows, starts, lens, mask, done = self._paged_decode(b)
+        if rows is not None:
+            o = cpu.attention_paged(q[rows], self.pool.k[layer_idx], self.pool.v[layer_idx], starts, lens,
+                                    self.scale, mask)
+            if o is None:
+                done = frozenset()
+            else:
+                out[rows] = o
         for it in b.items:
-            rows = slice(it.row_start, it.row_start + it.num_tokens)
+            if it.row_start in done:
+                continue
+            own = slice(it.row_start, it.row_start + it.num_tokens)
             if it.start_pos == 0:       # whole sequence is in this chunk: no need to read the pool
-                kc, vc = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+                kc, vc = k[own].transpose(0, 1), v[own].transpose(0, 1)
             else:
                 kc, vc = self.pool.read(layer_idx, it.block_table, it.context_len)
             if it.num_tokens == 1:
-                out[rows] = decode_attention(q[rows][0], kc, vc, self.scale).unsqueeze(0)
+                out[own] = decode_attention(q[own][0], kc, vc, self.scale).unsqueeze(0)
             else:
-                out[rows] = prefill_attention(q[rows], kc, vc)
+                out[own] = prefill_attention(q[own], kc, vc)
         return out

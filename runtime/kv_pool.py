@@ -44,6 +44,13 @@ class KVPool:
         """k, v of one layer as `[num_blocks, KVH, bs, D]` views (the ops' pool layout)."""
         return self.k[layer_idx].transpose(0, 1), self.v[layer_idx].transpose(0, 1)
 
+    def run_start(self, block_table: list[int], length: int) -> int | None:
+        """The first block of the sequence's first `length` tokens if their blocks form one run of
+        consecutive ids (then they lie in one piece per head), else None."""
+        n = -(-length // self.block_size)
+        ids = block_table[:n]
+        return ids[0] if ids and ids[-1] - ids[0] == n - 1 and ids == list(range(ids[0], ids[0] + n)) else None
+
     def read(self, layer_idx: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` tokens of a sequence as k, v `[KVH, length, D]`.
 
@@ -52,8 +59,8 @@ class KVPool:
         n = -(-length // self.block_size)
         ids = block_table[:n]
         kl, vl = self.k[layer_idx], self.v[layer_idx]
-        if ids[-1] - ids[0] == n - 1 and ids == list(range(ids[0], ids[0] + n)):
-            kb, vb = kl[:, ids[0]:ids[0] + n], vl[:, ids[0]:ids[0] + n]
+        if (first := self.run_start(block_table, length)) is not None:
+            kb, vb = kl[:, first:first + n], vl[:, first:first + n]
         else:
             idx = torch.tensor(ids, dtype=torch.long, device=kl.device)
             kb, vb = kl.index_select(1, idx), vl.index_select(1, idx)

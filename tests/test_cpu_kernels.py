@@ -102,6 +102,68 @@ def test_attention_matches_torch_on_runtime_layouts(seed, B, R, H, KVH, D, used,
                                atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("case", ["random", "first range empty", "only the last keys", "nothing visible"])
+def test_attention_split_over_key_ranges_matches_torch(threads, case):
+    # Fewer (sequence, KV head) units than 2 x threads: each unit's keys are split into ranges
+    # attended on different threads and merged by their softmax max and denominator (attention.c,
+    # key_splits); the extra keys go with the first range. Ranges that see no key must drop out.
+    g = _gen(threads * 10 + len(case))
+    B, R, H, KVH, D, N, E = 1, 2, 9, 3, 64, 1500, 2
+    q = torch.randn(B, R, H, D, generator=g)
+    k, v = _device_tier(g, B, KVH, N + 16, D, N)
+    kv_mask = torch.rand(B, KVH, N, generator=g) < 0.7
+    if case == "first range empty":
+        kv_mask[..., :800] = False
+    elif case == "only the last keys":
+        kv_mask[..., :-3] = False
+    elif case == "nothing visible":
+        kv_mask[:] = False
+    kx, vx = torch.randn(B, KVH, E, D, generator=g), torch.randn(B, KVH, E, D, generator=g)
+    extra_mask = torch.ones(B, R, E, dtype=torch.bool).tril()
+    if case == "nothing visible":
+        extra_mask[:] = False
+    args = (q, k, v, kv_mask, kx, vx, extra_mask, D ** -0.5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu.attention(*args)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, _attention_math(*args), atol=2e-5, rtol=1e-5)
+    if case == "nothing visible":
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_paged_matches_torch_per_sequence(threads):
+    # one call for sequences of different lengths at different runs of one pool layer
+    g = _gen(40 + threads)
+    KVH, H, D, bs, nb = 3, 9, 64, 16, 90
+    pool_k, pool_v = torch.randn(KVH, nb, bs, D, generator=g), torch.randn(KVH, nb, bs, D, generator=g)
+    starts, lens = [3, 40, 0, 70], [600, 17, 1, 320]
+    q = torch.randn(len(lens), H, D, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu.attention_paged(q, pool_k, pool_v, starts, lens, D ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    for b, (s, n) in enumerate(zip(starts, lens)):
+        k = pool_k[:, s:].reshape(KVH, -1, D)[:, :n]
+        v = pool_v[:, s:].reshape(KVH, -1, D)[:, :n]
+        expected = F.scaled_dot_product_attention(q[b][None, :, None], k[None], v[None], scale=D ** -0.5,
+                                                  enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(out[b], expected, atol=2e-5, rtol=1e-5)
+    # arguments it does not take: None (the caller's per-sequence path runs), never a read past the pool
+    assert cpu.attention_paged(q, pool_k, pool_v, [3, 40, 0, 89], lens, 0.125) is None        # runs off the end
+    assert cpu.attention_paged(q, pool_k, pool_v, starts[:3], lens[:3], 0.125) is None        # B mismatch
+    assert cpu.attention_paged(q[..., :16], pool_k[..., :16], pool_v[..., :16], starts, lens, 0.125) is None
+    assert cpu.attention_paged(q, pool_k.transpose(1, 2), pool_v.transpose(1, 2), starts, lens, 0.125) is None
+    with pytest.raises(ValueError, match="mask"):
+        cpu.attention_paged(q, pool_k, pool_v, starts, lens, 0.125, cpu.paged_mask(lens[:2], KVH))
+
+
 def test_attention_zero_keys_and_unsupported_shapes():
     g = _gen(3)
     q = torch.randn(2, 2, 6, 64, generator=g)
@@ -224,3 +286,39 @@ def test_unvalidated_op_entry_never_hands_the_kernels_inconsistent_shapes():
         assert not cpu.attention_supported(q, args[0], args[1], kx, vx, args[2], args[3])
         with pytest.raises((RuntimeError, IndexError, ValueError)):
             torch.ops.lookahead.lookahead_attention(q, args[0], args[1], args[2], kx, vx, args[3], 0.125)
+
+
+def test_dense_backend_batches_decode_rows_into_one_paged_call(monkeypatch):
+    # A step with two decode items in runs of blocks (one paged kernel call a layer), one whose
+    # blocks are scattered and a prefill chunk (their own paths): every row as attention alone gives.
+    from runtime.attention_dense import DenseAttention
+    from runtime.config import ModelConfig
+    from runtime.kv_pool import KVPool
+    from runtime.step import StepBatch, StepItem
+    g = _gen(50)
+    cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=2,
+                      num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=512)
+    bs = 4
+    pool = KVPool(cfg, num_blocks=60, block_size=bs)
+    pool.k.normal_(generator=g), pool.v.normal_(generator=g)
+    items = [StepItem(0, 0, 1, 37, list(range(2, 12))),            # decode, blocks 2..11
+             StepItem(1, 1, 3, 8, [30, 31, 32]),                    # prefill chunk at 8..10
+             StepItem(2, 4, 1, 13, [50, 40, 41, 44]),               # decode, scattered blocks
+             StepItem(3, 5, 1, 5, [20, 21])]                        # decode, blocks 20..21
+    batch = StepBatch.build(items, [0] * 6, bs)
+    q, k, v = (torch.randn(6, h, 64, generator=g) for h in (6, 2, 2))
+    calls = []
+    real = cpu.attention_paged
+    monkeypatch.setattr(cpu, "attention_paged", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    attn = DenseAttention(pool, 0.125)
+    attn.batch = batch
+    out = attn.forward(1, q, k, v)
+    assert calls == [[2, 20]]                                       # the two runs, one call
+    for it in items:
+        rows = slice(it.row_start, it.row_start + it.num_tokens)
+        kc, vc = pool.read(1, it.block_table, it.context_len)
+        n, L = it.num_tokens, it.context_len
+        mask = torch.ones(n, L, dtype=torch.bool).tril(diagonal=L - n)
+        expected = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], kc[None], vc[None], attn_mask=mask,
+                                                  scale=0.125, enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=1e-5)

@@ -64,12 +64,14 @@ static float dot1(const float *a, const float *b, int64_t D) {
 #define QK_PF 16     /* keys ahead in Q K^T */
 #define PV_TILE 32   /* keys per P @ V tile, which stays in L1 while the next one is prefetched */
 
-/* One (sequence, KV head). qs [RG, D] (scaled), keys/values at kb/vb with row stride D, visible
- * key ids vis[nv]; extras xk/xv [E] rows at strides xks/xvs, xvis[r * E + e]; out rows at orow[rg].
- * Scratch: s [RG, nv8], acc [RG, D]. D is a multiple of 32. */
+/* One (sequence, KV head), or one key range of it. qs [RG, D] (scaled), keys/values at kb/vb with
+ * row stride D, visible key ids vis[nv]; extras xk/xv [E] rows at strides xks/xvs, xvis[r * E + e];
+ * out rows at orow[rg]. With ml, row rg's softmax max and denominator go to ml[rg * mls] and
+ * ml[rg * mls + 1] (to merge key ranges: attend_split). Scratch: s [RG, nv8], acc [RG, D]. D is a
+ * multiple of 32. */
 static void attend_one(const float *qs, int RG, int G, const float *kb, const float *vb, const int32_t *vis,
                        int64_t nv, const float *xk, int64_t xks, const float *xv, int64_t xvs, const uint8_t *xvis, int64_t E,
-                       int64_t D, float *const *orow, float *s, int64_t nv8, float *acc) {
+                       int64_t D, float *const *orow, float *s, int64_t nv8, float *acc, float *ml, int64_t mls) {
     /* Q K^T, four keys at a time (past nv the last key repeats: its score is a real one, so the
      * padded row max is unchanged, and the padding is dropped below); the four key rows are read
      * from memory once and from L1 by the other row groups, the rows QK_PF keys on prefetched */
@@ -112,6 +114,7 @@ static void attend_one(const float *qs, int RG, int G, const float *kb, const fl
         for (; j < nv; j++) { sr[j] = expf(sr[j] - m); l += sr[j]; }
         for (int64_t e = 0; e < E; e++) { xe[e] = xvis[r * E + e] ? expf(xe[e] - m) : 0.0f; l += xe[e]; }
         inv[rg] = l > 0.0f ? 1.0f / l : 0.0f;    /* l >= 1 when a key is visible (its max is 1) */
+        if (ml) { ml[rg * mls] = m; ml[rg * mls + 1] = l; }
     }
     /* P @ V over key tiles that stay in L1 while every row group and column block passes over
      * them, so that V is read from memory once; the running sums live in `acc` [RG, D] */
@@ -162,6 +165,91 @@ static int64_t visible_ids(const uint8_t *mk, int64_t N, int32_t *vis) {
     return nv;
 }
 
+/* Key ranges per (sequence, KV head) when there are fewer such units than 2 x threads (batch 1:
+ * three units on two threads would run 2:1): the smallest split >= 2 x threads / units that makes
+ * the range count a multiple of the threads, each range >= MIN_SPLIT keys, at most MAX_SPLIT. */
+#define MIN_SPLIT 256
+#define MAX_SPLIT 16
+static int64_t key_splits(int64_t units, int64_t N, int nthreads) {
+    if (nthreads <= 1 || units >= 2 * nthreads || N < 2 * MIN_SPLIT) return 1;
+    const int64_t cap = N / MIN_SPLIT < MAX_SPLIT ? N / MIN_SPLIT : MAX_SPLIT;
+    int64_t c = (2 * nthreads + units - 1) / units;
+    while (c < cap && (units * c) % nthreads) c++;
+    return c < cap ? c : cap;
+}
+
+/* The shared body of both entries: sequence b's K/V rows start at k + base(b), base(b) = boff[b]
+ * when boff is given, else b * ksb. With C > 1 key ranges, each (unit, range) is attended on its
+ * own (the extra keys go with range 0) into part [units * C, RG, 2 + D] = (max, denominator,
+ * normalised row), and the ranges are merged: out = sum_c l_c e^(m_c - M) o_c / sum_c l_c e^(m_c - M). */
+static int attention_impl(const float *q, const float *k, const float *v, const int64_t *boff, int64_t ksb,
+                          int64_t ksh, const uint8_t *kv_mask, const float *kx, int64_t xksb, int64_t xksh,
+                          int64_t xkse, const float *vx, int64_t xvsb, int64_t xvsh, int64_t xvse,
+                          const uint8_t *extra_mask, float *out, int64_t B, int64_t R, int64_t H, int64_t KVH,
+                          int64_t N, int64_t E, int64_t D, float scale, int nthreads) {
+    const int G = (int)(H / KVH), RG = (int)(R * G);
+    const int64_t C = key_splits(B * KVH, N, nthreads);
+    const int64_t CL = C > 1 ? (((N + C - 1) / C + 31) & ~(int64_t)31) : N;   /* keys per range */
+    const int64_t nv8 = (CL + 7) & ~(int64_t)7, mls = 2 + D;
+    float *part = C > 1 ? malloc(sizeof(float) * B * KVH * C * RG * mls) : NULL;
+    if (C > 1 && !part) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads > 1 ? nthreads : 1) if (nthreads > 1) reduction(| : failed)
+    {
+        float *s = malloc(sizeof(float) * (RG * nv8 + 2 * RG * D + 8));
+        int32_t *vis = malloc(sizeof(int32_t) * (CL + 1));
+        if (!s || !vis) failed = 1;
+        else {
+            float *qs = s + RG * nv8;
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < B * KVH * C; u++) {
+                const int64_t bh = u / C, c = u % C, b = bh / KVH, h = bh % KVH;
+                const int64_t n0 = c * CL, n1 = n0 + CL < N ? n0 + CL : N;
+                const int64_t nv = n1 > n0 ? visible_ids(kv_mask + bh * N + n0, n1 - n0, vis) : 0;
+                float *orow[64], *ml = C > 1 ? part + u * RG * mls : NULL;
+                for (int rg = 0; rg < RG; rg++) {
+                    const int r = rg / G, g = rg % G;
+                    const float *qr = q + ((b * R + r) * H + h * G + g) * D;
+                    for (int64_t d = 0; d < D; d++) qs[rg * D + d] = qr[d] * scale;
+                    orow[rg] = ml ? ml + rg * mls + 2 : out + ((b * R + r) * H + h * G + g) * D;
+                }
+                const int64_t kofs = (boff ? boff[b] : b * ksb) + h * ksh + n0 * D;
+                attend_one(qs, RG, G, k + kofs, v + kofs, vis, nv,
+                           kx + b * xksb + h * xksh, xkse, vx + b * xvsb + h * xvsh, xvse, extra_mask + b * R * E,
+                           c == 0 ? E : 0, D, orow, s, nv8, qs + RG * D, ml, mls);
+            }
+            if (C > 1) {
+#pragma omp for schedule(static)
+                for (int64_t bh = 0; bh < B * KVH; bh++) {
+                    const int64_t b = bh / KVH, h = bh % KVH;
+                    for (int rg = 0; rg < RG; rg++) {
+                        const int r = rg / G, g = rg % G;
+                        float *o = out + ((b * R + r) * H + h * G + g) * D, m = -INFINITY, wsum = 0.0f;
+                        for (int64_t c = 0; c < C; c++) {
+                            const float *p = part + ((bh * C + c) * RG + rg) * mls;
+                            if (p[1] > 0.0f && p[0] > m) m = p[0];
+                        }
+                        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+                        for (int64_t c = 0; c < C; c++) {
+                            const float *p = part + ((bh * C + c) * RG + rg) * mls;
+                            if (p[1] <= 0.0f) continue;                 /* the range saw no key */
+                            const float w = p[1] * expf(p[0] - m);
+                            wsum += w;
+                            for (int64_t d = 0; d < D; d++) o[d] += w * p[2 + d];
+                        }
+                        const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+                        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+                    }
+                }
+            }
+        }
+        free(s);
+        free(vis);
+    }
+    free(part);
+    return failed ? -1 : 0;
+}
+
 /* q, out [B, R, H, D] contiguous; k, v rows of D floats at k + b*ksb + h*ksh + n*D (same strides
  * for v); kv_mask [B, KVH, N] bytes; k_extra rows at kx + b*xksb + h*xksh + e*xkse (v_extra
  * likewise with its own strides);
@@ -170,35 +258,17 @@ int lkv_attention(const float *q, const float *k, const float *v, int64_t ksb, i
                   const uint8_t *kv_mask, const float *kx, int64_t xksb, int64_t xksh, int64_t xkse,
                   const float *vx, int64_t xvsb, int64_t xvsh, int64_t xvse, const uint8_t *extra_mask, float *out, int64_t B, int64_t R, int64_t H,
                   int64_t KVH, int64_t N, int64_t E, int64_t D, float scale, int nthreads) {
-    const int G = (int)(H / KVH), RG = (int)(R * G);
-    const int64_t nv8 = (N + 7) & ~(int64_t)7;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads > 1 ? nthreads : 1) if (nthreads > 1) reduction(| : failed)
-    {
-        float *s = malloc(sizeof(float) * (RG * nv8 + 2 * RG * D + 8));
-        int32_t *vis = malloc(sizeof(int32_t) * (N + 1));
-        if (!s || !vis) failed = 1;
-        else {
-            float *qs = s + RG * nv8;
-#pragma omp for schedule(static)
-            for (int64_t bh = 0; bh < B * KVH; bh++) {
-                const int64_t b = bh / KVH, h = bh % KVH;
-                const uint8_t *mk = kv_mask + bh * N;
-                const int64_t nv = visible_ids(mk, N, vis);
-                float *orow[64];
-                for (int rg = 0; rg < RG; rg++) {
-                    const int r = rg / G, g = rg % G;
-                    const float *qr = q + ((b * R + r) * H + h * G + g) * D;
-                    for (int64_t d = 0; d < D; d++) qs[rg * D + d] = qr[d] * scale;
-                    orow[rg] = out + ((b * R + r) * H + h * G + g) * D;
-                }
-                attend_one(qs, RG, G, k + b * ksb + h * ksh, v + b * ksb + h * ksh, vis, nv,
-                           kx + b * xksb + h * xksh, xkse, vx + b * xvsb + h * xvsh, xvse, extra_mask + b * R * E, E, D,
-                           orow, s, nv8, qs + RG * D);
-            }
-        }
-        free(s);
-        free(vis);
-    }
-    return failed ? -1 : 0;
+    return attention_impl(q, k, v, NULL, ksb, ksh, kv_mask, kx, xksb, xksh, xkse, vx, xvsb, xvsh, xvse,
+                          extra_mask, out, B, R, H, KVH, N, E, D, scale, nthreads);
+}
+
+/* Dense decode attention of B sequences in one call (runtime/attention_dense.py): q, out [B, H, D]
+ * contiguous, one row each; sequence b's keys at k + boff[b] + h*ksh + n*D (v alike), visible
+ * where kv_mask [B, KVH, N] says (its first lens[b] keys); no extra keys. Returns 0 or -1. */
+int lkv_attention_paged(const float *q, const float *k, const float *v, const int64_t *boff, int64_t ksh,
+                        const uint8_t *kv_mask, float *out, int64_t B, int64_t H, int64_t KVH, int64_t N,
+                        int64_t D, float scale, int nthreads) {
+    static const uint8_t no_extra[1] = {0};
+    return attention_impl(q, k, v, boff, 0, ksh, kv_mask, k, 0, 0, 0, v, 0, 0, 0, no_extra, out, B, 1, H, KVH,
+                          N, 0, D, scale, nthreads);
 }

@@ -36,6 +36,7 @@ SIGNATURES = {       # (restype, argtypes) of each kernel; see the C sources for
     "lkv_block_topk": (_int, [_p, _p, _p, _i64, _p] + [_i64] * 9 + [_int, _p, _p, _int]),
     "lkv_attention": (_int, [_p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _p]
                       + [_i64] * 7 + [ctypes.c_float, _int]),
+    "lkv_attention_paged": (_int, [_p, _p, _p, _p, _i64, _p, _p] + [_i64] * 5 + [ctypes.c_float, _int]),
     "lkv_rmsnorm": (None, [_p, _i64, _p, ctypes.c_float, _p, _i64, _i64, _i64]),
     "lkv_plan": (_i64, [_p] * 4 + [_i64] * 5 + [_p, _p] + [_i64] * 3 + [_p] * 4),
     "lkv_copy_blocks": (_int, [_p] * 2 + [_i64] * 2 + [_p] * 2 + [_i64] * 3 + [_p] * 5 + [_i64] * 6),

@@ -107,6 +107,47 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.
     return out
 
 
+def paged_mask(lens: list[int], kvh: int) -> torch.Tensor:
+    """The key mask `attention_paged` takes for sequences of `lens` keys: [B, KVH, max(lens)] bool,
+    each sequence's first lens[b] keys visible (the same for every layer of a step: build it once)."""
+    n = max(lens)
+    return (torch.arange(n)[None] < torch.tensor(lens)[:, None])[:, None].expand(len(lens), kvh, n).contiguous()
+
+
+def attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int], lens: list[int],
+                    scale: float, mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Dense decode attention of B sequences in one C call, over their K/V where they lie in one
+    layer of the KV pool: q [B, H, D] (one row each), k, v [KVH, num_blocks, block_size, D]
+    (contiguous), sequence b's keys the `lens[b]` tokens from block `starts[b]` on (one run of
+    blocks). `mask`: `paged_mask(lens, KVH)`, when the caller keeps it across layers. -> [B, H, D],
+    or None where the kernel does not take these arguments (the caller's per-sequence path runs)."""
+    if q.dim() != 3 or k.dim() != 4 or library() is None:
+        return None
+    B, H, D = q.shape
+    kvh, nb, bs, _ = k.shape
+    if not (len(starts) == len(lens) == B > 0 and kvh > 0 and H % kvh == 0 and H // kvh <= MAX_GROUP_ROWS
+            and D % 32 == 0 and k.shape[3] == D and v.shape == k.shape
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+            and k.is_contiguous() and v.is_contiguous()
+            and all(0 <= s and 0 < n and s * bs + n <= nb * bs for s, n in zip(starts, lens))):
+        return None
+    if mask is None:
+        mask = paged_mask(lens, kvh)
+    if mask.shape != (B, kvh, max(lens)) or mask.dtype != torch.bool or not mask.is_contiguous():
+        raise ValueError(f"mask: expected paged_mask(lens, {kvh}) of shape {(B, kvh, max(lens))}, "
+                         f"got {tuple(mask.shape)} {mask.dtype}")
+    q = q.contiguous()
+    base = torch.tensor([s * bs * D for s in starts], dtype=torch.int64)
+    out = torch.empty(B, H, D, dtype=torch.float32)
+    with traced("attention_paged"):
+        rc = library().lkv_attention_paged(q.data_ptr(), k.data_ptr(), v.data_ptr(), base.data_ptr(), nb * bs * D,
+                                           mask.data_ptr(), out.data_ptr(), B, H, kvh, mask.shape[2], D,
+                                           float(scale), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("attention_paged (CPU kernel): scratch allocation failed")
+    return out
+
+
 def block_topk_supported(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
                          k: int | None = None) -> bool:
     """Whether `block_topk` runs these arguments: fp32 on CPU, D a multiple of 8, each sequence's
