@@ -67,7 +67,7 @@ static float dot1(const float *a, const float *b, int64_t D) {
 /* One (sequence, KV head), or one key range of it. qs [RG, D] (scaled), keys/values at kb/vb with
  * row stride D, visible key ids vis[nv]; extras xk/xv [E] rows at strides xks/xvs, xvis[r * E + e];
  * out rows at orow[rg]. With ml, row rg's softmax max and denominator go to ml[rg * mls] and
- * ml[rg * mls + 1] (to merge key ranges: attend_split). Scratch: s [RG, nv8], acc [RG, D]. D is a
+ * ml[rg * mls + 1] (to merge key ranges: attention_impl). Scratch: s [RG, nv8], acc [RG, D]. D is a
  * multiple of 32. */
 static void attend_one(const float *qs, int RG, int G, const float *kb, const float *vb, const int32_t *vis,
                        int64_t nv, const float *xk, int64_t xks, const float *xv, int64_t xvs, const uint8_t *xvis, int64_t E,
