@@ -23,8 +23,10 @@ blocks fetched on demand), or all (a mode the engine refuses is reported as 'not
 Columns beyond speed: stall ms/step (time our decode step waited for KV copies, transfer_wait_s /
 timed steps) and the memory-bandwidth floor: the bytes a step must read (bench_floor.step_read_bytes:
 weights once + the whole KV of every sequence for dense paths; for sparse modes the device working
-set of all layers + the block summaries scored + the H2D bytes) over the bandwidth measured at the
-start of the run (best of a ~1 GiB fp32 sum and copy; both in the JSON's machine info).
+set of all layers + the block summaries scored + the H2D bytes) over the bandwidth measured while
+that point's steps ran: after each round of timed steps a 256 MiB fp32 `sum` is timed, and the best
+of those samples is the point's divisor (bench_floor.BandwidthProbe says why the best; the start-of-
+run measure, best of a ~1 GiB sum and copy, is in the JSON's machine info and printed for contrast).
 "floor ms" is that time, "x floor" is ms/step over it. "compute floor ms" is the step's FLOPs
 (bench_floor.step_flops: 2 per weight per computed row, a draft row included, + the attention's
 dot products) at the fp32 GEMM rate measured at the start; where it exceeds "floor ms" the step is
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runtime  # noqa: E402,F401  first: its CPU threading defaults (OpenMP wait policy) then apply to both sides
 import torch  # noqa: E402
 
-from bench_floor import matmul_gflops, memory_bandwidth, step_flops, step_read_bytes, weight_bytes  # noqa: E402
+from bench_floor import (BandwidthProbe, matmul_gflops, memory_bandwidth, step_flops,  # noqa: E402
+                         step_read_bytes, weight_bytes)
 from bench_hf import HF_IMPLS, HF_NAMES, NotAvailable, make_hf_decoders  # noqa: E402
 from bench_lib import (EngineDecoder, format_table, machine_info, make_prompts, plot,  # noqa: E402
                        profile_steps, reference_hf_dir)
@@ -151,9 +155,10 @@ def warm_up(engines: dict[str, Engine | str], hf_model) -> None:
 
 
 def run_point(args, engines, hf_model, ctx: int, batch: int, order: int, floor: dict[str, Any],
-              skip: dict[str, str]) -> list[dict[str, Any]]:
+              skip: dict[str, str], probe: BandwidthProbe) -> list[dict[str, Any]]:
     """One (context, batch) point: rows of every implementation. `skip` maps transformers paths
-    found unavailable at an earlier point to their reason (filled here: not retried)."""
+    found unavailable at an earlier point to their reason (filled here: not retried). `probe`
+    samples the memory bandwidth after every round of timed steps: the point's floor divisor."""
     first = next(e for e in engines.values() if isinstance(e, Engine))
     steps = args.warmup_steps + args.decode_steps
     extra = PROFILE_STEPS if args.profile else 0
@@ -184,9 +189,18 @@ def run_point(args, engines, hf_model, ctx: int, batch: int, order: int, floor: 
         compiled = f" (+ torch.compile and warm-up {d.compile_s:.0f}s)" if getattr(d, "compile_s", None) else ""
         print(f"{d.timing.prefill_s:.1f}s{compiled}", flush=True)
     torch.set_num_threads(decode_threads)
+    samples = []
     for s in range(steps):             # interleaved: the order rotates every step
         for d in decoders[s % len(decoders):] + decoders[:s % len(decoders)]:
             d.step(timed=s >= args.warmup_steps)
+        if s >= args.warmup_steps:
+            samples.append(probe.sample())
+    during = {"best_gbps": round(max(samples), 2), "median_gbps": round(statistics.median(samples), 2),
+              "samples": len(samples), "start_of_run_gbps": floor["bandwidth_gbps"]}
+    floor = {**floor, "bandwidth_gbps": during["best_gbps"], "bandwidth_during_steps": during}
+    print(f"  bandwidth while the steps ran: best {during['best_gbps']:.1f} GB/s, median {during['median_gbps']:.1f}"
+          f" ({len(samples)} samples; {floor['bandwidth_gbps']:.1f} is this point's floor divisor, the start-of-run"
+          f" measure was {during['start_of_run_gbps']:.1f})", flush=True)
     profiles = {}
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
@@ -239,6 +253,8 @@ def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str
                                    {"working_set": batch * sparse[0], "summaries": batch * sparse[1],
                                     "h2d": h2d})},
             "floor_ms": floor_ms, "x_floor": ms / floor_ms if floor_ms else None,
+            "floor_bandwidth_gbps": floor["bandwidth_gbps"] if on_cpu else None,
+            "bandwidth_during_steps": floor.get("bandwidth_during_steps"),
             "step_flops": flops, "compute_floor_ms": compute_ms,
             "x_roofline": ms / max(floor_ms, compute_ms) if floor_ms and compute_ms else None,
             "same_tokens": f"{agree}/{len(ref.timing.tokens[0])}", "tokens": t.tokens}
@@ -261,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_model = AutoModelForCausalLM.from_pretrained(reference_hf_dir(args.engine), dtype=torch.float32).eval()
     warm_up(engines, hf_model)
     bandwidth, gemm = memory_bandwidth(), matmul_gflops()
+    probe = BandwidthProbe()
     floor = {"weight_bytes": weight_bytes(hf_model), "bandwidth_gbps": bandwidth["bandwidth_gbps"],
              "matmul_gflops": gemm["matmul_gflops"]}
     info = {**machine_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
@@ -270,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['torch_threads']} "
           f"threads, OMP_NUM_THREADS={info['omp_num_threads']}), load average {info['loadavg_start'][0]:.1f}; "
           f"loaded in {time.perf_counter() - t0:.0f}s")
-    print(f"memory bandwidth: {bandwidth['sum_read_gbps']:.1f} GB/s read (sum), {bandwidth['copy_read_write_gbps']:.1f}"
-          f" GB/s read+write (copy); floor uses {floor['bandwidth_gbps']:.1f} GB/s; weights "
+    print(f"memory bandwidth at the start: {bandwidth['sum_read_gbps']:.1f} GB/s read (sum), "
+          f"{bandwidth['copy_read_write_gbps']:.1f} GB/s read+write (copy; each point's floor divides by the "
+          f"bandwidth sampled while its steps ran); weights "
           f"{floor['weight_bytes'] / 2**20:.0f} MiB per step; fp32 matmul {gemm['matmul_gflops']:.0f} GFLOP/s "
           f"({gemm['threads']} threads): the compute floor's divisor")
     rows: list[dict[str, Any]] = []
@@ -279,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     skip: dict[str, str] = {}          # transformers paths found unavailable: not retried
     for i, (ctx, batch) in enumerate(points):
         print(f"[{i + 1}/{len(points)}] context {ctx}, batch {batch}", flush=True)
-        rows += run_point(args, engines, hf_model, ctx, batch, i, floor, skip)
+        rows += run_point(args, engines, hf_model, ctx, batch, i, floor, skip, probe)
     for e in engines.values():
         if isinstance(e, Engine):
             e.close()

@@ -53,6 +53,25 @@ def memory_bandwidth(gib: float = 1.0, reps: int = 3, device: str | torch.device
             "device": str(device)}
 
 
+class BandwidthProbe:
+    """The memory bandwidth *while* a benchmark runs: `sample()` times one `sum` over a `gib` GiB
+    fp32 tensor on torch's current threads and returns GB/s read. bench.py takes one sample after
+    each round of timed decode steps. On a machine whose speed drifts by tens of percent within
+    minutes (a shared VM), a floor that divides by a bandwidth measured once at the start is tied
+    to that minute, not to the minutes the steps ran in. The floor uses the best sample: a sample
+    can only be slowed (by the machine, or by our engines' background copies still running after
+    a step), so the best one is the least disturbed, and the one that least flatters the steps."""
+
+    def __init__(self, gib: float = 0.25):
+        self.x = torch.ones(int(gib * 2**30) // 4)        # touched: page faults stay out of the timing
+        self.x.sum()
+
+    def sample(self) -> float:
+        t0 = time.perf_counter()
+        self.x.sum()
+        return self.x.nbytes / (time.perf_counter() - t0) / 1e9
+
+
 def matmul_gflops(n: int = 1024, reps: int = 3) -> dict[str, float]:
     """fp32 GEMM rate (1e9 FLOP/s), best of `reps` n^3 matmuls on torch's current threads."""
     a, b = torch.randn(n, n), torch.randn(n, n)

@@ -332,6 +332,11 @@ def test_bench_smoke(default_engine_dir, tmp_path, capsys):
     for r in timed:
         assert r["floor_ms"] > 0 and r["x_floor"] > 0 and r["compute_floor_ms"] > 0, r["impl"]
         assert r["step_read_bytes"] > doc["machine"]["weight_bytes"]
+        # the floor divides by the best bandwidth sampled after each round of timed steps
+        during = r["bandwidth_during_steps"]
+        assert during["samples"] == 2 and 0 < during["median_gbps"] <= during["best_gbps"]
+        assert r["floor_bandwidth_gbps"] == during["best_gbps"]
+        assert r["floor_ms"] == pytest.approx(1000 * r["step_read_bytes"] / (during["best_gbps"] * 1e9))
     static = rows["transformers-static-compile"]
     if static.get("error"):
         assert static["error"].startswith("not available (")
