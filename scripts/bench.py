@@ -24,9 +24,9 @@ Columns beyond speed: stall ms/step (time our decode step waited for KV copies, 
 timed steps) and the memory-bandwidth floor: the bytes a step must read (bench_floor.step_read_bytes:
 weights once + the whole KV of every sequence for dense paths; for sparse modes the device working
 set of all layers + the block summaries scored + the H2D bytes) over the bandwidth measured while
-that point's steps ran: after each round of timed steps a 256 MiB fp32 `sum` is timed, and the best
-of those samples is the point's divisor (bench_floor.BandwidthProbe says why the best; the start-of-
-run measure, best of a ~1 GiB sum and copy, is in the JSON's machine info and printed for contrast).
+that point's steps ran: after each round of timed steps a 256 MiB fp32 `sum` is timed, and all
+their bytes over all their time is the point's divisor (bench_floor.BandwidthProbe; the start-of-run
+measure, best of a ~1 GiB sum and copy, is in the JSON's machine info and printed for contrast).
 "floor ms" is that time, "x floor" is ms/step over it. "compute floor ms" is the step's FLOPs
 (bench_floor.step_flops: 2 per weight per computed row, a draft row included, + the attention's
 dot products) at the fp32 GEMM rate measured at the start; where it exceeds "floor ms" the step is
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -195,12 +194,13 @@ def run_point(args, engines, hf_model, ctx: int, batch: int, order: int, floor: 
             d.step(timed=s >= args.warmup_steps)
         if s >= args.warmup_steps:
             samples.append(probe.sample())
-    during = {"best_gbps": round(max(samples), 2), "median_gbps": round(statistics.median(samples), 2),
-              "samples": len(samples), "start_of_run_gbps": floor["bandwidth_gbps"]}
-    floor = {**floor, "bandwidth_gbps": during["best_gbps"], "bandwidth_during_steps": during}
-    print(f"  bandwidth while the steps ran: best {during['best_gbps']:.1f} GB/s, median {during['median_gbps']:.1f}"
-          f" ({len(samples)} samples; {floor['bandwidth_gbps']:.1f} is this point's floor divisor, the start-of-run"
-          f" measure was {during['start_of_run_gbps']:.1f})", flush=True)
+    during = {"rate_gbps": round(probe.rate(samples), 2), "best_gbps": round(max(samples), 2),
+              "worst_gbps": round(min(samples), 2), "samples": len(samples),
+              "start_of_run_gbps": floor["bandwidth_gbps"]}
+    floor = {**floor, "bandwidth_gbps": during["rate_gbps"], "bandwidth_during_steps": during}
+    print(f"  bandwidth while the steps ran: {during['rate_gbps']:.1f} GB/s over {len(samples)} samples "
+          f"({during['worst_gbps']:.1f}-{during['best_gbps']:.1f}; the start-of-run measure was "
+          f"{during['start_of_run_gbps']:.1f}): this point's floor divisor", flush=True)
     profiles = {}
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)

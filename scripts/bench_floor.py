@@ -58,9 +58,15 @@ class BandwidthProbe:
     fp32 tensor on torch's current threads and returns GB/s read. bench.py takes one sample after
     each round of timed decode steps. On a machine whose speed drifts by tens of percent within
     minutes (a shared VM), a floor that divides by a bandwidth measured once at the start is tied
-    to that minute, not to the minutes the steps ran in. The floor uses the best sample: a sample
-    can only be slowed (by the machine, or by our engines' background copies still running after
-    a step), so the best one is the least disturbed, and the one that least flatters the steps."""
+    to that minute, not to the minutes the steps ran in. `rate` is what the floor divides by: all
+    the samples' bytes over all their time (their harmonic mean), the same weighting as a row's
+    ms/step, which is its steps' total time over their number. So a round in a slow minute
+    weighs on the floor as it weighs on the steps (the best sample alone would hold slow rounds'
+    steps to a fast minute's floor)."""
+
+    @staticmethod
+    def rate(samples: list[float]) -> float:
+        return len(samples) / sum(1.0 / s for s in samples)
 
     def __init__(self, gib: float = 0.25):
         self.x = torch.ones(int(gib * 2**30) // 4)        # touched: page faults stay out of the timing
