@@ -17,6 +17,7 @@ near its bandwidth floor, and the larger of the two is the step's real lower bou
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -58,15 +59,15 @@ class BandwidthProbe:
     fp32 tensor on torch's current threads and returns GB/s read. bench.py takes one sample after
     each round of timed decode steps. On a machine whose speed drifts by tens of percent within
     minutes (a shared VM), a floor that divides by a bandwidth measured once at the start is tied
-    to that minute, not to the minutes the steps ran in. `rate` is what the floor divides by: all
-    the samples' bytes over all their time (their harmonic mean), the same weighting as a row's
-    ms/step, which is its steps' total time over their number. So a round in a slow minute
-    weighs on the floor as it weighs on the steps (the best sample alone would hold slow rounds'
-    steps to a fast minute's floor)."""
+    to that minute, not to the minutes the steps ran in. The floor divides by the samples'
+    median: a sample can be stalled on its own (one run had 2.7 GB/s among samples up to 31),
+    and the samples' harmonic mean, which would weigh rounds as a mean of step times does, was
+    dragged down by such samples far enough to put a dense step at 1.2x its floor."""
 
     @staticmethod
     def rate(samples: list[float]) -> float:
-        return len(samples) / sum(1.0 / s for s in samples)
+        """The floor's divisor: the median sample."""
+        return statistics.median(samples)
 
     def __init__(self, gib: float = 0.25):
         self.x = torch.ones(int(gib * 2**30) // 4)        # touched: page faults stay out of the timing
