@@ -189,6 +189,7 @@ def run_point(args, engines, hf_model, ctx: int, batch: int, order: int, floor: 
         print(f"{d.timing.prefill_s:.1f}s{compiled}", flush=True)
     torch.set_num_threads(decode_threads)
     samples = []
+    probe.sample()                     # discarded: right after the prefills a first sample read 2-3 GB/s
     for s in range(steps):             # interleaved: the order rotates every step
         for d in decoders[s % len(decoders):] + decoders[:s % len(decoders)]:
             d.step(timed=s >= args.warmup_steps)
