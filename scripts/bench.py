@@ -24,7 +24,7 @@ Columns beyond speed: stall ms/step (time our decode step waited for KV copies, 
 timed steps) and the memory-bandwidth floor: the bytes a step must read (bench_floor.step_read_bytes:
 weights once + the whole KV of every sequence for dense paths; for sparse modes the device working
 set of all layers + the block summaries scored + the H2D bytes) over the bandwidth measured while
-that point's steps ran: after each round of timed steps a 256 MiB fp32 `sum` is timed, and all
+that point's steps ran: after each round of timed steps a 256 MiB fp32 `sum` is timed, and
 their median is the point's divisor (bench_floor.BandwidthProbe says why; the start-of-run
 measure, best of a ~1 GiB sum and copy, is in the JSON's machine info and printed for contrast).
 "floor ms" is that time, "x floor" is ms/step over it. "compute floor ms" is the step's FLOPs
@@ -195,11 +195,11 @@ def run_point(args, engines, hf_model, ctx: int, batch: int, order: int, floor: 
             d.step(timed=s >= args.warmup_steps)
         if s >= args.warmup_steps:
             samples.append(probe.sample())
-    during = {"rate_gbps": round(probe.rate(samples), 2), "best_gbps": round(max(samples), 2),
+    during = {"median_gbps": round(probe.divisor(samples), 2), "best_gbps": round(max(samples), 2),
               "worst_gbps": round(min(samples), 2), "samples": len(samples),
               "samples_gbps": [round(x, 2) for x in samples], "start_of_run_gbps": floor["bandwidth_gbps"]}
-    floor = {**floor, "bandwidth_gbps": during["rate_gbps"], "bandwidth_during_steps": during}
-    print(f"  bandwidth while the steps ran: median {during['rate_gbps']:.1f} GB/s of {len(samples)} samples "
+    floor = {**floor, "bandwidth_gbps": during["median_gbps"], "bandwidth_during_steps": during}
+    print(f"  bandwidth while the steps ran: median {during['median_gbps']:.1f} GB/s of {len(samples)} samples "
           f"({during['worst_gbps']:.1f}-{during['best_gbps']:.1f}; the start-of-run measure was "
           f"{during['start_of_run_gbps']:.1f}): this point's floor divisor", flush=True)
     profiles = {}

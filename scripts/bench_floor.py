@@ -64,11 +64,6 @@ class BandwidthProbe:
     and the samples' harmonic mean, which would weigh rounds as a mean of step times does, was
     dragged down by such samples far enough to put a dense step at 1.2x its floor."""
 
-    @staticmethod
-    def rate(samples: list[float]) -> float:
-        """The floor's divisor: the median sample."""
-        return statistics.median(samples)
-
     def __init__(self, gib: float = 0.25):
         self.x = torch.ones(int(gib * 2**30) // 4)        # touched: page faults stay out of the timing
         self.x.sum()
@@ -77,6 +72,11 @@ class BandwidthProbe:
         t0 = time.perf_counter()
         self.x.sum()
         return self.x.nbytes / (time.perf_counter() - t0) / 1e9
+
+    @staticmethod
+    def divisor(samples: list[float]) -> float:
+        """The floor's divisor: the median sample."""
+        return statistics.median(samples)
 
 
 def matmul_gflops(n: int = 1024, reps: int = 3) -> dict[str, float]:
