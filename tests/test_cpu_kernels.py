@@ -23,20 +23,24 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
+@pytest.fixture(autouse=True)
+def restore_threads():
+    """Tests set torch's thread count (the kernels split their work by it); the suite's comes back after."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 16])
 @pytest.mark.parametrize("n_out,n_in", [(960, 576), (577, 100), (1, 8), (6, 3), (32, 1536), (40, 70), (8, 33)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_linear_matches_torch(rows, n_out, n_in, threads):
     g = _gen(rows * 1000 + n_out)
     x, w, b = (torch.randn(s, generator=g) for s in ((rows, n_in), (n_out, n_in), (n_out,)))
-    before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    try:
-        for bias in (None, b):
-            torch.testing.assert_close(cpu.linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(cpu.linear(x.t().contiguous().t(), w), F.linear(x, w), atol=1e-4, rtol=1e-5)
-    finally:
-        torch.set_num_threads(before)
+    for bias in (None, b):
+        torch.testing.assert_close(cpu.linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(cpu.linear(x.t().contiguous().t(), w), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows,n", [(1, 576), (8, 576), (3, 64), (16, 8)])
@@ -124,12 +128,8 @@ def test_attention_split_over_key_ranges_matches_torch(threads, case):
     if case == "nothing visible":
         extra_mask[:] = False
     args = (q, k, v, kv_mask, kx, vx, extra_mask, D ** -0.5)
-    before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    try:
-        out = cpu.attention(*args)
-    finally:
-        torch.set_num_threads(before)
+    out = cpu.attention(*args)
     torch.testing.assert_close(out, _attention_math(*args), atol=2e-5, rtol=1e-5)
     if case == "nothing visible":
         assert torch.equal(out, torch.zeros_like(out))
@@ -143,12 +143,8 @@ def test_attention_paged_matches_torch_per_sequence(threads):
     pool_k, pool_v = torch.randn(KVH, nb, bs, D, generator=g), torch.randn(KVH, nb, bs, D, generator=g)
     starts, lens = [3, 40, 0, 70], [600, 17, 1, 320]
     q = torch.randn(len(lens), H, D, generator=g)
-    before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    try:
-        out = cpu.attention_paged(q, pool_k, pool_v, starts, lens, D ** -0.5)
-    finally:
-        torch.set_num_threads(before)
+    out = cpu.attention_paged(q, pool_k, pool_v, starts, lens, D ** -0.5)
     for b, (s, n) in enumerate(zip(starts, lens)):
         k = pool_k[:, s:].reshape(KVH, -1, D)[:, :n]
         v = pool_v[:, s:].reshape(KVH, -1, D)[:, :n]
