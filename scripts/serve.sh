@@ -115,10 +115,10 @@ stop() {
   local pid
   if ! pid="$(running_pid)"; then echo "serve.sh: not running"; rm -f "$PID_FILE"; return 0; fi
   kill -TERM "$pid"
-  # The server waits up to --exit-timeout-secs (5 s) for in-flight requests, then unloads the model.
-  for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+  # The server exits once the model has unloaded (~2 s), at most --exit-timeout-secs (15 s) after TERM.
+  for _ in $(seq 1 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
   if kill -0 "$pid" 2>/dev/null; then
-    log_tail 20; kill -KILL "$pid" 2>/dev/null || true; echo "serve.sh: warning: killed pid $pid after 20 s" >&2
+    log_tail 20; kill -KILL "$pid" 2>/dev/null || true; echo "serve.sh: warning: killed pid $pid after 30 s" >&2
   fi
   rm -f "$PID_FILE"
   local prefix; prefix="$(sed -n 's/^SHM_PREFIX=//p' "$STATE" 2>/dev/null)"
