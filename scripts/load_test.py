@@ -39,6 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from load_report import plot, print_table  # noqa: E402
 from load_workload import (Prompts, Record, Run, Schedule, concat_runs, process_tree_cpu_s,  # noqa: E402,F401
                            summarize)
+from runtime.serving.grpc_stream import is_final, stream_request  # noqa: E402
 
 WARMUP_ID = 1_000_000          # warm-up prompts come from ids the measured run never uses
 
@@ -64,28 +65,23 @@ def grpc_inputs(prompt: str, max_tokens: int, ignore_eos: bool):
 
 
 async def served_request(client, model: str, prompt: str, args) -> Record:
-    rec, done = Record(start=time.perf_counter()), asyncio.Event()
+    rec = Record(start=time.perf_counter())
 
-    async def one_request():        # keep the stream open until the final response arrived
-        yield {"model_name": model, "inputs": grpc_inputs(prompt, args.max_tokens, args.ignore_eos)}
-        await done.wait()
+    def on_response(result, error):
+        now = time.perf_counter()
+        if error is not None:
+            rec.error = str(error)
+            return
+        n = int(result.as_numpy("num_output_tokens")[0])
+        rec.num_prompt_tokens = int(result.as_numpy("num_input_tokens")[0])
+        if n:
+            rec.token_times.append((now, n))
+        if is_final(result, error):
+            rec.end = now
     try:
-        async for result, error in client.stream_infer(one_request()):
-            now = time.perf_counter()
-            if error is not None:
-                rec.error = str(error)
-                break
-            n = int(result.as_numpy("num_output_tokens")[0])
-            rec.num_prompt_tokens = int(result.as_numpy("num_input_tokens")[0])
-            if n:
-                rec.token_times.append((now, n))
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                rec.end = now
-                break
+        await stream_request(client, model, grpc_inputs(prompt, args.max_tokens, args.ignore_eos), on_response)
     except Exception as e:        # connection refused, server gone: count it, keep going
         rec.error = f"{type(e).__name__}: {e}"
-    finally:
-        done.set()
     return rec
 
 

@@ -1,6 +1,7 @@
 """Serving pieces without a server: template filler, request parsing, responses, step loop, metrics."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import sys
@@ -402,3 +403,95 @@ def test_essay_prompts_are_windows_of_the_essays(load_test, tiny_dir):
     prompts = load_test.Prompts(64, 0.0, "essays", tok, seed=0)
     assert prompts.get(0) != prompts.get(1) and len(tok.encode(prompts.get(0))) == 64
     assert prompts.get(0) in prompts.corpus
+
+
+# ---- gRPC stream client -------------------------------------------------------------------------
+class FakeStreamCall:
+    """tritonclient.grpc.aio's stream_infer as the server behaves: the responses come, and then the
+    stream ends only once the client has half-closed it (its request iterator is exhausted)."""
+
+    def __init__(self, requests, responses):
+        self.responses, self.sent, self.cancelled, self.half_closed, self.read_to_end = list(responses), [], False, False, False
+        self._writer = asyncio.ensure_future(self._write(requests))
+
+    async def _write(self, requests):
+        async for r in requests:
+            self.sent.append(r)
+        self.half_closed = True
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.cancelled:
+            raise AssertionError("read from a cancelled call")
+        if self.responses:
+            await asyncio.sleep(0)
+            return self.responses.pop(0)
+        await self._writer                          # the server closes after the half-close
+        self.read_to_end = True
+        raise StopAsyncIteration
+
+    def cancel(self):
+        self.cancelled = True
+        self._writer.cancel()
+
+
+def fake_response(n_tokens, final):
+    from types import SimpleNamespace as NS
+    params = {"triton_final_response": NS(bool_param=final)}
+    outputs = {"num_output_tokens": np.array([n_tokens], np.int32), "num_input_tokens": np.array([7], np.int32)}
+    return NS(get_response=lambda: NS(parameters=params), as_numpy=outputs.get), None
+
+
+def stream_with(responses, on_response):
+    from runtime.serving.grpc_stream import stream_request
+
+    calls = []
+
+    async def main():
+        class Client:
+            def stream_infer(self, requests):
+                calls.append(FakeStreamCall(requests, responses))
+                return calls[-1]
+        await asyncio.wait_for(stream_request(Client(), "m", ["x"], on_response), timeout=5)
+    asyncio.run(main())
+    return calls[0]
+
+
+def test_stream_request_half_closes_after_the_final_response_and_reads_to_the_end():
+    seen = []
+    call = stream_with([fake_response(1, False), fake_response(1, False), fake_response(1, True)],
+                       lambda result, error: seen.append(result) and False)
+    assert len(seen) == 3 and call.sent == [{"model_name": "m", "inputs": ["x"]}]
+    assert call.half_closed and call.read_to_end and not call.cancelled
+
+
+def test_stream_request_treats_an_error_as_final():
+    errors = []
+    call = stream_with([(None, "max_tokens must be positive")], lambda result, error: errors.append(error))
+    assert errors == ["max_tokens must be positive"]
+    assert call.half_closed and call.read_to_end and not call.cancelled
+
+
+def test_stream_request_cancels_when_asked_before_the_final_response():
+    seen = []
+    call = stream_with([fake_response(1, False), fake_response(1, False), fake_response(1, True)],
+                       lambda result, error: seen.append(result) or len(seen) == 2)
+    assert len(seen) == 2 and call.cancelled and not call.read_to_end
+
+
+def test_load_test_served_request_records_tokens_and_closes_the_stream(load_test):
+    from types import SimpleNamespace as NS
+
+    calls = []
+
+    class Client:
+        def stream_infer(self, requests):
+            calls.append(FakeStreamCall(requests, [fake_response(0, False), fake_response(2, False),
+                                                   fake_response(1, True)]))
+            return calls[-1]
+    rec = asyncio.run(load_test.served_request(Client(), "m", "hello", NS(max_tokens=3, ignore_eos=True)))
+    assert rec.error is None and [n for _, n in rec.token_times] == [2, 1] and rec.num_prompt_tokens == 7
+    assert rec.end == rec.token_times[-1][0]
+    assert calls[0].half_closed and calls[0].read_to_end and not calls[0].cancelled

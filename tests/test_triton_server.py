@@ -62,29 +62,21 @@ class Reply:
 
 async def generate(client, ins, cancel_when=lambda reply: False) -> Reply:
     """One request on its own gRPC stream; collects responses until the final one, or cancels the
-    stream once `cancel_when(reply)` holds after a response."""
-    reply, done = Reply(), asyncio.Event()
+    request once `cancel_when(reply)` holds after a response."""
+    from runtime.serving.grpc_stream import stream_request
 
-    async def one():
-        yield {"model_name": MODEL, "inputs": ins}
-        await done.wait()
-    stream = client.stream_infer(one())
-    try:
-        async for result, error in stream:
-            if error is not None:
-                reply.error = str(error)
-                break
-            r = {name: result.as_numpy(name) for name in ("text_output", "num_output_tokens", "finish_reason")}
-            reply.responses.append({"text_output": r["text_output"][0], "num_output_tokens": int(r["num_output_tokens"][0]),
-                                    "finish_reason": None if r["finish_reason"] is None else r["finish_reason"][0].decode()})
-            reply.times.append(time.monotonic())
-            if cancel_when(reply):
-                stream.cancel()
-                break
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
-    finally:
-        done.set()
+    reply = Reply()
+
+    def on_response(result, error):
+        if error is not None:
+            reply.error = str(error)
+            return False
+        r = {name: result.as_numpy(name) for name in ("text_output", "num_output_tokens", "finish_reason")}
+        reply.responses.append({"text_output": r["text_output"][0], "num_output_tokens": int(r["num_output_tokens"][0]),
+                                "finish_reason": None if r["finish_reason"] is None else r["finish_reason"][0].decode()})
+        reply.times.append(time.monotonic())
+        return cancel_when(reply)
+    await stream_request(client, MODEL, ins, on_response)
     return reply
 
 
