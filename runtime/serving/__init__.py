@@ -5,5 +5,7 @@ Nothing here imports `triton_python_backend_utils`, so every piece is tested wit
 - `config_template`: fill `config.pbtxt` templates and write a ready model repository;
 - `triton_env`: find the tritonserver shipped in `nvidia-pytriton`, build its backend dir and environment;
 - `request`: Triton request tensors -> (prompt, SamplingParams), with typed errors naming the field;
-- `loop`: the one background thread that steps the engine and routes outputs to each request.
+- `loop`: the one background thread that steps the engine and routes outputs to each request;
+- `metrics`: engine stats -> Prometheus families on Triton's metrics endpoint;
+- `grpc_stream` (client side): one request on its own gRPC stream, half-closed once it has finished.
 """
