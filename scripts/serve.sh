@@ -115,7 +115,7 @@ stop() {
   local pid
   if ! pid="$(running_pid)"; then echo "serve.sh: not running"; rm -f "$PID_FILE"; return 0; fi
   kill -TERM "$pid"
-  # The server exits once the model has unloaded (~2 s), at most --exit-timeout-secs (15 s) after TERM.
+  # The server exits once the model has unloaded (~3 s), at most --exit-timeout-secs (15 s) after TERM.
   for _ in $(seq 1 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
   if kill -0 "$pid" 2>/dev/null; then
     log_tail 20; kill -KILL "$pid" 2>/dev/null || true; echo "serve.sh: warning: killed pid $pid after 30 s" >&2

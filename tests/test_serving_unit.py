@@ -444,19 +444,30 @@ def fake_response(n_tokens, final):
     return NS(get_response=lambda: NS(parameters=params), as_numpy=outputs.get), None
 
 
+class FakeClient:
+    """Hands out one FakeStreamCall per stream_infer, all with the same scripted responses."""
+
+    def __init__(self, responses):
+        self.responses, self.calls = responses, []
+
+    def stream_infer(self, requests):
+        self.calls.append(FakeStreamCall(requests, self.responses))
+        return self.calls[-1]
+
+
+def run_within(coro, timeout=5.0):
+    """asyncio.run with a deadline: a client that never closes its stream fails instead of hanging."""
+    async def main():
+        return await asyncio.wait_for(coro, timeout)
+    return asyncio.run(main())
+
+
 def stream_with(responses, on_response):
     from runtime.serving.grpc_stream import stream_request
 
-    calls = []
-
-    async def main():
-        class Client:
-            def stream_infer(self, requests):
-                calls.append(FakeStreamCall(requests, responses))
-                return calls[-1]
-        await asyncio.wait_for(stream_request(Client(), "m", ["x"], on_response), timeout=5)
-    asyncio.run(main())
-    return calls[0]
+    client = FakeClient(responses)
+    run_within(stream_request(client, "m", ["x"], on_response))
+    return client.calls[0]
 
 
 def test_stream_request_half_closes_after_the_final_response_and_reads_to_the_end():
@@ -484,14 +495,9 @@ def test_stream_request_cancels_when_asked_before_the_final_response():
 def test_load_test_served_request_records_tokens_and_closes_the_stream(load_test):
     from types import SimpleNamespace as NS
 
-    calls = []
-
-    class Client:
-        def stream_infer(self, requests):
-            calls.append(FakeStreamCall(requests, [fake_response(0, False), fake_response(2, False),
-                                                   fake_response(1, True)]))
-            return calls[-1]
-    rec = asyncio.run(load_test.served_request(Client(), "m", "hello", NS(max_tokens=3, ignore_eos=True)))
+    client = FakeClient([fake_response(0, False), fake_response(2, False), fake_response(1, True)])
+    rec = run_within(load_test.served_request(client, "m", "hello", NS(max_tokens=3, ignore_eos=True)))
     assert rec.error is None and [n for _, n in rec.token_times] == [2, 1] and rec.num_prompt_tokens == 7
     assert rec.end == rec.token_times[-1][0]
-    assert calls[0].half_closed and calls[0].read_to_end and not calls[0].cancelled
+    call = client.calls[0]
+    assert call.half_closed and call.read_to_end and not call.cancelled
