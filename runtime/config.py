@@ -95,6 +95,8 @@ class LookaheadConfig:
     miss_policy: str = "urgent"
     draft: str = "dual_token"
     group_score: str = "max"       # a GQA group's block score: max over its heads, or sum (DESIGN.md)
+    resync_after: int = 1          # draft misses in a row before the chain is re-seeded by
+                                   # pre-decoding (1: after every miss; 0: never)
     prefetch_lead: int = 2         # pingpong: layer l+lead is fetched while layer l computes
     prefill_chunk: int = 512       # tokens per prefill chunk
     max_batch_size: int = 8
@@ -126,6 +128,8 @@ class LookaheadConfig:
             _check(self.residency == "resident", "residency",
                    f"{self.residency!r} refills from predictions, and draft 'none' makes none",
                    "use residency 'resident', or a draft")
+        _check(isinstance(self.resync_after, int) and self.resync_after >= 0, "resync_after",
+               f"must be an integer >= 0, got {self.resync_after!r}", "1 re-seeds after every miss, 0 never")
         _check(self.prefetch_lead >= 1, "prefetch_lead", f"must be >= 1, got {self.prefetch_lead}")
         _check(self.prefill_chunk > 0, "prefill_chunk", f"must be > 0, got {self.prefill_chunk}")
         _check(self.max_batch_size > 0, "max_batch_size", f"must be > 0, got {self.max_batch_size}")

@@ -10,6 +10,7 @@ can run `step()` in one background thread and accept requests from others.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .tokenizer import IncrementalDetokenizer, TextTokenizer
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,12 +73,13 @@ class Engine:
                  transfer: str = "thread", prefill_cache: PrefillCache | None = None):
         """prefill_cache: shared by engines over the same `model`, a prompt prefilled by one is
         replayed by the others (runtime/prefill_cache.py), e.g. one prompt under several modes."""
+        mcfg = manifest.model
+        self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
+        config = clamp_top_k(config, self.max_model_len)
         self.manifest, self.model, self.tokenizer, self.config = manifest, model, tokenizer, config
         self.prefill_cache = prefill_cache
-        mcfg = manifest.model
         self.eos_ids = mcfg.eos_token_ids
         bs = config.block_size
-        self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
         n_blocks = num_host_blocks or config.max_batch_size * blocks_needed(self.max_model_len, bs)
         dtype = next(model.parameters()).dtype
         self.pool = KVPool(mcfg, n_blocks, bs, dtype=dtype)
@@ -95,15 +99,16 @@ class Engine:
         if cfg.mode == "dense":
             return DenseRunner(self.model, DenseAttention(self.pool, mcfg.head_dim ** -0.5), cfg.block_size,
                                self.prefill_cache)
-        from .draft import make_draft
+        from .draft import DraftChain, make_draft
         from .lookahead.attention import LookaheadAttention
         from .lookahead.runner import LookaheadRunner
         from .transfer import make_transfer_engine
         attn = LookaheadAttention(mcfg, cfg, self.pool, cfg.max_batch_size,
                                   blocks_needed(self.max_model_len, cfg.block_size), make_transfer_engine(transfer))
         check_budget(cfg, attn)
-        return LookaheadRunner(self.model, attn, cfg.block_size, make_draft(cfg.draft, mcfg.vocab_size),
-                               cfg.max_batch_size, self.prefill_cache)
+        source = make_draft(cfg.draft)
+        chain = DraftChain(source, cfg.resync_after) if source is not None else None
+        return LookaheadRunner(self.model, attn, cfg.block_size, chain, cfg.max_batch_size, self.prefill_cache)
 
     def sibling(self, prefill_cache: PrefillCache | None = None, **overrides: Any) -> "Engine":
         """A new engine over this one's loaded model (no second weight load) with its own KV pool,
@@ -199,7 +204,7 @@ class Engine:
         for seq, _ in work:
             if seq.seq_id not in logits:
                 continue
-            seq.append_token(sample(logits[seq.seq_id], seq.params, seq.generator), self.eos_ids)
+            seq.append_token(sample(logits[seq.seq_id], seq.params, seq.noise_seed, seq.num_tokens), self.eos_ids)
             if seq.finish_reason:
                 outs.append(self._finish(seq))
             else:
@@ -256,6 +261,17 @@ class Engine:
         ttft = (seq.first_token_time or t_end) - t0
         return Completion(seq.request_id, seq.text, list(seq.output_ids), seq.finish_reason,
                           len(seq.prompt_ids), ttft, t_end - t0, dict(seq.metrics))
+
+
+def clamp_top_k(cfg: LookaheadConfig, max_model_len: int) -> LookaheadConfig:
+    """top_k beyond the blocks a sequence of `max_model_len` tokens has selects nothing more (K
+    already covers every block): clamp it, so the device tier is not sized for blocks no context
+    reaches (`--top-k 100000` asked for 295 GB)."""
+    most = blocks_needed(max_model_len, cfg.block_size)
+    if cfg.top_k <= most:
+        return cfg
+    log.info("top_k %d exceeds the %d blocks of max_model_len %d: using %d", cfg.top_k, most, max_model_len, most)
+    return cfg.replace(top_k=most)
 
 
 def check_budget(cfg: LookaheadConfig, attn) -> None:

@@ -1,11 +1,23 @@
-"""Sampling parameters (validated per request) and the sampler."""
+"""Sampling parameters (validated per request) and the sampler.
+
+Sampling is Gumbel-max with noise keyed by (the request's seed, the position of the token drawn):
+`token = argmax(filtered_logits / T + g)`, `g ~ Gumbel(0, 1)` iid per vocabulary entry. That is an
+exact draw from the filtered softmax, and every row that draws the token of one position draws on
+the same noise. The look-ahead relies on it: the draft row of step s and the real row of step s+1
+both draw the token at p+2, so they agree whenever their distributions do (the draft chain stays
+in sync under sampling), and dense and lookahead mode emit the same tokens for a given seed.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from .errors import RequestError
+
+_M64 = (1 << 64) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass
@@ -23,17 +35,20 @@ class SamplingParams:
             raise RequestError(name, problem, fix)
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}", "e.g. 64")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0 or self.temperature != self.temperature:
-            bad("temperature", f"must be >= 0, got {self.temperature!r}", "0 means greedy")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
+                or not math.isfinite(self.temperature) or self.temperature < 0):
+            bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}", "0 means greedy")
+        if (not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool)
+                or not 0 < self.top_p <= 1):
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}", "1.0 disables nucleus sampling")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             bad("top_k", f"must be an integer >= 0, got {self.top_k!r}", "0 disables top-k")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("seed", f"must be an integer, got {self.seed!r}", "or omit it")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not INT64_MIN <= self.seed <= INT64_MAX):
+            bad("seed", f"must be a 64-bit signed integer, got {self.seed!r}", "or omit it")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", f"must be a list of non-empty strings, got {self.stop!r}", "e.g. ['\\n\\n']")
 
     @property
@@ -41,19 +56,39 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: [vocab] float32 -> one token id."""
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (seed, position): splitmix64's finaliser over both."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return (z ^ (z >> 31)) >> 1
+
+
+def position_noise(seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Gumbel(0, 1) noise [vocab_size] float64, the same for every call with (seed, position)."""
+    gen = torch.Generator(device).manual_seed(_mix(seed, position))
+    u = torch.rand(vocab_size, generator=gen, dtype=torch.float64, device=device)
+    return -torch.log(-torch.log(u))         # u = 0 gives -inf: that entry is never drawn
+
+
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [vocab] -> logits / temperature with -inf outside the top_k and top_p sets."""
+    z = logits.double() / params.temperature
+    if 0 < params.top_k < z.shape[-1]:
+        kth = torch.topk(z, params.top_k).values[-1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_z, order = torch.sort(z, descending=True)
+        p = torch.softmax(sorted_z, dim=-1)
+        drop = torch.cumsum(p, dim=-1) - p > params.top_p   # keep the smallest prefix reaching top_p
+        z = z.scatter(0, order, sorted_z.masked_fill(drop, float("-inf")))
+    return z
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+    """The token at `position` from logits [vocab] (float32): argmax when greedy, otherwise a
+    Gumbel-max draw on the noise of (seed, position)."""
     if params.greedy:
         return int(torch.argmax(logits))
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_p, dim=-1)
-        drop = cum - sorted_p > params.top_p     # keep the smallest prefix whose mass reaches top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    z = filtered_logits(logits, params)
+    return int(torch.argmax(z + position_noise(seed, position, z.shape[-1], z.device)))

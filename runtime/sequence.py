@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer
@@ -33,12 +32,12 @@ class Sequence:
     emitted: int = 0                    # characters of `text` already streamed
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
-    generator: torch.Generator | None = None
+    noise_seed: int = 0                 # keys the sampling noise (runtime/sampling.py): the request's
+                                        # seed, or a random one drawn at arrival
     metrics: dict = field(default_factory=dict)   # filed by the runner when the sequence ends
 
     def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        self.noise_seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
 
     @property
     def num_tokens(self) -> int:

@@ -153,7 +153,7 @@ def run_draft(factory: EngineFactory, prompt: str, draft: str, top_k: int, steps
     eng = factory.make(mode="lookahead", residency="resident", miss_policy="urgent", top_k=top_k)
     ids = eng.tokenizer.encode(prompt)
     logger = LoggingDraft(make_draft(draft, eng.manifest.model.vocab_size, len(ids), continuation, seed))
-    eng.runner.draft = logger
+    eng.runner.chain.source = logger
     tap = ScoreTap(eng.runner.attn, ks)
     try:
         t0 = time.perf_counter()

@@ -152,10 +152,10 @@ def test_adversarial_draft_under_urgent_equals_perfect_draft(tiny_dir, residency
     base = Engine.from_dir(tiny_dir, **cfg)
     good, gl = run(base, ps)
     oracle = Engine.from_dir(tiny_dir, **cfg)
-    oracle.runner.draft = OracleDraft([c.token_ids for c in good], [len(p) for p in ps])
+    oracle.runner.chain.source = OracleDraft([c.token_ids for c in good], [len(p) for p in ps])
     perfect, pl = run(oracle, ps)
     rnd = Engine.from_dir(tiny_dir, **cfg)
-    rnd.runner.draft = RandomDraft(256, seed=1)
+    rnd.runner.chain.source = RandomDraft(256, seed=1)
     bad, bl = run(rnd, ps)                       # debug_checks: the cache is never corrupted
     assert [c.token_ids for c in bad] == [c.token_ids for c in perfect] == [c.token_ids for c in good]
     for a, b in zip(bl, pl):
@@ -167,7 +167,7 @@ def test_adversarial_draft_under_urgent_equals_perfect_draft(tiny_dir, residency
 
 def test_random_draft_under_drop_never_corrupts_the_cache(tiny_dir):
     eng = Engine.from_dir(tiny_dir, **SMALL, top_k=4, miss_policy="drop", fetch_ratio=0.25)
-    eng.runner.draft = RandomDraft(256, seed=2)
+    eng.runner.chain.source = RandomDraft(256, seed=2)
     urgent_steps = []
     orig = eng.runner.attn.transfer.submit
     eng.runner.attn.transfer.submit = lambda job, urgent=False: (

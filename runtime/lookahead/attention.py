@@ -116,7 +116,7 @@ class LookaheadAttention:
     def end_step(self) -> None:
         """After the last layer: store a decode step's K/V and tally its metrics, all layers at once."""
         pending, self._pending = self._pending, []
-        if pending:
+        if pending and pending[0][0].shape[0]:      # a step of pre-decoding lanes only stores nothing
             ks, vs = zip(*pending)
             self._store(slice(0, len(pending)), torch.stack(ks), torch.stack(vs))
         self.metrics.flush()
@@ -282,9 +282,10 @@ class LookaheadAttention:
         self._step_metrics.append((layer, self.pred[layer, L].clone(), has, t_idx, resident))
         if self.cfg.miss_policy == "urgent":
             self._fetch_urgent(layer, buf, L, t_idx, true_scores[L])
-        elif (first := self.seeded[layer, L]).any():
+        elif (first := self.seeded[layer, L] | d.predecode[L]).any():
             # drop tolerates a draft's misses, but a lane's first decode step was predicted by the
-            # seed (the last prompt token's query), not by a draft: fetch that step's misses once
+            # seed (the last prompt token's query), and a pre-decoding step by a draft known to be
+            # wrong: fetch those steps' misses (the next step's real row is then served exactly)
             self._fetch_urgent(layer, buf, d.lanes[first], t_idx[first], true_scores[L][first])
             self.seeded[layer, L] = False
         if self.debug_checks:

@@ -1,29 +1,60 @@
 """Lookahead model runner: builds dual-row decode steps (real + draft token per sequence)."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from ..draft import DraftSource
+from ..draft import DraftChain
 from ..model import LlamaModel
 from ..prefill_cache import PrefillCache
+from ..sampling import sample
 from ..sequence import Sequence
 from ..step import StepBatch, StepItem
 from .attention import LookaheadAttention
 from .step_plan import PrefillPart, StepPlan, build_decode_part
 
 
+@dataclass
+class _Rows:
+    """A step's rows as the runner lays them out (lists; made tensors once, in `_plan`)."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    stored: list[int] = field(default_factory=list)          # rows whose K/V the cache keeps
+    stored_lanes: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)          # per stored row: host block, offset,
+    offsets: list[int] = field(default_factory=list)         # and whether it is written through
+    keep: list[bool] = field(default_factory=list)
+    items: list[StepItem] = field(default_factory=list)
+    prefill: list[PrefillPart] = field(default_factory=list)
+    dec_lanes: list[int] = field(default_factory=list)       # per decoding sequence
+    dec_real: list[int] = field(default_factory=list)
+    dec_draft: list[int] = field(default_factory=list)
+    dec_ctx: list[int] = field(default_factory=list)
+    dec_seqs: list[Sequence] = field(default_factory=list)
+    dec_pre: list[bool] = field(default_factory=list)        # the sequence pre-decodes this step
+
+    def add(self, token: int, pos: int, store: tuple[int, int, int, bool] | None) -> int:
+        """Append a row; `store` = (lane, host block, offset, write-through) for a stored row."""
+        row = len(self.tokens)
+        self.tokens.append(token)
+        self.positions.append(pos)
+        if store is not None:
+            lane, block, offset, keep = store
+            self.stored.append(row), self.stored_lanes.append(lane)
+            self.blocks.append(block), self.offsets.append(offset), self.keep.append(keep)
+        return row
+
+
 class LookaheadRunner:
-    def __init__(self, model: LlamaModel, attn: LookaheadAttention, block_size: int, draft: DraftSource | None,
+    def __init__(self, model: LlamaModel, attn: LookaheadAttention, block_size: int, chain: DraftChain | None,
                  num_lanes: int, prefill_cache: PrefillCache | None = None):
-        """draft None: sparse attention without look-ahead (one row per sequence, no prediction)."""
-        self.model, self.attn, self.block_size, self.draft = model, attn, block_size, draft
+        """chain None: sparse attention without look-ahead (one row per sequence, no prediction)."""
+        self.model, self.attn, self.block_size, self.chain = model, attn, block_size, chain
         self.prefill_cache = prefill_cache
         self.free_lanes = list(range(num_lanes))
         self.lanes: dict[int, int] = {}
-        self.guess: dict[int, int] = {}          # seq_id -> argmax of its last draft row
-        self.last_draft: dict[int, int] = {}     # seq_id -> draft token run at the last step
-        self.draft_hits = self.draft_total = 0
-        self.seq_drafts: dict[int, list[int]] = {}     # seq_id -> [accepted, proposed]
 
     def _lane(self, seq: Sequence) -> int:
         if seq.seq_id not in self.lanes:
@@ -38,97 +69,101 @@ class LookaheadRunner:
         lane = self.lanes.pop(seq.seq_id, None)
         if lane is not None:
             self.free_lanes.append(lane)
-            acc, tot = self.seq_drafts.pop(seq.seq_id, [0, 0])
-            seq.metrics = {**self.attn.metrics.take_lane(lane),
-                           "draft_accept_rate": acc / tot if tot else None}
-        self.guess.pop(seq.seq_id, None)
-        self.last_draft.pop(seq.seq_id, None)
+            seq.metrics = self.attn.metrics.take_lane(lane)
+        if self.chain is not None:
+            seq.metrics.update(self.chain.release(seq.seq_id))
 
+    # ---- one step ---------------------------------------------------------------------------------
     def run(self, work: list[tuple[Sequence, int]]) -> dict[int, torch.Tensor]:
-        bs = self.block_size
+        """Run one step; returns {seq_id: logits [vocab]} for sequences that emit a token."""
         for seq, _ in work:                  # rows in lane order: a full decode batch packs (step_plan)
             self._lane(seq)
         work = sorted(work, key=lambda w: self.lanes[w[0].seq_id])
-        tokens, positions, items, prefill = [], [], [], []
-        real_rows, real_lanes, blocks, offsets, keep = [], [], [], [], []
-        dec_lanes, dec_real, dec_draft, dec_ctx, dec_seqs = [], [], [], [], []
-        for seq, n in work:
-            lane, start, row = self._lane(seq), seq.num_cached, len(tokens)
-            w0 = self.attn.layout.window_start(start + n)
-            for p in range(start, start + n):
-                keep.append(p // bs < self.attn.layout.num_sink or p // bs >= w0)
-                real_rows.append(len(tokens))
-                real_lanes.append(lane)
-                blocks.append(seq.block_table[p // bs])
-                offsets.append(p % bs)
-                tokens.append(seq.token_at(p))
-                positions.append(p)
-            item = StepItem(seq.seq_id, row, n, start, seq.block_table)
-            items.append(item)
-            if seq.in_prefill:
-                prefill.append(PrefillPart(item, lane, start + n == len(seq.prompt_ids)))
-            else:
-                dec_lanes.append(lane), dec_real.append(row), dec_ctx.append(start + 1), dec_seqs.append(seq)
-                if self.draft is None:
-                    continue
-                real = seq.token_at(start)
-                prev = self.last_draft.get(seq.seq_id)
-                if prev is not None:
-                    self.draft_total += 1
-                    self.draft_hits += int(prev == real)
-                    tally = self.seq_drafts.setdefault(seq.seq_id, [0, 0])
-                    tally[0] += int(prev == real)
-                    tally[1] += 1
-                ctx = seq.prompt_ids + seq.output_ids
-                d = self.draft.propose(ctx, self.guess.get(seq.seq_id))
-                self.last_draft[seq.seq_id] = d
-                dec_draft.append(len(tokens))
-                tokens.append(d)
-                positions.append(start + 1)
-        t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-        batch = StepBatch(items, t(tokens), t(positions), t(blocks), t(offsets))
-        logical = t(positions)[t(real_rows)] // bs
-        decode = (build_decode_part(self.attn.layout, dec_lanes, dec_real, dec_draft, dec_ctx,
-                                    self.attn.max_blocks, only_decode=not prefill) if dec_lanes else None)
-        plan = StepPlan(batch, t(real_rows), t(real_lanes), logical,
-                        slice(None) if all(keep) else torch.tensor(keep, dtype=torch.bool), prefill, decode)
-        if decode is not None and decode.packed:
-            plan.real_ix = decode.real_ix
-        else:
-            plan.real_ix = plan.real_rows
+        rows = self._rows(work)
+        plan = self._plan(rows)
         self.attn.begin_step(plan)
         cache, num_layers = self.prefill_cache, len(self.model.layers)
-        if cache is not None and (replay := cache.replay(self.model, work, items)) is not None:
+        if cache is not None and (replay := cache.replay(self.model, work, rows.items)) is not None:
             out = replay.run(self.attn, num_layers)
             self.attn.end_step()
-            for seq, n in work:
-                seq.num_cached += n
+            self._advance(work, rows)
             return out
-        rec = cache.record(self.model, work, items) if cache is not None else None
-        hidden = self.model(batch.tokens, batch.positions, rec.wrap(self.attn, num_layers) if rec else self.attn)
+        rec = cache.record(self.model, work, rows.items) if cache is not None else None
+        hidden = self.model(plan.batch.tokens, plan.batch.positions,
+                            rec.wrap(self.attn, num_layers) if rec else self.attn)
         self.attn.end_step()
-        for seq, n in work:
-            seq.num_cached += n
-        sample_rows, sample_seqs = [], []
-        for part in prefill:
-            if part.completes_prompt:
-                sample_rows.append(part.item.row_start + part.item.num_tokens - 1)
-                sample_seqs.append(next(s for s, _ in work if s.seq_id == part.item.seq_id))
-        sample_rows += dec_real
-        sample_seqs += dec_seqs
-        out = {}
-        if sample_rows or dec_draft:
-            logits = self.model.logits(hidden[t(sample_rows + dec_draft)])
-            for i, seq in enumerate(dec_seqs if dec_draft else []):   # the draft row's guess for the step after next
-                self.guess[seq.seq_id] = int(logits[len(sample_rows) + i].argmax())
-            out = {seq.seq_id: logits[i] for i, seq in enumerate(sample_seqs)}
+        self._advance(work, rows)
+        out = self._sample_rows(work, rows, hidden)
         if rec:
             rec.finish(out)
         return out
 
+    def _rows(self, work: list[tuple[Sequence, int]]) -> _Rows:
+        bs, lay, r = self.block_size, self.attn.layout, _Rows()
+        for seq, n in work:
+            lane, start, row = self.lanes[seq.seq_id], seq.num_cached, len(r.tokens)
+            draft = None
+            if not seq.in_prefill and self.chain is not None:
+                draft = self.chain.next_draft(seq.seq_id, seq.prompt_ids + seq.output_ids)
+            pre = not seq.in_prefill and self.chain is not None and draft is None
+            w0 = lay.window_start(start + n)
+            for p in range(start, start + n):
+                store = None if pre else (lane, seq.block_table[p // bs], p % bs, p // bs < lay.num_sink or p // bs >= w0)
+                r.add(seq.token_at(p), p, store)
+            r.items.append(StepItem(seq.seq_id, row, 0 if pre else n, start, seq.block_table))
+            if seq.in_prefill:
+                r.prefill.append(PrefillPart(r.items[-1], lane, start + n == len(seq.prompt_ids)))
+                continue
+            r.dec_lanes.append(lane), r.dec_real.append(row), r.dec_ctx.append(start + 1)
+            r.dec_seqs.append(seq), r.dec_pre.append(pre)
+            if self.chain is not None:       # pre-decoding: the current token again, at its own position
+                r.dec_draft.append(r.add(seq.token_at(start), start, None) if pre else r.add(draft, start + 1, None))
+        return r
+
+    def _plan(self, r: _Rows) -> StepPlan:
+        t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        batch = StepBatch(r.items, t(r.tokens), t(r.positions), t(r.blocks), t(r.offsets))
+        decode = (build_decode_part(self.attn.layout, r.dec_lanes, r.dec_real, r.dec_draft, r.dec_ctx,
+                                    self.attn.max_blocks, only_decode=not r.prefill, predecode=r.dec_pre)
+                  if r.dec_lanes else None)
+        stored = t(r.stored)
+        # a packed decode step stores every real row: a slice of them is a view, not a copy
+        real_ix = decode.real_ix if decode is not None and decode.packed and not any(r.dec_pre) else stored
+        return StepPlan(batch, stored, t(r.stored_lanes), batch.positions[stored] // self.block_size,
+                        slice(None) if all(r.keep) else torch.tensor(r.keep, dtype=torch.bool),
+                        r.prefill, decode, real_ix)
+
+    def _advance(self, work: list[tuple[Sequence, int]], r: _Rows) -> None:
+        """The cache now holds the step's stored rows (a pre-decoding sequence stored none)."""
+        for (seq, n), it in zip(work, r.items):
+            seq.num_cached += it.num_tokens
+
+    def _sample_rows(self, work, r: _Rows, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Logits of the rows that emit (prompts that completed, real decode rows that are not
+        pre-decoding) -> {seq_id: logits}; the draft and pre-decoding rows' draws -> the chain."""
+        emit_rows, emit_seqs = [], []
+        for part in r.prefill:
+            if part.completes_prompt:
+                emit_rows.append(part.item.row_start + part.item.num_tokens - 1)
+                emit_seqs.append(next(s for s, _ in work if s.seq_id == part.item.seq_id))
+        for seq, row, pre in zip(r.dec_seqs, r.dec_real, r.dec_pre):
+            if not pre:
+                emit_rows.append(row), emit_seqs.append(seq)
+        if not emit_rows and not r.dec_draft:
+            return {}
+        logits = self.model.logits(hidden[torch.tensor(emit_rows + r.dec_draft, dtype=torch.long)])
+        for i, (seq, pre) in enumerate(zip(r.dec_seqs if r.dec_draft else [], r.dec_pre)):
+            # the draft row draws the token after next (position p + 2); a pre-decoding row, which
+            # is next step's real row computed ahead, the next one (p + 1): each on the noise of
+            # its position, as the real row that will draw it
+            position = seq.num_tokens + (0 if pre else 1)
+            self.chain.set_guess(seq.seq_id, sample(logits[len(emit_rows) + i], seq.params, seq.noise_seed, position))
+        return {seq.seq_id: logits[i] for i, seq in enumerate(emit_seqs)}
+
     def stats(self) -> dict:
         a, tr = self.attn, self.attn.transfer
         m = a.metrics.summary()
+        chain = self.chain.stats() if self.chain is not None else {}
         return {
             "h2d_bytes": tr.h2d_bytes,
             "device_resident_bytes": a.device_bytes_per_lane() * len(self.lanes),
@@ -139,5 +174,8 @@ class LookaheadRunner:
             "transfer_wait_s": tr.wait_s,
             "agreement_mean": m["agreement_mean"],
             "agreement_per_layer": m["agreement_per_layer"],
-            "draft_accept_rate": self.draft_hits / self.draft_total if self.draft_total else None,
+            "draft_accept_rate": chain.get("draft_accept_rate"),
+            "drafts_proposed": chain.get("drafts_proposed", 0),
+            "predecode_steps": chain.get("predecode_steps", 0),
+            "resyncs": chain.get("resyncs", 0),
         }

@@ -18,7 +18,12 @@ class PrefillPart:
 
 @dataclass
 class DecodePart:
-    """The decode lanes of a step: each has a real row (stored) and a draft row (never stored)."""
+    """The decode lanes of a step: each has a real row (stored) and a draft row (never stored).
+
+    A pre-decoding lane (`predecode`) runs its current token in both rows: neither is stored, and
+    the draft row, which sees only itself, is the real row of the lane's next step computed ahead
+    (its draw becomes the first draft of a re-seeded chain, runtime/draft.py).
+    """
 
     lanes: torch.Tensor            # [B] lane of each decoding sequence
     real_rows: torch.Tensor        # [B] row of the real token in the flat batch
@@ -39,6 +44,7 @@ class DecodePart:
     rows: int = 2                  # query rows per lane: real + draft, or 1 without look-ahead
     extra_mask: torch.Tensor | None = None   # [num_lanes, rows, rows] bool: which of this step's
                                    # own rows each row sees (real: itself; draft: real and itself)
+    predecode: torch.Tensor | None = None    # [num_lanes] bool: the lane pre-decodes this step
 
     @property
     def size(self) -> int:
@@ -82,21 +88,29 @@ def candidate_mask(layout: SlotLayout, context_len: int, max_blocks: int) -> tor
 
 
 def build_decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int], draft_rows: list[int],
-                      context_lens: list[int], max_blocks: int, only_decode: bool) -> DecodePart:
+                      context_lens: list[int], max_blocks: int, only_decode: bool,
+                      predecode: list[bool] | None = None) -> DecodePart:
+    """`predecode[i]`: lane i pre-decodes (its draft row is at the real row's position)."""
     n = max(lanes) + 1
+    predecode = predecode or [False] * len(lanes)
     base = torch.zeros(n, layout.selected_start * layout.block_size, dtype=torch.bool)
     cand = torch.zeros(n, 2, max_blocks, dtype=torch.bool)
     active = torch.zeros(n, dtype=torch.bool)
-    for lane, c in zip(lanes, context_lens):
+    pre = torch.zeros(n, dtype=torch.bool)
+    for lane, c, p in zip(lanes, context_lens, predecode):
         base[lane] = window_mask(layout, c, visible=c - 1)
         cand[lane, 0] = candidate_mask(layout, c, max_blocks)
-        cand[lane, 1] = candidate_mask(layout, c + 1, max_blocks)
+        cand[lane, 1] = candidate_mask(layout, c if p else c + 1, max_blocks)
         active[lane] = True
+        pre[lane] = p
     t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     rows = 2 if draft_rows else 1
     part = DecodePart(t(lanes), t(real_rows), t(draft_rows), n, base, active, cand[:, :rows],
-                      list(context_lens), rows=rows)
+                      list(context_lens), rows=rows, predecode=pre)
     part.extra_mask = torch.tensor([[True, False], [True, True]])[:rows, :rows].expand(n, rows, rows)
+    if pre.any():       # a pre-decoding row sees only itself: the real row is the same token
+        part.extra_mask = part.extra_mask.clone()
+        part.extra_mask[pre, 1, 0] = False
     part.lane_ix, part.real_ix = part.lanes, part.real_rows
     if lanes == list(range(n)):
         part.lane_ix = slice(0, n)
