@@ -147,29 +147,36 @@ class ScoreTap:
 
 
 def run_draft(factory: EngineFactory, prompt: str, draft: str, top_k: int, steps: int, ks: tuple,
-              continuation: list[int] | None, seed: int) -> dict:
-    """One greedy run under `urgent` with the given draft; agreement at every K from the tap."""
+              continuation: list[int] | None, seed: int, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+    """One run under `urgent` with the given draft (greedy, or seeded sampling); agreement at
+    every K from the tap."""
     from runtime.sampling import SamplingParams
     eng = factory.make(mode="lookahead", residency="resident", miss_policy="urgent", top_k=top_k)
     ids = eng.tokenizer.encode(prompt)
     logger = LoggingDraft(make_draft(draft, eng.manifest.model.vocab_size, len(ids), continuation, seed))
     eng.runner.chain.source = logger
     tap = ScoreTap(eng.runner.attn, ks)
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True, temperature=temperature, top_p=top_p, seed=seed)
     try:
         t0 = time.perf_counter()
-        out = eng.generate([ids], SamplingParams(max_tokens=steps + 1, ignore_eos=True))[0]
+        out = eng.generate([ids], params)[0]
         stats = eng.stats()
     finally:
         tap.close()
         eng.close()
     full = ids + out.token_ids
-    hits = [int(tok == full[n]) for n, tok in logger.log if n < len(full)]
+    # one proposal per decode step: None is a pre-decoding step (the chain's seed, or a resync),
+    # whose row is the next step's real row computed ahead
+    kinds = ["predecode" if tok is None else "hit" if n < len(full) and tok == full[n] else "miss"
+             for n, tok in logger.log]
+    hits = [int(k == "hit") for k in kinds if k != "predecode"]
     num_layers = eng.manifest.model.num_layers
-    # Step 0 judges the pre-decoding seed (the last prompt token's query, the same for every
-    # draft); step j >= 1 judges the prediction made at step j-1 from draft proposal j-1.
+    # Step 0 judges the prefill's seed (the last prompt token's query, the same for every
+    # draft); step j >= 1 judges the prediction made at step j-1 from proposal j-1.
     drafted = tap.steps[1:]
-    hit = [s for j, s in enumerate(drafted) if j < len(hits) and hits[j]]
-    miss = [s for j, s in enumerate(drafted) if j < len(hits) and not hits[j]]
+    hit = [s for j, s in enumerate(drafted) if j < len(kinds) and kinds[j] == "hit"]
+    miss = [s for j, s in enumerate(drafted) if j < len(kinds) and kinds[j] == "miss"]
+    pre = [s for j, s in enumerate(drafted) if j < len(kinds) and kinds[j] == "predecode"]
     return {"output_ids": out.token_ids, "prompt_tokens": len(ids), "decode_steps": len(tap.steps),
             "candidates_min": min(tap.candidates, default=0), "candidates_max": max(tap.candidates, default=0),
             "agreement_per_layer": per_layer_mean(drafted, num_layers, len(ks)),         # [L][K]
@@ -177,9 +184,11 @@ def run_draft(factory: EngineFactory, prompt: str, draft: str, top_k: int, steps
             "seed_agreement": layer_mean(tap.steps[:1], len(ks)),                       # [K]
             "agreement_when_draft_hit": layer_mean(hit, len(ks)),                       # [K]
             "agreement_when_draft_miss": layer_mean(miss, len(ks)),
+            "agreement_after_predecode": layer_mean(pre, len(ks)),
             "draft_hits": hits, "draft_accept_rate": mean(hits) if hits else None,
-            "runtime": {k: stats.get(k) for k in ("agreement_mean", "agreement_per_layer",
-                                                   "prefetch_hit_rate", "draft_accept_rate", "urgent_blocks")},
+            "predecode_steps": kinds.count("predecode"),
+            "runtime": {k: stats.get(k) for k in ("agreement_mean", "agreement_per_layer", "prefetch_hit_rate",
+                                                   "draft_accept_rate", "urgent_blocks", "resyncs")},
             "time_s": round(time.perf_counter() - t0, 2)}
 
 
@@ -238,6 +247,8 @@ def summarize(recs: list[dict], ks: tuple) -> list[dict]:
                      "seed_agreement": avg_k("seed_agreement"),
                      "agreement_when_draft_hit": avg_k("agreement_when_draft_hit"),
                      "agreement_when_draft_miss": avg_k("agreement_when_draft_miss"),
+                     "agreement_after_predecode": avg_k("agreement_after_predecode"),
+                     "predecode_steps": sum(r.get("predecode_steps", 0) for r in rs),
                      "by_k": per_k})
     return rows
 
@@ -257,13 +268,14 @@ def format_table(rows: list[dict], ks: tuple) -> str:
         acc = "-" if r["draft_accept_rate"] is None else f"{r['draft_accept_rate']:.2f}"
         lines.append(f"{r['trajectory']:<11}{r['source']:<7}{r['context']:>6}{r['candidates_min']:>6}  "
                      f"{r['draft']:<11}{acc:>7}" + "".join(f"{c:>15}" for c in cells))
-    lines.append("\nsplit by whether the draft token was the real next token (mean over layers):")
+    lines.append("\nsplit by whether the draft token was the real next token (predec: the prediction of a "
+                 "pre-decoding row; mean over layers):")
     lines.append(f"{'trajectory':<11}{'source':<7}{'ctx':>6}  {'draft':<11}{'':>8}" +
                  "".join(f"{'K=' + str(k):>9}" for k in ks))
     for r in rows:
         for name, key in (("hit", "agreement_when_draft_hit"), ("miss", "agreement_when_draft_miss"),
-                          ("seed", "seed_agreement")):
-            if r[key] is None or (name == "seed" and r["draft"] != "dual_token"):
+                          ("predec", "agreement_after_predecode"), ("seed", "seed_agreement")):
+            if r.get(key) is None or (name == "seed" and r["draft"] != "dual_token"):
                 continue         # the seed (first step) is the same prediction for every draft
             lines.append(f"{r['trajectory']:<11}{r['source']:<7}{r['context']:>6}  {r['draft']:<11}"
                          f"{name:>8}" + "".join(f"{v:>9.3f}" for v in r[key]))
@@ -341,6 +353,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=1, help="prompts per source and context")
     p.add_argument("--steps", type=int, default=24, help="decode steps measured per run")
     p.add_argument("--template", choices=("chat", "base"), default="chat")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: seeded sampling (seed + index)")
+    p.add_argument("--top-p", type=float, default=1.0)
     add_run_args(p, "agreement", "per-run", "summarize and plot the runs --jsonl holds for these settings")
     p.add_argument("--plot", default=str(ROOT / "results" / "agreement.png"),
                    help="PNG path; one file per trajectory (<stem>_<trajectory>.png); '' for none")
@@ -363,7 +377,8 @@ def main(argv: list[str] | None = None) -> dict:
     set_threads(args.threads)
     settings = hashlib.sha1(json.dumps({"engine": str(Path(args.engine).resolve()), "ks": args.ks,
                                         "steps": args.steps, "production_k": args.production_k, "template": args.template,
-                                        "seed": args.seed, "policy": engine_policy(args.engine)},
+                                        "seed": args.seed, "policy": engine_policy(args.engine),
+                                        "chain": "predecode", "temperature": args.temperature, "top_p": args.top_p},
                                        sort_keys=True).encode()).hexdigest()[:12]
     jsonl = Path(args.jsonl)
     jsonl.parent.mkdir(parents=True, exist_ok=True)
@@ -397,7 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
         bar.set_postfix_str(f"{traj} {src}@{ctx} #{i} {draft}")
         ref = done.get((traj, src, ctx, i, "dual_token"))
         res = run_draft(factory, prompts[(src, ctx)][i], draft, run_k(traj, ctx, args.steps, bs, args.production_k), args.steps,
-                        ks, ref["output_ids"] if ref else None, args.seed + i)
+                        ks, ref["output_ids"] if ref else None, args.seed + i, args.temperature, args.top_p)
         rec = {"settings": settings, "trajectory": traj, "source": src, "context": ctx, "index": i,
                "draft": draft, "run_top_k": run_k(traj, ctx, args.steps, bs, args.production_k), "ks": list(ks), **res}
         if ref is not None and res["output_ids"] != ref["output_ids"]:
