@@ -9,7 +9,8 @@ For every (context, batch) point each implementation prefills the same prompts (
 tokens; batch b = b different prompts), then all of them decode greedily *interleaved step by step*
 (the order rotates every step), so load from other processes falls on every implementation alike.
 Our modes share one prefill per point (the others replay it: their prefill_s is the replay's).
-Only decode steps are timed: tokens/s = batch x timed steps / their summed time.
+Only decode steps are timed: tokens/s = tokens the timed steps emitted / their summed time (a
+sequence's pre-decoding step, which re-seeds its draft chain, emits nothing).
 
 transformers (`--hf-impls`, scripts/bench_hf.py): `default` (DynamicCache, eager), `static-compile`
 (StaticCache + torch.compile of the one-token forward, compiled per point before any timed step;
@@ -52,7 +53,7 @@ import torch  # noqa: E402
 from bench_floor import (BandwidthProbe, matmul_gflops, memory_bandwidth, step_flops,  # noqa: E402
                          step_read_bytes, weight_bytes)
 from bench_hf import HF_IMPLS, HF_NAMES, NotAvailable, make_hf_decoders  # noqa: E402
-from bench_lib import (EngineDecoder, format_table, machine_info, make_prompts, plot,  # noqa: E402
+from bench_lib import (ContextSeedDraft, EngineDecoder, format_table, machine_info, make_prompts, plot,  # noqa: E402
                        profile_steps, reference_hf_dir)
 from runtime.engine import Engine  # noqa: E402
 from runtime.prefill_cache import PrefillCache  # noqa: E402
@@ -68,6 +69,10 @@ MODES = {"dense": {"mode": "dense"},
          "sparse-ondemand": {"mode": "lookahead", "residency": "resident", "miss_policy": "urgent",
                              "draft": "none"}}
 PROFILE_STEPS = 4
+# `<mode>+context-seed`: the mode with the draft chain seeded as before pre-decoding (the first
+# draft is the current token, never re-seeded: bench_lib.ContextSeedDraft), timed beside the
+# current chain in the same process
+CONTEXT_SEED = "+context-seed"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -103,9 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     args.modes = list(MODES) if args.modes == "all" else [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in args.modes if m not in MODES]
+    unknown = [m for m in args.modes if m.removesuffix(CONTEXT_SEED) not in MODES
+               or (m.endswith(CONTEXT_SEED) and not m.startswith("lookahead-"))]
     if unknown:
-        p.error(f"--modes: unknown {unknown[0]!r}; known: {', '.join(MODES)}")
+        p.error(f"--modes: unknown {unknown[0]!r}; known: {', '.join(MODES)}, and lookahead-*{CONTEXT_SEED}")
     args.hf_impls = (list(HF_IMPLS) if args.hf_impls == "all"
                      else list(dict.fromkeys(m.strip() for m in args.hf_impls.split(",") if m.strip())))
     unknown = [m for m in args.hf_impls if m not in HF_IMPLS]
@@ -133,7 +139,11 @@ def load_engines(args: argparse.Namespace) -> dict[str, Engine | str]:
     engines: dict[str, Engine | str] = {}
     for mode in args.modes:
         try:
-            engines[mode] = base.sibling(cache, **MODES[mode])
+            old_chain = mode.endswith(CONTEXT_SEED)
+            engines[mode] = base.sibling(cache, **MODES[mode.removesuffix(CONTEXT_SEED)],
+                                         **({"resync_after": 0} if old_chain else {}))
+            if old_chain:
+                engines[mode].runner.chain.source = ContextSeedDraft()
         except Exception as e:  # noqa: BLE001 - any refusal means "not available" here
             engines[mode] = f"not available ({e.__class__.__name__}: {str(e).splitlines()[0][:80]})"
         else:
@@ -218,8 +228,8 @@ def run_point(args, engines, hf_model, ctx: int, batch: int, order: int, floor: 
 
 def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str, Any]) -> dict[str, Any]:
     t = d.timing
-    tps = batch * t.timed_steps / t.decode_s
-    ref_tps = batch * ref.timing.timed_steps / ref.timing.decode_s
+    tps = t.timed_tokens / t.decode_s
+    ref_tps = ref.timing.timed_tokens / ref.timing.decode_s
     c = ref.model.config
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * ref.model.dtype.itemsize
     device = getattr(d, "device_bytes_per_seq", None)
@@ -248,6 +258,10 @@ def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str
             "h2d_bytes_per_step": h2d,
             "transfer_wait_s": wait,
             "stall_ms_per_step": None if wait is None else 1000 * wait / t.timed_steps,
+            "urgent_blocks_per_step": (d.urgent_blocks / t.timed_steps if isinstance(d, EngineDecoder)
+                                       and device is not None else None),
+            "predecode_steps": getattr(d, "predecode_steps", None),   # sequence-steps that emitted nothing
+            "timed_tokens": t.timed_tokens,
             "step_read_bytes": read,
             "step_read_parts": {"weights": floor["weight_bytes"],
                                 **({"kv": read - floor["weight_bytes"]} if sparse is None else
@@ -258,7 +272,9 @@ def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str
             "bandwidth_during_steps": floor.get("bandwidth_during_steps"),
             "step_flops": flops, "compute_floor_ms": compute_ms,
             "x_roofline": ms / max(floor_ms, compute_ms) if floor_ms and compute_ms else None,
-            "same_tokens": f"{agree}/{len(ref.timing.tokens[0])}", "tokens": t.tokens}
+            # over the tokens both emitted (a pre-decoding step emits none: ours may be shorter)
+            "same_tokens": f"{agree}/{min(min(len(a), len(b)) for a, b in zip(t.tokens, ref.timing.tokens))}",
+            "tokens": t.tokens}
 
 
 def _prefix(a: list[int], b: list[int]) -> int:

@@ -66,7 +66,7 @@ class TransformersDecoder:
         out = self.forward(input_ids=self.next[:, None], cache=self.cache, use_cache=True)
         self.next = out.logits[:, -1].argmax(-1)
         self.sync()
-        self.timing.add(time.perf_counter() - t0, timed)
+        self.timing.add(time.perf_counter() - t0, timed, tokens=len(self.timing.tokens))
         for seq, t in zip(self.timing.tokens, self.next.tolist()):
             seq.append(t)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from runtime.draft import DraftSource
 from runtime.engine import Engine
 from runtime.engine_dir import load_manifest
 from runtime.sampling import SamplingParams
@@ -111,17 +112,31 @@ class Timing:
     prefill_s: float = 0.0
     decode_s: float = 0.0                  # sum of the timed decode steps only
     timed_steps: int = 0
+    timed_tokens: int = 0                  # tokens the timed steps emitted (a pre-decoding step
+                                           # of a sequence emits none for it)
     tokens: list[list[int]] = field(default_factory=list)   # per sequence: first token, then decode
 
-    def add(self, seconds: float, timed: bool) -> None:
+    def add(self, seconds: float, timed: bool, tokens: int) -> None:
         if timed:
             self.decode_s += seconds
             self.timed_steps += 1
+            self.timed_tokens += tokens
+
+
+class ContextSeedDraft(DraftSource):
+    """The draft chain as it was seeded before pre-decoding (commit 116b2bd and earlier): the
+    first draft is the current token itself, and a wrong draft's successor is kept. With
+    `resync_after=0` the engine then runs exactly the old chain, so old and new are timed side by
+    side in one process (bench.py's `+context-seed` modes)."""
+
+    def propose(self, context: list[int], model_guess: int | None) -> int:
+        return model_guess if model_guess is not None else context[-1]
 
 
 class EngineDecoder:
     """Our engine through its public API: add_request, then step(); every timed step must be pure
-    decode (one token per sequence, no prompt tokens), which the benchmark asserts."""
+    decode (no prompt tokens; a sequence emits one token, or none on a pre-decoding step), which
+    the benchmark asserts."""
 
     def __init__(self, name: str, engine: Engine, prompts: list[list[int]], max_tokens: int):
         self.name, self.engine = name, engine
@@ -129,34 +144,39 @@ class EngineDecoder:
         self.rids = [engine.add_request(p, params) for p in prompts]
         self.timing = Timing(tokens=[[] for _ in prompts])
         self.h2d_bytes = self.wait_s = 0.0
+        self.urgent_blocks = self.predecode_steps = 0
         self.device_bytes_per_seq: int | None = None
 
-    def _step(self) -> tuple[float, bool]:
-        """One engine step; returns its seconds and whether it was pure decode of every sequence."""
+    def _step(self) -> tuple[float, bool, int]:
+        """One engine step -> (seconds, whether it was pure decode, tokens emitted)."""
         before = self.engine.counters["prompt_tokens"]
         t0 = time.perf_counter()
         outs = self.engine.step()
         seconds = time.perf_counter() - t0
+        emitted = 0
         for out in outs:
             self.timing.tokens[self.rids.index(out.request_id)].extend(out.new_token_ids)
-        pure = self.engine.counters["prompt_tokens"] == before and len(outs) == len(self.rids)
-        return seconds, pure
+            emitted += len(out.new_token_ids)
+        pure = self.engine.counters["prompt_tokens"] == before and emitted <= len(self.rids)
+        return seconds, pure, emitted
 
     def prefill(self) -> None:
         while any(not t for t in self.timing.tokens):
-            seconds, _ = self._step()
+            seconds, _, _ = self._step()
             self.timing.prefill_s += seconds
 
     def step(self, timed: bool) -> None:
         s0 = self.engine.stats()
-        seconds, pure = self._step()
+        seconds, pure, emitted = self._step()
         if not pure:
-            raise RuntimeError(f"{self.name}: a decode step was not one token for each sequence")
-        self.timing.add(seconds, timed)
+            raise RuntimeError(f"{self.name}: a decode step ran prompt tokens or emitted twice for a sequence")
+        self.timing.add(seconds, timed, emitted)
         if timed:
             s1 = self.engine.stats()
             self.h2d_bytes += s1["h2d_bytes"] - s0["h2d_bytes"]
             self.wait_s += s1["transfer_wait_s"] - s0["transfer_wait_s"]
+            self.urgent_blocks += s1["urgent_blocks"] - s0["urgent_blocks"]
+            self.predecode_steps += s1.get("predecode_steps", 0) - s0.get("predecode_steps", 0)
             self.device_bytes_per_seq = s1.get("device_bytes_per_seq")
 
     def sparse_read_bytes_per_seq(self, context: int) -> tuple[int, int] | None:
@@ -237,7 +257,7 @@ def _read(path: str) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = ("context", "batch", "impl", "prefill s", "decode tok/s", "ms/step", "vs transformers",
-            "KV on device/seq", "H2D/step", "stall ms/step", "floor ms", "x floor", "compute floor ms",
+            "KV on device/seq", "H2D/step", "urgent/step", "stall ms/step", "floor ms", "x floor", "compute floor ms",
             "same tokens")
     lines, errors = [head], {}         # a row that did not run: its reason after the first columns
     for r in rows:
@@ -248,7 +268,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append((str(r["prompt_tokens"]), str(r["batch"]), r["impl"], f"{r['prefill_s']:.1f}",
                       f"{r['decode_tokens_per_s']:.2f}", f"{r['ms_per_step']:.0f}",
                       "" if r["ratio"] is None else f"{r['ratio']:.2f}x", _mib(r.get("kv_device_bytes_per_seq")),
-                      _mib(r.get("h2d_bytes_per_step")), _num(r.get("stall_ms_per_step"), ".1f"),
+                      _mib(r.get("h2d_bytes_per_step")), _num(r.get("urgent_blocks_per_step"), ".0f"),
+                      _num(r.get("stall_ms_per_step"), ".1f"),
                       _num(r.get("floor_ms"), ".1f"), _num(r.get("x_floor"), ".1f", "x"),
                       _num(r.get("compute_floor_ms"), ".1f"), r.get("same_tokens", "")))
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
