@@ -7,11 +7,16 @@
 
 Written by `builder` (which calls `write_manifest`), read by `runtime.Engine.from_dir` (which calls
 `load_manifest`). Any failure is an `EngineDirError` that says which file or field and what to do.
+The checksums are not signed, so `load_manifest` also distrusts a dir whose manifest matches its
+files: every path it names must stay inside the dir (no `..`, no absolute path, no symlink out),
+and the weights' safetensors header must describe exactly the model's tensors before any is read.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +32,11 @@ WEIGHTS = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 REPORT = "build_report.json"
 DTYPES = ("float32", "bfloat16", "float16")
+SAFETENSORS_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2)}
+MAX_HEADER_BYTES = 100 << 20     # the safetensors library's own limit on a header
+# Files the runtime reads whether or not the manifest lists them (TextTokenizer reads the config
+# if present): each must lie inside the engine dir, and be listed, so its checksum covers it.
+RUNTIME_READS = (WEIGHTS, f"{TOKENIZER_DIR}/tokenizer.json", f"{TOKENIZER_DIR}/tokenizer_config.json")
 
 # Runtime weight names and shapes (C = ModelConfig). Fused projections save a matmul launch each.
 WEIGHT_LAYOUT = """
@@ -62,6 +72,28 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
+
+
+def contained_path(d: Path, rel: Any, mpath: Path) -> Path:
+    """`d / rel` if it stays inside the engine dir `d` after following symlinks; else
+    EngineDirError. Refused: non-strings, absolute paths, any `..` component, and symlinks (of the
+    file or a folder above it) that lead out of the dir: an engine dir whose manifest names
+    ../../etc/passwd, or whose weights link to it, must not make us read it."""
+    if not isinstance(rel, str) or not rel:
+        raise EngineDirError(f"{mpath}: files: {rel!r} is not a relative path; rebuild the engine")
+    parts = rel.replace("\\", "/").split("/")
+    if os.path.isabs(rel) or rel.startswith(("/", "\\")) or ".." in parts:
+        raise EngineDirError(f"{mpath}: files: {rel!r} points outside the engine dir (absolute or '..'); "
+                             "the manifest may only name files inside it: rebuild the engine")
+    p = d / rel
+    try:
+        root, real = d.resolve(), p.resolve()
+    except (OSError, RuntimeError):          # a symlink loop
+        raise EngineDirError(f"{p} is a symlink that cannot be resolved (a loop?): rebuild the engine") from None
+    if real != root and root not in real.parents:
+        raise EngineDirError(f"{p} is a symlink (or lies under one) to {real}, outside the engine dir "
+                             f"{root}: copy the file into the engine dir instead of linking it, or rebuild the engine")
+    return p
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -136,20 +168,116 @@ def load_manifest(engine_dir: str | Path, *, verify_checksums: bool = True) -> M
         lookahead = LookaheadConfig.from_dict(doc["lookahead"])
     except (ConfigError, TypeError) as e:
         raise EngineDirError(f"{mpath}: {e}") from None
-    files = dict(doc["files"])
+    files = _check_files(d, mpath, doc["files"], verify_checksums)
+    check_weights_header(d / WEIGHTS, model, doc["dtype"])
+    return Manifest(path=d, model=model, dtype=doc["dtype"], lookahead=lookahead, files=files,
+                    source=_mapping(doc.get("source")), versions=_mapping(doc.get("versions")),
+                    name=str(doc.get("name", d.name)))
+
+
+def _mapping(v: Any) -> dict[str, Any]:
+    """An informational section (source, versions): a mapping, or empty when it is anything else."""
+    return dict(v) if isinstance(v, dict) else {}
+
+
+def _check_files(d: Path, mpath: Path, files: Any, verify_checksums: bool) -> dict[str, str]:
+    """The manifest's `files:` (relative path -> sha256): every one inside the dir, present and
+    (verify_checksums) matching; every file the runtime reads listed among them."""
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise EngineDirError(f"{mpath}: files must map relative paths to sha256 digests; rebuild the engine")
     for required in (WEIGHTS, f"{TOKENIZER_DIR}/tokenizer.json"):
         if required not in files:
             raise EngineDirError(f"{mpath}: lists no {required}; rebuild the engine")
+    paths = {rel: contained_path(d, rel, mpath) for rel in files}     # all checked before any is read
+    for rel in RUNTIME_READS:
+        p = contained_path(d, rel, mpath)
+        if rel not in files and (p.exists() or p.is_symlink()):
+            raise EngineDirError(f"{p} is not listed in {mpath}'s files, so no checksum covers it: it was "
+                                 "added after the build (remove it, or rebuild the engine)")
     for rel, digest in files.items():
-        p = d / rel
+        p = paths[rel]
         if not p.is_file():
             raise EngineDirError(f"{p} is missing: the engine dir is incomplete (rebuild it)")
         if verify_checksums and sha256_file(p) != digest:
             raise EngineDirError(f"{p} does not match its checksum in engine.yaml: the file was changed "
                                  "or corrupted after the build (rebuild the engine)")
-    return Manifest(path=d, model=model, dtype=doc["dtype"], lookahead=lookahead, files=files,
-                    source=dict(doc.get("source") or {}), versions=dict(doc.get("versions") or {}),
-                    name=str(doc.get("name", d.name)))
+    return dict(files)
+
+
+def read_weights_header(path: Path) -> tuple[dict[str, Any], int, int]:
+    """(header, data start, file size) of a safetensors file, reading only its header: 8 bytes of
+    little-endian length, then that much JSON. Never allocates more than MAX_HEADER_BYTES."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise EngineDirError(f"{path} is truncated ({size} bytes, no safetensors header): rebuild the engine")
+        n = int.from_bytes(head, "little")
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise EngineDirError(f"{path}: its safetensors header claims {n} bytes, more than the file's "
+                                 f"{size - 8} after the length (truncated or corrupt): rebuild the engine")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        raise EngineDirError(f"{path}: its safetensors header is not valid JSON (corrupt file): "
+                             "rebuild the engine") from None
+    if not isinstance(header, dict):
+        raise EngineDirError(f"{path}: its safetensors header is not a JSON object: rebuild the engine")
+    return header, 8 + n, size
+
+
+def check_weights_header(path: Path, cfg: ModelConfig, dtype: str) -> None:
+    """Before any weight is loaded: the header lists exactly `expected_shapes(cfg)`, each tensor in
+    the manifest's dtype with its data inside the file. A truncated file, a header claiming a huge
+    shape, or weights of another model fail here in one line naming the tensor, instead of in
+    safetensors or load_state_dict (a long traceback, or a huge allocation)."""
+    header, start, size = read_weights_header(path)
+    want_dtype, itemsize = SAFETENSORS_DTYPES[dtype]
+    expected = expected_shapes(cfg)
+    for name, shape in expected.items():
+        info = header.get(name)
+        if not isinstance(info, dict):
+            raise EngineDirError(f"{path}: tensor {name} is missing (the weights do not match engine.yaml's "
+                                 "model): rebuild the engine")
+        got = info.get("shape")
+        if not isinstance(got, list) or tuple(got) != shape:
+            raise EngineDirError(f"{path}: tensor {name} has shape {_short(got)}, engine.yaml's model needs "
+                                 f"{list(shape)}: rebuild the engine")
+        if info.get("dtype") != want_dtype:
+            raise EngineDirError(f"{path}: tensor {name} is {_short(info.get('dtype'))}, engine.yaml says dtype "
+                                 f"{dtype} ({want_dtype}): rebuild the engine")
+        offsets = info.get("data_offsets")
+        nbytes = math.prod(shape) * itemsize
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                or offsets[0] < 0 or offsets[1] - offsets[0] != nbytes):
+            raise EngineDirError(f"{path}: tensor {name} has data offsets {_short(offsets)}, not a span of its "
+                                 f"{nbytes} bytes (corrupt header): rebuild the engine")
+        if start + offsets[1] > size:
+            raise EngineDirError(f"{path}: tensor {name}'s data ends at byte {start + offsets[1]}, past the end "
+                                 f"of the file ({size} bytes): the file is truncated, rebuild the engine")
+    extra = sorted(set(header) - set(expected) - {"__metadata__"})
+    if extra:
+        raise EngineDirError(f"{path}: tensor {_short(extra[0])} is not part of engine.yaml's model "
+                             "(the weights are another model's): rebuild the engine")
+    # as safetensors requires: the spans tile the data exactly, in some order, with no gap or overlap
+    end = 0
+    for name in sorted(expected, key=lambda t: header[t]["data_offsets"]):
+        first, last = header[name]["data_offsets"]
+        if first != end:
+            raise EngineDirError(f"{path}: tensor {name}'s data starts at {first}, where {end} was expected "
+                                 "(overlapping or gapped offsets: corrupt header): rebuild the engine")
+        end = last
+    if start + end != size:
+        raise EngineDirError(f"{path}: the tensors' data ends at byte {start + end} but the file has {size} "
+                             "(trailing bytes: corrupt file): rebuild the engine")
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    """repr of a header value, cut short: a hostile header may hold a megabyte in one field."""
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."
 
 
 def read_report(engine_dir: str | Path) -> dict[str, Any]:
