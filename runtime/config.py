@@ -21,6 +21,39 @@ def _check(cond: bool, field_name: str, problem: str, fix: str = "") -> None:
         raise ConfigError(field_name, problem, fix)
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)       # True is an int to Python, not to us
+
+
+def _got(v: Any) -> str:
+    return f"{v!r} (a {type(v).__name__})" if not isinstance(v, (int, float)) or isinstance(v, bool) else repr(v)
+
+
+def _check_int(v: Any, field_name: str, lo: int, hi: int, fix: str = "") -> None:
+    """`v` is a real int (not a bool, not a string) in [lo, hi]. The upper bounds are generous but
+    finite: a shape field of 10^8 would otherwise build 10^8 modules or allocate for minutes."""
+    if not _is_int(v):
+        hint = "write it without quotes" if isinstance(v, str) and v.strip().lstrip("-").isdigit() else fix
+        raise ConfigError(field_name, f"must be an integer in [{lo}, {hi}], got {_got(v)}", hint)
+    _check(lo <= v <= hi, field_name, f"must be in [{lo}, {hi}], got {v}", fix)
+
+
+def _check_real(v: Any, field_name: str, lo: float, hi: float, fix: str = "", lo_open: bool = True) -> None:
+    """`v` is a finite int or float in (lo, hi] (or [lo, hi] when not lo_open)."""
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+        hint = ("write a number without quotes; YAML reads 1e-5 as a string, 1.0e-5 as a number"
+                if isinstance(v, str) else fix)
+        raise ConfigError(field_name, f"must be a finite number, got {_got(v)}", hint)
+    ok = (lo < v if lo_open else lo <= v) and v <= hi
+    _check(ok, field_name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}", fix)
+
+
+# Upper bounds of ModelConfig's shape fields: several times the largest open Llama-family models.
+MODEL_LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 18,
+                "num_layers": 1024, "num_heads": 1024, "num_kv_heads": 1024, "head_dim": 1024,
+                "max_position_embeddings": 1 << 24}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Llama-family architecture. Shapes: q heads `num_heads`, kv heads `num_kv_heads` (GQA)."""
@@ -46,14 +79,24 @@ class ModelConfig:
         _check(self.architecture in SUPPORTED_ARCHITECTURES, "architecture",
                f"{self.architecture!r} is not supported",
                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
-            v = getattr(self, name)
-            _check(isinstance(v, int) and v > 0, name, f"must be a positive integer, got {v!r}")
+        for name, hi in MODEL_LIMITS.items():
+            _check_int(getattr(self, name), name, 1, hi, "rebuild the engine from the model's config.json")
         _check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
                f"{self.num_kv_heads} does not divide num_heads={self.num_heads}")
         _check(self.head_dim % 2 == 0, "head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        _check_real(self.rms_norm_eps, "rms_norm_eps", 0.0, 1.0, "e.g. 1.0e-5")
+        _check_real(self.rope_theta, "rope_theta", 0.0, 1e12, "e.g. 10000.0")
+        _check(self.rope_scaling is None or isinstance(self.rope_scaling, dict), "rope_scaling",
+               f"must be a mapping or null, got {_got(self.rope_scaling)}")
+        for name in ("tie_word_embeddings", "attention_bias"):
+            v = getattr(self, name)
+            _check(isinstance(v, bool), name, f"must be true or false, got {_got(v)}")
+        if self.bos_token_id is not None:
+            _check_int(self.bos_token_id, "bos_token_id", 0, self.vocab_size - 1)
+        eos = self.eos_token_ids
+        _check(isinstance(eos, (list, tuple)) and all(_is_int(t) and 0 <= t < self.vocab_size for t in eos),
+               "eos_token_ids", f"must be a list of token ids in [0, {self.vocab_size}), got {eos!r}")
+        object.__setattr__(self, "eos_token_ids", tuple(eos))
 
     @property
     def q_size(self) -> int:
@@ -106,14 +149,12 @@ class LookaheadConfig:
     def __post_init__(self) -> None:
         _check(self.mode in MODES, "mode", f"{self.mode!r} is unknown", f"use one of {MODES}")
         bs = self.block_size
-        _check(isinstance(bs, int) and bs > 0 and bs & (bs - 1) == 0, "block_size",
-               f"must be a power of two, got {bs!r}", "e.g. 16")
-        _check(isinstance(self.top_k, int) and self.top_k > 0, "top_k",
-               f"must be a positive number of blocks, got {self.top_k!r}", "the papers use 128")
-        _check(0 < self.fetch_ratio <= 1, "fetch_ratio",
-               f"must be in (0, 1], got {self.fetch_ratio!r}", "OasisKV uses 0.05")
-        _check(self.num_sink_blocks >= 0, "num_sink_blocks", f"must be >= 0, got {self.num_sink_blocks}")
-        _check(self.recent_window >= 0, "recent_window", f"must be >= 0, got {self.recent_window}")
+        _check_int(bs, "block_size", 1, 4096, "e.g. 16")
+        _check(bs & (bs - 1) == 0, "block_size", f"must be a power of two, got {bs!r}", "e.g. 16")
+        _check_int(self.top_k, "top_k", 1, 1 << 20, "a number of blocks; the papers use 128")
+        _check_real(self.fetch_ratio, "fetch_ratio", 0.0, 1.0, "OasisKV uses 0.05")
+        _check_int(self.num_sink_blocks, "num_sink_blocks", 0, 1 << 16, "e.g. 1")
+        _check_int(self.recent_window, "recent_window", 0, 1 << 24, "a number of tokens, e.g. 64")
         _check(self.residency in RESIDENCY, "residency", f"{self.residency!r} is unknown",
                f"use one of {RESIDENCY}")
         _check(self.miss_policy in MISS_POLICIES, "miss_policy", f"{self.miss_policy!r} is unknown",
@@ -128,15 +169,13 @@ class LookaheadConfig:
             _check(self.residency == "resident", "residency",
                    f"{self.residency!r} refills from predictions, and draft 'none' makes none",
                    "use residency 'resident', or a draft")
-        _check(isinstance(self.resync_after, int) and self.resync_after >= 0, "resync_after",
-               f"must be an integer >= 0, got {self.resync_after!r}", "1 re-seeds after every miss, 0 never")
-        _check(self.prefetch_lead >= 1, "prefetch_lead", f"must be >= 1, got {self.prefetch_lead}")
-        _check(self.prefill_chunk > 0, "prefill_chunk", f"must be > 0, got {self.prefill_chunk}")
-        _check(self.max_batch_size > 0, "max_batch_size", f"must be > 0, got {self.max_batch_size}")
-        _check(self.max_model_len > 0, "max_model_len", f"must be > 0, got {self.max_model_len}")
+        _check_int(self.resync_after, "resync_after", 0, 1 << 30, "1 re-seeds after every miss, 0 never")
+        _check_int(self.prefetch_lead, "prefetch_lead", 1, 1024, "e.g. 2")
+        _check_int(self.prefill_chunk, "prefill_chunk", 1, 1 << 20, "e.g. 512")
+        _check_int(self.max_batch_size, "max_batch_size", 1, 4096, "e.g. 8")
+        _check_int(self.max_model_len, "max_model_len", 1, 1 << 24, "e.g. 8192")
         if self.device_budget_bytes is not None:
-            _check(self.device_budget_bytes > 0, "device_budget_bytes",
-                   f"must be > 0, got {self.device_budget_bytes}")
+            _check_int(self.device_budget_bytes, "device_budget_bytes", 1, 1 << 50, "a number of bytes, or null")
 
     @property
     def fetch_cap(self) -> int:
@@ -163,9 +202,16 @@ class LookaheadConfig:
 
 
 def _known_fields(cls: type, d: dict[str, Any], section: str) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise ConfigError(section, f"must be a mapping of fields, got {_got(d)}", "rebuild the engine")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - names
     if unknown:
-        raise ConfigError(f"{section}.{sorted(unknown)[0]}", "is not a known field",
+        raise ConfigError(f"{section}.{sorted(map(str, unknown))[0]}", "is not a known field",
                           f"known: {', '.join(sorted(names))}")
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for name in required:
+        if name not in d:
+            raise ConfigError(f"{section}.{name}", "is missing", "rebuild the engine")
     return dict(d)

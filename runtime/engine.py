@@ -26,6 +26,7 @@ from .config import LookaheadConfig
 from .engine_dir import TOKENIZER_DIR, WEIGHTS, Manifest, load_manifest
 from .errors import ConfigError, RequestError
 from .kv_pool import KVPool
+from .memory_plan import DTYPE_BYTES, check_memory, plan_memory
 from .model import LlamaModel
 from .prefill_cache import PrefillCache
 from .runner import DenseRunner
@@ -82,6 +83,9 @@ class Engine:
         bs = config.block_size
         n_blocks = num_host_blocks or config.max_batch_size * blocks_needed(self.max_model_len, bs)
         dtype = next(model.parameters()).dtype
+        # the memory plan before any allocation (siblings and direct construction come here too;
+        # the weights are already loaded)
+        check_memory(plan_memory(mcfg, config, num_host_blocks, dtype.itemsize, self.max_model_len, weights=False))
         self.pool = KVPool(mcfg, n_blocks, bs, dtype=dtype)
         self.allocator = BlockAllocator(n_blocks)
         self.scheduler = Scheduler(self.allocator, bs, config.max_batch_size, self.max_model_len,
@@ -133,6 +137,10 @@ class Engine:
         """
         manifest = load_manifest(path, verify_checksums=verify_checksums)
         config = manifest.lookahead.replace(**overrides)
+        config = clamp_top_k(config, min(config.max_model_len, manifest.model.max_position_embeddings))
+        # refuse what the host cannot hold before the weights are read (engine.yaml, CLI and
+        # server overrides all come through here)
+        check_memory(plan_memory(manifest.model, config, num_host_blocks, DTYPE_BYTES[manifest.dtype]))
         model = LlamaModel(manifest.model, dtype=DTYPES[manifest.dtype], empty=True)
         model.load_weights(load_file(str(Path(path) / WEIGHTS)))
         model.eval().requires_grad_(False)

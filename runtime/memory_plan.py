@@ -1,0 +1,324 @@
+"""What a configuration will allocate, worked out before anything is allocated, and the check
+that refuses one that cannot fit.
+
+Without it a setting such as `--top-k 5000` (a 29 GB device tier for the default model) or
+`--max-batch-size 200` (a 75 GB host pool) is found out by the kernel's OOM killer or by an
+allocation traceback. `plan_memory` is plain arithmetic over the shapes that the runtime's
+constructors allocate:
+
+    weights         LlamaModel's parameters (engine_dir.expected_shapes), in the engine's dtype
+    packed_weights  plugins.cpu's packed copy of each 2-D weight a decode step multiplies (fp32)
+    rope            RotaryEmbedding's cos/sin tables [max_position_embeddings, head_dim]
+    host_kv_pool    KVPool's k and v [L, KVH, num_host_blocks, block_size, D]
+    device_tier     LookaheadAttention's dev_k/dev_v [buffers, lanes, KVH, slots, block_size, D]
+    summaries       its kmin/kmax [L, lanes * max_blocks, KVH, D]
+    bookkeeping     its SlotTable, pred, masks, lane_blocks and metrics tensors
+    allocator       estimate: BlockAllocator's Python free list (ints, not tensors)
+    step_buffers    estimate: one step's transient peak (activations, logits, attention's
+                    GQA-expanded K/V of a prefill chunk, lookahead's per-step score tables)
+
+tests/test_memory_plan.py checks the exact components against the tensors that real engines
+hold, so the formulas cannot drift from the constructors unnoticed. `check_memory` compares the
+total with the host's available memory (everything lives in host memory today, the device
+tier included) and names the one field whose reduction makes it fit, with the value that does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import LookaheadConfig, ModelConfig
+from .errors import ConfigError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ALLOCATOR_BYTES_PER_BLOCK = 64     # a free-list entry: list slot + int object + set slot when used
+HEADROOM = 0.9                      # plan against 90 % of what is available: the rest is the
+                                    # interpreter, torch's own buffers and the estimates' error
+# Fields check_memory may name, in the order it tries them when none stands out, with the least
+# value each may take. (num_host_blocks, an Engine keyword, is tried when the caller fixed it.)
+FIELD_MIN = {"max_batch_size": 1, "max_model_len": 1, "top_k": 1, "recent_window": 0, "block_size": 1,
+             "prefill_chunk": 1, "num_sink_blocks": 0}
+EXACT = ("weights", "packed_weights", "rope", "host_kv_pool", "device_tier", "summaries", "bookkeeping")
+ESTIMATES = ("allocator", "step_buffers")
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a plan was computed from: check_memory re-plans with one field changed."""
+
+    mcfg: ModelConfig
+    cfg: LookaheadConfig
+    dtype_bytes: int
+    num_host_blocks: int | None    # None: derived from the config, as Engine does
+    max_model_len: int | None      # None: min(cfg.max_model_len, max_position_embeddings)
+    weights: bool
+    packed_weights: bool
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes by component (see the module docstring), and one sequence's device share."""
+
+    weights: int
+    packed_weights: int
+    rope: int
+    host_kv_pool: int
+    device_tier: int
+    summaries: int
+    bookkeeping: int
+    allocator: int
+    step_buffers: int
+    per_seq_device_tier: int      # one lane's dev_k + dev_v (what device_budget_bytes bounds)
+    per_seq_device: int           # that plus the lane's summaries
+    num_host_blocks: int
+    max_model_len: int
+    inputs: PlanInputs
+
+    def components(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in EXACT + ESTIMATES}
+
+    @property
+    def total(self) -> int:
+        return sum(self.components().values())
+
+    @property
+    def exact_total(self) -> int:
+        """The tensors' bytes alone (no estimates): what the tests compare with real engines."""
+        return sum(getattr(self, name) for name in EXACT)
+
+    def describe(self, top: int = 3) -> str:
+        """'29.6 GiB (device_tier 29.4 GiB, host_kv_pool 96.0 MiB, ...)': the largest parts."""
+        parts = sorted(((v, k) for k, v in self.components().items() if v), reverse=True)[:top]
+        return f"{fmt_bytes(self.total)} ({', '.join(f'{k} {fmt_bytes(v)}' for v, k in parts)})"
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def plan_memory(mcfg: ModelConfig, cfg: LookaheadConfig, num_host_blocks: int | None, dtype_bytes: int,
+                max_model_len: int | None = None, *, weights: bool = True,
+                packed_weights: bool | None = None) -> MemoryPlan:
+    """The bytes an Engine over (mcfg, cfg) allocates, without allocating.
+
+    num_host_blocks / max_model_len: as Engine gets them; None derives them as Engine does (then
+    check_memory's advice on max_batch_size / max_model_len also shrinks the pool).
+    weights=False: the model is already loaded (Engine.sibling), count only the engine's own
+    parts. packed_weights: count plugins.cpu's packed copies (default: when the dtype is fp32,
+    the only dtype the C linear kernel takes). `cfg` is the effective config (top_k already
+    clamped, if the caller clamps it)."""
+    packed = dtype_bytes == 4 if packed_weights is None else packed_weights
+    inputs = PlanInputs(mcfg, cfg, dtype_bytes, num_host_blocks, max_model_len, weights, packed)
+    return _plan(inputs)
+
+
+def _plan(p: PlanInputs) -> MemoryPlan:
+    m, c, b = p.mcfg, p.cfg, p.dtype_bytes
+    L, kvh, d, bs = m.num_layers, m.num_kv_heads, m.head_dim, c.block_size
+    max_len = min(c.max_model_len, m.max_position_embeddings, p.max_model_len or math.inf)
+    max_blocks = _blocks(max_len, bs)
+    n_blocks = p.num_host_blocks or c.max_batch_size * max_blocks
+    w, packed = _weight_bytes(m, b) if p.weights else (0, 0)
+    rope = 2 * m.max_position_embeddings * d * b if p.weights else 0
+    pool = 2 * L * kvh * n_blocks * bs * d * b
+    tier = summ = books = lane_tier = lane_summ = 0
+    lanes = c.max_batch_size
+    if c.mode == "lookahead":
+        wb = _blocks(c.recent_window, bs) + 1 if c.recent_window > 0 else 1      # SlotLayout.from_config
+        slots = c.num_sink_blocks + wb + c.top_k
+        nbuf = 2 if c.residency == "pingpong" else L
+        lane_tier = 2 * nbuf * kvh * slots * bs * d * b
+        lane_summ = 2 * L * max_blocks * kvh * d * b
+        tier, summ = lanes * lane_tier, lanes * lane_summ
+        books = (8 * nbuf * lanes * kvh * (2 * c.top_k + max_blocks + 1)    # SlotTable block, last_used, slot_of
+                 + lanes * kvh * slots * bs                                  # attention's key mask (bool)
+                 + 8 * L * lanes * kvh * c.top_k                             # pred
+                 + 2 * L * lanes                                             # has_pred, seeded (bool)
+                 + 8 * lanes * max_blocks                                    # lane_blocks
+                 + 8 * (2 * L + 2 + 6 * lanes))                              # metrics (float64)
+    return MemoryPlan(weights=w, packed_weights=packed if p.packed_weights else 0, rope=rope,
+                      host_kv_pool=pool, device_tier=tier, summaries=summ, bookkeeping=books,
+                      allocator=ALLOCATOR_BYTES_PER_BLOCK * n_blocks, step_buffers=_step_bytes(m, c, b, max_len),
+                      per_seq_device_tier=lane_tier, per_seq_device=lane_tier + lane_summ,
+                      num_host_blocks=n_blocks, max_model_len=max_len, inputs=p)
+
+
+def _weight_bytes(m: ModelConfig, b: int) -> tuple[int, int]:
+    """(parameters, packed copies): the layout of engine_dir.WEIGHT_LAYOUT, counted per layer
+    (expected_shapes would build a dict of every tensor). plugins.cpu packs a 2-D weight whose
+    row count is a multiple of 8; the logits' weight is the embedding when tied."""
+    h, qkv, inter = m.hidden_size, m.q_size + 2 * m.kv_size, m.intermediate_size
+    mats = [(qkv, h), (h, m.q_size), (2 * inter, h), (h, inter)]
+    per_layer = sum(r * k for r, k in mats) + 2 * h + (qkv if m.attention_bias else 0)
+    head = m.vocab_size * h
+    params = m.num_layers * per_layer + h + head * (1 if m.tie_word_embeddings else 2)
+    packed = m.num_layers * sum(r * k for r, k in mats if r % 8 == 0) + (head if m.vocab_size % 8 == 0 else 0)
+    return params * b, packed * 4
+
+
+def _step_bytes(m: ModelConfig, c: LookaheadConfig, b: int, max_len: int) -> int:
+    """Estimate of one step's transient peak: the rows' activations (fp32, a few live at once),
+    logits and sampling's copy, a prefill chunk's causal mask and GQA-expanded K/V (torch's
+    CPU flash attention materialises those, not the score matrix), a dense gather of one
+    sequence's K/V, and lookahead's per-step membership and score tables."""
+    rows = c.prefill_chunk + 2 * c.max_batch_size
+    h, inter = m.hidden_size, m.intermediate_size
+    act = 4 * rows * (4 * h + 2 * m.q_size + 2 * m.kv_size + 3 * inter)
+    logits = 2 * 4 * 2 * c.max_batch_size * m.vocab_size
+    attn = c.prefill_chunk * max_len + 2 * m.num_heads * max_len * m.head_dim * b \
+        + 2 * m.num_kv_heads * max_len * m.head_dim * b
+    extra = 0
+    if c.mode == "lookahead":
+        nb = _blocks(max_len, c.block_size)
+        heads = c.max_batch_size * m.num_kv_heads
+        extra = m.num_layers * heads * (nb + 2) + 4 * 2 * heads * nb   # metrics' in_pred, block_topk's scores
+    return act + logits + attn + extra
+
+
+def _replan(plan: MemoryPlan, field: str, value: int) -> MemoryPlan:
+    p = plan.inputs
+    if field == "num_host_blocks":
+        return _plan(dataclasses.replace(p, num_host_blocks=value))
+    return _plan(dataclasses.replace(p, cfg=p.cfg.replace(**{field: value})))
+
+
+def _largest_fit(plan: MemoryPlan, field: str, limit: int) -> int | None:
+    """The largest value of `field` below its current one with which the plan fits `limit`
+    (the total grows with each field; block_size is tried over the powers of two)."""
+    current = plan.num_host_blocks if field == "num_host_blocks" else getattr(plan.inputs.cfg, field)
+    lo = 1 if field == "num_host_blocks" else FIELD_MIN[field]
+    fits = lambda v: _replan(plan, field, v).total <= limit          # noqa: E731
+    if field == "block_size":
+        return next((v for v in (1 << i for i in range(current.bit_length() - 2, -1, -1)) if fits(v)), None)
+    if current <= lo or not fits(lo):
+        return None
+    hi = current - 1                     # invariant: fits(lo); the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def _candidates(plan: MemoryPlan) -> list[str]:
+    """Fields to name, the most inflated (against its default) first: the one a user set to
+    5000 is the one to name, not the batch size they left alone."""
+    cfg, default = plan.inputs.cfg, LookaheadConfig()
+    ratio = {f: getattr(cfg, f) / max(1, getattr(default, f)) for f in FIELD_MIN}
+    if plan.inputs.num_host_blocks is not None:
+        derived = cfg.max_batch_size * _blocks(plan.max_model_len, cfg.block_size)
+        ratio = {"num_host_blocks": plan.num_host_blocks / derived, **ratio}
+    order = list(ratio)
+    return sorted(order, key=lambda f: (-ratio[f], order.index(f)))
+
+
+def check_memory(plan: MemoryPlan, cfg: LookaheadConfig | None = None, available_bytes: int | None = None,
+                 *, headroom: float = HEADROOM) -> None:
+    """Refuse, before any allocation, a plan that cannot fit: a ConfigError naming the field
+    that drives the excess and the value that would fit.
+
+    Checks `cfg.device_budget_bytes` (one sequence's device tier, as engine.check_budget does
+    after allocating) and then the total against `headroom` of `available_bytes` (default: the
+    host's available memory, `available_host_bytes`). `cfg` defaults to the plan's own."""
+    cfg = cfg or plan.inputs.cfg
+    if cfg != plan.inputs.cfg:
+        plan = _plan(dataclasses.replace(plan.inputs, cfg=cfg))
+    _check_device_budget(plan, cfg)
+    avail = available_host_bytes() if available_bytes is None else available_bytes
+    limit = int(avail * headroom)
+    if plan.total <= limit:
+        return
+    need = (f"need {plan.describe()} of host memory, but {fmt_bytes(limit)} is usable "
+            f"({headroom:.0%} of {fmt_bytes(avail)} available)")
+    for field in _candidates(plan):
+        fit = _largest_fit(plan, field, limit)
+        if fit is not None:
+            raise ConfigError(field, f"{_current(plan, field)} makes this configuration {need}",
+                              f"use {field} <= {fit}, or free memory")
+    raise ConfigError("memory", f"the model and this configuration {need}, and no one setting brings it within that",
+                      "run on a machine with more memory, or build the engine with --dtype bfloat16")
+
+
+def _current(plan: MemoryPlan, field: str) -> int:
+    return plan.num_host_blocks if field == "num_host_blocks" else getattr(plan.inputs.cfg, field)
+
+
+def _check_device_budget(plan: MemoryPlan, cfg: LookaheadConfig) -> None:
+    budget = cfg.device_budget_bytes
+    if budget is None or cfg.mode != "lookahead" or plan.per_seq_device_tier <= budget:
+        return
+    wb = _blocks(cfg.recent_window, cfg.block_size) + 1 if cfg.recent_window > 0 else 1
+    fixed_slots = cfg.num_sink_blocks + wb
+    per_slot = plan.per_seq_device_tier // (fixed_slots + cfg.top_k)
+    need = plan.per_seq_device_tier
+    if per_slot * fixed_slots >= budget:
+        raise ConfigError("device_budget_bytes", f"{budget} bytes cannot hold the sink and recent window "
+                          f"({per_slot * fixed_slots} bytes)",
+                          "raise the budget or lower num_sink_blocks/recent_window")
+    raise ConfigError("device_budget_bytes", f"top_k={cfg.top_k} needs {need} bytes per sequence",
+                      f"use top_k <= {(budget - per_slot * fixed_slots) // per_slot} or a budget >= {need}")
+
+
+def available_host_bytes(meminfo: str | Path = "/proc/meminfo", cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
+    """Memory this process may still allocate: MemAvailable, or the cgroup's limit less its usage
+    (reclaimable page cache not counted as used) when that is lower. Elsewhere: the physical
+    memory sysconf reports, and when even that is unknown, no limit (sys.maxsize)."""
+    found = [v for v in (_meminfo_available(Path(meminfo)), _cgroup_available(Path(cgroup_root))) if v is not None]
+    if found:
+        return max(0, min(found))
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return sys.maxsize
+
+
+def _meminfo_available(path: Path) -> int | None:
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+        return None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def _stat(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _cgroup_available(root: Path) -> int | None:
+    """cgroup v2 (memory.max) or v1 (memory/memory.limit_in_bytes); None when unlimited."""
+    for limit_f, usage_f, stat_f, key in (("memory.max", "memory.current", "memory.stat", "inactive_file"),
+                                          ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+                                           "memory/memory.stat", "total_inactive_file")):
+        limit = _read_int(root / limit_f)
+        if limit is None or limit >= 1 << 60:        # v1 writes "unlimited" as ~2^63
+            continue
+        usage = _read_int(root / usage_f) or 0
+        return limit - max(0, usage - _stat(root / stat_f, key))
+    return None
