@@ -46,7 +46,7 @@ from eval_accuracy import (EngineFactory, add_run_args, append_record, engine_po
 from runtime.draft import DraftSource, DualTokenDraft, RandomDraft  # noqa: E402
 
 SWEEP = (16, 32, 64, 128, 256)
-DRAFTS = ("dual_token", "oracle", "random")
+DRAFTS = ("dual_token", "oracle", "random", "context_seed")   # context_seed: the chain before pre-decoding
 SOURCES = ("ruler", "essay")
 PRODUCTION_K = 128
 
@@ -83,6 +83,9 @@ def make_draft(kind: str, vocab_size: int, prompt_len: int, continuation: list[i
         return OracleDraft(prompt_len, continuation or [])
     if kind == "random":
         return RandomDraft(vocab_size, seed=seed)
+    if kind == "context_seed":          # run with resync_after 0: the old chain, exactly
+        from bench_lib import ContextSeedDraft
+        return ContextSeedDraft()
     raise ValueError(f"draft {kind!r} is unknown; known: {', '.join(DRAFTS)}")
 
 
@@ -151,7 +154,8 @@ def run_draft(factory: EngineFactory, prompt: str, draft: str, top_k: int, steps
     """One run under `urgent` with the given draft (greedy, or seeded sampling); agreement at
     every K from the tap."""
     from runtime.sampling import SamplingParams
-    eng = factory.make(mode="lookahead", residency="resident", miss_policy="urgent", top_k=top_k)
+    eng = factory.make(mode="lookahead", residency="resident", miss_policy="urgent", top_k=top_k,
+                       **({"resync_after": 0} if draft == "context_seed" else {}))
     ids = eng.tokenizer.encode(prompt)
     logger = LoggingDraft(make_draft(draft, eng.manifest.model.vocab_size, len(ids), continuation, seed))
     eng.runner.chain.source = logger
@@ -288,7 +292,7 @@ def plot(rows: list[dict], ks: tuple, path: Path, k_layers: int = PRODUCTION_K) 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    colors = {"dual_token": "tab:blue", "oracle": "tab:green", "random": "tab:red"}
+    colors = {"dual_token": "tab:blue", "oracle": "tab:green", "random": "tab:red", "context_seed": "tab:gray"}
     styles = {"ruler": "-", "essay": "--"}
     written = []
     for traj in sorted({r["trajectory"] for r in rows}):
