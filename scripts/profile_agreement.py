@@ -348,7 +348,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "an essay prompt fills it (up to the model's limit minus --steps)")
     p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES,
                    help="ruler: single-needle essay haystack (RULER); essay: essays + 'summarize'")
-    p.add_argument("--drafts", nargs="+", default=list(DRAFTS), choices=DRAFTS)
+    p.add_argument("--drafts", nargs="+", default=list(DRAFTS[:3]), choices=DRAFTS,
+                   help="context_seed: the draft chain as it was seeded before pre-decoding (the 'before')")
     p.add_argument("--trajectories", nargs="+", default=["production"], choices=("production", "full"),
                    help="production: K=128 sparse attention; full: K >= every block (dense attention)")
     p.add_argument("--ks", nargs="+", type=int, default=list(SWEEP), help="the K sweep (blocks)")

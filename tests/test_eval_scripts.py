@@ -183,6 +183,8 @@ def test_profile_agreement_runs_checks_and_resumes(tiny_dir, tmp_path, small_wor
         assert rows[("production", src, "random")]["draft_accept_rate"] < 0.5
         # with K covering every block the oracle's query is the next real query: agreement 1
         assert all(e["mean"] > 0.98 for e in rows[("full", src, "oracle")]["by_k"])
+        # ... and the model's own draft, seeded by pre-decoding, is right at every step
+        assert rows[("full", src, "dual_token")]["draft_accept_rate"] == 1.0
     by_draft = {}
     for r in res["records"]:             # under `urgent` the output does not depend on the draft
         by_draft.setdefault((r["trajectory"], r["source"]), set()).add(tuple(r["output_ids"]))
