@@ -169,7 +169,7 @@ class Engine:
         with self._lock:
             if rid in self._seqs:
                 raise RequestError("request_id", f"{rid!r} is already running", "use a unique id")
-            self.scheduler.check_queue(pending=sum(k == "add" for k, _ in self._inbox))
+            self.scheduler.check_queue(pending=[s for k, s in self._inbox if k == "add"], seq=seq)
             self._seqs[rid] = seq
             self._inbox.append(("add", seq))
         return rid

@@ -4,10 +4,15 @@ Each step decodes one token for every running sequence whose prompt is in the ca
 up to `prefill_chunk` tokens on prompts, so running streams keep flowing while new ones join.
 A sequence is admitted only when the allocator can reserve every block it may ever need; until then
 it waits in a bounded queue. One that can never fit is rejected by `check_fits` at once.
+
+Admission control (`check_queue`) counts what would really wait: of the requests waiting, those
+still in the engine's inbox and the new one, in arrival order, the ones the next admission can
+start (a free batch slot and every block they need) do not wait, the rest do.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import Iterable
 
 from .block_manager import BlockAllocator, blocks_needed
 from .errors import CapacityError
@@ -15,7 +20,7 @@ from .sequence import Sequence, SeqStatus
 
 
 class QueueFullError(CapacityError):
-    """The waiting queue is full: the caller should retry later (HTTP 429-like)."""
+    """The waiting queue is full: the caller should retry later (Triton's UNAVAILABLE)."""
 
 
 class Scheduler:
@@ -40,13 +45,42 @@ class Scheduler:
                                 f"{self.allocator.num_blocks}; lower max_tokens or enlarge the pool",
                                 field="max_tokens")
 
-    def check_queue(self, pending: int = 0) -> None:
-        """Raise QueueFullError when `pending` more requests would overflow the waiting queue.
+    def check_queue(self, pending: int | Iterable[Sequence] = 0, seq: Sequence | None = None) -> None:
+        """Raise QueueFullError when one more request would leave more than `max_queue` waiting.
 
-        Called from request threads without the step loop's lock: len() of a deque is atomic in
-        CPython and an off-by-one here only shifts the bound by a request."""
-        if len(self.waiting) + pending >= self.max_queue:
-            raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); retry later")
+        `pending`: the requests accepted but not yet `add`ed (the engine's inbox), in arrival order,
+        or just their number; `seq`: the new request, when known. A request whose block need is
+        unknown (a bare count, or `seq=None`) is taken to need one block: then only batch slots
+        limit what the next admission can start.
+
+        Called from request threads without the step loop's lock. It reads a snapshot: the waiting
+        deque copied in one C call (atomic under the GIL), then the running count and free blocks,
+        each one atomic read. A sequence admitted between those reads is seen in both places (one
+        slot fewer) or in neither; a batch the step loop has taken from the inbox but not yet added
+        is missed. Either way the bound shifts by the requests that moved meanwhile, not more."""
+        queued = self.num_queued_after(pending, seq)
+        if queued > self.max_queue:
+            raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests waiting for a batch "
+                                 "slot or KV blocks); retry later")
+
+    def num_queued_after(self, pending: int | Iterable[Sequence] = 0, seq: Sequence | None = None) -> int:
+        """How many requests would wait after the next admission if `pending` and then one more
+        request (`seq`, or one of unknown size) joined the queue (see `check_queue`)."""
+        waiting = self.waiting.copy()
+        needs = [self._need(s) for s in waiting]
+        needs += [1] * pending if isinstance(pending, int) else [self._need(s) for s in pending]
+        needs.append(1 if seq is None else self._need(seq))
+        slots = self.max_batch_size - len(self.running)
+        free = self.allocator.num_free
+        admitted = 0
+        for need in needs:                # FIFO, as `_admit`: the first that cannot start stops it
+            if slots <= 0 or need > free:
+                break
+            slots, free, admitted = slots - 1, free - need, admitted + 1
+        return len(needs) - admitted
+
+    def _need(self, seq: Sequence) -> int:
+        return blocks_needed(seq.max_len, self.block_size)
 
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
@@ -58,7 +92,7 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            need = blocks_needed(seq.max_len, self.block_size)
+            need = self._need(seq)
             if not self.allocator.can_allocate(need):
                 break                      # FIFO: later requests do not overtake a waiting one
             self.waiting.popleft()
