@@ -137,7 +137,7 @@ BAD = [
     (dict(max_tokens=np.array([-2], np.int64)), "max_tokens: must be a positive integer"),
     (dict(max_tokens=np.array([2.0], np.float32)), "max_tokens: must be int, got a tensor of dtype float32"),
     (dict(max_tokens=np.array([2, 3], np.int32)), "max_tokens: must hold exactly one value, got shape [2]"),
-    (dict(temperature=np.array([-1.0], np.float32)), "temperature: must be >= 0"),
+    (dict(temperature=np.array([-1.0], np.float32)), "temperature: must be a finite number >= 0"),
     (dict(top_p=np.array([0.0], np.float32)), "top_p: must be in (0, 1]"),
     (dict(top_p=np.array([1.5], np.float32)), "top_p: must be in (0, 1]"),
     (dict(top_k=np.array([-1], np.int32)), "top_k: must be an integer >= 0"),
@@ -501,3 +501,59 @@ def test_load_test_served_request_records_tokens_and_closes_the_stream(load_test
     assert rec.end == rec.token_times[-1][0]
     call = client.calls[0]
     assert call.half_closed and call.read_to_end and not call.cancelled
+
+
+# ---- soak report ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def soak():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("soak", Path(__file__).parents[1] / "scripts" / "soak.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_soak_report_buckets_drift_rss_growth_and_settled_blocks(soak):
+    t0, mb = 100.0, 2 ** 20
+    R, S = soak.Result, soak.Sample
+    results = [R(t0 + 1, t0 + 5, [t0 + 2 + 0.01 * k for k in range(100)], 24),          # 100 tokens at 2-3 s
+               R(t0 + 12, t0 + 30, [t0 + 21 + 0.1 * k for k in range(80)], 4000),       # 80 at 21-29 s
+               R(t0 + 31, t0 + 35, [t0 + 32 + 0.1 * k for k in range(40)], 200, cancelled=True),   # 40 at 32-36 s
+               R(t0 + 36, t0 + 36.5, [], 24, error="the waiting queue is full (2 requests ...); retry later")]
+    samples = [S(0, 300 * mb, 50 * mb, 64, 64), S(10, 400 * mb, 50 * mb, 60, 64), S(20, 404 * mb, 51 * mb, 50, 64),
+               S(30, 408 * mb, 51 * mb, 40, 64), S(40, 410 * mb, 51 * mb, 60, 64, running=1),
+               S(41, 410 * mb, 51 * mb, 63, 64, running=1, phase="settle"),
+               S(42.5, 410 * mb, 51 * mb, 64, 64, running=0, queue=0, phase="settle")]
+    s = soak.summarize_soak(results, samples, t0, t_load_end=40.0, warmup_s=10.0, bucket_s=10.0)
+    assert [b["output_tokens"] for b in s["buckets"]] == [100, 0, 80, 40]
+    assert [b["tokens_per_s"] for b in s["buckets"]] == [10.0, 0.0, 8.0, 4.0]
+    assert s["throughput_drift_pct"] is None            # the first third after the warm-up had 0 tokens/s
+    assert (s["requests"], s["completed"], s["cancelled"], s["errors"]) == (4, 2, 1, 1)
+    assert s["error_kinds"] == {"queue full": 1} and s["output_tokens"] == 220
+    assert s["stub_rss_mb"]["after_warmup"] == 400.0 and s["stub_rss_mb"]["end"] == 410.0
+    assert s["stub_rss_mb"]["growth_pct"] == 2.5 and s["stub_rss_mb"]["slope_mb_per_min"] == 20.4
+    assert s["blocks"] == {"total": 64, "free_after_load": 64, "min_free_during_load": 40, "back_to_full": True,
+                           "settle_s": 2.5}
+    assert s["targets"] == {"zero_errors": False, "rss_growth_under_5_pct": True, "blocks_back_to_full": True}
+    results[1].token_times = [t0 + 10 + 0.05 * k for k in range(200)]               # 200 tokens at 10-20 s
+    s = soak.summarize_soak(results[:3], samples[:-1], t0, 40.0, 10.0, 10.0)
+    assert [b["tokens_per_s"] for b in s["buckets"]] == [10.0, 20.0, 0.0, 4.0]
+    assert s["throughput_drift_pct"] == -80.0          # whole buckets after 10 s: 20, 0, 4; first third 20, last 4
+    assert soak.default_warmup(results, t0, 40.0) == 20.0        # the 4000-token prompt ended at 30 s: capped
+    assert soak.default_warmup(results[:1], t0, 600.0) == 60.0
+    assert s["blocks"]["back_to_full"] is False and s["targets"]["blocks_back_to_full"] is False
+    table = soak.table({"dense": s})
+    assert "throughput drift after warm-up" in table and "-80.0%" in table and "NO: blocks_back_to_full" in table
+
+
+def test_soak_workload_is_seeded_and_visits_every_length_first(soak):
+    w = soak.Workload([(24, 5), (4000, 1), (200, 3)], 8, 64, 0.5, tokenizer=None, seed=3)
+    plans = [w.plan(i) for i in range(400)]
+    assert [p.prompt_len for p in plans[:3]] == [4000, 200, 24]
+    assert plans == [soak.Workload([(24, 5), (4000, 1), (200, 3)], 8, 64, 0.5, None, 3).plan(i) for i in range(400)]
+    assert all(8 <= p.max_tokens <= 64 for p in plans)
+    assert all(p.cancel_after is None or 1 <= p.cancel_after <= p.max_tokens // 2 for p in plans)
+    assert 0.4 < sum(p.cancel_after is not None for p in plans) / 400 < 0.6
+    assert soak.parse_lens("24:5,4000") == [(24, 5.0), (4000, 1.0)]

@@ -9,24 +9,37 @@
 The thread sleeps on a condition variable while the engine has nothing to do (no busy spin) and is
 woken by `submit`. Every `cancel_poll_s` it asks each live request's sink whether its client has
 cancelled and aborts those in the engine, which frees their KV blocks at the next step.
+
+Tokenizing. `tokenizers`' `encode` holds the GIL throughout (~0.6 s a MB of text here), which
+stalls the step-loop thread and every stream with it. A prompt of more than `inline_tokenize_chars`
+characters is therefore tokenized on a second thread ("tokenizer"), one prompt at a time, with
+`encode_batch`, which releases the GIL; `submit` returns at once and the request joins the engine
+when its ids are ready. Errors found then (the prompt is too long, the queue is full) go to the
+sink's `on_reject(error)`. Short prompts are tokenized in `submit`, as the engine does, and their
+errors are raised there.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections import deque
 from typing import Any, Callable, Protocol
 
 from ..engine import Engine, RequestOutput
+from ..errors import LookaheadError, RequestError
 from ..sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 class RequestSink(Protocol):
-    """Where one request's outputs go. All three are called on the loop thread."""
+    """Where one request's outputs go. Called on the loop thread (or the tokenizer thread, for a
+    long prompt's outputs before it joins the engine). Optional: `on_reject(error)`, the typed error
+    of a request refused after `submit` returned (see the module docstring); without it
+    `on_error(str(error))` is called."""
 
     def on_output(self, out: RequestOutput) -> None:
         """Every output of the request; the last has `finished` set (`finish_reason` "abort" if cancelled)."""
@@ -41,11 +54,15 @@ class RequestSink(Protocol):
 class EngineLoop:
     def __init__(self, engine: Engine, *, on_stats: Callable[[dict[str, Any]], None] | None = None,
                  stats_interval_s: float = 0.5, cancel_poll_s: float = 0.2, rate_window_s: float = 5.0,
-                 name: str = "lookahead"):
+                 name: str = "lookahead", inline_tokenize_chars: int = 8192):
         self.engine = engine
         self.on_stats, self.stats_interval_s, self.cancel_poll_s = on_stats, stats_interval_s, cancel_poll_s
+        self.inline_tokenize_chars = inline_tokenize_chars
         self._cv = threading.Condition()
         self._sinks: dict[str, RequestSink] = {}
+        self._tokenizing: dict[str, RequestSink] = {}      # long prompts on the tokenizer thread
+        self._tok_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._tok_thread: threading.Thread | None = None
         self._aborting: set[str] = set()
         self._stopping = False
         self._ids = itertools.count()
@@ -59,8 +76,20 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, prompt: str | list[int], params: SamplingParams, sink: RequestSink) -> str:
-        """Enqueue a request whose outputs go to `sink`; raises the engine's typed errors at once."""
+        """Enqueue a request whose outputs go to `sink`; raises the engine's typed errors at once,
+        except for a long prompt, which is tokenized off this thread (see the module docstring)."""
         rid = f"{self._name}-{next(self._ids)}"
+        if isinstance(prompt, str) and len(prompt) > self.inline_tokenize_chars:
+            with self._cv:
+                if self._stopping:
+                    raise RuntimeError("the engine loop is stopping")
+                self._tokenizing[rid] = sink
+                if self._tok_thread is None:
+                    self._tok_thread = threading.Thread(target=self._tokenize_loop, daemon=True,
+                                                        name=f"{self._name}-tokenizer")
+                    self._tok_thread.start()
+            self._tok_queue.put((rid, prompt, params, sink))
+            return rid
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the engine loop is stopping")
@@ -77,7 +106,7 @@ class EngineLoop:
 
     def num_live(self) -> int:
         with self._cv:
-            return len(self._sinks)
+            return len(self._sinks) + len(self._tokenizing)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still live get `on_error` (the server is going away)."""
@@ -86,10 +115,57 @@ class EngineLoop:
             self._cv.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._tok_queue.put(None)             # a tokenizer thread still tokenizing is left behind (daemon)
         with self._cv:
-            sinks, self._sinks = list(self._sinks.values()), {}
+            sinks = list(self._sinks.values()) + list(self._tokenizing.values())
+            self._sinks, self._tokenizing = {}, {}
         for sink in sinks:
             _call(sink.on_error, "the server is shutting down")
+
+    # ---- the tokenizer thread ------------------------------------------------------------------
+    def _tokenize_loop(self) -> None:
+        while (item := self._tok_queue.get()) is not None:
+            rid, prompt, params, sink = item
+            try:
+                ids = encode_releasing_gil(self.engine.tokenizer, prompt)
+                self._admit_tokenized(rid, ids, params, sink)
+            except LookaheadError as e:
+                self._reject(rid, sink, e)
+            except Exception as e:            # a bug: answer this request, keep serving
+                log.exception("tokenizing a request failed")
+                self._reject(rid, sink, None, f"internal error while tokenizing the prompt: {e}")
+            with self._cv:                    # wake the loop: new work, or a gauge to republish
+                self._stats_dirty = True
+                self._cv.notify()
+
+    def _admit_tokenized(self, rid: str, ids: list[int], params: SamplingParams, sink: RequestSink) -> None:
+        limit = self.engine.max_model_len
+        if len(ids) + params.max_tokens > limit:     # the engine's check, before its O(n) id checks
+            raise RequestError("text_input", f"is {len(ids)} tokens: with max_tokens {params.max_tokens} that "
+                               f"exceeds the engine's max_model_len {limit}", "shorten the prompt or lower max_tokens")
+        with self._cv:
+            if self._tokenizing.pop(rid, None) is None:
+                return                        # stop() has failed it already
+            if _cancelled(sink):
+                cancelled = True
+            else:
+                cancelled = False
+                self._sinks[rid] = sink
+        if cancelled:                         # the client left while its prompt was tokenized
+            _call(sink.on_output, RequestOutput(rid, [], "", True, "abort", len(ids), 0))
+            return
+        self.engine.add_request(ids, params, request_id=rid)   # an error: _reject unregisters the sink
+
+    def _reject(self, rid: str, sink: RequestSink, error: LookaheadError | None, message: str = "") -> None:
+        with self._cv:
+            live = self._tokenizing.pop(rid, None) is not None or self._sinks.pop(rid, None) is not None
+        if not live:
+            return                            # stop() has answered it already
+        on_reject = getattr(sink, "on_reject", None)
+        if error is not None and on_reject is not None:
+            _call(on_reject, error)
+        else:
+            _call(sink.on_error, message or str(error))
 
     # ---- the loop thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -161,6 +237,9 @@ class EngineLoop:
         self._stats_dirty = False
         stats = self.engine.stats()
         stats["tokens_per_s"] = self._rate.update(stats["output_tokens"])
+        stats["total_blocks"] = self.engine.allocator.num_blocks
+        with self._cv:
+            stats["num_tokenizing"] = len(self._tokenizing)
         _call(self.on_stats, stats)
         return True
 
@@ -185,6 +264,25 @@ class _RateWindow:
     def active(self) -> bool:
         """Still decaying towards zero after the engine went idle."""
         return self.rate > 0
+
+
+def encode_releasing_gil(tokenizer: Any, text: str) -> list[int]:
+    """`tokenizer.encode(text)`, letting other Python threads run meanwhile.
+
+    `tokenizers.Tokenizer.encode` holds the GIL for the whole call; `encode_batch` releases it.
+    `tokenizer` is a runtime TextTokenizer (its `_tok` is the `tokenizers.Tokenizer`, encoded as
+    TextTokenizer.encode does: no special tokens added); anything else falls back to `.encode`."""
+    backend = getattr(tokenizer, "_tok", None)
+    if backend is None or not hasattr(backend, "encode_batch"):
+        return tokenizer.encode(text)
+    return backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def _cancelled(sink: RequestSink) -> bool:
+    try:
+        return bool(sink.is_cancelled())
+    except Exception:
+        return False
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> bool:

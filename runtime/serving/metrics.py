@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 
 @dataclass(frozen=True)
 class MetricSpec:
-    stat: str            # key in Engine.stats() (plus "tokens_per_s" from the serving loop)
+    stat: str            # key in Engine.stats() (plus tokens_per_s, total_blocks, num_tokenizing: the loop's)
     name: str            # Prometheus family name
     kind: str            # "gauge" or "counter"
     description: str
@@ -23,6 +23,9 @@ METRICS = (
                "Requests waiting for admission (KV blocks or a batch slot)"),
     MetricSpec("num_running", "lookahead_running_requests", "gauge", "Requests in the decode batch"),
     MetricSpec("free_blocks", "lookahead_free_kv_blocks", "gauge", "Free blocks in the host KV pool"),
+    MetricSpec("total_blocks", "lookahead_kv_blocks", "gauge", "Blocks in the host KV pool, free or not"),
+    MetricSpec("num_tokenizing", "lookahead_tokenizing_requests", "gauge",
+               "Requests whose long prompt is being tokenized off the request thread"),
     MetricSpec("tokens_per_s", "lookahead_output_tokens_per_second", "gauge",
                "Generated tokens per second over the last few seconds"),
     MetricSpec("prefetch_hit_rate", "lookahead_prefetch_hit_rate", "gauge",

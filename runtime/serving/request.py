@@ -6,15 +6,22 @@ The names follow Triton's vLLM and TensorRT-LLM backends (see triton_model_repo/
     max_tokens, top_k (INT [1])           temperature, top_p (FP32 [1])      seed (INT [1])
     stop (BYTES [n])                      sampling_parameters (BYTES [1], a JSON object)
 
-Every problem a client can cause raises `RequestError` naming the field. Integer inputs accept any
-integer width and floats accept integers, so a client that picked INT64 for `top_k` is not refused
-over a detail. A tensor input overrides the same key in `sampling_parameters`.
+Every problem a client can cause raises `RequestError` naming the field, malformed JSON (too
+large, nested too deeply, a number out of range) included. Integer inputs accept any integer width
+and floats accept integers, so a client that picked INT64 for `top_k` is not refused over a detail.
+A tensor input overrides the same key in `sampling_parameters`.
+
+Sizes are bounded before any tokenizing (`RequestLimits`): a prompt whose UTF-8 bytes cannot fit
+max_model_len tokens, a stop string no output could ever reach, more than MAX_STOP_STRINGS stop
+strings, or a JSON document over MAX_JSON_BYTES is refused at once.
 Pure numpy: `parse_request` takes a getter, so it runs without a server.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import sys
 import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -34,6 +41,76 @@ _KIND_OF_HINT = {int: "int", float: "float", bool: "bool", list[str]: "strings",
 SAMPLING_KINDS: dict[str, str] = {name: _KIND_OF_HINT[hint] for name, hint in
                                   typing.get_type_hints(SamplingParams).items()}
 TENSOR_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed")   # scalar inputs, [1] each
+MAX_JSON_BYTES = 64 * 1024           # sampling_parameters / request parameters: a few keys, not a document
+MAX_STOP_STRINGS = 64
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What an engine can take, checked before tokenizing.
+
+    `max_token_bytes`: the most UTF-8 bytes of text one token covers (`max_token_bytes()` of the
+    engine's tokenizer; None: no bound known). Every token covers a run of the text, so a prompt of
+    B bytes is at least B / max_token_bytes tokens, and one longer than
+    (max_model_len - max_tokens) * max_token_bytes bytes can never fit: it is refused without
+    being tokenized. The bound is safe, not tight (81 bytes a token for SmolLM2, whose longest
+    token is 80 spaces and a newline, against ~4 for English), so prompts under it are tokenized
+    and the engine checks their exact length.
+    """
+
+    max_model_len: int
+    max_token_bytes: int | None
+
+    @classmethod
+    def for_engine(cls, engine: Any) -> "RequestLimits":
+        return cls(engine.max_model_len, max_token_bytes(engine.tokenizer))
+
+    def max_prompt_bytes(self, max_tokens: int) -> int | None:
+        if self.max_token_bytes is None:
+            return None
+        return max(1, self.max_model_len - max_tokens) * self.max_token_bytes
+
+    @property
+    def max_stop_bytes(self) -> int | None:
+        """Longer than any output can be: such a stop string never matches (and would hold the
+        whole stream back, as a possible stop-string prefix)."""
+        return None if self.max_token_bytes is None else self.max_model_len * self.max_token_bytes
+
+
+def max_token_bytes(tokenizer: Any) -> int | None:
+    """The most UTF-8 bytes of input text one token of `tokenizer` covers, or None when unbounded.
+
+    `tokenizer`: a runtime TextTokenizer or a `tokenizers.Tokenizer`. A token covers at most the
+    UTF-8 length of its vocabulary string: exactly its character count in a byte-level vocabulary
+    (one character per byte), and for other schemes the string over-counts ("▁" for a space,
+    "##", "<0x41>" for one byte). Added tokens count their content. Then:
+    - an unknown token that can stand for a whole word or a fused run (WordLevel, WordPiece,
+      Unigram or BPE with fuse_unk, all without byte fallback) makes the bound None;
+    - one that stands for a single character counts 4 bytes;
+    - a normalizer may shrink text (composition, stripping accents): the bound is taken 4x.
+    """
+    from tokenizers import decoders, models
+
+    tok = getattr(tokenizer, "_tok", tokenizer)
+    try:
+        vocab = tok.get_vocab(with_added_tokens=False)
+        added = tok.get_added_tokens_decoder()
+    except AttributeError:
+        return None
+    byte_level = isinstance(tok.decoder, decoders.ByteLevel)
+    longest = max((len(t) if byte_level else len(t.encode("utf-8")) for t in vocab), default=1)
+    longest = max([longest, 1] + [len(a.content.encode("utf-8")) for a in added.values()])
+    model = tok.model
+    byte_fallback = byte_level or bool(getattr(model, "byte_fallback", False))
+    if not byte_fallback:
+        if isinstance(model, (models.WordLevel, models.WordPiece, models.Unigram)):
+            return None
+        if getattr(model, "unk_token", None):
+            if getattr(model, "fuse_unk", False):
+                return None
+            longest = max(longest, 4)
+    return longest * (4 if tok.normalizer is not None else 1)
 
 
 @dataclass
@@ -44,14 +121,16 @@ class GenerateRequest:
     exclude_input_in_output: bool = False
 
 
-def parse_request(get: Getter, parameters: str | dict[str, Any] | None = None) -> GenerateRequest:
+def parse_request(get: Getter, parameters: str | dict[str, Any] | None = None,
+                  limits: RequestLimits | None = None) -> GenerateRequest:
     """Read and validate one request. `get(name)` returns the input's array, or None when absent.
 
     `parameters` are the request's parameters (JSON text or a dict): HTTP /generate turns every
     top-level key that is not an input into one, so an unknown key there is refused too.
     Precedence, lowest first: parameters, sampling_parameters, tensor inputs.
+    `limits`: the engine's size bounds (`RequestLimits`), checked here; None checks none.
     """
-    prompt = _text_input(get("text_input"))
+    prompt, prompt_bytes = _text_input(get("text_input"))
     values = _sampling_dict("parameters", _request_parameters(parameters))
     values.update(_sampling_dict("sampling_parameters", _sampling_json(get("sampling_parameters"))))
     for name in TENSOR_PARAMS:
@@ -61,20 +140,60 @@ def parse_request(get: Getter, parameters: str | dict[str, Any] | None = None) -
             values[name] = _convert(name, _scalar(name, arr, kind), kind)
     stop = get("stop")
     if stop is not None:
-        values["stop"] = [_utf8("stop", b) for b in np.asarray(stop).reshape(-1)]
+        values["stop"] = _stop_strings(np.asarray(stop).reshape(-1), limits)
+    elif "stop" in values:
+        _check_stop(values["stop"], limits, "sampling_parameters.stop")
     params = SamplingParams(**values)          # validates ranges; raises RequestError naming the field
+    _check_prompt_bytes(prompt_bytes, params.max_tokens, limits)
     return GenerateRequest(prompt, params, stream=_flag(get, "stream"),
                            exclude_input_in_output=_flag(get, "exclude_input_in_output"))
 
 
-def _text_input(arr: np.ndarray | None) -> str:
+def _text_input(arr: np.ndarray | None) -> tuple[str, int]:
+    """(the prompt, its length in UTF-8 bytes)."""
     if arr is None:
         raise RequestError("text_input", "is missing", "send the prompt as a BYTES tensor of shape [1]")
     arr = np.asarray(arr)
     if arr.size != 1:
         raise RequestError("text_input", f"must hold exactly one prompt, got shape {list(arr.shape)}",
                            "send one request per prompt")
-    return _utf8("text_input", arr.reshape(-1)[0])
+    text = _utf8("text_input", arr.reshape(-1)[0])
+    raw = arr.reshape(-1)[0]
+    return text, len(raw) if isinstance(raw, (bytes, np.bytes_)) else len(text.encode("utf-8"))
+
+
+def _check_prompt_bytes(num_bytes: int, max_tokens: int, limits: RequestLimits | None) -> None:
+    bound = None if limits is None else limits.max_prompt_bytes(max_tokens)
+    if bound is not None and num_bytes > bound:
+        raise RequestError(
+            "text_input", f"is {num_bytes} bytes, more than max_model_len {limits.max_model_len} tokens can "
+            f"hold with max_tokens {max_tokens} (at most {bound} bytes: a token of this engine's tokenizer "
+            f"covers at most {limits.max_token_bytes})", "shorten the prompt or lower max_tokens")
+
+
+def _stop_strings(items: np.ndarray, limits: RequestLimits | None) -> list[str]:
+    """The `stop` tensor's strings; counts and sizes are checked before anything is decoded."""
+    if items.size > MAX_STOP_STRINGS:
+        raise RequestError("stop", f"holds {items.size} strings, more than {MAX_STOP_STRINGS}",
+                           "send fewer stop strings")
+    bound = None if limits is None else limits.max_stop_bytes
+    for b in items:
+        if bound is not None and isinstance(b, (bytes, np.bytes_)) and len(b) > bound:
+            raise RequestError("stop", f"holds a string of {len(b)} bytes, longer than any output of this "
+                               f"engine can be ({bound} bytes)", "send shorter stop strings")
+    return [_utf8("stop", b) for b in items]
+
+
+def _check_stop(stop: list[str], limits: RequestLimits | None, name: str) -> None:
+    """The same bounds for stop strings sent in JSON (already decoded)."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(name, f"holds {len(stop)} strings, more than {MAX_STOP_STRINGS}",
+                           "send fewer stop strings")
+    bound = None if limits is None else limits.max_stop_bytes
+    longest = max((len(s.encode("utf-8", "surrogatepass")) for s in stop), default=0)
+    if bound is not None and longest > bound:
+        raise RequestError(name, f"holds a string of {longest} bytes, longer than any output of this "
+                           f"engine can be ({bound} bytes)", "send shorter stop strings")
 
 
 def _utf8(name: str, value: Any) -> str:
@@ -106,9 +225,37 @@ def _flag(get: Getter, name: str) -> bool:
 
 
 def _request_parameters(parameters: str | dict[str, Any] | None) -> dict[str, Any]:
-    doc = json.loads(parameters) if isinstance(parameters, str) and parameters else (parameters or {})
+    if isinstance(parameters, str):
+        doc = _json_object("parameters", parameters) if parameters else {}
+    else:
+        doc = parameters or {}
+    if not isinstance(doc, dict):
+        raise RequestError("parameters", f"must be a JSON object, got {type(doc).__name__}",
+                           "send request parameters as an object")
     # Triton's own request parameters (e.g. triton_enable_empty_final_response) are not sampling ones.
     return {k: v for k, v in doc.items() if not k.startswith("triton_")}
+
+
+def _json_object(name: str, text: str) -> Any:
+    """json.loads with every failure a RequestError naming `name`: a document over MAX_JSON_BYTES,
+    invalid JSON, nesting deeper than the interpreter's recursion limit, a number with more digits
+    than Python converts (ValueError)."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_JSON_BYTES:
+        raise RequestError(name, f"is {size} bytes of JSON, more than {MAX_JSON_BYTES}",
+                           'send a small object such as {"max_tokens": 32}')
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(name, f"is not valid JSON ({e.msg} at position {e.pos})",
+                           'send an object such as {"max_tokens": 32}') from None
+    except RecursionError:
+        raise RequestError(name, "nests JSON arrays or objects too deeply",
+                           "send a flat object of sampling parameters") from None
+    except ValueError as e:          # e.g. an integer literal of more than 4300 digits
+        reason = str(e).split(":")[0].split(";")[0]
+        raise RequestError(name, f"holds a value JSON cannot be read into ({reason})",
+                           "send numbers of ordinary size") from None
 
 
 def _sampling_dict(source: str, doc: dict[str, Any]) -> dict[str, Any]:
@@ -126,12 +273,12 @@ def _sampling_json(arr: np.ndarray | None) -> dict[str, Any]:
     """Parse the vLLM-style `sampling_parameters` JSON object (a BYTES tensor) into a dict."""
     if arr is None:
         return {}
-    text = _utf8("sampling_parameters", _scalar_bytes(arr))
-    try:
-        doc = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as e:
-        raise RequestError("sampling_parameters", f"is not valid JSON ({e.msg} at position {e.pos})",
-                           'send an object such as {"max_tokens": 32}') from None
+    raw = _scalar_bytes(arr)
+    if isinstance(raw, (bytes, np.bytes_)) and len(raw) > MAX_JSON_BYTES:      # before decoding it
+        raise RequestError("sampling_parameters", f"is {len(raw)} bytes of JSON, more than {MAX_JSON_BYTES}",
+                           'send a small object such as {"max_tokens": 32}')
+    text = _utf8("sampling_parameters", raw)
+    doc = _json_object("sampling_parameters", text) if text.strip() else {}
     if not isinstance(doc, dict):
         raise RequestError("sampling_parameters", f"must be a JSON object, got {type(doc).__name__}",
                            'e.g. {"temperature": 0.7}')
@@ -147,32 +294,59 @@ def _scalar_bytes(arr: np.ndarray) -> Any:
 
 
 def _convert(name: str, value: Any, kind: str) -> Any:
-    """Coerce a JSON or tensor value to `kind`; vLLM clients often send numbers as strings ("0.7")."""
+    """Coerce a JSON or tensor value to `kind`; vLLM clients often send numbers as strings ("0.7").
+    Integers must fit 64 bits and floats must be finite (as a tensor input's would)."""
     if kind.startswith("optional_"):
         if value is None:
             return None
         kind = kind.removeprefix("optional_")
+    out: Any = _INVALID
     try:
-        if kind == "bool":
-            if isinstance(value, str) and value.lower() in ("true", "false"):
-                return value.lower() == "true"
-            if isinstance(value, (bool, int)) and value in (0, 1):
-                return bool(value)
-        elif kind == "int" and not isinstance(value, bool):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            if isinstance(value, (int, str)):
-                return int(value)
-        elif kind == "float" and not isinstance(value, bool) and isinstance(value, (int, float, str)):
-            return float(value)
-        elif kind == "strings":
-            values = [value] if isinstance(value, str) else value
-            if isinstance(values, list) and all(isinstance(v, str) for v in values):
-                return values
-    except ValueError:
+        out = _coerce(value, kind)
+    except (ValueError, OverflowError):  # int("x"), int("9" * 5000), float(10 ** 400), int(inf)
         pass
-    raise RequestError(name, f"must be {'a list of strings' if kind == 'strings' else kind}, got {value!r}",
-                       "check the value's type")
+    if out is _INVALID:
+        raise RequestError(name, f"must be {'a list of strings' if kind == 'strings' else kind}, "
+                           f"got {_short(value)}", "check the value's type")
+    if kind == "int" and not INT64_MIN <= out <= INT64_MAX:
+        raise RequestError(name, f"must be a 64-bit integer, got {_short(value)}",
+                           f"use a value in [{INT64_MIN}, {INT64_MAX}]")
+    if kind == "float" and not math.isfinite(out):
+        raise RequestError(name, f"must be a finite number, got {_short(value)}", "check the value")
+    return out
+
+
+_INVALID = object()
+
+
+def _coerce(value: Any, kind: str) -> Any:
+    """`value` as `kind`, or _INVALID; may raise ValueError/OverflowError."""
+    if kind == "bool":
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if isinstance(value, (bool, int)) and value in (0, 1):
+            return bool(value)
+    elif kind == "int" and not isinstance(value, bool):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, (int, str)):
+            return int(value)
+    elif kind == "float" and not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        return float(value)
+    elif kind == "strings":
+        values = [value] if isinstance(value, str) else value
+        if isinstance(values, list) and all(isinstance(v, str) for v in values):
+            return values
+    return _INVALID
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters: an error line must stay one short line."""
+    try:
+        text = repr(value)
+    except ValueError:               # an int too long for repr (over 4300 digits)
+        return f"an integer of more than {sys.get_int_max_str_digits()} digits"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 @dataclass

@@ -4,6 +4,15 @@ initialize  loads `runtime.Engine` from the config's engine_dir and starts one s
 execute     parses each request (a bad one gets an error response naming the field; the others go on)
             and hands it to the loop, which streams its outputs back through the response sender;
 finalize    stops the loop.
+
+Error codes: a full queue is UNAVAILABLE (retry later), any other request error INVALID_ARG, a bug
+INTERNAL. gRPC streaming clients see the code as the stream's status when they send the header
+`triton_grpc_error: true` (without it tritonserver passes only the message). Over HTTP /generate,
+tritonserver 2.51 reads the code after freeing the error (http_server.cc, GenerateRequestClass::
+InferResponseComplete: AddErrorJson deletes it before HttpCodeFromError), so the status is whatever
+the freed memory holds: 400 in every run here, for UNAVAILABLE, INVALID_ARG and INTERNAL alike. A
+python model cannot set HTTP headers (no Retry-After); the message of a full queue starts with
+"the waiting queue is full", for a front proxy or a client to key on.
 """
 import gc
 import json
@@ -15,7 +24,7 @@ from runtime.errors import LookaheadError
 from runtime.scheduler import QueueFullError
 from runtime.serving.loop import EngineLoop
 from runtime.serving.metrics import MetricExporter
-from runtime.serving.request import ResponseStream, parse_request
+from runtime.serving.request import RequestLimits, ResponseStream, parse_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -30,12 +39,14 @@ class TritonPythonModel:
         overrides = json.loads(params.get("lookahead_overrides") or "{}")
         self.engine = Engine.from_dir(params["engine_dir"], max_queue=int(params.get("max_queue", 256)),
                                       **overrides)
+        self.limits = RequestLimits.for_engine(self.engine)
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.metrics = MetricExporter(_metric_family, labels)
         self.loop = EngineLoop(self.engine, on_stats=self.metrics.update, name=args["model_instance_name"])
         self.loop.start()
         pb_utils.Logger.log_info(f"lookahead_llm: engine {params['engine_dir']} loaded "
-                                 f"(mode {self.engine.config.mode}, overrides {overrides})")
+                                 f"(mode {self.engine.config.mode}, overrides {overrides}; a token covers at "
+                                 f"most {self.limits.max_token_bytes} bytes of prompt)")
         # torch and the engine leave ~190k long-lived objects, which every full collection walks
         # (~100 ms, a hiccup in a decode step) and the stub's exit walks again (~0.5 s of the
         # unload, twice that on a loaded machine). Nothing made so far is garbage: freeze it.
@@ -45,15 +56,13 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                req = parse_request(lambda name: _input(request, name), request.parameters())
+                req = parse_request(lambda name: _input(request, name), request.parameters(), self.limits)
                 self.loop.submit(req.prompt, req.params, _Sink(sender, req))
             except LookaheadError as e:
-                code = pb_utils.TritonError.UNAVAILABLE if isinstance(e, QueueFullError) \
-                    else pb_utils.TritonError.INVALID_ARG
-                _send_error(sender, str(e), code)
+                _send_error(sender, str(e), _error_code(e))
             except Exception as e:      # a bug: answer this request, keep the model up
-                pb_utils.Logger.log_error(f"lookahead_llm: request failed: {e!r}")
-                _send_error(sender, f"internal error: {e}", pb_utils.TritonError.INTERNAL)
+                pb_utils.Logger.log_error(f"lookahead_llm: request failed: {e!r}"[:2000])
+                _send_error(sender, f"internal error: {' '.join(str(e).split())}"[:300], pb_utils.TritonError.INTERNAL)
         return None
 
     def finalize(self):
@@ -82,6 +91,10 @@ class _Sink:
     def on_error(self, message):
         _send_error(self.sender, message, pb_utils.TritonError.UNAVAILABLE)
 
+    def on_reject(self, error):
+        """A long prompt refused after tokenizing (too long, queue full): the typed error."""
+        _send_error(self.sender, str(error), _error_code(error))
+
     def is_cancelled(self):
         return self.sender.is_cancelled()
 
@@ -89,6 +102,12 @@ class _Sink:
 def _input(request, name):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
+
+
+def _error_code(error):
+    """A full queue is retryable (UNAVAILABLE); every other LookaheadError is the request's fault."""
+    return pb_utils.TritonError.UNAVAILABLE if isinstance(error, QueueFullError) \
+        else pb_utils.TritonError.INVALID_ARG
 
 
 def _send_error(sender, message, code):
