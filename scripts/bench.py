@@ -55,6 +55,7 @@ from bench_floor import (BandwidthProbe, matmul_gflops, memory_bandwidth, step_f
 from bench_hf import HF_IMPLS, HF_NAMES, NotAvailable, make_hf_decoders  # noqa: E402
 from bench_lib import (ContextSeedDraft, EngineDecoder, format_table, machine_info, make_prompts, plot,  # noqa: E402
                        profile_steps, reference_hf_dir)
+from eval_accuracy import _typed  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.prefill_cache import PrefillCache  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
@@ -73,6 +74,17 @@ PROFILE_STEPS = 4
 # draft is the current token, never re-seeded: bench_lib.ContextSeedDraft), timed beside the
 # current chain in the same process
 CONTEXT_SEED = "+context-seed"
+
+
+def mode_spec(mode: str) -> tuple[str, bool, dict[str, Any]]:
+    """'NAME[+context-seed][@FIELD=VALUE,...]' -> (NAME, old chain?, LookaheadConfig overrides),
+    e.g. 'lookahead-drop@fetch_ratio=0.2'."""
+    base, _, extra = mode.partition("@")
+    fields = {}
+    for item in filter(None, extra.split(",")):
+        name, _, value = item.partition("=")
+        fields[name] = _typed(value)
+    return base.removesuffix(CONTEXT_SEED), base.endswith(CONTEXT_SEED), fields
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,8 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     args.modes = list(MODES) if args.modes == "all" else [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in args.modes if m.removesuffix(CONTEXT_SEED) not in MODES
-               or (m.endswith(CONTEXT_SEED) and not m.startswith("lookahead-"))]
+    unknown = [m for m in args.modes if mode_spec(m)[0] not in MODES
+               or (mode_spec(m)[1] and not m.startswith("lookahead-"))]
     if unknown:
         p.error(f"--modes: unknown {unknown[0]!r}; known: {', '.join(MODES)}, and lookahead-*{CONTEXT_SEED}")
     args.hf_impls = (list(HF_IMPLS) if args.hf_impls == "all"
@@ -139,9 +151,9 @@ def load_engines(args: argparse.Namespace) -> dict[str, Engine | str]:
     engines: dict[str, Engine | str] = {}
     for mode in args.modes:
         try:
-            old_chain = mode.endswith(CONTEXT_SEED)
-            engines[mode] = base.sibling(cache, **MODES[mode.removesuffix(CONTEXT_SEED)],
-                                         **({"resync_after": 0} if old_chain else {}))
+            name, old_chain, fields = mode_spec(mode)
+            engines[mode] = base.sibling(cache, **{**MODES[name], **fields,
+                                                   **({"resync_after": 0} if old_chain else {})})
             if old_chain:
                 engines[mode].runner.chain.source = ContextSeedDraft()
         except Exception as e:  # noqa: BLE001 - any refusal means "not available" here
