@@ -82,7 +82,8 @@ def test_lookahead_config_errors_name_the_field(kwargs, field):
 
 
 def test_fetch_cap_follows_the_paper():
-    assert LookaheadConfig().fetch_cap == 7            # ceil(0.05 * 128)
+    assert LookaheadConfig().fetch_cap == 26           # ceil(0.2 * 128)
+    assert LookaheadConfig(fetch_ratio=0.05).fetch_cap == 7
     assert LookaheadConfig(top_k=10, fetch_ratio=0.01).fetch_cap == 1
 
 
