@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 ENGINE  ?= engines/default
 PYTEST_ARGS ?=
 
-.PHONY: venv model data engine demo test bench clean
+.PHONY: venv model data dynamo engine demo test bench clean
 .DEFAULT_GOAL := demo
 
 # A machine whose python already has a CUDA torch (the GPU machine) reuses it;
@@ -40,6 +40,15 @@ $(DATA_STAMP): $(STAMP)
 
 data: $(DATA_STAMP)
 
+# NVIDIA Dynamo (the OpenAI /v1 frontend and its workers): a plain `pip install ai-dynamo` fails
+# here, the script installs what works (RECIPES: ai-dynamo-runtime, then ai-dynamo --no-deps)
+DYNAMO_STAMP := $(VENV)/.dynamo
+$(DYNAMO_STAMP): $(STAMP) scripts/install_dynamo.sh
+	scripts/install_dynamo.sh $(VPY)
+	touch $@
+
+dynamo: $(DYNAMO_STAMP)
+
 engine: model
 	@test -f $(ENGINE)/engine.yaml || $(VPY) scripts/build_engine.py --model default --output $(ENGINE)
 
@@ -68,7 +77,7 @@ serve: engine
 serve-stop:
 	PYTHON=$(VPY) scripts/serve.sh stop
 
-test: model data
+test: model data dynamo
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 bench: engine

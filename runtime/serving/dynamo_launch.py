@@ -1,0 +1,556 @@
+"""Start and stop an NVIDIA Dynamo deployment of an engine: one OpenAI frontend and N workers.
+
+    python -m runtime.serving.dynamo_launch start --engine engines/default [--workers 2] [--http-port 8000]
+        [--run-dir build/dynamo] [--discovery file|etcd] [--mode lookahead --top-k 64 ...]
+    python -m runtime.serving.dynamo_launch status [--run-dir build/dynamo]
+    python -m runtime.serving.dynamo_launch stop   [--run-dir build/dynamo]
+
+From Python: `start(engine_dir, workers=2, http_port=P, run_dir=..., lookahead_overrides={...})`
+returns a `Deployment` (url, model, pids); `stop(run_dir)` ends it.
+
+Everything listens on 127.0.0.1. `start` runs `python -m dynamo.frontend --http-host 127.0.0.1
+--http-port P --discovery-backend file --request-plane tcp --event-plane zmq` and N
+`python -m runtime.serving.dynamo_worker` processes with the environment RECIPES.md found necessary
+(every *_HOST = 127.0.0.1, DYN_FILE_KV under the run dir). It waits until every worker has
+registered and `/v1/models` lists the model, printing progress, and writes PID files, logs and
+`deployment.json` under the run dir. `stop` sends SIGTERM to each PID (workers first, so they leave
+discovery before the frontend goes), then SIGKILL to any still alive after `grace_s`; a PID is only
+signalled while its /proc cmdline is still the process started here.
+
+Discovery. `file` (default): one machine, no servers needed; discovery state lives in
+`<run-dir>/kv`, wiped at each start. `etcd`: for several machines; workers and frontend find each
+other through etcd (`--etcd-endpoints`, default http://127.0.0.1:2379) and send requests and
+events over NATS (`--nats-server`, default nats://127.0.0.1:4222). Debian's `etcd-server` and
+`nats-server` packages provide both; `--start-etcd-nats` starts them here on loopback (data under
+the run dir) and `stop` stops them. On other machines start workers only:
+`python -m runtime.serving.dynamo_worker --engine DIR --discovery-backend etcd --request-plane nats
+--event-plane nats` with ETCD_ENDPOINTS and NATS_SERVER pointing at the shared servers (and
+DYN_TCP_RPC_HOST etc. set to an address the frontend can reach).
+
+Errors are one line (a taken port, a bad engine dir or setting, Dynamo missing), except a process
+that dies while starting: then the last lines of its log follow, and everything started is stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+HOST = "127.0.0.1"
+DEFAULT_RUN_DIR = "build/dynamo"
+DEFAULT_MODEL_NAME = "lookahead_llm"
+DEFAULT_NAMESPACE = "lookahead"
+DEFAULT_HTTP_PORT = 8000
+PEEK_MS = 1000          # the frontend holds a stream's HTTP status this long for a worker's 4xx
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class LaunchError(RuntimeError):
+    """Starting or stopping failed; `str()` is what to print (one line, or a line and a log tail)."""
+
+
+@dataclasses.dataclass
+class Deployment:
+    run_dir: Path
+    url: str                 # http://127.0.0.1:P/v1
+    http_port: int
+    model: str
+    namespace: str
+    discovery: str
+    frontend_pid: int
+    worker_pids: list[int]
+    worker_system_ports: list[int]
+    infra_pids: dict[str, int]
+
+    def stats(self, index: int) -> dict[str, Any]:
+        """Worker `index`'s last published engine stats (free_blocks, total_blocks, num_running, ...)."""
+        return json.loads((self.run_dir / f"worker-{index}.stats.json").read_text())
+
+    def stats_url(self, index: int) -> str:
+        return f"http://{HOST}:{self.worker_system_ports[index]}/engine/stats"
+
+
+# ---- environment ------------------------------------------------------------------------------------
+def base_env(run_dir: Path, discovery: str = "file", *, etcd_endpoints: str | None = None,
+             nats_server: str | None = None) -> dict[str, str]:
+    """The DYN_* settings every process of a deployment shares (RECIPES.md, "NVIDIA Dynamo")."""
+    env = {"DYN_TCP_RPC_HOST": HOST, "DYN_TCP_RESPONSE_STREAM_HOST": HOST, "DYN_EVENT_PLANE_HOST": HOST,
+           "DYN_SYSTEM_HOST": HOST, "DYN_SDK_DISABLE_ANSI_LOGGING": "1", "NO_COLOR": "1",
+           "PYTHONUNBUFFERED": "1"}
+    if discovery == "file":
+        env.update(DYN_DISCOVERY_BACKEND="file", DYN_FILE_KV=str(run_dir / "kv"), DYN_REQUEST_PLANE="tcp",
+                   DYN_EVENT_PLANE="zmq")
+    elif discovery == "etcd":
+        env.update(DYN_DISCOVERY_BACKEND="etcd", ETCD_ENDPOINTS=etcd_endpoints or f"http://{HOST}:2379",
+                   NATS_SERVER=nats_server or f"nats://{HOST}:4222", DYN_REQUEST_PLANE="nats",
+                   DYN_EVENT_PLANE="nats")
+    else:
+        raise LaunchError(f"discovery: {discovery!r} is unknown (use file or etcd)")
+    return env
+
+
+def frontend_command(python: str, http_port: int, discovery: str, namespace: str) -> list[str]:
+    planes = {"file": ("file", "tcp", "zmq"), "etcd": ("etcd", "nats", "nats")}[discovery]
+    return [python, "-m", "dynamo.frontend", "--http-host", HOST, "--http-port", str(http_port),
+            "--discovery-backend", planes[0], "--request-plane", planes[1], "--event-plane", planes[2],
+            "--namespace", namespace]
+
+
+def worker_command(python: str, engine_dir: str, index: int, *, run_dir: Path, model_name: str, namespace: str,
+                   lookahead_overrides: dict[str, Any] | None = None, threads: int | None = None,
+                   worker_options: dict[str, Any] | None = None) -> list[str]:
+    cmd = [python, "-m", "runtime.serving.dynamo_worker", "--engine", str(engine_dir), "--worker-index", str(index),
+           "--run-dir", str(run_dir), "--model-name", model_name, "--namespace", namespace]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    for key, value in {**(worker_options or {}), **(lookahead_overrides or {})}.items():
+        if value is True:
+            cmd.append("--" + key.replace("_", "-"))
+        elif value is not None and value is not False:
+            cmd += ["--" + key.replace("_", "-"), str(value)]
+    return cmd
+
+
+# ---- checks ------------------------------------------------------------------------------------------
+def check_port_free(port: int, what: str = "--http-port") -> None:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((HOST, port))
+    except OSError as e:
+        owner = _port_owner(port)
+        raise LaunchError(f"port {port} on {HOST} is taken{f' by {owner}' if owner else ''} ({e.strerror}): "
+                          f"stop that process or pick another {what}") from None
+    finally:
+        s.close()
+
+
+def _port_owner(port: int) -> str:
+    if not shutil.which("ss"):
+        return ""
+    try:
+        out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    m = re.search(r'users:\(\("([^"]*)",pid=(\d+)', out)
+    return f"{m.group(1)} (pid {m.group(2)})" if m else ""
+
+
+def free_port(below_32768: bool = False) -> int:
+    """A port free on 127.0.0.1 now. `below_32768`: Dynamo 1.6 reads DYN_SYSTEM_PORT as an i16, so a
+    worker's system port must be under 32768 (the kernel's ephemeral ports are above)."""
+    if not below_32768:
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            return s.getsockname()[1]
+    import random
+    for port in random.Random(os.getpid() ^ time.monotonic_ns()).sample(range(20000, 32768), 200):
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    raise LaunchError("no free port in 20000-32767 on 127.0.0.1 for a worker's system server")
+
+
+def check_engine(engine_dir: str | Path, lookahead_overrides: dict[str, Any] | None) -> None:
+    """A bad engine dir or setting, found before any process starts (checksums: the workers check them)."""
+    from ..errors import LookaheadError
+    from ..engine_dir import load_manifest
+    try:
+        manifest = load_manifest(engine_dir, verify_checksums=False)
+        manifest.lookahead.replace(**(lookahead_overrides or {}))
+    except LookaheadError as e:
+        raise LaunchError(f"engine {engine_dir}: {e}") from None
+    except (TypeError, ValueError) as e:       # an override that is not a LookaheadConfig field
+        raise LaunchError(f"engine {engine_dir}: bad lookahead override ({e})") from None
+
+
+def check_dynamo(python: str) -> None:
+    code = "import dynamo.frontend, dynamo.llm, dynamo.runtime"
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        raise LaunchError(f"NVIDIA Dynamo is not importable by {python} ({last}): run scripts/install_dynamo.sh")
+
+
+# ---- processes ---------------------------------------------------------------------------------------
+def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, cwd: str | Path | None = None) -> subprocess.Popen:
+    log = open(log_path, "ab")
+    try:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=cwd, start_new_session=True)
+    finally:
+        log.close()
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"(no log at {path})"
+    rows = [_ANSI.sub("", r) for r in text.splitlines() if r.strip()]
+    return "\n".join(rows[-lines:])
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int, marker: str) -> bool:
+    """`pid` runs and is still the process we started (its cmdline holds `marker`)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    cmd = _cmdline(pid)
+    return marker in cmd if cmd else False
+
+
+def _markers() -> dict[str, str]:
+    return {"frontend": "dynamo.frontend", "worker": "runtime.serving.dynamo_worker", "etcd": "etcd",
+            "nats": "nats-server"}
+
+
+def _get_json(url: str, timeout: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _models(http_port: int) -> list[str]:
+    try:
+        return [m.get("id") for m in _get_json(f"http://{HOST}:{http_port}/v1/models").get("data", [])]
+    except (OSError, ValueError, urllib.error.URLError):
+        return []
+
+
+def _num_instances(run_dir: Path, namespace: str) -> int:
+    """Registered endpoint instances in file discovery (one file per live worker)."""
+    d = run_dir / "kv" / "v1" / "instances"
+    prefix = f"{namespace}%2F"
+    try:
+        return sum(1 for p in d.iterdir() if p.name.startswith(prefix))
+    except OSError:
+        return 0
+
+
+# ---- start / stop / status ---------------------------------------------------------------------------
+def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_HTTP_PORT,
+          run_dir: str | Path = DEFAULT_RUN_DIR, lookahead_overrides: dict[str, Any] | None = None,
+          discovery: str = "file", model_name: str = DEFAULT_MODEL_NAME, namespace: str = DEFAULT_NAMESPACE,
+          python: str | None = None, timeout: float = 180.0, threads: int | None = None,
+          worker_options: dict[str, Any] | None = None, etcd_endpoints: str | None = None,
+          nats_server: str | None = None, start_etcd_nats: bool = False,
+          progress: Callable[[str], None] | None = print) -> Deployment:
+    """Start the frontend and `workers` workers; return once all serve and /v1/models lists the model.
+
+    `worker_options`: more dynamo_worker flags by name (num_host_blocks, max_queue,
+    default_max_tokens, no_verify_checksums...). `threads`: torch threads per worker (default: the
+    cores shared out). Raises LaunchError, having stopped whatever it started."""
+    python = python or sys.executable
+    run_dir = Path(run_dir).resolve()
+    say = progress or (lambda _msg: None)
+    if workers < 1:
+        raise LaunchError(f"workers: must be >= 1, got {workers}")
+    if discovery not in ("file", "etcd"):
+        raise LaunchError(f"discovery: {discovery!r} is unknown (use file or etcd)")
+    running = _running_pids(run_dir)
+    if running:
+        raise LaunchError(f"a deployment is already running from {run_dir} (pids {sorted(running.values())}): "
+                          f"stop it first (python -m runtime.serving.dynamo_launch stop --run-dir {run_dir})")
+    check_engine(engine_dir, lookahead_overrides)
+    check_port_free(http_port)
+    check_dynamo(python)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for pattern in ("*.pid", "worker-*.ready", "worker-*.stats.json", "*.log"):
+        for p in run_dir.glob(pattern):
+            p.unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "kv", ignore_errors=True)
+    threads = threads or max(1, (os.cpu_count() or 1) // workers)
+    repo_root = Path(__file__).resolve().parents[2]      # so `-m runtime...` resolves with any python
+    infra: dict[str, int] = {}
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        if discovery == "etcd" and start_etcd_nats:
+            etcd_endpoints, nats_server = _start_etcd_nats(run_dir, infra, say)
+        env = {**os.environ, **base_env(run_dir, discovery, etcd_endpoints=etcd_endpoints, nats_server=nats_server)}
+        env["PYTHONPATH"] = str(repo_root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.pop("DYN_SYSTEM_PORT", None)
+        fe_env = {**env, "DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS": str(PEEK_MS)}
+        procs["frontend"] = _spawn(frontend_command(python, http_port, discovery, namespace), fe_env,
+                                   run_dir / "frontend.log", cwd=repo_root)
+        (run_dir / "frontend.pid").write_text(str(procs["frontend"].pid))
+        sys_ports = []
+        for i in range(workers):
+            port = free_port(below_32768=True)
+            sys_ports.append(port)
+            cmd = worker_command(python, str(Path(engine_dir).resolve()), i, run_dir=run_dir, model_name=model_name,
+                                 namespace=namespace, lookahead_overrides=lookahead_overrides, threads=threads,
+                                 worker_options=worker_options)
+            procs[f"worker-{i}"] = _spawn(cmd, {**env, "DYN_SYSTEM_PORT": str(port)}, run_dir / f"worker-{i}.log",
+                                          cwd=repo_root)
+            (run_dir / f"worker-{i}.pid").write_text(str(procs[f"worker-{i}"].pid))
+        dep = Deployment(run_dir, f"http://{HOST}:{http_port}/v1", http_port, model_name, namespace, discovery,
+                         procs["frontend"].pid, [procs[f"worker-{i}"].pid for i in range(workers)], sys_ports, infra)
+        (run_dir / "deployment.json").write_text(json.dumps(
+            {**dataclasses.asdict(dep), "run_dir": str(run_dir), "engine": str(engine_dir),
+             "lookahead_overrides": lookahead_overrides or {}}, indent=1))
+        say(f"dynamo: starting frontend (pid {dep.frontend_pid}, port {http_port}) and {workers} worker(s) "
+            f"(pids {dep.worker_pids}, engine {engine_dir}); logs in {run_dir}")
+        _wait_ready(dep, procs, timeout, say)
+    except BaseException:
+        _terminate(procs, infra)
+        raise
+    say(f"dynamo: ready: model {model_name!r} at {dep.url} ({workers} worker(s)); "
+        f"stop: python -m runtime.serving.dynamo_launch stop --run-dir {run_dir}")
+    return dep
+
+
+def _wait_ready(dep: Deployment, procs: dict[str, subprocess.Popen], timeout: float, say) -> None:
+    t0 = last_say = time.monotonic()
+    n = len(dep.worker_pids)
+    while True:
+        for name, proc in procs.items():
+            rc = proc.poll()
+            if rc is not None:
+                log = dep.run_dir / f"{name}.log"
+                raise LaunchError(f"{name} (pid {proc.pid}) exited with code {rc} while starting; "
+                                  f"last lines of {log}:\n{log_tail(log)}")
+        ready = [i for i in range(n) if (dep.run_dir / f"worker-{i}.ready").exists()]
+        models = _models(dep.http_port)
+        registered = _num_instances(dep.run_dir, dep.namespace) if dep.discovery == "file" else len(ready)
+        if len(ready) == n and dep.model in models and registered >= n:
+            return
+        elapsed = time.monotonic() - t0
+        if elapsed > timeout:
+            raise LaunchError(f"not ready after {timeout:.0f} s (workers ready: {len(ready)}/{n}, registered: "
+                              f"{registered}/{n}, /v1/models: {models}); see the logs in {dep.run_dir}")
+        if time.monotonic() - last_say >= 5:
+            last_say = time.monotonic()
+            say(f"dynamo: waiting ({elapsed:.0f} s): workers loaded {len(ready)}/{n}, registered {registered}/{n}, "
+                f"/v1/models {'lists ' + repr(dep.model) if dep.model in models else 'not yet'}")
+        time.sleep(0.25)
+
+
+def _start_etcd_nats(run_dir: Path, infra: dict[str, int], say) -> tuple[str, str]:
+    etcd, nats = shutil.which("etcd"), shutil.which("nats-server")
+    if not etcd or not nats:
+        raise LaunchError("--start-etcd-nats needs etcd and nats-server on PATH "
+                          "(Debian: apt-get install etcd-server nats-server)")
+    client, peer, nport = free_port(), free_port(), free_port()
+    env = dict(os.environ)
+    for d in ("etcd-data", "nats-data"):          # a fresh registry: nothing left from the last run
+        shutil.rmtree(run_dir / d, ignore_errors=True)
+    p = _spawn([etcd, "--name", "lookahead", "--data-dir", str(run_dir / "etcd-data"),
+                "--listen-client-urls", f"http://{HOST}:{client}", "--advertise-client-urls", f"http://{HOST}:{client}",
+                "--listen-peer-urls", f"http://{HOST}:{peer}", "--initial-advertise-peer-urls", f"http://{HOST}:{peer}",
+                "--initial-cluster", f"lookahead=http://{HOST}:{peer}"], env, run_dir / "etcd.log")
+    infra["etcd"] = p.pid
+    (run_dir / "etcd.pid").write_text(str(p.pid))
+    q = _spawn([nats, "-a", HOST, "-p", str(nport), "-js", "-sd", str(run_dir / "nats-data")], env,
+               run_dir / "nats.log")
+    infra["nats"] = q.pid
+    (run_dir / "nats.pid").write_text(str(q.pid))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 20:
+        for name, proc in (("etcd", p), ("nats", q)):
+            if proc.poll() is not None:
+                log = run_dir / f"{name}.log"
+                raise LaunchError(f"{name} exited with code {proc.returncode} while starting; "
+                                  f"last lines of {log}:\n{log_tail(log)}")
+        try:
+            _get_json(f"http://{HOST}:{client}/health")
+            with socket.create_connection((HOST, nport), timeout=1):
+                pass
+            say(f"dynamo: etcd on {HOST}:{client} (pid {p.pid}), nats on {HOST}:{nport} (pid {q.pid})")
+            return f"http://{HOST}:{client}", f"nats://{HOST}:{nport}"
+        except (OSError, ValueError, urllib.error.URLError):
+            time.sleep(0.25)
+    raise LaunchError("etcd / nats-server not reachable after 20 s; see etcd.log and nats.log in " + str(run_dir))
+
+
+def _running_pids(run_dir: Path) -> dict[str, int]:
+    """name -> pid of this run dir's processes that are still alive (and still ours)."""
+    out = {}
+    markers = _markers()
+    for f in Path(run_dir).glob("*.pid"):
+        name = f.stem
+        try:
+            pid = int(f.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if _alive(pid, markers["worker" if name.startswith("worker") else name]):
+            out[name] = pid
+    return out
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        if os.getpgid(pid) == pid:          # started with start_new_session: its group is its own
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop_pids(pids: dict[str, int], grace_s: float) -> list[str]:
+    """SIGTERM every pid (workers, then the frontend, then etcd/nats), SIGKILL survivors after grace_s."""
+    order = sorted(pids, key=lambda n: (0 if n.startswith("worker") else 1 if n == "frontend" else 2, n))
+    markers = _markers()
+    marker = {n: markers["worker" if n.startswith("worker") else n] for n in order}
+    killed = []
+    for tier in (0, 1, 2):
+        names = [n for n in order if (0 if n.startswith("worker") else 1 if n == "frontend" else 2) == tier]
+        for n in names:
+            _signal(pids[n], signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_alive(pids[n], marker[n]) for n in names):
+            time.sleep(0.1)
+        for n in names:
+            if _alive(pids[n], marker[n]):
+                _signal(pids[n], signal.SIGKILL)
+                killed.append(n)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_alive(pids[n], marker[n]) for n in order):
+        time.sleep(0.05)
+    return killed
+
+
+def _terminate(procs: dict[str, subprocess.Popen], infra: dict[str, int]) -> None:
+    pids = {n: p.pid for n, p in procs.items() if p.poll() is None}
+    pids.update({n: pid for n, pid in infra.items()})
+    _stop_pids(pids, grace_s=3.0)
+    for p in procs.values():
+        try:
+            p.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def stop(run_dir: str | Path = DEFAULT_RUN_DIR, *, grace_s: float = 5.0,
+         progress: Callable[[str], None] | None = print) -> list[str]:
+    """Stop every process of the deployment in `run_dir` by PID; returns the names stopped."""
+    run_dir = Path(run_dir).resolve()
+    say = progress or (lambda _msg: None)
+    pids = _running_pids(run_dir)
+    if not pids:
+        say(f"dynamo: not running (no live process from {run_dir})")
+    else:
+        killed = _stop_pids(pids, grace_s)
+        say(f"dynamo: stopped {', '.join(f'{n} (pid {p})' for n, p in sorted(pids.items()))}"
+            + (f"; killed after {grace_s:.0f} s: {', '.join(killed)}" if killed else ""))
+    for f in run_dir.glob("*.pid"):
+        f.unlink(missing_ok=True)
+    for f in run_dir.glob("worker-*.ready"):
+        f.unlink(missing_ok=True)
+    return sorted(pids)
+
+
+def status(run_dir: str | Path = DEFAULT_RUN_DIR) -> dict[str, Any]:
+    """What runs from `run_dir`: pids alive, whether /v1/models lists the model, each worker's stats."""
+    run_dir = Path(run_dir).resolve()
+    try:
+        dep = json.loads((run_dir / "deployment.json").read_text())
+    except (OSError, ValueError):
+        dep = {}
+    alive = _running_pids(run_dir)
+    out: dict[str, Any] = {"run_dir": str(run_dir), "running": alive, "url": dep.get("url"), "model": dep.get("model")}
+    if dep.get("http_port") and "frontend" in alive:
+        out["models"] = _models(dep["http_port"])
+    workers = {}
+    for f in sorted(run_dir.glob("worker-*.stats.json")):
+        try:
+            workers[f.name.split(".")[0]] = json.loads(f.read_text())
+        except (OSError, ValueError):
+            pass
+    out["workers"] = workers
+    return out
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    from ..cli import add_lookahead_flags
+
+    p = argparse.ArgumentParser(prog="python -m runtime.serving.dynamo_launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="action", required=True)
+    s = sub.add_parser("start", help="start the frontend and N workers, wait until they serve")
+    s.add_argument("--engine", default="engines/default")
+    s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT)
+    s.add_argument("--run-dir", default=DEFAULT_RUN_DIR)
+    s.add_argument("--discovery", choices=("file", "etcd"), default="file")
+    s.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
+    s.add_argument("--namespace", default=DEFAULT_NAMESPACE)
+    s.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
+    s.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
+    s.add_argument("--python", default=None, help="the interpreter with dynamo installed (default: this one)")
+    s.add_argument("--num-host-blocks", type=int, default=None)
+    s.add_argument("--max-queue", type=int, default=None)
+    s.add_argument("--default-max-tokens", type=int, default=None)
+    s.add_argument("--etcd-endpoints", default=None, help="with --discovery etcd (default http://127.0.0.1:2379)")
+    s.add_argument("--nats-server", default=None, help="with --discovery etcd (default nats://127.0.0.1:4222)")
+    s.add_argument("--start-etcd-nats", action="store_true",
+                   help="with --discovery etcd: start etcd and nats-server here on loopback")
+    add_lookahead_flags(s)
+    for name in ("stop", "status"):
+        q = sub.add_parser(name)
+        q.add_argument("--run-dir", default=DEFAULT_RUN_DIR)
+        if name == "stop":
+            q.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..cli import lookahead_overrides
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.action == "start":
+            opts = {k: getattr(args, k) for k in ("num_host_blocks", "max_queue", "default_max_tokens")}
+            start(args.engine, workers=args.workers, http_port=args.http_port, run_dir=args.run_dir,
+                  lookahead_overrides=lookahead_overrides(args), discovery=args.discovery,
+                  model_name=args.model_name, namespace=args.namespace, python=args.python, timeout=args.timeout,
+                  threads=args.threads, worker_options=opts, etcd_endpoints=args.etcd_endpoints,
+                  nats_server=args.nats_server, start_etcd_nats=args.start_etcd_nats)
+            return 0
+        if args.action == "stop":
+            stop(args.run_dir, grace_s=args.grace)
+            return 0
+        st = status(args.run_dir)
+        if not st["running"]:
+            print(f"dynamo: not running ({st['run_dir']})")
+            return 3
+        print(f"dynamo: running {sorted(st['running'].items())}; model {st['model']!r} at {st['url']}; "
+              f"/v1/models: {st.get('models')}")
+        for name, w in st["workers"].items():
+            print(f"  {name}: mode {w.get('mode')}, running {w.get('num_running')}, waiting {w.get('num_waiting')}, "
+                  f"free blocks {w.get('free_blocks')}/{w.get('total_blocks')}, finished {w.get('finished_requests')}, "
+                  f"aborted {w.get('aborted_requests')}, {w.get('tokens_per_s', 0):.1f} tokens/s")
+        return 0
+    except LaunchError as e:
+        print(f"dynamo_launch: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,479 @@
+"""Serve a `runtime.Engine` as an NVIDIA Dynamo worker: the OpenAI API through `python -m dynamo.frontend`.
+
+    python -m runtime.serving.dynamo_worker --engine engines/default \\
+        [--mode lookahead --top-k 128 ... (any LookaheadConfig field)] \\
+        [--model-name lookahead_llm] [--namespace lookahead] [--run-dir build/dynamo] [--worker-index 0]
+
+`runtime/serving/dynamo_launch.py` starts the frontend and N of these with the right environment
+(RECIPES.md, "NVIDIA Dynamo"); run by hand, set the same DYN_* variables first.
+
+How a request flows
+- The worker registers the model in *tokens* mode for chat and completions
+  (`register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, ...)`) from a model
+  dir it writes under the run dir (`make_model_dir`: the engine's tokenizer.json, its
+  tokenizer_config.json with the chat template inlined, a minimal config.json and
+  generation_config.json). The frontend applies the chat template, tokenizes, detokenizes, applies
+  stop strings to the text and counts completion tokens.
+- The handler gets `token_ids`, `stop_conditions` and `sampling_options`, builds a
+  `runtime.sampling.SamplingParams` from them (`sampling_params_from_request`: the validation the
+  Triton path uses, raising RequestError naming the field) and submits the ids to one `EngineLoop`
+  (runtime/serving/loop.py), whose background thread steps the engine for every request of the
+  worker. Outputs cross back to asyncio through `call_soon_threadsafe`; each chunk carries the new
+  token ids, the last one the finish reason and `completion_usage` (the frontend reports the
+  prompt token count from it).
+- Stop strings go to the engine too, so it stops (and frees the blocks) at the same token where the
+  frontend cuts the text.
+
+Errors. A bad request raises `InvalidArgument` (HTTP 400, message naming the field) inside the
+response generator, before its first chunk; a full queue raises `HttpError(429)`. Raising *outside*
+the generator (in the handler call itself) makes Dynamo 1.6 treat the worker as failed: it answers
+503 and routes nothing to it for several seconds, so this module never does. For a streaming request
+the frontend still sends a 4xx only if it holds the HTTP status back until the first chunk:
+dynamo_launch sets `DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS` on the frontend for that (without it the
+error arrives as an SSE `error` event inside a 200 response). The frontend itself refuses
+`max_tokens` <= 0, temperature outside [0, 2], top_p outside (0, 1], empty messages and unknown
+models before a worker sees them.
+
+Cancellation. A client that disconnects stops the request's Dynamo context (and the frontend stops
+it when it has cut the text at a stop string). A task per request awaits
+`context.async_killed_or_stopped()` and marks the request's sink cancelled, and so does closing the
+response generator; `EngineLoop` polls the sink (every 0.2 s) and aborts the request in the engine,
+which frees its KV blocks at its next step. The worker logs "cancelled ... KV blocks freed" with the
+pool's free count, and publishes the engine's stats (free_blocks, total_blocks, num_running,
+aborted_requests, ...) to `<run-dir>/worker-<i>.stats.json` and, when DYN_SYSTEM_PORT is set, on
+`GET http://127.0.0.1:$DYN_SYSTEM_PORT/engine/stats`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import LookaheadError, RequestError
+
+log = logging.getLogger("runtime.serving.dynamo_worker")
+
+DEFAULT_MODEL_NAME = "lookahead_llm"
+DEFAULT_NAMESPACE = "lookahead"
+COMPONENT, ENDPOINT = "backend", "generate"
+
+# Dynamo's finish reasons (the Rust layer's FinishReason): the engine's "abort" is a cancellation.
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
+
+# sampling_options / stop_conditions / output_options keys this engine cannot honour, with the value
+# that means "off" (what OpenAI clients often send explicitly). Anything else is refused by name.
+_UNSUPPORTED_OFF = {
+    "sampling_options": {"n": (None, 1), "best_of": (None, 1), "use_beam_search": (None, False),
+                         "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+                         "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0),
+                         "length_penalty": (None, 1, 1.0), "guided_decoding": (None,)},
+    "stop_conditions": {"min_tokens": (None, 0), "stop_token_ids_visible": (None, [])},
+    "output_options": {"logprobs": (None,), "prompt_logprobs": (None,)},
+}
+_FIX = {"n": "this engine returns one choice per request: send n=1 or omit it",
+        "best_of": "send best_of=1 or omit it", "guided_decoding": "structured output is not supported: omit it",
+        "logprobs": "log-probabilities are not returned by this engine: omit logprobs"}
+
+
+# ---- request -> SamplingParams (pure: no dynamo import) -------------------------------------------
+def token_ids_of(request: dict[str, Any]) -> list[int]:
+    """The prompt's token ids: a list, or the packed little-endian int32 bytes Dynamo may send."""
+    value = request.get("token_ids")
+    if value is None:
+        return []
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        import array
+        buf = memoryview(value).cast("B")
+        if buf.nbytes % 4:
+            raise RequestError("token_ids", f"packed ids are {buf.nbytes} bytes, not a multiple of 4",
+                               "a frontend bug: send a list of ids")
+        ids = array.array("i")
+        ids.frombytes(buf)
+        if sys.byteorder != "little":
+            ids.byteswap()
+        return ids.tolist()
+    return list(value.tolist() if hasattr(value, "tolist") else value)
+
+
+def sampling_params_from_request(request: dict[str, Any], max_model_len: int,
+                                 default_max_tokens: int | None = None):
+    """(prompt ids, SamplingParams) of one Dynamo tokens-mode request (a PreprocessedRequest dict).
+
+    The values are checked by `SamplingParams` itself, as on the Triton path: a bad one raises
+    RequestError naming the field. Options this engine has no implementation of (n > 1, penalties,
+    logprobs, guided decoding, min_tokens) are refused by name rather than ignored. A missing
+    max_tokens means "up to the context": max_model_len - prompt length (or `default_max_tokens`,
+    whichever is smaller). top_k -1 (vLLM's "off", which the frontend accepts) is 0 here.
+    """
+    from ..sampling import SamplingParams
+
+    so = request.get("sampling_options") or {}
+    sc = request.get("stop_conditions") or {}
+    oo = request.get("output_options") or {}
+    for section, values in (("sampling_options", so), ("stop_conditions", sc), ("output_options", oo)):
+        for key, off in _UNSUPPORTED_OFF[section].items():
+            v = values.get(key)
+            if v not in off:
+                raise RequestError(key, f"is not supported by this engine (got {v!r})",
+                                   _FIX.get(key, f"omit {key}"))
+    ids = token_ids_of(request)
+    if not ids:
+        raise RequestError("prompt", "has no tokens", "send a non-empty prompt or at least one message")
+    values: dict[str, Any] = {}
+    max_tokens = sc.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = max(1, max_model_len - len(ids))
+        if default_max_tokens is not None:
+            max_tokens = min(max_tokens, default_max_tokens)
+    values["max_tokens"] = max_tokens
+    for key in ("temperature", "top_p", "seed"):
+        if so.get(key) is not None:
+            values[key] = so[key]
+    top_k = so.get("top_k")
+    if top_k is not None:
+        values["top_k"] = 0 if top_k == -1 else top_k
+    if sc.get("stop"):
+        values["stop"] = list(sc["stop"])
+    if sc.get("ignore_eos") is not None:
+        values["ignore_eos"] = bool(sc["ignore_eos"])
+    return ids, SamplingParams(**values)
+
+
+# ---- the model dir the frontend reads --------------------------------------------------------------
+def make_model_dir(engine_dir: str | Path, out_dir: str | Path, *, max_model_len: int | None = None) -> Path:
+    """Write the local model dir Dynamo's frontend tokenizes from: tokenizer.json,
+    tokenizer_config.json (chat_template inlined from chat_template.jinja when it is not there),
+    config.json (a minimal Llama-style config: context length, special token ids) and
+    generation_config.json. Each file is written to a temporary name and renamed, so workers
+    sharing one dir never expose a half-written file (they all write the same bytes)."""
+    from ..engine_dir import TOKENIZER_DIR, load_manifest
+
+    engine_dir, out = Path(engine_dir), Path(out_dir)
+    manifest = load_manifest(engine_dir, verify_checksums=False)
+    m = manifest.model
+    tok_dir = engine_dir / TOKENIZER_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_path = tok_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    jinja = tok_dir / "chat_template.jinja"
+    if not tok_cfg.get("chat_template") and jinja.is_file():
+        tok_cfg["chat_template"] = jinja.read_text()
+    eos = list(m.eos_token_ids)
+    ctx = min(max_model_len or m.max_position_embeddings, m.max_position_embeddings)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
+              "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
+              "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
+              "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
+              "max_position_embeddings": ctx, "rms_norm_eps": m.rms_norm_eps, "rope_theta": m.rope_theta,
+              "tie_word_embeddings": m.tie_word_embeddings, "bos_token_id": m.bos_token_id,
+              "eos_token_id": eos[0] if len(eos) == 1 else eos, "torch_dtype": manifest.dtype}
+    gen = {"bos_token_id": m.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos}
+    _atomic_copy(tok_dir / "tokenizer.json", out / "tokenizer.json")
+    _atomic_write(out / "tokenizer_config.json", json.dumps(tok_cfg, indent=1, ensure_ascii=False))
+    _atomic_write(out / "config.json", json.dumps(config, indent=1))
+    _atomic_write(out / "generation_config.json", json.dumps(gen, indent=1))
+    return out
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _atomic_copy(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+# ---- the engine side of one request ---------------------------------------------------------------
+class _Sink:
+    """One request seen from the EngineLoop thread (loop.RequestSink): outputs go to an asyncio
+    queue on the worker's event loop."""
+
+    def __init__(self, aloop: asyncio.AbstractEventLoop, on_abort=None):
+        self.aloop = aloop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+        self.rid: str | None = None
+        self._on_abort = on_abort
+
+    def _put(self, item: Any) -> None:
+        self.aloop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def on_output(self, out) -> None:
+        if out.finished and out.finish_reason == "abort" and self._on_abort is not None:
+            self._on_abort(out)
+        self._put(out)
+
+    def on_error(self, message: str) -> None:
+        self._put(_Failure(message, None))
+
+    def on_reject(self, error: LookaheadError) -> None:
+        self._put(_Failure(str(error), error))
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+
+@dataclasses.dataclass
+class _Failure:
+    message: str
+    error: LookaheadError | None
+
+
+class EngineHandler:
+    """The Dynamo endpoint handler: `generate(request, context)` streams one request's chunks."""
+
+    def __init__(self, engine, engine_loop, *, default_max_tokens: int | None = None):
+        self.engine, self.loop = engine, engine_loop
+        self.default_max_tokens = default_max_tokens
+        self.total_blocks = engine.allocator.num_blocks
+        self.num_requests = 0
+
+    def _log_abort(self, out) -> None:
+        # on the loop thread, right after the engine released the sequence: the count is current
+        log.info("request %s cancelled after %d tokens: its KV blocks are freed (%d/%d blocks free)",
+                 out.request_id, out.num_output_tokens, self.engine.allocator.num_free, self.total_blocks)
+
+    async def generate(self, request: dict[str, Any], context):
+        from dynamo.llm.exceptions import EngineShutdown, HttpError, InvalidArgument, Unknown
+
+        from ..scheduler import QueueFullError
+
+        try:
+            ids, params = sampling_params_from_request(request, self.engine.max_model_len, self.default_max_tokens)
+        except LookaheadError as e:
+            raise InvalidArgument(str(e)) from None
+        sink = _Sink(asyncio.get_running_loop(), self._log_abort)
+        try:
+            sink.rid = self.loop.submit(ids, params, sink)
+        except QueueFullError as e:
+            raise HttpError(429, str(e)) from None
+        except LookaheadError as e:
+            raise InvalidArgument(str(e)) from None
+        except RuntimeError as e:           # the loop is stopping: the worker is shutting down
+            raise EngineShutdown(str(e)) from None
+        self.num_requests += 1
+        watcher = asyncio.ensure_future(_watch_cancel(context, sink))
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                items = [item]
+                while not sink.queue.empty() and not isinstance(item, _Failure) and not item.finished:
+                    item = sink.queue.get_nowait()          # the loop ran ahead: one chunk for all
+                    items.append(item)
+                if isinstance(item, _Failure):
+                    finished = True
+                    if isinstance(item.error, QueueFullError):
+                        raise HttpError(429, item.message)
+                    if item.error is not None:
+                        raise InvalidArgument(item.message)
+                    if "shutting down" in item.message:
+                        raise EngineShutdown(item.message)
+                    raise Unknown(item.message)
+                chunk: dict[str, Any] = {"token_ids": [t for o in items for t in o.new_token_ids], "index": 0}
+                if item.finished:
+                    finished = True
+                    chunk["finish_reason"] = FINISH_REASONS.get(item.finish_reason, item.finish_reason or "stop")
+                    chunk["completion_usage"] = {"prompt_tokens": item.num_prompt_tokens,
+                                                 "completion_tokens": item.num_output_tokens,
+                                                 "total_tokens": item.num_prompt_tokens + item.num_output_tokens}
+                    yield chunk
+                    return
+                if chunk["token_ids"]:
+                    yield chunk
+        finally:
+            if not finished:        # the client left (generator closed or cancelled): free the blocks
+                sink.cancelled = True
+            watcher.cancel()
+
+
+async def _watch_cancel(context, sink: _Sink) -> None:
+    try:
+        await context.async_killed_or_stopped()
+    except asyncio.CancelledError:
+        return
+    except Exception:               # no such future on this context: the generator's close still cancels
+        return
+    sink.cancelled = True
+
+
+# ---- stats --------------------------------------------------------------------------------------------
+class StatsPublisher:
+    """EngineLoop's on_stats: keeps the last snapshot, written to a JSON file (atomically)."""
+
+    def __init__(self, path: Path | None, info: dict[str, Any]):
+        self.path, self.info = path, info
+        self.latest: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def update(self, stats: dict[str, Any]) -> None:
+        snap = {**self.info, **{k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))},
+                "time": time.time()}
+        with self._lock:
+            self.latest = snap
+        if self.path is not None:
+            _atomic_write(self.path, json.dumps(snap))
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self.latest)
+
+
+# ---- the worker -------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    from ..cli import add_lookahead_flags
+
+    p = argparse.ArgumentParser(prog="python -m runtime.serving.dynamo_worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", required=True, help="engine dir (scripts/build_engine.py makes one)")
+    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help="the model id clients send (default: %(default)s)")
+    p.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="Dynamo namespace (default: %(default)s)")
+    p.add_argument("--component", default=COMPONENT)
+    p.add_argument("--endpoint", default=ENDPOINT)
+    p.add_argument("--run-dir", default="build/dynamo", help="model dir, stats and ready files go here")
+    p.add_argument("--worker-index", type=int, default=0, help="names this worker's files in the run dir")
+    p.add_argument("--num-host-blocks", type=int, default=None, help="host KV pool size (default: the engine's)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a batch slot before 429s")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens of a request that sends none (default: up to max_model_len)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--discovery-backend", default=None, choices=("file", "etcd", "mem", "kubernetes"),
+                   help="overrides DYN_DISCOVERY_BACKEND (Dynamo's default: etcd)")
+    p.add_argument("--request-plane", default=None, choices=("tcp", "nats"), help="overrides DYN_REQUEST_PLANE")
+    p.add_argument("--event-plane", default=None, choices=("zmq", "nats"), help="overrides DYN_EVENT_PLANE")
+    p.add_argument("--no-verify-checksums", action="store_true", help="skip the engine dir's checksum check")
+    add_lookahead_flags(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for flag, env in (("discovery_backend", "DYN_DISCOVERY_BACKEND"), ("request_plane", "DYN_REQUEST_PLANE"),
+                      ("event_plane", "DYN_EVENT_PLANE")):
+        if getattr(args, flag):
+            os.environ[env] = getattr(args, flag)
+    try:
+        import uvloop  # noqa: F401
+        from dynamo.runtime import dynamo_worker  # noqa: F401
+    except ImportError as e:
+        print(f"error: NVIDIA Dynamo is not installed for {sys.executable} ({e}): run scripts/install_dynamo.sh",
+              file=sys.stderr)
+        return 2
+    try:
+        state = _load(args)
+    except LookaheadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import uvloop
+    uvloop.install()
+    try:
+        asyncio.run(_serve(args, state))
+    finally:
+        state["loop"].stop(timeout=2.0)
+        state["engine"].close()
+    return 0
+
+
+def _load(args: argparse.Namespace) -> dict[str, Any]:
+    """Load the engine (the slow part, before the runtime exists) and start its step loop."""
+    import torch
+
+    from ..cli import lookahead_overrides
+    from ..engine import Engine
+    from .loop import EngineLoop
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    overrides = lookahead_overrides(args)
+    t0 = time.perf_counter()
+    engine = Engine.from_dir(args.engine, verify_checksums=not args.no_verify_checksums,
+                             num_host_blocks=args.num_host_blocks, max_queue=args.max_queue, **overrides)
+    model_dir = make_model_dir(args.engine, run_dir / "model", max_model_len=engine.max_model_len)
+    info = {"worker_index": args.worker_index, "pid": os.getpid(), "mode": engine.config.mode,
+            "model": args.model_name, "max_model_len": engine.max_model_len,
+            "config": dataclasses.asdict(engine.config)}
+    stats = StatsPublisher(run_dir / f"worker-{args.worker_index}.stats.json", info)
+    engine_loop = EngineLoop(engine, on_stats=stats.update, name=f"dynamo-w{args.worker_index}")
+    engine_loop.start()
+    log.info("engine %s loaded in %.1f s (mode %s, overrides %s, max_model_len %d, %d KV blocks)", args.engine,
+             time.perf_counter() - t0, engine.config.mode, overrides, engine.max_model_len, engine.allocator.num_blocks)
+    return {"engine": engine, "loop": engine_loop, "stats": stats, "model_dir": model_dir, "run_dir": run_dir}
+
+
+async def _serve(args: argparse.Namespace, state: dict[str, Any]) -> None:
+    from dynamo.runtime import dynamo_worker
+
+    @dynamo_worker()
+    async def worker(runtime) -> None:
+        await _run_worker(runtime, args, state)
+
+    await worker()
+
+
+async def _run_worker(runtime, args: argparse.Namespace, state: dict[str, Any]) -> None:
+    from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+
+    engine, engine_loop, stats = state["engine"], state["loop"], state["stats"]
+    endpoint = runtime.endpoint(f"{args.namespace}.{args.component}.{args.endpoint}")
+    handler = EngineHandler(engine, engine_loop, default_max_tokens=args.default_max_tokens)
+
+    async def stats_route(body: dict) -> dict:
+        return {**stats.snapshot(), "free_blocks_now": engine.allocator.num_free,
+                "num_live": engine_loop.num_live(), "num_requests": handler.num_requests}
+    try:
+        runtime.register_engine_route("stats", stats_route)
+    except Exception as e:       # no system server (DYN_SYSTEM_PORT unset): the stats file remains
+        log.info("no /engine/stats route (%s); stats go to %s", e, stats.path)
+
+    aloop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+
+    async def shutdown() -> None:
+        if stopping.is_set():
+            return
+        stopping.set()
+        log.info("SIGTERM: unregistering from discovery, then stopping")
+        try:
+            await asyncio.wait_for(endpoint.unregister_endpoint_instance(), 3.0)
+        except Exception as e:
+            log.warning("unregistering the endpoint failed: %s", e)
+        await aloop.run_in_executor(None, lambda: engine_loop.stop(timeout=2.0))
+        runtime.shutdown()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aloop.add_signal_handler(sig, lambda: asyncio.ensure_future(shutdown()))
+
+    rc = ModelRuntimeConfig()
+    rc.context_length = engine.max_model_len
+    rc.total_kv_blocks = engine.allocator.num_blocks
+    rc.max_num_seqs = engine.config.max_batch_size
+    await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint,
+                         str(state["model_dir"]), args.model_name, worker_type=WorkerType.Aggregated,
+                         kv_cache_block_size=engine.config.block_size, runtime_config=rc)
+    ready = state["run_dir"] / f"worker-{args.worker_index}.ready"
+    _atomic_write(ready, json.dumps({"pid": os.getpid(), "model": args.model_name,
+                                     "endpoint": f"{args.namespace}.{args.component}.{args.endpoint}"}))
+    stats.update(engine.stats() | {"total_blocks": engine.allocator.num_blocks, "tokens_per_s": 0.0})
+    log.info("serving model %r on %s.%s.%s", args.model_name, args.namespace, args.component, args.endpoint)
+    await endpoint.serve_endpoint(handler.generate, graceful_shutdown=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

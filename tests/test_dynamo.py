@@ -1,0 +1,525 @@
+"""The OpenAI API on NVIDIA Dynamo: runtime/serving/dynamo_worker.py behind a real `dynamo.frontend`.
+
+Three parts:
+- pure tests of the request mapping, the model dir and the launcher's checks (no Dynamo needed);
+- the handler on a real EngineLoop over a tiny engine, and the launcher facing a worker that dies
+  at start (Dynamo needed, no real model);
+- one real deployment (TestLive: a frontend and two workers on the default engine, started by
+  runtime.serving.dynamo_launch, stopped even on failure) driven with the official `openai` client:
+  models list, greedy equality with the in-process engine (chat and completions, streaming and
+  not), sampling parameters, stop strings, usage counts, 16 concurrent streams, 4xx answers while
+  another stream goes on, a cancelled stream freeing its KV blocks, and both workers serving; then
+  one worker on etcd + NATS (TestEtcdNats, when Debian's etcd-server and nats-server are installed).
+The Dynamo parts skip, saying why, when Dynamo or openai is not importable (scripts/install_dynamo.sh
+installs both). About 35 s on 2 cores.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import shutil
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from runtime.errors import RequestError
+from runtime.serving import dynamo_launch
+from runtime.serving.dynamo_worker import make_model_dir, sampling_params_from_request
+
+MODEL = "lookahead_llm"
+MAX_MODEL_LEN = 512
+
+
+# ---- without Dynamo -------------------------------------------------------------------------------
+def _req(token_ids=(5, 6, 7), sampling=None, stop=None, output=None):
+    return {"token_ids": list(token_ids), "sampling_options": sampling or {}, "stop_conditions": stop or {},
+            "output_options": output or {}}
+
+
+def test_request_maps_to_sampling_params():
+    ids, p = sampling_params_from_request(
+        _req(sampling={"temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3, "n": None},
+             stop={"max_tokens": 12, "stop": ["\n\n"], "ignore_eos": True, "stop_token_ids_hidden": [2]}), 64)
+    assert ids == [5, 6, 7]
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.ignore_eos) == \
+        (12, 0.5, 0.9, 7, 3, ["\n\n"], True)
+
+
+def test_request_defaults():
+    _, p = sampling_params_from_request(_req(sampling={"top_k": -1}), 64)     # -1: vLLM's "off"
+    assert p.max_tokens == 64 - 3 and p.greedy and p.top_k == 0 and p.stop == []
+    _, p = sampling_params_from_request(_req(), 64, default_max_tokens=10)
+    assert p.max_tokens == 10
+    packed = (5).to_bytes(4, "little") + (9).to_bytes(4, "little")            # DYN_TOKEN_IDS_AS_BYTES
+    assert sampling_params_from_request({"token_ids": packed}, 64)[0] == [5, 9]
+
+
+@pytest.mark.parametrize("request_, field", [
+    (_req(stop={"max_tokens": 0}), "max_tokens"),
+    (_req(sampling={"temperature": -1.0}), "temperature"),
+    (_req(sampling={"top_p": 0.0}), "top_p"),
+    (_req(sampling={"top_k": -5}), "top_k"),
+    (_req(sampling={"seed": 1 << 64}), "seed"),
+    (_req(sampling={"n": 2}), "n"),
+    (_req(sampling={"presence_penalty": 0.5}), "presence_penalty"),
+    (_req(sampling={"guided_decoding": {"json": {}}}), "guided_decoding"),
+    (_req(output={"logprobs": 1}), "logprobs"),
+    (_req(stop={"min_tokens": 4}), "min_tokens"),
+    (_req(token_ids=()), "prompt"),
+])
+def test_bad_request_names_the_field(request_, field):
+    with pytest.raises(RequestError) as err:
+        sampling_params_from_request(request_, 64)
+    assert err.value.field == field and str(err.value).startswith(field + ":")
+
+
+def test_model_dir_holds_tokenizer_template_and_config(tmp_path):
+    from tiny_engine import make_tiny_engine
+
+    engine_dir = make_tiny_engine(tmp_path / "engine")
+    (engine_dir / "tokenizer" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    out = make_model_dir(engine_dir, tmp_path / "model", max_model_len=1024)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "tokenizer.json",
+                                                      "tokenizer_config.json"]
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == "{{ messages[0]['content'] }}"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == 1024 and cfg["vocab_size"] == 256 and cfg["model_type"] == "llama"
+
+
+def test_launcher_environment_and_commands(tmp_path):
+    env = dynamo_launch.base_env(tmp_path, "file")
+    assert env["DYN_FILE_KV"] == str(tmp_path / "kv") and env["DYN_DISCOVERY_BACKEND"] == "file"
+    assert (env["DYN_REQUEST_PLANE"], env["DYN_EVENT_PLANE"]) == ("tcp", "zmq")
+    assert all(env[k] == "127.0.0.1" for k in ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST",
+                                                  "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST"))
+    etcd = dynamo_launch.base_env(tmp_path, "etcd", etcd_endpoints="http://127.0.0.1:1", nats_server="nats://x:2")
+    assert (etcd["ETCD_ENDPOINTS"], etcd["NATS_SERVER"], etcd["DYN_REQUEST_PLANE"]) == \
+        ("http://127.0.0.1:1", "nats://x:2", "nats")
+    fe = dynamo_launch.frontend_command("py", 9000, "file", "ns")
+    assert fe[:3] == ["py", "-m", "dynamo.frontend"] and fe[fe.index("--http-port") + 1] == "9000"
+    assert fe[fe.index("--http-host") + 1] == "127.0.0.1" and fe[fe.index("--discovery-backend") + 1] == "file"
+    w = dynamo_launch.worker_command("py", "E", 1, run_dir=tmp_path, model_name="m", namespace="ns",
+                                     lookahead_overrides={"mode": "lookahead", "top_k": 64}, threads=1,
+                                     worker_options={"max_queue": 9, "no_verify_checksums": True,
+                                                     "num_host_blocks": None})
+    assert w[:3] == ["py", "-m", "runtime.serving.dynamo_worker"]
+    joined = " ".join(w)
+    assert "--mode lookahead" in joined and "--top-k 64" in joined and "--max-queue 9" in joined
+    assert "--no-verify-checksums" in w and "--num-host-blocks" not in w and "--worker-index 1" in joined
+
+
+def test_worker_flags_cover_every_lookahead_field():
+    import dataclasses
+
+    from runtime.config import LookaheadConfig
+    from runtime.serving.dynamo_worker import build_parser
+
+    args = build_parser().parse_args(["--engine", "E", "--mode", "lookahead", "--top-k", "32", "--fetch-ratio", "0.1"])
+    assert (args.mode, args.top_k, args.fetch_ratio) == ("lookahead", 32, 0.1)
+    assert all(hasattr(args, f.name) for f in dataclasses.fields(LookaheadConfig))
+
+
+def test_launcher_refuses_a_taken_port_and_a_bad_engine_dir(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(dynamo_launch.LaunchError, match=f"port {port} on 127.0.0.1 is taken"):
+            dynamo_launch.check_port_free(port)
+    with pytest.raises(dynamo_launch.LaunchError, match="does not exist"):
+        dynamo_launch.start(tmp_path / "missing", run_dir=tmp_path / "run", progress=None)
+    assert not list((tmp_path).glob("run/*.pid"))
+
+
+def test_dynamo_pytest_plugins_do_not_hide_project_tests(pytestconfig):
+    """ai-dynamo registers pytest plugins (entry point pytest11) in every venv it is installed in.
+    Its `triton_tests` plugin ignores every file named test_triton_*.py unless the in-process
+    `tritonserver` API is importable, which it is not here: tests/test_triton_server.py would vanish
+    from the run without a word. pyproject.toml's addopts block the four plugins."""
+    pm = pytestconfig.pluginmanager
+    active = [n for n in ("triton_tests", "sglang_tests", "trtllm_tests", "vllm_tests") if pm.get_plugin(n) is not None]
+    assert not active, (f"ai-dynamo's pytest plugins {active} are loaded and hide tests/test_triton_*.py: add "
+                        "'-p no:triton_tests -p no:sglang_tests -p no:trtllm_tests -p no:vllm_tests' "
+                        "to [tool.pytest.ini_options] addopts in pyproject.toml")
+
+
+def _missing() -> str | None:
+    for mod, what in (("dynamo.frontend", "NVIDIA Dynamo (ai-dynamo 1.6.1)"), ("dynamo.llm", "NVIDIA Dynamo"),
+                      ("openai", "the openai client")):
+        try:
+            importlib.import_module(mod)
+        except Exception as e:             # ImportError, or a broken install failing at import
+            return f"{what} is not importable ({type(e).__name__}: {e}); run scripts/install_dynamo.sh"
+    return None
+
+
+class _Context:
+    """A stand-in for Dynamo's request Context: `stop()` resolves async_killed_or_stopped()."""
+
+    def __init__(self):
+        self._stopped = asyncio.get_running_loop().create_future()
+
+    def async_killed_or_stopped(self):
+        return self._stopped
+
+    def stop(self):
+        self._stopped.set_result(True)
+
+
+def _dynamo_exceptions():
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
+    return importlib.import_module("dynamo.llm.exceptions")
+
+
+@pytest.mark.timeout(60)
+def test_handler_streams_counts_and_cancels_on_a_tiny_engine(tmp_path):
+    """EngineHandler against a real EngineLoop (tiny random engine), no frontend: chunk format and
+    usage, a 400 raised inside the generator, a full queue as 429, a stopped context aborting the
+    request with its blocks freed."""
+    exc = _dynamo_exceptions()
+    from runtime.engine import Engine
+    from runtime.serving.dynamo_worker import EngineHandler
+    from runtime.serving.loop import EngineLoop
+    from tiny_engine import make_tiny_engine
+
+    engine = Engine.from_dir(make_tiny_engine(tmp_path / "e"), max_queue=0, max_batch_size=1)
+    loop = EngineLoop(engine, cancel_poll_s=0.02)
+    loop.start()
+    handler = EngineHandler(engine, loop)
+
+    async def collect(request, ctx=None):
+        return [c async for c in handler.generate(request, ctx or _Context())]
+
+    async def main():
+        chunks = await collect(_req(token_ids=[1, 2, 3], stop={"max_tokens": 5}))
+        assert sum(len(c["token_ids"]) for c in chunks) == 5 and chunks[-1]["finish_reason"] == "length"
+        assert chunks[-1]["completion_usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+        with pytest.raises(exc.InvalidArgument, match="temperature"):
+            await collect(_req(sampling={"temperature": -2.0}))
+        # a long request holds the one batch slot; a second one finds the queue full (max_queue 0);
+        # then the long one's context is stopped
+        ctx = _Context()
+        long = asyncio.ensure_future(collect(_req(stop={"max_tokens": 3000}), ctx))
+        deadline = time.monotonic() + 20
+        while engine.stats()["num_running"] == 0:
+            assert time.monotonic() < deadline and not long.done(), "the long request never ran"
+            await asyncio.sleep(0.005)
+        with pytest.raises(exc.HttpError) as err:
+            await collect(_req(stop={"max_tokens": 4}))
+        assert err.value.code == 429
+        ctx.stop()
+        chunks = await asyncio.wait_for(long, 30)
+        assert chunks[-1]["finish_reason"] == "cancelled"
+        assert sum(len(c["token_ids"]) for c in chunks) < 3000
+    try:
+        asyncio.run(main())
+        deadline = time.monotonic() + 5
+        while engine.allocator.num_free != engine.allocator.num_blocks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.allocator.num_free == engine.allocator.num_blocks
+        assert engine.stats()["aborted_requests"] == 1
+    finally:
+        loop.stop()
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_launcher_reports_a_worker_that_dies_at_start(tmp_path):
+    """A tampered engine dir passes the launcher's quick check (no checksums) but not the worker's:
+    start() fails with the worker's log tail, and nothing it started is left running."""
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
+    from tiny_engine import make_tiny_engine
+
+    engine_dir = make_tiny_engine(tmp_path / "engine")
+    with open(engine_dir / "weights.safetensors", "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\0\0\0\0")
+    run_dir = tmp_path / "run"
+    with pytest.raises(dynamo_launch.LaunchError) as err:
+        dynamo_launch.start(engine_dir, workers=1, http_port=dynamo_launch.free_port(), run_dir=run_dir,
+                            timeout=60, progress=None)
+    msg = str(err.value)
+    assert msg.startswith("worker-0 (pid ") and "exited with code 2 while starting" in msg
+    assert "last lines of" in msg and "checksum" in msg.lower()
+    pids = [int(p.read_text()) for p in run_dir.glob("*.pid")]
+    assert pids and not any(dynamo_launch._alive(pid, "dynamo") for pid in pids)
+    assert dynamo_launch.status(run_dir)["running"] == {}
+
+
+# ---- a real frontend and two workers --------------------------------------------------------------
+live = [pytest.mark.skipif(_missing() is not None, reason=_missing() or ""), pytest.mark.real_model,
+        pytest.mark.slow, pytest.mark.timeout(240)]
+
+CHAT = "What is the capital of France? Answer in one sentence."
+CHAT_LONG = "Write a short poem about the sea."
+COMPLETION = "The history of the Roman Empire"
+COUNTING = "1, 2, 3, 4, 5,"
+SAMPLED = dict(temperature=0.75, top_p=0.875, top_k=20, seed=1234)
+
+
+@pytest.fixture(scope="module")
+def reference(default_engine_dir):
+    """Greedy outputs of the in-process engine for the prompts used below, computed before the
+    deployment starts (and the engine dropped) so three engines never share the machine's memory."""
+    import gc
+
+    from runtime.engine import Engine
+    from runtime.sampling import SamplingParams
+
+    engine = Engine.from_dir(default_engine_dir, max_model_len=MAX_MODEL_LEN)
+    tok = engine.tokenizer
+    chat, chat_long = tok.apply_chat_template(CHAT), tok.apply_chat_template(CHAT_LONG)
+    outs = engine.generate([chat, chat_long, COMPLETION], SamplingParams(max_tokens=24))
+    ref = {"chat": outs[0], "chat_long": outs[1], "completion": outs[2],
+           "prompt_tokens": {"chat": len(tok.encode(chat)), "chat_long": len(tok.encode(chat_long)),
+                             "completion": len(tok.encode(COMPLETION))}}
+    text = outs[2].text
+    words = [w for w in text.split() if len(w) > 3 and text.count(w) == 1]
+    assert words, f"no stop word candidate in {text!r}"
+    ref["stop"] = " " + words[len(words) // 2]
+    ref["stopped"] = engine.generate([COMPLETION], SamplingParams(max_tokens=24, stop=[ref["stop"]]))[0]
+    # values float32 holds exactly: the frontend passes temperature and top_p on as float32
+    ref["sampled"] = engine.generate([COMPLETION], SamplingParams(max_tokens=16, **SAMPLED))[0]
+    engine.close()
+    del engine
+    gc.collect()
+    return ref
+
+
+@pytest.fixture(scope="class")       # stopped before the next class starts its own
+def deployment(reference, default_engine_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("dynamo")
+    dep = dynamo_launch.start(default_engine_dir, workers=2, http_port=dynamo_launch.free_port(), run_dir=run_dir,
+                              lookahead_overrides={"max_model_len": MAX_MODEL_LEN, "prefill_chunk": 256},
+                              threads=1, timeout=150, worker_options={"no_verify_checksums": True},
+                              progress=lambda m: print(m, flush=True))
+    try:
+        yield dep
+    finally:
+        dynamo_launch.stop(run_dir, grace_s=5, progress=None)
+
+
+@pytest.fixture(scope="class")
+def client(deployment):
+    import openai
+    return openai.OpenAI(base_url=deployment.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def worker_stats(dep, i: int) -> dict:
+    with urllib.request.urlopen(dep.stats_url(i), timeout=5) as r:
+        return json.loads(r.read())
+
+
+def _chat(client, content, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                          temperature=0, **kw)
+
+
+def _stream_text(stream) -> tuple[str, list, object]:
+    text, finishes, usage = [], [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            piece = getattr(ch, "delta", None)
+            text.append((piece.content or "") if piece is not None else (ch.text or ""))
+            finishes.append(ch.finish_reason)
+    return "".join(text), finishes, usage
+
+
+@pytest.mark.usefixtures("deployment")
+class TestLive:
+    pytestmark = live
+
+    def test_models_list(self, client, deployment):
+        assert MODEL in [m.id for m in client.models.list().data]
+        for i in range(2):       # the lookahead overrides reached every worker
+            cfg = worker_stats(deployment, i)["config"]
+            assert (cfg["max_model_len"], cfg["prefill_chunk"]) == (MAX_MODEL_LEN, 256)
+
+    def test_chat_equals_in_process_with_usage(self, client, reference):
+        for key, prompt in (("chat", CHAT), ("chat_long", CHAT_LONG)):
+            ref = reference[key]
+            r = _chat(client, prompt, max_tokens=24)
+            assert r.choices[0].message.content == ref.text
+            assert r.choices[0].finish_reason == {"stop": "stop", "length": "length"}[ref.finish_reason]
+            assert r.usage.completion_tokens == len(ref.token_ids)
+            assert r.usage.prompt_tokens == reference["prompt_tokens"][key]
+        assert reference["chat"].finish_reason == "stop"       # one ends on EOS, counted as a token
+
+    def test_streamed_chat_equals_in_process(self, client, reference):
+        ref = reference["chat_long"]
+        stream = _chat(client, CHAT_LONG, max_tokens=24, stream=True, stream_options={"include_usage": True})
+        text, finishes, usage = _stream_text(stream)
+        assert text == ref.text and finishes[-1] == ref.finish_reason
+        assert usage.completion_tokens == len(ref.token_ids)
+
+    def test_completions_equal_in_process(self, client, reference):
+        ref = reference["completion"]
+        r = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=24, temperature=0)
+        assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == \
+            (reference["prompt_tokens"]["completion"], len(ref.token_ids))
+        stream = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=24, temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+        text, finishes, usage = _stream_text(stream)
+        assert text == ref.text and finishes[-1] == ref.finish_reason
+        assert usage.completion_tokens == len(ref.token_ids)
+
+    def test_stop_strings(self, client, reference):
+        stop, ref, full = reference["stop"], reference["stopped"], reference["completion"].text
+        assert ref.text == full[:full.index(stop)] and ref.finish_reason == "stop"
+        r = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=24, temperature=0, stop=[stop])
+        assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "stop"
+        assert r.usage.completion_tokens == len(ref.token_ids)
+        stream = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=24, temperature=0,
+                                           stop=[stop], stream=True)
+        text, finishes, _ = _stream_text(stream)
+        assert text == ref.text and finishes[-1] == "stop"
+
+    def test_sampling_parameters_are_honoured(self, client, reference):
+        """temperature, top_p, top_k and seed reach the engine: the same draw as in-process."""
+        ref = reference["sampled"]
+        r = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=16, extra_body={"top_k": 20},
+                                      temperature=0.75, top_p=0.875, seed=1234)
+        assert r.choices[0].text == ref.text and r.usage.completion_tokens == len(ref.token_ids)
+
+    def test_16_concurrent_streams(self, deployment):
+        import openai
+
+        async def one(client, i):
+            stream = await client.completions.create(model=MODEL, prompt=f"{COUNTING} {i},", max_tokens=8,
+                                                     temperature=0, stream=True, stream_options={"include_usage": True},
+                                                     extra_body={"ignore_eos": True})
+            pieces, usage, finish = [], None, None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+                for ch in chunk.choices:
+                    pieces.append(ch.text or "")
+                    finish = ch.finish_reason or finish
+            return "".join(pieces), finish, usage
+
+        async def main():
+            client = openai.AsyncOpenAI(base_url=deployment.url, api_key="unused", max_retries=0, timeout=120)
+            try:
+                return await asyncio.gather(*(one(client, i) for i in range(16)))
+            finally:
+                await client.close()
+        results = asyncio.run(main())
+        assert [f for _, f, _ in results] == ["length"] * 16
+        assert [u.completion_tokens for _, _, u in results] == [8] * 16
+        assert all(text for text, _, _ in results)
+
+    def test_bad_requests_get_4xx_while_another_stream_goes_on(self, client):
+        import openai
+
+        got: list[float] = []
+        result: dict = {}
+
+        def background():
+            try:
+                stream = client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=64, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True},
+                                                   extra_body={"ignore_eos": True})
+                for chunk in stream:
+                    got.append(time.monotonic())
+                    if chunk.usage is not None:
+                        result["usage"] = chunk.usage
+                    for ch in chunk.choices:
+                        result["finish"] = ch.finish_reason or result.get("finish")
+            except Exception as e:           # reported by the assertions below
+                result["error"] = e
+
+        t = threading.Thread(target=background)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert got, f"the background stream never started: {result}"
+        msgs = [{"role": "user", "content": "hi"}]
+        cases = [
+            (openai.BadRequestError, "max", dict(model=MODEL, messages=msgs, max_tokens=0)),
+            (openai.NotFoundError, "not found", dict(model="no-such-model", messages=msgs, max_tokens=4)),
+            (openai.BadRequestError, "temperature", dict(model=MODEL, messages=msgs, max_tokens=4, temperature=-1)),
+            (openai.BadRequestError, "messages", dict(model=MODEL, messages=[], max_tokens=4)),
+            # refused by the worker (SamplingParams and its own checks), streaming: still a 4xx
+            (openai.BadRequestError, "n:", dict(model=MODEL, messages=msgs, max_tokens=4, n=2, stream=True)),
+            (openai.BadRequestError, "max_model_len", dict(model=MODEL, messages=msgs, max_tokens=MAX_MODEL_LEN)),
+        ]
+        for exc, text, kw in cases:
+            with pytest.raises(exc) as err:
+                r = client.chat.completions.create(**kw)
+                if kw.get("stream"):
+                    list(r)
+            assert 400 <= err.value.status_code < 500 and text in str(err.value).lower(), (kw, err.value)
+        answered = time.monotonic()
+        t.join(timeout=90)
+        assert "error" not in result, result
+        assert result.get("finish") == "length" and result["usage"].completion_tokens == 64
+        assert any(ts > answered for ts in got), "the stream stalled while the bad requests were answered"
+
+    def test_cancelled_stream_frees_its_blocks(self, client, deployment):
+        before = [worker_stats(deployment, i) for i in range(2)]
+        stream = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=300, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        it = iter(stream)
+        for _ in range(3):
+            next(it)
+        busy = [worker_stats(deployment, i) for i in range(2)]
+        w = next(i for i in range(2) if busy[i]["num_live"] == 1)
+        assert busy[w]["free_blocks_now"] < busy[w]["total_blocks"]        # the request holds blocks
+        stream.close()                                                     # the client goes away
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            now = worker_stats(deployment, w)
+            if now["aborted_requests"] > before[w]["aborted_requests"] and now["num_live"] == 0:
+                break
+            time.sleep(0.1)
+        assert now["aborted_requests"] == before[w]["aborted_requests"] + 1, now
+        assert now["free_blocks_now"] == now["total_blocks"] and now["num_running"] == 0, now
+        log = (deployment.run_dir / f"worker-{w}.log").read_text()
+        assert "cancelled after" in log and "KV blocks are freed" in log
+
+    def test_two_workers_both_serve(self, client, deployment):
+        before = [worker_stats(deployment, i)["num_requests"] for i in range(2)]
+        for i in range(4):
+            client.completions.create(model=MODEL, prompt=f"Request {i}:", max_tokens=2, temperature=0)
+        after = [worker_stats(deployment, i)["num_requests"] for i in range(2)]
+        assert sum(after) - sum(before) == 4
+        assert all(a > b for a, b in zip(after, before)), (before, after)
+
+
+@pytest.mark.skipif(not (shutil.which("etcd") and shutil.which("nats-server")),
+                    reason="etcd and nats-server are not on PATH (Debian: apt-get install etcd-server nats-server)")
+class TestEtcdNats:
+    """The several-machine setup on loopback: discovery through etcd, requests and events over NATS,
+    both servers started and stopped by the launcher."""
+    pytestmark = live
+
+    def test_serves_and_stops(self, reference, default_engine_dir, tmp_path):
+        import openai
+
+        run_dir = tmp_path / "run"
+        dep = dynamo_launch.start(default_engine_dir, workers=1, http_port=dynamo_launch.free_port(), run_dir=run_dir,
+                                  discovery="etcd", start_etcd_nats=True, threads=1, timeout=150,
+                                  lookahead_overrides={"max_model_len": MAX_MODEL_LEN},
+                                  worker_options={"no_verify_checksums": True}, progress=None)
+        try:
+            assert set(dep.infra_pids) == {"etcd", "nats"}
+            assert "NATS request plane" in (run_dir / "worker-0.log").read_text()
+            client = openai.OpenAI(base_url=dep.url, api_key="unused", max_retries=0, timeout=120)
+            ref = reference["chat_long"]
+            text, finishes, _ = _stream_text(_chat(client, CHAT_LONG, max_tokens=24, stream=True))
+            assert text == ref.text and finishes[-1] == ref.finish_reason
+        finally:
+            stopped = dynamo_launch.stop(run_dir, progress=None)
+        assert set(stopped) == {"etcd", "nats", "frontend", "worker-0"}
+        assert dynamo_launch.status(run_dir)["running"] == {}
