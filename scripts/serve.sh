@@ -3,11 +3,18 @@
 #
 #   scripts/serve.sh start [--engine DIR] [--http-port N] [--grpc-port N] [--metrics-port N]
 #                          [--mode dense|lookahead] [--instances N] [--max-queue N] [--timeout S]
-#   scripts/serve.sh stop
-#   scripts/serve.sh status
+#                          [--watch] [--max-body-bytes N] [--run-dir DIR]
+#   scripts/serve.sh stop [--run-dir DIR]       # seconds, even when the python stub died
+#   scripts/serve.sh status [--run-dir DIR]     # runs a one-token request: 0 serving, 1 not, 3 not running
+#   scripts/serve.sh restart [start options]    # stop, then start
 #
-# The tritonserver is the one bundled in the nvidia-pytriton wheel (RECIPES.md); the model repository
-# and backend dir are generated under --run-dir (default build/serve), with the PID file and the log.
+# The tritonserver is the one bundled in the nvidia-pytriton wheel (RECIPES.md), run by a supervisor
+# (runtime/serving/supervisor.py) that stays in the background: the HTTP port is its front, which
+# refuses bodies over --max-body-bytes (413; default 2 MiB: tritonserver 2.51 crashes on bodies over
+# ~4 MB) and malformed or deeply nested JSON (400); gRPC and metrics are tritonserver's own ports.
+# --watch restarts the server when it or its python stub dies (or stops answering the probe).
+# Everything lives in --run-dir (default build/serve): the model repository, the PID files, the state
+# (tritonserver.env), and the logs, rotated at every start (tritonserver.log.1 is the previous run's).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,9 +23,10 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 
 ACTION="${1:-}"; [ $# -gt 0 ] && shift
 ENGINE="engines/default"; HTTP=8000; GRPC=8001; METRICS=8002
-MODE=""; INSTANCES=1; MAX_QUEUE=256; TIMEOUT=180; RUN_DIR="$ROOT/build/serve"
+MODE=""; INSTANCES=1; MAX_QUEUE=256; TIMEOUT=180; RUN_DIR="$ROOT/build/serve"; WATCH=0
+MAX_BODY=$((2 * 1024 * 1024)); LOG_KEEP=5
 
-usage() { sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 die() { echo "serve.sh: error: $*" >&2; exit 1; }
 
 while [ $# -gt 0 ]; do
@@ -32,22 +40,45 @@ while [ $# -gt 0 ]; do
     --max-queue) MAX_QUEUE="$2"; shift 2 ;;
     --timeout) TIMEOUT="$2"; shift 2 ;;
     --run-dir) RUN_DIR="$2"; shift 2 ;;
+    --watch) WATCH=1; shift ;;
+    --max-body-bytes) MAX_BODY="$2"; shift 2 ;;
     -h|--help) usage 0 ;;
     *) echo "serve.sh: unknown option $1" >&2; usage ;;
   esac
 done
 
+case "$RUN_DIR" in /*) ;; *) RUN_DIR="$PWD/$RUN_DIR" ;; esac
+SUP_PID_FILE="$RUN_DIR/supervisor.pid"
 PID_FILE="$RUN_DIR/tritonserver.pid"
 LOG="$RUN_DIR/tritonserver.log"
+SUP_LOG="$RUN_DIR/supervisor.log"
 STATE="$RUN_DIR/tritonserver.env"
 
-running_pid() {   # prints the PID when the server of our PID file is alive
-  [ -f "$PID_FILE" ] || return 1
-  local pid; pid="$(cat "$PID_FILE")"
-  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && echo "$pid"
+alive_pid() {     # prints the PID in file $1 when it is alive (not a zombie) and its command has $2
+  [ -f "$1" ] || return 1
+  local pid; pid="$(cat "$1" 2>/dev/null)"
+  pid_alive "$pid" && grep -qaF -- "$2" "/proc/$pid/cmdline" 2>/dev/null && echo "$pid"
 }
 
-log_tail() { echo "---- last lines of $LOG ----" >&2; grep -v '^[|+]' "$LOG" | tail -n "${1:-25}" >&2 || true; }
+pid_alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null && case "$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)" in Z|X|'') false ;; esac; }
+
+state_of() { sed -n "s/^$1=//p" "$STATE" 2>/dev/null | head -1 || true; }
+
+log_tail() {
+  local f
+  for f in "$SUP_LOG" "$LOG"; do
+    [ -s "$f" ] || continue
+    echo "---- last lines of $f ----" >&2
+    grep -v '^[|+]' "$f" | tail -n "${1:-25}" >&2 || true
+  done
+}
+
+rotate() {        # $1 -> $1.1 -> ... -> $1.$LOG_KEEP; the previous run's log is never truncated
+  [ -s "$1" ] || return 0
+  local i
+  for ((i = LOG_KEEP - 1; i >= 1; i--)); do [ -e "$1.$i" ] && mv -f "$1.$i" "$1.$((i + 1))"; done
+  mv -f "$1" "$1.1"
+}
 
 port_free() {
   "$PY" - "$1" <<'EOF'
@@ -62,8 +93,13 @@ EOF
 }
 
 start() {
-  if pid="$(running_pid)"; then die "already running (pid $pid, see $STATE); run: scripts/serve.sh stop"; fi
+  local pid
+  if pid="$(alive_pid "$SUP_PID_FILE" runtime.serving.supervisor)"; then die "already running (supervisor pid $pid, see $STATE); run: scripts/serve.sh stop${RUN_DIR:+ --run-dir \"$RUN_DIR\"}"; fi
+  if pid="$(alive_pid "$PID_FILE" tritonserver)"; then die "a tritonserver of $RUN_DIR still runs (pid $pid) without its supervisor; run: scripts/serve.sh stop --run-dir \"$RUN_DIR\""; fi
   case "$MODE" in ""|dense|lookahead) ;; *) die "--mode must be dense or lookahead, got '$MODE'" ;; esac
+  case "$MAX_BODY" in ''|*[!0-9]*) die "--max-body-bytes must be a number of bytes, got '$MAX_BODY'" ;; esac
+  [ "$MAX_BODY" -ge 1 ] && [ "$MAX_BODY" -le 3900000 ] \
+    || die "--max-body-bytes must be in 1..3900000 (tritonserver 2.51 crashes on HTTP bodies over ~4 MB), got $MAX_BODY"
   for port in "$HTTP" "$GRPC" "$METRICS"; do
     if ! port_free "$port"; then
       who="$(ss -ltnpH "sport = :$port" 2>/dev/null | sed -n 's/.*users:((\("[^"]*",pid=[0-9]*\).*/\1/p' | head -1)"
@@ -84,69 +120,48 @@ except LookaheadError as e:
       --instances "$INSTANCES" --max-queue "$MAX_QUEUE" "${mode_flag[@]}" >/dev/null \
       || die "could not write the model repository (see above)"
 
-  local prefix="lookahead_${HTTP}_$$_"
-  : > "$LOG"
-  # triton_env builds the backend dir, sets LD_LIBRARY_PATH/PATH (RECIPES.md) and execs tritonserver,
-  # so $! is the server's PID. setsid: the server outlives this shell and its terminal signals.
-  setsid "$PY" -m runtime.serving.triton_env exec --repo "$RUN_DIR/model_repo" --backend-dir "$RUN_DIR/backends" \
-      --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS" --shm-prefix "$prefix" \
-      >>"$LOG" 2>&1 < /dev/null &
-  local pid=$!
-  echo "$pid" > "$PID_FILE"
-  printf 'PID=%s\nHTTP_PORT=%s\nGRPC_PORT=%s\nMETRICS_PORT=%s\nENGINE=%s\nMODE=%s\nSHM_PREFIX=%s\n' \
-      "$pid" "$HTTP" "$GRPC" "$METRICS" "$ENGINE" "${MODE:-engine default}" "$prefix" > "$STATE"
-
-  echo "serve.sh: starting tritonserver (pid $pid, engine $ENGINE${MODE:+, mode $MODE}); log: $LOG"
-  local deadline=$((SECONDS + TIMEOUT))
-  until curl -sf -o /dev/null "http://127.0.0.1:$HTTP/v2/health/ready"; do
-    if ! kill -0 "$pid" 2>/dev/null; then
-      rm -f "$PID_FILE"; log_tail 40; die "tritonserver exited during start-up (log above)"
+  rotate "$SUP_LOG"
+  rm -f "$STATE"
+  local watch_flag=(); [ "$WATCH" = 1 ] && watch_flag=(--watch)
+  # The supervisor rotates tritonserver.log before each server start, cleans up what a killed run
+  # left, and runs the HTTP front. setsid: it outlives this shell and its terminal's signals.
+  setsid "$PY" -m runtime.serving.supervisor run --run-dir "$RUN_DIR" --http-port "$HTTP" \
+      --grpc-port "$GRPC" --metrics-port "$METRICS" --instances "$INSTANCES" --timeout "$TIMEOUT" \
+      --max-body-bytes "$MAX_BODY" "${watch_flag[@]}" --info "ENGINE=$ENGINE" --info "MODE=${MODE:-engine default}" \
+      >>"$SUP_LOG" 2>&1 < /dev/null &
+  pid=$!
+  echo "serve.sh: starting (supervisor pid $pid, engine $ENGINE${MODE:+, mode $MODE}$([ "$WATCH" = 1 ] && echo ', --watch')); logs: $LOG, $SUP_LOG"
+  local deadline=$((SECONDS + TIMEOUT + 30)) st
+  while :; do
+    st="$(state_of STATE)"
+    [ "$st" = ready ] && [ "$(state_of SUPERVISOR_PID)" = "$pid" ] && break
+    if ! pid_alive "$pid" || [ "$st" = failed ]; then
+      for _ in $(seq 1 100); do pid_alive "$pid" || break; sleep 0.1; done   # its clean-up
+      log_tail 30
+      die "start failed: $(state_of LAST_DEATH | grep . || echo "the supervisor exited (log above)")"
     fi
     if [ $SECONDS -ge $deadline ]; then
-      log_tail 40; kill -TERM "$pid" 2>/dev/null || true; rm -f "$PID_FILE"
-      die "tritonserver not ready after ${TIMEOUT}s (log above); stopped it"
+      log_tail 30; "$PY" -m runtime.serving.supervisor stop --run-dir "$RUN_DIR" >&2 || true
+      die "not ready after ${TIMEOUT}s (log above); stopped it"
     fi
-    sleep 0.5
+    sleep 0.25
   done
-  echo "serve.sh: ready: http://127.0.0.1:$HTTP  grpc 127.0.0.1:$GRPC  metrics http://127.0.0.1:$METRICS/metrics"
+  echo "serve.sh: ready: http://127.0.0.1:$HTTP (bodies up to $MAX_BODY bytes)  grpc 127.0.0.1:$GRPC  metrics http://127.0.0.1:$METRICS/metrics  (tritonserver pid $(state_of PID))"
 }
 
-stop() {
-  local pid
-  if ! pid="$(running_pid)"; then echo "serve.sh: not running"; rm -f "$PID_FILE"; return 0; fi
-  kill -TERM "$pid"
-  # The server exits once the model has unloaded (~3 s), at most --exit-timeout-secs (15 s) after TERM.
-  for _ in $(seq 1 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-  if kill -0 "$pid" 2>/dev/null; then
-    log_tail 20; kill -KILL "$pid" 2>/dev/null || true; echo "serve.sh: warning: killed pid $pid after 30 s" >&2
-  fi
-  rm -f "$PID_FILE"
-  local prefix; prefix="$(sed -n 's/^SHM_PREFIX=//p' "$STATE" 2>/dev/null)"
-  if [ -n "$prefix" ] && compgen -G "/dev/shm/${prefix}*" >/dev/null; then
-    echo "serve.sh: warning: removing leftover shared memory /dev/shm/${prefix}*" >&2
-    rm -f /dev/shm/"${prefix}"*
-  fi
-  echo "serve.sh: stopped (pid $pid)"
-}
+stop() { "$PY" -m runtime.serving.supervisor stop --run-dir "$RUN_DIR"; }
 
 status() {
-  local pid
-  if pid="$(running_pid)"; then
-    local http; http="$(sed -n 's/^HTTP_PORT=//p' "$STATE")"
-    if curl -sf -o /dev/null "http://127.0.0.1:$http/v2/health/ready"; then
-      echo "running (pid $pid), ready on http://127.0.0.1:$http"
-    else
-      echo "running (pid $pid), not ready yet"
-    fi
-    sed 's/^/  /' "$STATE"
-  else
-    echo "not running"; return 3
-  fi
+  local rc=0
+  "$PY" -m runtime.serving.supervisor status --run-dir "$RUN_DIR" || rc=$?
+  [ -f "$STATE" ] && [ "$rc" != 3 ] && sed 's/^/  /' "$STATE"
+  return "$rc"
 }
 
 case "$ACTION" in
   start) start ;;
   stop) stop ;;
   status) status ;;
+  restart) stop; start ;;
   *) usage ;;
 esac

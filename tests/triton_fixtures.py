@@ -2,6 +2,9 @@
 
     from triton_fixtures import triton_server  # noqa: F401  (a session fixture)
 
+`ServeSh` runs `scripts/serve.sh` (the supervisor, the HTTP front) on its own run dir and free ports,
+and `ServeSh.cleanup()` ends whatever that run left (processes of its shm prefix, its regions).
+
 Skips (with the reason) where the bundled tritonserver (nvidia-pytriton) or tritonclient is missing.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import pytest
 from tiny_engine import make_tiny_engine
 
 READY_TIMEOUT_S = 120
+SERVE_SH = Path(__file__).resolve().parents[1] / "scripts" / "serve.sh"
 
 
 @dataclass
@@ -91,7 +95,7 @@ def start_server(workdir: Path, engine_dir: Path, backend_dir: Path, **lookahead
     repo = write_model_repo(workdir / "model_repo", engine_dir, lookahead_overrides=lookahead_overrides)
     http, grpc, metrics = free_ports(3)
     prefix = f"lkvtest_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
-    opts = ServerOptions(repo, backend_dir, http, grpc, metrics, shm_prefix=prefix)
+    opts = ServerOptions(repo, backend_dir, http, grpc, metrics, shm_prefix=prefix).shell_safe()
     log_path = workdir / "tritonserver.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(opts.argv(), env=server_env(), stdout=log, stderr=subprocess.STDOUT,
@@ -127,4 +131,83 @@ def triton_engine_dir(tmp_path_factory) -> Path:
 def triton_server(tmp_path_factory, triton_engine_dir, triton_backend_dir):
     server = start_server(tmp_path_factory.mktemp("triton"), triton_engine_dir, triton_backend_dir)
     yield server
-    server.stop()
+    try:
+        server.stop()
+    finally:                         # whatever a failed test left: stubs of this prefix, its regions
+        from runtime.serving.supervisor import clean_run
+        clean_run(server.shm_prefix)
+
+
+@dataclass
+class ServeSh:
+    """One `scripts/serve.sh` run dir on free ports; every call is bounded by a timeout."""
+    run_dir: Path
+    engine_dir: Path
+    http_port: int = 0
+    grpc_port: int = 0
+    metrics_port: int = 0
+
+    def __post_init__(self):
+        if not self.http_port:
+            self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def shm_prefix(self) -> str:
+        from runtime.serving.supervisor import shm_prefix_for
+        return shm_prefix_for(self.run_dir)
+
+    def sh(self, action: str, *args: str, timeout: float = 120, env: dict | None = None,
+           check: bool = False) -> subprocess.CompletedProcess:
+        cmd = ["bash", str(SERVE_SH), action, "--run-dir", str(self.run_dir), *args]
+        if action in ("start", "restart"):
+            cmd += ["--engine", str(self.engine_dir), "--http-port", str(self.http_port),
+                    "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                           env={**os.environ, **(env or {})})
+        if check and r.returncode != 0:
+            raise AssertionError(f"serve.sh {action} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+        return r
+
+    def state(self) -> dict[str, str]:
+        from runtime.serving.supervisor import RunFiles
+        return RunFiles(self.run_dir).read_state()
+
+    def server_pid(self) -> int:
+        return int((self.run_dir / "tritonserver.pid").read_text())
+
+    def stub_pids(self) -> list[int]:
+        from runtime.serving.supervisor import live_stubs
+        return live_stubs(self.server_pid())
+
+    def run_processes(self) -> list[int]:
+        """Live processes of this run: its supervisor, tritonserver and stubs (by their command lines)."""
+        from runtime.serving.supervisor import all_pids, pid_alive, proc_cmdline
+        mine = []
+        for pid in all_pids():
+            argv = proc_cmdline(pid)
+            if pid != os.getpid() and pid_alive(pid) and (
+                    any(a.startswith(self.shm_prefix) or a.endswith("=" + self.shm_prefix) for a in argv)
+                    or ("runtime.serving.supervisor" in argv and str(self.run_dir) in argv)):
+                mine.append(pid)
+        return mine
+
+    def cleanup(self) -> None:
+        """Stop the run (serve.sh stop), then SIGKILL anything of it still there; remove its regions."""
+        from runtime.serving.supervisor import clean_run
+        try:
+            self.sh("stop", timeout=60)
+        finally:
+            for pid in self.run_processes():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            clean_run(self.shm_prefix)

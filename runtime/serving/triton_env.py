@@ -6,7 +6,11 @@ RECIPES.md ("Triton Inference Server, CPU-only, from PyPI") lists what this enco
 - `LD_LIBRARY_PATH=<LIBDIR of this python>:<site-packages>/nvidia_pytriton.libs`, or the stub loads the
   system libpython against pyenv's standard library;
 - `PATH=<venv>/bin:$PATH`, so the stub's interpreter finds the venv's packages;
-- CPU-only flags and a unique shm-region prefix, so leftover /dev/shm regions can be found.
+- CPU-only flags and a unique shm-region prefix, so leftover /dev/shm regions can be found;
+- paths the python backend can launch its stub from: it runs `bash -c "exec <backend-dir>/python/
+  triton_python_backend_stub <model-repository>/<model>/1/model.py ..."` without quoting, so a path with
+  a space (or any shell character) is split, or worse, run. `shell_safe_alias` gives such a directory a
+  plain symlink name (under /tmp/lookahead-kv-<uid>/), and `ServerOptions.argv` refuses unsafe paths.
 
     python -m runtime.serving.triton_env exec --repo R --backend-dir B --http-port 8000 ... # becomes tritonserver
     python -m runtime.serving.triton_env print --repo R --backend-dir B                      # shows env + argv
@@ -14,12 +18,16 @@ RECIPES.md ("Triton Inference Server, CPU-only, from PyPI") lists what this enco
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import os
+import re
 import shlex
 import shutil
+import stat
 import sys
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +36,68 @@ from ..errors import LookaheadError
 
 class TritonNotFound(LookaheadError):
     """The bundled tritonserver (nvidia-pytriton) is not installed in this environment."""
+
+
+class UnsafePath(LookaheadError):
+    """A path the python backend would pass through `bash -c` unquoted."""
+
+
+# What the stub's `bash -c` command line takes as one word, unchanged (no space, quote, $, *, ...).
+_SHELL_SAFE = re.compile(r"[A-Za-z0-9_./+@%=:,-]+")
+
+
+def shell_safe(path: str | Path) -> bool:
+    return bool(_SHELL_SAFE.fullmatch(str(path)))
+
+
+def _alias_dir() -> Path:
+    base = Path(tempfile.gettempdir())
+    return (base if shell_safe(base) else Path("/tmp")) / f"lookahead-kv-{os.getuid()}"
+
+
+def _alias_path(links: Path, target: Path) -> Path:
+    return links / hashlib.sha1(str(target).encode()).hexdigest()[:16]
+
+
+def remove_shell_safe_alias(directory: str | Path) -> None:
+    """Remove the alias `shell_safe_alias(directory)` made, if any (once no server uses it)."""
+    target = Path(os.path.abspath(directory))
+    link = _alias_path(_alias_dir(), target)
+    try:
+        if os.path.islink(link) and os.readlink(link) == str(target):
+            os.unlink(link)
+    except OSError:
+        pass
+
+
+def shell_safe_alias(directory: str | Path) -> Path:
+    """`directory` (absolute) when it is shell-safe, else a symlink to it with a shell-safe name.
+
+    The link lives in /tmp/lookahead-kv-<uid>/ (created 0700; refused when it is not a directory of
+    ours), named after a hash of the target, so the same directory always gets the same link.
+    """
+    target = Path(os.path.abspath(directory))
+    if shell_safe(target):
+        return target
+    links = _alias_dir()
+    try:
+        links.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(links)
+    except OSError as e:
+        raise UnsafePath(f"{target} has characters the python backend's stub launch cannot take, and the "
+                         f"directory for its alias ({links}) cannot be made: {e}") from e
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise UnsafePath(f"{links} (for a shell-safe alias of {target}) is not a private directory of "
+                         f"this user; remove it, or use a path without spaces or shell characters")
+    link = _alias_path(links, target)
+    if os.path.islink(link) and os.readlink(link) == str(target):
+        return link
+    tmp = links / f".{link.name}.{os.getpid()}"
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    os.symlink(target, tmp)
+    os.replace(tmp, link)                      # atomic: a stale link is replaced, never half-made
+    return link
 
 
 def pytriton_dirs() -> tuple[Path, Path]:
@@ -97,7 +167,19 @@ class ServerOptions:
     exit_timeout_s: int = 15
     log_verbose: int = 0
 
+    def shell_safe(self) -> "ServerOptions":
+        """A copy whose model repository and backend dir are shell-safe (aliased when needed)."""
+        from dataclasses import replace
+        return replace(self, model_repository=shell_safe_alias(self.model_repository),
+                       backend_dir=shell_safe_alias(self.backend_dir))
+
     def argv(self) -> list[str]:
+        for what, value in (("model repository", self.model_repository), ("backend dir", self.backend_dir)):
+            if not shell_safe(value):
+                raise UnsafePath(f"the {what} {str(value)!r} has a space or shell character, which the python "
+                                 f"backend's stub launch splits; use ServerOptions.shell_safe() (a symlink alias)")
+        if not re.fullmatch(r"[A-Za-z0-9_]+", self.shm_prefix):
+            raise UnsafePath(f"shm prefix {self.shm_prefix!r}: use letters, digits and _ only")
         return [
             str(tritonserver_binary()),
             f"--model-repository={self.model_repository}",
@@ -119,6 +201,20 @@ def shm_regions(prefix: str) -> list[Path]:
     return sorted(shm.glob(prefix + "*")) if shm.is_dir() else []
 
 
+def remove_shm_regions(prefix: str) -> list[Path]:
+    """Remove the regions under `prefix` (left by a server or stub that died); returns those removed."""
+    if not prefix or not re.fullmatch(r"[A-Za-z0-9_]+", prefix):
+        raise ValueError(f"refusing to remove /dev/shm/{prefix}*: not a prefix this project makes")
+    removed = []
+    for region in shm_regions(prefix):
+        try:
+            region.unlink()
+            removed.append(region)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runtime.serving.triton_env", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -137,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         backend = make_backend_dir(args.backend_dir)
-        opts = ServerOptions(Path(args.repo).resolve(), backend.resolve(), args.http_port, args.grpc_port,
-                             args.metrics_port, args.shm_prefix, log_verbose=args.log_verbose)
+        # abspath, not resolve: a shell-safe alias (a symlink) must stay what the stub launch sees
+        opts = ServerOptions(Path(os.path.abspath(args.repo)), Path(os.path.abspath(backend)), args.http_port,
+                             args.grpc_port, args.metrics_port, args.shm_prefix,
+                             log_verbose=args.log_verbose).shell_safe()
         cmd, env = opts.argv(), server_env()
     except LookaheadError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,456 @@
+"""A small HTTP/1.1 reverse proxy in front of tritonserver's HTTP port: requests it cannot survive stop here.
+
+tritonserver 2.51 (the one in nvidia-pytriton 0.7.0) dies with SIGSEGV on request bodies it parses on
+its HTTP threads' stacks: a flat JSON body over ~4 MB (a 5 MB prompt or `stop` string on /generate or
+/infer) and deeply nested JSON far smaller than that (a 1 MB body of 175,000 nested objects). With an
+8 MB stack the flat-body limit is ~4.0-4.19 MB; with a 64 MB stack 20 MB survive and 40 MB crash, so the
+overflow grows with the body. 2.51 has no flag that limits the request size (`--http-max-input-size`
+came later and is an unknown option here). So this proxy listens on the public HTTP port and forwards
+to tritonserver bound to an internal loopback port, after:
+
+- a body-size cap (Content-Length or the decoded size of a chunked body): over it, `413` and the
+  connection is closed (the body is drained first, so the client reads the 413 and not a reset);
+- a JSON check of every request body (for binary /infer requests, of its JSON header): a body that
+  Python's `json` cannot parse, nested too deeply included, gets `400` here;
+- a 64 KiB cap on the request line and headers (`431`), and no request smuggling: both Content-Length
+  and Transfer-Encoding, several Content-Lengths, or a transfer coding other than chunked, get `400`.
+
+Everything else passes through unchanged, responses streamed as they come (chunked SSE from
+/generate_stream included). When tritonserver dies or restarts mid-response, the client's connection is
+closed: a streaming client gets an error instead of waiting. gRPC does not go through here: its
+messages (protobuf, 50 MB tested) do not crash the server.
+
+    python -m runtime.serving.http_front --listen 127.0.0.1:8000 --upstream 127.0.0.1:8100
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+log = logging.getLogger("lookahead.http_front")
+
+# tritonserver 2.51 survives 4,000,035 bytes and crashes at 4,194,035: half the smaller, by default.
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
+MAX_BODY_LIMIT = 3_900_000              # a higher --max-body-bytes is refused
+MAX_HEAD_BYTES = 64 * 1024
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024   # read (and drop) at most this much of a refused body
+DRAIN_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 300.0                 # a keep-alive connection with no new request is closed
+BODY_TIMEOUT_S = 60.0                  # to receive a request's head and body
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+              "upgrade", "expect", "content-length"}
+
+
+STREAM_CUT = ("tritonserver closed the stream before it finished (it died, or was restarted because its model "
+              "stub died); the request did not complete: retry")
+
+
+class HttpError(Exception):
+    """A request refused here: status, message (sent as Triton's {"error": ...}), close after."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
+           431: "Request Header Fields Too Large", 501: "Not Implemented", 502: "Bad Gateway",
+           505: "HTTP Version Not Supported"}
+
+
+@dataclass
+class Request:
+    method: str
+    target: str
+    version: str
+    headers: list[tuple[str, str]]
+    body: bytes = b""
+    keep_alive: bool = True
+
+    def header(self, name: str) -> str | None:
+        values = [v for k, v in self.headers if k.lower() == name]
+        return values[0] if values else None
+
+
+def parse_head(head: bytes) -> tuple[str, str, str, list[tuple[str, str]]]:
+    """Request line and headers of one request head (CRLF-terminated, the blank line included)."""
+    try:
+        text = head.decode("latin-1")
+    except UnicodeDecodeError:                  # pragma: no cover - latin-1 decodes every byte
+        raise HttpError(400, "request head is not latin-1")
+    lines = text.split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[0].isalpha() or not parts[1]:
+        raise HttpError(400, f"malformed request line {lines[0][:80]!r}")
+    method, target, version = parts
+    if version not in ("HTTP/1.1", "HTTP/1.0"):
+        raise HttpError(505, f"unsupported HTTP version {version[:20]!r}")
+    headers = []
+    for line in lines[1:]:
+        if not line:
+            continue
+        if line[0] in " \t":
+            raise HttpError(400, "obsolete header line folding is not accepted")
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip() or any(c in name for c in " \t"):
+            raise HttpError(400, f"malformed header line {line[:80]!r}")
+        headers.append((name, value.strip(" \t")))
+    return method, target, version, headers
+
+
+def body_framing(headers: list[tuple[str, str]]) -> tuple[str, int]:
+    """("length", n), ("chunked", 0) or ("none", 0); refuses ambiguous framing (request smuggling)."""
+    lengths = {v for k, v in headers if k.lower() == "content-length"}
+    codings = [v for k, v in headers if k.lower() == "transfer-encoding"]
+    if codings:
+        if lengths:
+            raise HttpError(400, "both Content-Length and Transfer-Encoding")
+        if [c.strip().lower() for c in ",".join(codings).split(",")] != ["chunked"]:
+            raise HttpError(501, f"unsupported Transfer-Encoding {', '.join(codings)[:40]!r} (only chunked)")
+        return "chunked", 0
+    if not lengths:
+        return "none", 0
+    if len(lengths) > 1:
+        raise HttpError(400, "conflicting Content-Length headers")
+    value = lengths.pop()
+    if not value.isdigit() or len(value) > 18:
+        raise HttpError(400, f"bad Content-Length {value[:20]!r}")
+    return "length", int(value)
+
+
+def check_json(body: bytes, headers: list[tuple[str, str]]) -> None:
+    """Refuse a body whose JSON (or, with Inference-Header-Content-Length, JSON header) does not parse."""
+    if not body:
+        return
+    part = body
+    header_len = next((v for k, v in headers if k.lower() == "inference-header-content-length"), None)
+    if header_len is not None:
+        if not header_len.isdigit() or int(header_len) > len(body):
+            raise HttpError(400, f"Inference-Header-Content-Length {header_len[:20]!r} does not fit the "
+                                 f"{len(body)}-byte body")
+        if int(header_len) == 0:
+            return
+        part = body[:int(header_len)]
+    try:
+        json.loads(part)
+    except RecursionError:
+        raise HttpError(400, "request JSON is nested too deeply")
+    except ValueError as e:                     # JSONDecodeError, UnicodeDecodeError
+        raise HttpError(400, f"request body is not valid JSON: {str(e)[:120]}")
+
+
+class Front:
+    """One proxy: `await Front(...).serve()`; `close()` stops accepting and ends open connections."""
+
+    def __init__(self, listen_host: str, listen_port: int, upstream_host: str, upstream_port: int,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        if not 0 < max_body_bytes <= MAX_BODY_LIMIT:
+            raise ValueError(f"max_body_bytes must be in 1..{MAX_BODY_LIMIT} (tritonserver 2.51 crashes on "
+                             f"HTTP bodies over ~4 MB), got {max_body_bytes}")
+        self.listen = (listen_host, listen_port)
+        self.upstream = (upstream_host, upstream_port)
+        self.max_body = max_body_bytes
+        self.server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.refused = 0                        # requests answered here (4xx/5xx), for tests and logs
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._client, *self.listen, limit=MAX_HEAD_BYTES,
+                                                 reuse_address=True)
+
+    async def serve(self) -> None:
+        if self.server is None:
+            await self.start()
+        async with self.server:
+            await self.server.serve_forever()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for t in list(self._tasks):
+            t.cancel()
+
+    # -- one client connection ---------------------------------------------------------------
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        up: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        try:
+            while True:
+                try:
+                    req = await self._read_request(reader, writer)
+                except HttpError as e:
+                    self.refused += 1
+                    log.warning("refused a request: %d %s", e.status, e)
+                    await self._answer(writer, e.status, str(e))
+                    return
+                if req is None:
+                    return
+                if up is None or up[0].at_eof() or up[1].is_closing():
+                    if up is not None:
+                        _close(up[1])
+                    try:
+                        up = await asyncio.open_connection(*self.upstream, limit=MAX_HEAD_BYTES)
+                    except OSError as e:
+                        self.refused += 1
+                        await self._answer(writer, 502, f"tritonserver is not reachable ({e.strerror or e}); "
+                                                        f"it may be restarting: retry")
+                        return
+                if not await self._forward(req, up, writer):
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
+                ValueError):
+            pass                            # a client or upstream that broke the protocol or went away
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._tasks.discard(task)
+            if up is not None:
+                _close(up[1])
+            _close(writer)
+
+    async def _read_request(self, reader, writer) -> Request | None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), IDLE_TIMEOUT_S)
+        except asyncio.IncompleteReadError as e:
+            if e.partial.strip():
+                raise HttpError(400, "incomplete request head")
+            return None                                     # the client closed between requests
+        except asyncio.LimitOverrunError:
+            raise HttpError(431, f"request line and headers exceed {MAX_HEAD_BYTES} bytes")
+        except asyncio.TimeoutError:
+            return None
+        if head.startswith(b"\r\n"):                        # a stray CRLF between requests (RFC 9112 2.2)
+            head = head.lstrip(b"\r\n")
+            if not head:
+                return await self._read_request(reader, writer)
+            if b"\r\n\r\n" not in head:
+                head += await reader.readuntil(b"\r\n\r\n")
+        method, target, version, headers = parse_head(head[:-4])
+        req = Request(method, target, version, headers)
+        conn = (req.header("connection") or "").lower()
+        req.keep_alive = ("close" not in conn) if version == "HTTP/1.1" else ("keep-alive" in conn)
+        kind, length = body_framing(headers)
+        expect = (req.header("expect") or "").lower()
+        if kind == "length" and length > self.max_body:
+            if expect != "100-continue":                    # the client sends the body: read it first
+                await _drain(reader, min(length, DRAIN_LIMIT_BYTES))
+            raise HttpError(413, f"request body of {length} bytes exceeds the server's limit of "
+                                 f"{self.max_body} bytes")
+        if expect == "100-continue" and kind != "none":
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
+        if kind == "length":
+            req.body = await asyncio.wait_for(reader.readexactly(length), BODY_TIMEOUT_S)
+        elif kind == "chunked":
+            req.body = await asyncio.wait_for(self._read_chunked(reader), BODY_TIMEOUT_S)
+        check_json(req.body, headers)
+        return req
+
+    async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
+        parts, total = [], 0
+        while True:
+            line = await reader.readuntil(b"\r\n")
+            size_text = line[:-2].split(b";", 1)[0].strip()
+            try:
+                size = int(size_text, 16)
+                if size < 0 or len(size_text) > 16:
+                    raise ValueError
+            except ValueError:
+                raise HttpError(400, f"bad chunk size {size_text[:20]!r}")
+            if size == 0:
+                while (await reader.readuntil(b"\r\n")) != b"\r\n":     # trailers: dropped
+                    pass
+                return b"".join(parts)
+            total += size
+            if total > self.max_body:
+                # the client is still sending: read the rest (bounded) before answering
+                await _drain_chunked(reader, size + 2)
+                raise HttpError(413, f"chunked request body exceeds the server's limit of {self.max_body} bytes")
+            data = await reader.readexactly(size + 2)
+            if data[-2:] != b"\r\n":
+                raise HttpError(400, "chunk not followed by CRLF")
+            parts.append(data[:-2])
+
+    async def _answer(self, writer, status: int, message: str) -> None:
+        body = json.dumps({"error": message}).encode()
+        head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+        try:
+            writer.write(head.encode() + body)
+            await writer.drain()
+        except ConnectionError:
+            pass
+
+    async def _forward(self, req: Request, up, writer) -> bool:
+        """Send `req` upstream and stream the response back; True when the connection stays open."""
+        up_reader, up_writer = up
+        lines = [f"{req.method} {req.target} {req.version}"]
+        lines += [f"{k}: {v}" for k, v in req.headers if k.lower() not in HOP_BY_HOP]
+        if req.body or req.method in ("POST", "PUT", "PATCH") or req.header("content-length") is not None \
+                or req.header("transfer-encoding") is not None:
+            lines.append(f"Content-Length: {len(req.body)}")
+        if req.version == "HTTP/1.0":
+            lines.append("Connection: keep-alive")
+        try:
+            up_writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + req.body)
+            await up_writer.drain()
+            while True:                                      # skip interim 1xx responses
+                head = await up_reader.readuntil(b"\r\n\r\n")
+                status_line, _, rest = head[:-4].decode("latin-1").partition("\r\n")
+                parts = status_line.split(" ", 2)
+                status = int(parts[1])
+                if not 100 <= status < 200 or status == 101:
+                    break
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError) as e:
+            self.refused += 1
+            await self._answer(writer, 502, f"tritonserver closed the connection ({type(e).__name__}); "
+                                            f"it may have died or be restarting: retry")
+            return False
+        headers = [tuple(p.strip() for p in h.split(":", 1)) for h in rest.split("\r\n") if ":" in h]
+        lower = {k.lower(): v for k, v in headers}
+        up_close = "close" in lower.get("connection", "").lower() or parts[0] == "HTTP/1.0" \
+            and "keep-alive" not in lower.get("connection", "").lower()
+        if req.method == "HEAD" or status in (204, 304):
+            kind, length = "none", 0
+        elif "chunked" in lower.get("transfer-encoding", "").lower():
+            kind, length = "chunked", 0
+        elif lower.get("content-length", "").isdigit():
+            kind, length = "length", int(lower["content-length"])
+        else:
+            kind, length = "eof", 0
+        keep = req.keep_alive and kind != "eof"
+        out = [f"{'HTTP/1.1' if req.version == 'HTTP/1.1' else 'HTTP/1.0'} {status} {parts[2] if len(parts) > 2 else ''}".rstrip()]
+        out += [f"{k}: {v}" for k, v in headers if k.lower() not in ("connection", "keep-alive")]
+        out.append("Connection: keep-alive" if keep else "Connection: close")
+        writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1"))
+        await writer.drain()
+        # From here on an upstream failure can only cut the response short: close both sides.
+        if kind == "length":
+            await _copy(up_reader, writer, length)
+        elif kind == "chunked":
+            sse = lower.get("content-type", "").startswith("text/event-stream")
+            at_boundary = True
+            try:
+                while True:
+                    line = await up_reader.readuntil(b"\r\n")
+                    size = int(line[:-2].split(b";", 1)[0].strip(), 16)
+                    writer.write(line)
+                    at_boundary = False
+                    if size == 0:
+                        while True:
+                            trailer = await up_reader.readuntil(b"\r\n")
+                            writer.write(trailer)
+                            if trailer == b"\r\n":
+                                break
+                        await writer.drain()
+                        break
+                    await _copy(up_reader, writer, size + 2)
+                    at_boundary = True
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+                if sse and at_boundary and not writer.is_closing():
+                    # An SSE client gets an error event, as tritonserver sends them; the connection is
+                    # then closed without the last chunk, so an HTTP client sees the response cut short.
+                    event = b"data: " + json.dumps({"error": STREAM_CUT}).encode() + b"\n\n"
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    try:
+                        await writer.drain()
+                    except ConnectionError:
+                        pass
+                raise
+        elif kind == "eof":
+            while data := await up_reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        if up_close or kind == "eof":
+            _close(up_writer)
+        return keep
+
+
+async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+    while n > 0:
+        data = await reader.read(min(n, 65536))
+        if not data:
+            raise asyncio.IncompleteReadError(b"", n)
+        n -= len(data)
+        writer.write(data)
+        await writer.drain()
+
+
+async def _drain(reader: asyncio.StreamReader, n: int) -> None:
+    """Read and drop up to n bytes (at most DRAIN_TIMEOUT_S), so a refused client reads our answer."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DRAIN_TIMEOUT_S
+    try:
+        while n > 0:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            data = await asyncio.wait_for(reader.read(min(n, 1 << 20)), left)
+            if not data:
+                return
+            n -= len(data)
+    except (asyncio.TimeoutError, ConnectionError):
+        return
+
+
+async def _drain_chunked(reader: asyncio.StreamReader, rest_of_chunk: int) -> None:
+    """Drop the rest of a chunked body: this chunk's `rest_of_chunk` bytes, then whole chunks (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline, budget = loop.time() + DRAIN_TIMEOUT_S, DRAIN_LIMIT_BYTES
+    try:
+        n = rest_of_chunk
+        while budget > 0:
+            await _drain(reader, min(n, budget))
+            budget -= n
+            line = await asyncio.wait_for(reader.readuntil(b"\r\n"), max(0.01, deadline - loop.time()))
+            n = int(line[:-2].split(b";", 1)[0].strip(), 16) + 2
+            if n == 2:
+                return
+    except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+            ValueError):
+        return
+
+
+def _close(writer: asyncio.StreamWriter) -> None:
+    try:
+        writer.close()
+    except Exception:                                 # pragma: no cover - a socket already gone
+        pass
+
+
+def _hostport(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime.serving.http_front", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--listen", required=True, help="HOST:PORT to listen on (the public HTTP port)")
+    p.add_argument("--upstream", required=True, help="HOST:PORT of tritonserver's HTTP port")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s http_front: %(message)s")
+    front = Front(*_hostport(args.listen), *_hostport(args.upstream), max_body_bytes=args.max_body_bytes)
+
+    async def run():
+        await front.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, front.close)
+        try:
+            await front.serve()
+        except asyncio.CancelledError:
+            pass
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
