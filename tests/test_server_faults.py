@@ -375,3 +375,46 @@ def test_the_front_refuses_ambiguous_framing_and_bad_json():
         with pytest.raises(HttpError) as e:
             check_json(body, [])
         assert e.value.status == 400
+
+
+def test_the_front_turns_a_full_queue_into_503_with_retry_after():
+    """tritonserver 2.51 answers every model error 400; the front makes the retryable one 503."""
+    import asyncio
+    from runtime.serving.http_front import Front
+
+    full = b'{"error":"the waiting queue is full (4 requests); retry later"}'
+    sse = b'data: {"error":"the waiting queue is full (4 requests); retry later"}\n\n'
+    answers = {b"/full": b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(full), full),
+               b"/full-sse": b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/event-stream\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(sse), sse),
+               b"/other": b'HTTP/1.1 400 Bad Request\r\nContent-Length: 17\r\n\r\n{"error":"other"}'}
+
+    async def upstream(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        writer.write(answers[head.split(b" ")[1]])
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        up = await asyncio.start_server(upstream, "127.0.0.1", 0)
+        front = Front("127.0.0.1", 0, "127.0.0.1", up.sockets[0].getsockname()[1])
+        await front.start()
+        port = front.server.sockets[0].getsockname()[1]
+        got = {}
+        for path in ("/full", "/full-sse", "/other"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+                         % path.encode())
+            await writer.drain()
+            got[path] = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+        front.close()
+        up.close()
+        return got
+
+    got = asyncio.run(main())
+    for path in ("/full", "/full-sse"):
+        assert got[path].startswith(b"HTTP/1.1 503 Service Unavailable"), got[path][:80]
+        assert b"Retry-After: 1" in got[path] and b"the waiting queue is full" in got[path]
+    assert got["/other"].startswith(b"HTTP/1.1 400") and b"Retry-After" not in got["/other"]

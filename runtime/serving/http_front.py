@@ -46,6 +46,9 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "
               "upgrade", "expect", "content-length"}
 
 
+PEEK_BYTES = 64 * 1024                 # an error response read before its status is sent on
+QUEUE_FULL = b"the waiting queue is full"   # the scheduler's QueueFullError message: a 503
+RETRY_AFTER_S = 1
 STREAM_CUT = ("tritonserver closed the stream before it finished (it died, or was restarted because its model "
               "stub died); the request did not complete: retry")
 
@@ -60,7 +63,7 @@ class HttpError(Exception):
 
 REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
            431: "Request Header Fields Too Large", 501: "Not Implemented", 502: "Bad Gateway",
-           505: "HTTP Version Not Supported"}
+           503: "Service Unavailable", 505: "HTTP Version Not Supported"}
 
 
 @dataclass
@@ -325,20 +328,35 @@ class Front:
         else:
             kind, length = "eof", 0
         keep = req.keep_alive and kind != "eof"
-        out = [f"{'HTTP/1.1' if req.version == 'HTTP/1.1' else 'HTTP/1.0'} {status} {parts[2] if len(parts) > 2 else ''}".rstrip()]
+        reason = parts[2] if len(parts) > 2 else ""
+        peeked, first_line = b"", None
+        if status == 400 and (kind == "chunked" or kind == "length" and length <= PEEK_BYTES):
+            # tritonserver 2.51 answers every model error 400 (it reads the code of a freed error);
+            # a full queue is retryable: 503 with Retry-After, told by the model's stable message
+            try:
+                peeked, first_line = await _peek(up_reader, kind, length)
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+                self.refused += 1
+                await self._answer(writer, 502, "tritonserver closed the connection mid-response: retry")
+                return False
+            if QUEUE_FULL in peeked:
+                status, reason = 503, REASONS[503]
+                headers.append(("Retry-After", str(RETRY_AFTER_S)))
+        out = [f"{'HTTP/1.1' if req.version == 'HTTP/1.1' else 'HTTP/1.0'} {status} {reason}".rstrip()]
         out += [f"{k}: {v}" for k, v in headers if k.lower() not in ("connection", "keep-alive")]
         out.append("Connection: keep-alive" if keep else "Connection: close")
-        writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1"))
+        writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + peeked)
         await writer.drain()
         # From here on an upstream failure can only cut the response short: close both sides.
         if kind == "length":
-            await _copy(up_reader, writer, length)
+            await _copy(up_reader, writer, length - len(peeked))
         elif kind == "chunked":
             sse = lower.get("content-type", "").startswith("text/event-stream")
             at_boundary = True
             try:
                 while True:
-                    line = await up_reader.readuntil(b"\r\n")
+                    line = first_line if first_line is not None else await up_reader.readuntil(b"\r\n")
+                    first_line = None
                     size = int(line[:-2].split(b";", 1)[0].strip(), 16)
                     writer.write(line)
                     at_boundary = False
@@ -370,6 +388,19 @@ class Front:
         if up_close or kind == "eof":
             _close(up_writer)
         return keep
+
+
+async def _peek(reader: asyncio.StreamReader, kind: str, length: int) -> tuple[bytes, bytes | None]:
+    """The start of an error response, to re-send as read -> (bytes, a chunk-size line read but
+    not consumed): the whole body (`length`), or the first chunk with its framing (`chunked`;
+    a first chunk that is empty or larger than PEEK_BYTES is left to the copy loop)."""
+    if kind == "length":
+        return await reader.readexactly(length), None
+    line = await reader.readuntil(b"\r\n")
+    size = int(line[:-2].split(b";", 1)[0].strip(), 16)
+    if not 0 < size <= PEEK_BYTES:
+        return b"", line
+    return line + await reader.readexactly(size + 2), None
 
 
 async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
