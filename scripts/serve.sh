@@ -7,6 +7,12 @@
 #   scripts/serve.sh stop [--run-dir DIR]       # seconds, even when the python stub died
 #   scripts/serve.sh status [--run-dir DIR]     # runs a one-token request: 0 serving, 1 not, 3 not running
 #   scripts/serve.sh restart [start options]    # stop, then start
+#   scripts/serve.sh start --frontend dynamo [--workers N] [--http-port N] [--engine DIR] [--mode M]
+#                          [--run-dir DIR] [--discovery file|etcd] [-- any --lookahead-field VALUE]
+#
+# --frontend dynamo: the OpenAI API (/v1) from NVIDIA Dynamo's frontend and N engine workers on
+# 127.0.0.1 (runtime/serving/dynamo_launch.py; install it with scripts/install_dynamo.sh or
+# `make dynamo`); its run dir is build/dynamo unless --run-dir is given. stop and status find it.
 #
 # The tritonserver is the one bundled in the nvidia-pytriton wheel (RECIPES.md), run by a supervisor
 # (runtime/serving/supervisor.py) that stays in the background: the HTTP port is its front, which
@@ -25,8 +31,9 @@ ACTION="${1:-}"; [ $# -gt 0 ] && shift
 ENGINE="engines/default"; HTTP=8000; GRPC=8001; METRICS=8002
 MODE=""; INSTANCES=1; MAX_QUEUE=256; TIMEOUT=180; RUN_DIR="$ROOT/build/serve"; WATCH=0
 MAX_BODY=$((2 * 1024 * 1024)); LOG_KEEP=5
+FRONTEND=triton; WORKERS=1; DISCOVERY=file; RUN_DIR_SET=0; EXTRA=()
 
-usage() { sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 die() { echo "serve.sh: error: $*" >&2; exit 1; }
 
 while [ $# -gt 0 ]; do
@@ -39,7 +46,11 @@ while [ $# -gt 0 ]; do
     --instances) INSTANCES="$2"; shift 2 ;;
     --max-queue) MAX_QUEUE="$2"; shift 2 ;;
     --timeout) TIMEOUT="$2"; shift 2 ;;
-    --run-dir) RUN_DIR="$2"; shift 2 ;;
+    --run-dir) RUN_DIR="$2"; RUN_DIR_SET=1; shift 2 ;;
+    --frontend) FRONTEND="$2"; shift 2 ;;
+    --workers) WORKERS="$2"; shift 2 ;;
+    --discovery) DISCOVERY="$2"; shift 2 ;;
+    --) shift; EXTRA=("$@"); break ;;
     --watch) WATCH=1; shift ;;
     --max-body-bytes) MAX_BODY="$2"; shift 2 ;;
     -h|--help) usage 0 ;;
@@ -48,6 +59,8 @@ while [ $# -gt 0 ]; do
 done
 
 case "$RUN_DIR" in /*) ;; *) RUN_DIR="$PWD/$RUN_DIR" ;; esac
+case "$FRONTEND" in triton|dynamo) ;; *) die "--frontend must be triton or dynamo, got '$FRONTEND'" ;; esac
+DYN_RUN_DIR="$ROOT/build/dynamo"; [ "$RUN_DIR_SET" = 1 ] && DYN_RUN_DIR="$RUN_DIR"
 SUP_PID_FILE="$RUN_DIR/supervisor.pid"
 PID_FILE="$RUN_DIR/tritonserver.pid"
 LOG="$RUN_DIR/tritonserver.log"
@@ -149,19 +162,39 @@ except LookaheadError as e:
   echo "serve.sh: ready: http://127.0.0.1:$HTTP (bodies up to $MAX_BODY bytes)  grpc 127.0.0.1:$GRPC  metrics http://127.0.0.1:$METRICS/metrics  (tritonserver pid $(state_of PID))"
 }
 
-stop() { "$PY" -m runtime.serving.supervisor stop --run-dir "$RUN_DIR"; }
+dynamo_running() { compgen -G "$DYN_RUN_DIR/*.pid" >/dev/null; }
+
+dynamo_start() {   # the launcher checks the port, the engine dir and the settings: one-line errors
+  local mode_flag=(); [ -n "$MODE" ] && mode_flag=(--mode "$MODE")
+  "$PY" -m runtime.serving.dynamo_launch start --engine "$ENGINE" --workers "$WORKERS" --http-port "$HTTP" \
+      --run-dir "$DYN_RUN_DIR" --discovery "$DISCOVERY" --max-queue "$MAX_QUEUE" --timeout "$TIMEOUT" \
+      "${mode_flag[@]}" "${EXTRA[@]}"
+}
+
+stop() {
+  local rc=0 dyn=0
+  if [ "$FRONTEND" = dynamo ] || dynamo_running; then
+    dyn=1; "$PY" -m runtime.serving.dynamo_launch stop --run-dir "$DYN_RUN_DIR" || rc=$?
+  fi
+  # a Triton server too, unless this was a Dynamo run dir with no Triton supervisor in it
+  if [ "$FRONTEND" = triton ] && { [ "$dyn" = 0 ] || [ -f "$SUP_PID_FILE" ]; }; then
+    "$PY" -m runtime.serving.supervisor stop --run-dir "$RUN_DIR" || rc=$?
+  fi
+  return "$rc"
+}
 
 status() {
   local rc=0
+  if [ "$FRONTEND" = dynamo ]; then "$PY" -m runtime.serving.dynamo_launch status --run-dir "$DYN_RUN_DIR"; return; fi
   "$PY" -m runtime.serving.supervisor status --run-dir "$RUN_DIR" || rc=$?
   [ -f "$STATE" ] && [ "$rc" != 3 ] && sed 's/^/  /' "$STATE"
   return "$rc"
 }
 
 case "$ACTION" in
-  start) start ;;
+  start) if [ "$FRONTEND" = dynamo ]; then dynamo_start; else start; fi ;;
   stop) stop ;;
   status) status ;;
-  restart) stop; start ;;
+  restart) stop; if [ "$FRONTEND" = dynamo ]; then dynamo_start; else start; fi ;;
   *) usage ;;
 esac

@@ -523,3 +523,32 @@ class TestEtcdNats:
             stopped = dynamo_launch.stop(run_dir, progress=None)
         assert set(stopped) == {"etcd", "nats", "frontend", "worker-0"}
         assert dynamo_launch.status(run_dir)["running"] == {}
+
+
+@pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
+@pytest.mark.real_model
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_serve_sh_starts_and_stops_the_dynamo_frontend(default_engine_dir, tmp_path):
+    """`scripts/serve.sh start --frontend dynamo` is the one command users run; stop finds it."""
+    import subprocess
+    from pathlib import Path
+
+    serve = str(Path(__file__).resolve().parents[1] / "scripts" / "serve.sh")
+    port, run_dir = dynamo_launch.free_port(), tmp_path / "run dir"
+    start = subprocess.run([serve, "start", "--frontend", "dynamo", "--workers", "1", "--http-port", str(port),
+                            "--engine", str(default_engine_dir), "--run-dir", str(run_dir), "--",
+                            "--max-model-len", str(MAX_MODEL_LEN)], capture_output=True, text=True, timeout=200)
+    try:
+        assert start.returncode == 0, start.stdout + start.stderr
+        models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10))
+        assert [m["id"] for m in models["data"]] == ["lookahead_llm"]
+        status = subprocess.run([serve, "status", "--frontend", "dynamo", "--run-dir", str(run_dir)],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0 and "worker-0" in status.stdout
+    finally:
+        stop = subprocess.run([serve, "stop", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert dynamo_launch.status(run_dir)["running"] == {}
+    bad = subprocess.run([serve, "start", "--frontend", "grpc"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode != 0 and "--frontend must be triton or dynamo" in bad.stderr
