@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Load-test the served engine over gRPC streaming (tritonclient.grpc.aio), optionally against the
-same workload run in-process on `runtime.Engine`, and report latency and throughput.
+"""Load-test the served engine over gRPC streaming (tritonclient.grpc.aio), or its OpenAI API
+(`--openai-url`: NVIDIA Dynamo's frontend, streaming /v1/completions), optionally against the same
+workload run in-process on `runtime.Engine`, and report latency and throughput.
 
     scripts/load_test.py --concurrency 4 --num-requests 24 --prompt-len 128 --max-tokens 32 --in-process
     scripts/load_test.py --request-rate 2 --duration 60 --dataset essays --json results/load.json --plot load.png
@@ -85,14 +86,46 @@ async def served_request(client, model: str, prompt: str, args) -> Record:
     return rec
 
 
-async def run_served(args, schedule: Schedule, prompts: Prompts, desc: str = "served") -> Run:
-    import tritonclient.grpc.aio as grpcclient
+# ---- served: the OpenAI API (NVIDIA Dynamo's frontend), streaming completions ----------------------
+async def openai_request(client, model: str, prompt: str, args) -> Record:
+    """One streaming /v1/completions request of the same prompt text; a chunk is a token (the
+    usage chunk at the end corrects the count where one carried none or several)."""
+    rec = Record(start=time.perf_counter())
+    try:
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": args.ignore_eos})
+        seen = 0
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices:
+                rec.token_times.append((now, 1))
+                seen += 1
+            if chunk.usage is not None:
+                rec.num_prompt_tokens = chunk.usage.prompt_tokens
+                if rec.token_times and chunk.usage.completion_tokens != seen:
+                    t, n = rec.token_times[-1]
+                    rec.token_times[-1] = (t, max(0, n + chunk.usage.completion_tokens - seen))
+        rec.end = time.perf_counter()
+    except Exception as e:        # connection refused, server gone: count it, keep going
+        rec.error = f"{type(e).__name__}: {e}"
+    return rec
 
-    server_pid = int(Path(args.server_pid_file).read_text()) if args.server_pid_file else None
-    client = grpcclient.InferenceServerClient(args.url)
+
+async def run_served(args, schedule: Schedule, prompts: Prompts, desc: str = "served") -> Run:
+    if args.openai_url:
+        import openai
+        client = openai.AsyncOpenAI(base_url=args.openai_url.rstrip("/") + "/v1", api_key="unused",
+                                    max_retries=0, timeout=600)
+        send, server_pid = openai_request, None
+    else:
+        import tritonclient.grpc.aio as grpcclient
+        client = grpcclient.InferenceServerClient(args.url)
+        send = served_request
+        server_pid = int(Path(args.server_pid_file).read_text()) if args.server_pid_file else None
     try:
         for i in range(args.warmup):
-            await served_request(client, args.model, prompts.get(WARMUP_ID + i), args)
+            await send(client, args.model, prompts.get(WARMUP_ID + i), args)
         cpu0 = process_tree_cpu_s(server_pid) if server_pid else None
         records: list[Record] = []
         sem = asyncio.Semaphore(schedule.concurrency) if schedule.concurrency else None
@@ -100,7 +133,7 @@ async def run_served(args, schedule: Schedule, prompts: Prompts, desc: str = "se
 
         async def one(i: int) -> None:
             try:
-                records.append(await served_request(client, args.model, prompts.get(i), args))
+                records.append(await send(client, args.model, prompts.get(i), args))
             finally:
                 bar.update(1)
                 if sem:
@@ -220,6 +253,8 @@ def _drive_engine(engine, args, schedule: Schedule, prompts: Prompts, desc: str 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address")
+    p.add_argument("--openai-url", help="load-test an OpenAI endpoint instead (e.g. http://127.0.0.1:8100, "
+                                        "serve.sh start --frontend dynamo): streaming /v1/completions")
     p.add_argument("--model", default="lookahead_llm")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, help="requests kept in flight (default 4)")
@@ -264,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         schedule.concurrency = 4
     if schedule.num_requests is None and schedule.duration_s is None:
         schedule.num_requests = 32
-    engine_dir, overrides = (None, {}) if args.in_process_only else server_engine(args)
+    engine_dir, overrides = (None, {}) if args.in_process_only or args.openai_url else server_engine(args)
     engine_dir = args.engine or engine_dir or str(ROOT / "engines" / "default")
     overrides = overrides if args.lookahead_overrides is None else args.lookahead_overrides
     tokenizer = None

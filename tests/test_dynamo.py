@@ -488,6 +488,19 @@ class TestLive:
         log = (deployment.run_dir / f"worker-{w}.log").read_text()
         assert "cancelled after" in log and "KV blocks are freed" in log
 
+    def test_load_test_drives_the_openai_endpoint(self, deployment, tmp_path):
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+        import load_test
+        out = tmp_path / "load.json"
+        rc = load_test.main(["--openai-url", deployment.url.removesuffix("/v1"), "--concurrency", "2",
+                             "--num-requests", "4", "--max-tokens", "6", "--prompt-len", "40", "--warmup", "0",
+                             "--no-progress", "--json", str(out)])
+        served = json.loads(out.read_text())["results"]["served"]
+        assert rc == 0 and served["completed"] == 4 and served["errors"] == 0
+        assert served["output_tokens"] == 4 * 6          # usage-corrected: EOS ignored, exactly max_tokens
+
     def test_two_workers_both_serve(self, client, deployment):
         before = [worker_stats(deployment, i)["num_requests"] for i in range(2)]
         for i in range(4):
