@@ -162,7 +162,7 @@ except LookaheadError as e:
   echo "serve.sh: ready: http://127.0.0.1:$HTTP (bodies up to $MAX_BODY bytes)  grpc 127.0.0.1:$GRPC  metrics http://127.0.0.1:$METRICS/metrics  (tritonserver pid $(state_of PID))"
 }
 
-dynamo_running() { compgen -G "$DYN_RUN_DIR/*.pid" >/dev/null; }
+dynamo_running() { [ -f "$DYN_RUN_DIR/frontend.pid" ] || compgen -G "$DYN_RUN_DIR/worker-*.pid" >/dev/null; }
 
 dynamo_start() {   # the launcher checks the port, the engine dir and the settings: one-line errors
   local mode_flag=(); [ -n "$MODE" ] && mode_flag=(--mode "$MODE")

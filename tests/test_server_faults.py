@@ -273,6 +273,7 @@ def test_stop_is_quick_and_leaves_nothing(watched):
     t0 = time.monotonic()
     r = watched.sh("stop", timeout=60)
     assert r.returncode == 0 and "stopped" in r.stdout, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "dynamo" not in r.stdout + r.stderr   # a Triton run dir only
     assert time.monotonic() - t0 < 25
     assert not watched.run_processes() and not shm_regions(watched.shm_prefix)
     assert watched.sh("status", timeout=30).returncode == 3
