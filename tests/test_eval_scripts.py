@@ -21,6 +21,7 @@ from bench_floor import step_flops, step_read_bytes  # noqa: E402
 from bench_lib import format_table  # noqa: E402
 import longctx_data as data  # noqa: E402
 import profile_agreement  # noqa: E402
+import sweep_fetch_ratio  # noqa: E402
 
 needs_ruler = pytest.mark.skipif(not data.ruler_available(),
                                  reason=f"RULER's generators are not installed ({data.RULER_PIP})")
@@ -357,3 +358,15 @@ def test_bench_smoke(default_engine_dir, tmp_path, capsys):
     head = next(i for i, line in enumerate(table) if line.startswith("context"))
     assert "floor ms" in table[head] and "x floor" in table[head]
     assert len(table) - head == 2 + len(rows)                # the table is printed last
+
+
+@needs_ruler
+def test_sweep_fetch_ratio_reports_each_policy_and_ratio(tiny_dir, tmp_path, small_wordlist):
+    out = tmp_path / "fr.json"
+    rows = sweep_fetch_ratio.main(["--engine", str(tiny_dir), "--context", "1024", "--ratios", "0.05", "1.0",
+                                   "--top-k", "8", "--tokens", "6", "--json", str(out)])
+    assert [(r["miss_policy"], r["fetch_cap"]) for r in rows] == [("urgent", 1), ("urgent", 8), ("drop", 1), ("drop", 8)]
+    assert all(0 <= r["prefetch_hit_rate"] <= 1 and r["decode_steps"] >= 6 for r in rows)   # 5 emitting + pre-decoding
+    # an uncapped admission takes the whole prediction: never fewer hits than a one-block cap
+    assert rows[1]["prefetch_hit_rate"] >= rows[0]["prefetch_hit_rate"]
+    assert json.loads(out.read_text())["rows"] == rows
