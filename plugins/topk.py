@@ -100,7 +100,7 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
     For query head h and block n, ``s_h(n) = sum_d max(q[h,d]*kmin[n,d], q[h,d]*kmax[n,d])``
     (fp32), an upper bound of ``q_h . key`` over the block's keys. A KV head's score combines the
     query heads of its GQA group (``h // (H // KVH) == kv_head``): their sum (``group_score="sum"``,
-    DESIGN.md's rule) or their maximum (``"max"``: a block one head needs is not outvoted by the
+    the original design's rule) or their maximum (``"max"``: a block one head needs is not outvoted by the
     group's other heads).
 
     Parameters

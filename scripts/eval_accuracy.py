@@ -16,7 +16,7 @@ mode prefills the prompt, the others replay it (runtime/prefill_cache.py), so a 
 and ttft_s include the prefill only for the first mode of its sample.
 
 When K covers every candidate block of a prompt (e.g. 2K context at K=128), lookahead attends
-to the whole context and equals dense by construction (DESIGN.md's first invariant, a test);
+to the whole context and equals dense by construction (the first invariant of docs/ARCHITECTURE.md, a test);
 those runs are skipped and reported as trivial unless --run-trivial.
 """
 from __future__ import annotations
