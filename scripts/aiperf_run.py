@@ -156,7 +156,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aiperf", default=None, help="the aiperf executable (default: .venv-aiperf/bin/aiperf, PATH)")
     p.add_argument("--json", help="write the summaries here")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--with-load-test", metavar="GRPC", nargs="?", const="127.0.0.1:8001",
+                   help="then run our own load test (scripts/load_test.py) on the same workload against "
+                        "each target (Triton over this gRPC address) and print both side by side")
     return p
+
+
+def our_load_test(args: argparse.Namespace, target: str, url: str) -> dict[str, dict]:
+    """scripts/load_test.py's served summary for the aiperf workload, in aiperf's metric names."""
+    import tempfile
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import load_test
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "load.json"
+        where = ["--openai-url", url] if target == "openai" else ["--url", url]
+        load_test.main([*where, "--engine", args.engine, "--concurrency", str(args.concurrency),
+                        "--num-requests", str(args.request_count), "--prompt-len", str(args.isl),
+                        "--prompt-len-std", "0", "--max-tokens", str(args.osl), "--seed", str(args.seed),
+                        "--no-progress", "--json", str(out)] + ([] if args.ignore_eos else ["--no-ignore-eos"]))
+        r = json.loads(out.read_text())["results"]["served"]
+    pct = lambda d, unit: {"unit": unit, "avg": d.get("mean", d.get("p50")), "p50": d["p50"], "p99": d["p99"]}  # noqa: E731
+    return {"time_to_first_token": pct(r["ttft_ms"], "ms"), "inter_token_latency": pct(r["itl_ms"], "ms"),
+            "request_latency": {"unit": "ms", "avg": None, "p50": r["e2e_ms"]["p50"], "p99": r["e2e_ms"]["p99"]},
+            "output_token_throughput": {"unit": "tokens/sec", "avg": r["output_tokens_per_s"]},
+            "request_throughput": {"unit": "requests/sec", "avg": r["requests_per_s"]},
+            "request_count": {"unit": "requests", "avg": r["completed"]},
+            "error_request_count": {"unit": "requests", "avg": r["errors"]}}
 
 
 def commands(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -204,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             rc = 1
             continue
         rows[name] = summarize(art / name)
+    if args.with_load_test:
+        for name in list(rows):
+            url = args.url if args.target != "both" and args.url else args.openai_url
+            rows[f"{name} (ours)"] = our_load_test(args, name, url if name == "openai" else args.with_load_test)
     if rows:
         print_summary(rows)
         if args.json:
