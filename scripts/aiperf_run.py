@@ -117,6 +117,10 @@ def summarize(artifact_dir: str | Path) -> dict[str, dict]:
         m = doc.get(key)
         if isinstance(m, dict):
             out[key] = {k: m.get(k) for k in ("unit", "avg", "p50", "p99")}
+    if "error_request_count" not in out and isinstance(doc.get("error_summary"), list):
+        # aiperf exports no error count when nothing failed: count the summary's entries
+        n = sum(int(e.get("count", 1)) for e in doc["error_summary"] if isinstance(e, dict))
+        out["error_request_count"] = {"unit": "requests", "avg": n, "p50": None, "p99": None}
     return out
 
 
