@@ -90,7 +90,7 @@ def installed(m):
         return False
 for m in ("cuda.bindings", "numpy", "safetensors", "tokenizers", "yaml", "pytest"):
     print(f"module {m}: {'yes' if installed(m) else 'MISSING'}")
-from runtime.transfer_cuda import unavailable_reason
+from runtime.transfer.cuda import unavailable_reason
 print("CUDA transfer engine:", unavailable_reason() or "available")
 if not torch.cuda.is_available():
     sys.exit("torch.cuda.is_available() is False: no usable GPU")

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import transfer_cuda
+from runtime.transfer import cuda as transfer_cuda
 from runtime.errors import LookaheadError
 from runtime.transfer import CopyJob, SyncTransferEngine, ThreadTransferEngine, make_transfer_engine
-from runtime.transfer_cuda import CudaTransferUnavailable
+from runtime.transfer.cuda import CudaTransferUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_MISSING = transfer_cuda.unavailable_reason()
@@ -325,7 +325,7 @@ def test_make_transfer_engine_builds_the_cuda_engine():
 # ---- without a GPU ----------------------------------------------------------------------------------------
 
 def test_module_imports_without_cuda_python_or_a_gpu():
-    """Importing runtime.transfer_cuda touches neither cuda-python nor the driver."""
+    """Importing runtime.transfer.cuda touches neither cuda-python nor the driver."""
     code = (
         "import importlib.abc, sys\n"
         "class Block(importlib.abc.MetaPathFinder):\n"
@@ -333,7 +333,7 @@ def test_module_imports_without_cuda_python_or_a_gpu():
         "        if name == 'cuda' or name.startswith('cuda.'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import runtime.transfer_cuda as m\n"
+        "import runtime.transfer.cuda as m\n"
         "assert not any(k == 'cuda' or k.startswith('cuda.') for k in sys.modules), 'cuda imported'\n"
         "print(m.unavailable_reason())\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

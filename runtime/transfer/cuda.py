@@ -1,6 +1,6 @@
 """The CUDA transfer engine: KV block copies on two prioritised CUDA streams, driven by cuda-python.
 
-Same interface and semantics as `ThreadTransferEngine` (runtime/transfer.py); the GPU does the
+Same interface and semantics as `ThreadTransferEngine` (runtime/transfer/thread.py); the GPU does the
 queueing and the waiting instead of a host thread:
 
 - Two non-blocking streams from `cudaStreamCreateWithPriority`: background copies (`submit(job)`)
@@ -50,8 +50,8 @@ from typing import Any
 
 import torch
 
-from .errors import LookaheadError
-from .transfer import CopyJob, Ticket, TransferEngine
+from ..errors import LookaheadError
+from .base import CopyJob, Ticket, TransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -404,7 +404,7 @@ class CudaTransferEngine(TransferEngine):
             if not (src.is_pinned() and job.src_v.is_pinned()):
                 raise UnpinnedPoolError(
                     "CopyJob.src_k/src_v: the host KV pool is pageable, the gather kernel reads pinned memory "
-                    "(allocate it with KVPool(..., pin_memory=True) or call runtime.transfer_cuda.pin_pool(pool))")
+                    "(allocate it with KVPool(..., pin_memory=True) or call runtime.transfer.cuda.pin_pool(pool))")
         elif src.device != self.device:
             raise ValueError(f"CopyJob.src_k is on {src.device}; this engine copies from the host or {self.device}")
 
