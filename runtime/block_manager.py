@@ -44,7 +44,3 @@ class BlockAllocator:
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
-
-def slot_of(position: int, block_table: list[int], block_size: int) -> tuple[int, int]:
-    """(block id, offset) where token `position` of a sequence lives."""
-    return block_table[position // block_size], position % block_size

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object with ids, timings, metrics")
+    g.add_argument("--device", default=None,
+                   help="where the engine runs: cpu, cuda or cuda:N (default: cuda when torch has a GPU, else cpu)")
     add_lookahead_flags(g)
     return p
 
@@ -52,7 +54,7 @@ def generate(args: argparse.Namespace) -> int:
     from .sampling import SamplingParams
 
     t0 = time.perf_counter()
-    engine = Engine.from_dir(args.engine, **lookahead_overrides(args))
+    engine = Engine.from_dir(args.engine, device=args.device, **lookahead_overrides(args))
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k_sampling, seed=args.seed, stop=args.stop)
@@ -60,7 +62,7 @@ def generate(args: argparse.Namespace) -> int:
     if args.json:
         c = engine.generate([prompt], params)[0]
         print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-                          "num_prompt_tokens": c.num_prompt_tokens, "load_s": round(load_s, 3),
+                          "num_prompt_tokens": c.num_prompt_tokens, "load_s": round(load_s, 3), "device": str(engine.device),
                           "ttft_s": round(c.ttft_s, 4), "total_s": round(c.total_s, 4),
                           "decode_tokens_per_s": round(c.tokens_per_s, 2), "mode": engine.config.mode,
                           "request_metrics": c.metrics, "engine_metrics": engine.stats()}, indent=2))

@@ -23,16 +23,19 @@ from safetensors.torch import load_file
 from .attention_dense import DenseAttention
 from .block_manager import BlockAllocator, blocks_needed
 from .config import LookaheadConfig
+from .device import resolve_device
 from .engine_dir import TOKENIZER_DIR, WEIGHTS, Manifest, load_manifest
-from .errors import ConfigError, RequestError
+from .errors import RequestError
 from .kv_pool import KVPool
 from .memory_plan import DTYPE_BYTES, check_memory, plan_memory
 from .model import LlamaModel
+from .ops import Ops, select_ops
 from .prefill_cache import PrefillCache
 from .runner import DenseRunner
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_rows
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .transfer import TransferEngine, make_transfer_engine
 from .tokenizer import IncrementalDetokenizer, TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -71,10 +74,20 @@ class Completion:
 class Engine:
     def __init__(self, manifest: Manifest, model: LlamaModel, tokenizer: TextTokenizer,
                  config: LookaheadConfig, num_host_blocks: int | None = None, max_queue: int = 256,
-                 transfer: str = "thread", prefill_cache: PrefillCache | None = None):
-        """prefill_cache: shared by engines over the same `model`, a prompt prefilled by one is
-        replayed by the others (runtime/prefill_cache.py), e.g. one prompt under several modes."""
+                 transfer: str | TransferEngine | None = None, prefill_cache: PrefillCache | None = None,
+                 debug_checks: bool = False):
+        """The engine runs where `model` lives (`model.device`) with the model's ops; it places
+        everything else it makes there too: the dense KV pool, or the lookahead device tier, its
+        summaries and bookkeeping (the lookahead host pool stays in host memory, pinned when the
+        device is a GPU).
+
+        transfer: the lookahead copy engine, by kind ("thread", "sync", "cuda"; default "cuda"
+        on a GPU, else "thread") or an instance (tests: one that records what it moves).
+        prefill_cache: shared by engines over the same `model`, a prompt prefilled by one is
+        replayed by the others (runtime/prefill_cache.py), e.g. one prompt under several modes.
+        debug_checks: the lookahead backend verifies its device slots before every attention."""
         mcfg = manifest.model
+        self.device, self.ops, self.debug_checks = model.device, model.ops, debug_checks
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
         config = clamp_top_k(config, self.max_model_len)
         self.manifest, self.model, self.tokenizer, self.config = manifest, model, tokenizer, config
@@ -85,8 +98,9 @@ class Engine:
         dtype = next(model.parameters()).dtype
         # the memory plan before any allocation (siblings and direct construction come here too;
         # the weights are already loaded)
-        check_memory(plan_memory(mcfg, config, num_host_blocks, dtype.itemsize, self.max_model_len, weights=False))
-        self.pool = KVPool(mcfg, n_blocks, bs, dtype=dtype)
+        check_memory(plan_memory(mcfg, config, num_host_blocks, dtype.itemsize, self.max_model_len, weights=False,
+                                 device_type=self.device.type))
+        self.pool = self._make_pool(n_blocks, dtype)
         self.allocator = BlockAllocator(n_blocks)
         self.scheduler = Scheduler(self.allocator, bs, config.max_batch_size, self.max_model_len,
                                    config.prefill_chunk, max_queue)
@@ -98,7 +112,14 @@ class Engine:
         self.counters = {"steps": 0, "prompt_tokens": 0, "output_tokens": 0, "finished_requests": 0,
                          "aborted_requests": 0}
 
-    def _make_runner(self, transfer: str):
+    def _make_pool(self, num_blocks: int, dtype: torch.dtype) -> KVPool:
+        """Dense: the whole cache on the device. Lookahead: the host tier (pinned for a GPU)."""
+        mcfg, bs = self.manifest.model, self.config.block_size
+        if self.config.mode == "dense":
+            return KVPool(mcfg, num_blocks, bs, dtype=dtype, device=self.device)
+        return KVPool(mcfg, num_blocks, bs, dtype=dtype, pin_memory=self.device.type == "cuda")
+
+    def _make_runner(self, transfer: str | TransferEngine | None):
         mcfg, cfg = self.manifest.model, self.config
         if cfg.mode == "dense":
             return DenseRunner(self.model, DenseAttention(self.pool, mcfg.head_dim ** -0.5), cfg.block_size,
@@ -106,10 +127,13 @@ class Engine:
         from .draft import DraftChain, make_draft
         from .lookahead.attention import LookaheadAttention
         from .lookahead.runner import LookaheadRunner
-        from .transfer import make_transfer_engine
+        if not isinstance(transfer, TransferEngine):
+            transfer = make_transfer_engine(transfer or ("cuda" if self.device.type == "cuda" else "thread"))
+        # device_budget_bytes was checked with the memory plan (lookahead/budget.py), before any
+        # allocation
         attn = LookaheadAttention(mcfg, cfg, self.pool, cfg.max_batch_size,
-                                  blocks_needed(self.max_model_len, cfg.block_size), make_transfer_engine(transfer))
-        check_budget(cfg, attn)
+                                  blocks_needed(self.max_model_len, cfg.block_size), transfer, self.device,
+                                  self.ops, self.debug_checks)
         source = make_draft(cfg.draft)
         chain = DraftChain(source, cfg.resync_after) if source is not None else None
         return LookaheadRunner(self.model, attn, cfg.block_size, chain, cfg.max_batch_size, self.prefill_cache)
@@ -119,7 +143,7 @@ class Engine:
         `overrides` applied to this engine's config; engines sharing a `prefill_cache` replay each
         other's prompts."""
         return Engine(self.manifest, self.model, self.tokenizer, self.config.replace(**overrides),
-                      prefill_cache=prefill_cache)
+                      prefill_cache=prefill_cache, debug_checks=self.debug_checks)
 
     def close(self) -> None:
         """Stop background workers (the transfer engine's thread)."""
@@ -129,23 +153,33 @@ class Engine:
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def from_dir(cls, path: str | Path, *, verify_checksums: bool = True, num_host_blocks: int | None = None,
-                 max_queue: int = 256, transfer: str = "thread", **overrides: Any) -> "Engine":
+    def from_dir(cls, path: str | Path, *, device: str | torch.device | None = None, verify_checksums: bool = True,
+                 num_host_blocks: int | None = None, max_queue: int = 256,
+                 transfer: str | TransferEngine | None = None, ops: Ops | None = None,
+                 debug_checks: bool = False, **overrides: Any) -> "Engine":
         """Load an engine dir (refusing an incomplete, incompatible or tampered one).
 
+        device: where the engine runs (None: CUDA when torch has a GPU, else CPU); a device that
+        is not there is a ConfigError naming `device`. ops: the op implementations (default:
+        `select_ops(device, dtype)`, the checked wrappers with `debug_checks`).
         `overrides` replace fields of the engine's LookaheadConfig (e.g. mode="lookahead", top_k=64).
         """
+        device = resolve_device(device)
         manifest = load_manifest(path, verify_checksums=verify_checksums)
         config = manifest.lookahead.replace(**overrides)
         config = clamp_top_k(config, min(config.max_model_len, manifest.model.max_position_embeddings))
         # refuse what the host cannot hold before the weights are read (engine.yaml, CLI and
         # server overrides all come through here)
-        check_memory(plan_memory(manifest.model, config, num_host_blocks, DTYPE_BYTES[manifest.dtype]))
-        model = LlamaModel(manifest.model, dtype=DTYPES[manifest.dtype], empty=True)
-        model.load_weights(load_file(str(Path(path) / WEIGHTS)))
+        check_memory(plan_memory(manifest.model, config, num_host_blocks, DTYPE_BYTES[manifest.dtype],
+                                 device_type=device.type))
+        dtype = DTYPES[manifest.dtype]
+        ops = ops or select_ops(device, dtype, checked=debug_checks)
+        model = LlamaModel(manifest.model, dtype=dtype, device=device, empty=True, ops=ops)
+        model.load_weights(load_file(str(Path(path) / WEIGHTS), device=str(device)))
         model.eval().requires_grad_(False)
         tokenizer = TextTokenizer(Path(path) / TOKENIZER_DIR)
-        return cls(manifest, model, tokenizer, config, num_host_blocks, max_queue, transfer)
+        return cls(manifest, model, tokenizer, config, num_host_blocks, max_queue, transfer,
+                   debug_checks=debug_checks)
 
     # ---- requests (thread-safe) ---------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -209,15 +243,30 @@ class Engine:
         logits = self.runner.run(work)
         self.counters["steps"] += 1
         self.counters["output_tokens"] += len(logits)
-        for seq, _ in work:
-            if seq.seq_id not in logits:
-                continue
-            seq.append_token(sample(logits[seq.seq_id], seq.params, seq.noise_seed, seq.num_tokens), self.eos_ids)
+        emitting = [seq for seq, _ in work if seq.seq_id in logits]
+        for seq, token in zip(emitting, self._sample(emitting, logits)):
+            seq.append_token(token, self.eos_ids)
             if seq.finish_reason:
                 outs.append(self._finish(seq))
             else:
                 outs.append(self._output(seq, [seq.output_ids[-1]]))
         return outs
+
+    def _sample(self, emitting: list[Sequence], logits: dict[int, torch.Tensor]) -> list[int]:
+        """The step's tokens, drawn where the logits are, with the runner's pending draws (the
+        draft rows) in the same pass: one device-to-host copy of ids per step."""
+        rows = [logits[s.seq_id] for s in emitting]
+        draws = [(s.params, s.noise_seed, s.num_tokens) for s in emitting]
+        pending = self.runner.take_draws()
+        if pending is not None:
+            rows.append(pending.logits)
+            draws += pending.draws
+        if not draws:
+            return []
+        tokens = sample_rows(torch.cat([r.view(-1, r.shape[-1]) for r in rows]), draws)
+        if pending is not None:             # before any sequence finishes and frees its chain
+            pending.accept(tokens[len(emitting):])
+        return tokens[: len(emitting)]
 
     def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
         return RequestOutput(seq.request_id, new_ids, seq.take_delta(), seq.finish_reason is not None,
@@ -281,19 +330,3 @@ def clamp_top_k(cfg: LookaheadConfig, max_model_len: int) -> LookaheadConfig:
     log.info("top_k %d exceeds the %d blocks of max_model_len %d: using %d", cfg.top_k, most, max_model_len, most)
     return cfg.replace(top_k=most)
 
-
-def check_budget(cfg: LookaheadConfig, attn) -> None:
-    """The device working set of one sequence must fit `device_budget_bytes` when one is set."""
-    if cfg.device_budget_bytes is None:
-        return
-    need = attn.device_bytes_per_lane()
-    if need > cfg.device_budget_bytes:
-        per_slot = need // (attn.layout.num_slots)
-        fixed = per_slot * attn.layout.selected_start
-        if fixed >= cfg.device_budget_bytes:
-            raise ConfigError("device_budget_bytes",
-                              f"{cfg.device_budget_bytes} bytes cannot hold the sink and recent window "
-                              f"({fixed} bytes)", "raise the budget or lower num_sink_blocks/recent_window")
-        fit = (cfg.device_budget_bytes - fixed) // per_slot
-        raise ConfigError("device_budget_bytes", f"top_k={cfg.top_k} needs {need} bytes per sequence",
-                          f"use top_k <= {fit} or a budget >= {need}")

@@ -5,6 +5,10 @@ Layout per layer: k, v `[num_kv_heads, num_blocks, block_size, head_dim]` (head-
 - A sequence whose blocks form one run (the usual case: admission reserves all its blocks at
   once) is read for dense attention as a view `[KVH, tokens, D]`, without copying its cache.
 `by_block(layer)` gives the `[num_blocks, KVH, bs, D]` view the ops' contracts use.
+
+Dense mode allocates the pool on the engine's device; lookahead mode keeps it on the host
+(pinned when the device tier is on a GPU, so the transfer engine's copies read it directly).
+Writes take rows and indices from any device and land them in the pool's.
 """
 from __future__ import annotations
 
@@ -24,6 +28,15 @@ class KVPool:
         self.num_kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
 
     @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def _here(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rows written from the device tier into a host pool: one blocking copy each (a no-op
+        when they already live here)."""
+        return tuple(t.to(self.k.device) for t in tensors)
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of one block of K plus V, all KV heads, one layer."""
         return 2 * self.num_kv_heads * self.block_size * self.head_dim * self.k.element_size()
@@ -31,12 +44,14 @@ class KVPool:
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
               block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
         """k, v: [T, KVH, D]; block_ids, offsets: [T] int64 -> stored at those slots."""
+        k, v, block_ids, offsets = self._here(k, v, block_ids, offsets)
         self.k[layer_idx, :, block_ids, offsets] = k.transpose(0, 1)
         self.v[layer_idx, :, block_ids, offsets] = v.transpose(0, 1)
 
     def write_layers(self, layers: slice, k: torch.Tensor, v: torch.Tensor,
                      block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
         """Several layers in one copy: k, v [L', T, KVH, D] for layers `layers` (a slice)."""
+        k, v, block_ids, offsets = self._here(k, v, block_ids, offsets)
         self.k[layers, :, block_ids, offsets] = k.permute(0, 2, 1, 3)
         self.v[layers, :, block_ids, offsets] = v.permute(0, 2, 1, 3)
 

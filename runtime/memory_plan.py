@@ -19,8 +19,9 @@ constructors allocate:
 
 tests/test_memory_plan.py checks the exact components against the tensors that real engines
 hold, so the formulas cannot drift from the constructors unnoticed. `check_memory` compares the
-total with the host's available memory (everything lives in host memory today, the device
-tier included) and names the one field whose reduction makes it fit, with the value that does.
+host's share with the host's available memory (on CPU that is everything, the device tier
+included; on a GPU the components of `ON_DEVICE` are left to the device's allocator) and names
+the one field whose reduction makes it fit, with the value that does.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ from pathlib import Path
 
 from .config import LookaheadConfig, ModelConfig
 from .errors import ConfigError
+from .lookahead.budget import check_device_budget
+from .lookahead.layout import num_buffers
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ALLOCATOR_BYTES_PER_BLOCK = 64     # a free-list entry: list slot + int object + set slot when used
@@ -57,6 +60,12 @@ class PlanInputs:
     max_model_len: int | None      # None: min(cfg.max_model_len, max_position_embeddings)
     weights: bool
     packed_weights: bool
+    device_type: str = "cpu"       # where the engine runs: on "cuda" only the host's share is checked
+
+
+# What lives in device memory when the engine runs on a GPU (Engine places it): everything but the
+# lookahead host pool and the allocator's free list; dense mode's pool is on the device too.
+ON_DEVICE = frozenset({"weights", "rope", "device_tier", "summaries", "bookkeeping", "step_buffers"})
 
 
 @dataclass(frozen=True)
@@ -72,8 +81,8 @@ class MemoryPlan:
     bookkeeping: int
     allocator: int
     step_buffers: int
-    per_seq_device_tier: int      # one lane's dev_k + dev_v (what device_budget_bytes bounds)
-    per_seq_device: int           # that plus the lane's summaries
+    per_seq_device_tier: int      # one lane's dev_k + dev_v
+    per_seq_device: int           # that plus the lane's summaries (what device_budget_bytes bounds)
     num_host_blocks: int
     max_model_len: int
     inputs: PlanInputs
@@ -85,6 +94,18 @@ class MemoryPlan:
     def total(self) -> int:
         return sum(self.components().values())
 
+    def host_components(self) -> dict[str, int]:
+        """The components in host memory: all of them on CPU; on a GPU those Engine keeps on
+        the host (the lookahead host pool, the allocator)."""
+        if self.inputs.device_type == "cpu":
+            return self.components()
+        device = ON_DEVICE | ({"host_kv_pool"} if self.inputs.cfg.mode == "dense" else set())
+        return {k: v for k, v in self.components().items() if k not in device}
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host_components().values())
+
     @property
     def exact_total(self) -> int:
         """The tensors' bytes alone (no estimates): what the tests compare with real engines."""
@@ -92,8 +113,8 @@ class MemoryPlan:
 
     def describe(self, top: int = 3) -> str:
         """'29.6 GiB (device_tier 29.4 GiB, host_kv_pool 96.0 MiB, ...)': the largest parts."""
-        parts = sorted(((v, k) for k, v in self.components().items() if v), reverse=True)[:top]
-        return f"{fmt_bytes(self.total)} ({', '.join(f'{k} {fmt_bytes(v)}' for v, k in parts)})"
+        parts = sorted(((v, k) for k, v in self.host_components().items() if v), reverse=True)[:top]
+        return f"{fmt_bytes(self.host_total)} ({', '.join(f'{k} {fmt_bytes(v)}' for v, k in parts)})"
 
 
 def fmt_bytes(n: int) -> str:
@@ -109,7 +130,7 @@ def _blocks(tokens: int, block_size: int) -> int:
 
 def plan_memory(mcfg: ModelConfig, cfg: LookaheadConfig, num_host_blocks: int | None, dtype_bytes: int,
                 max_model_len: int | None = None, *, weights: bool = True,
-                packed_weights: bool | None = None) -> MemoryPlan:
+                packed_weights: bool | None = None, device_type: str = "cpu") -> MemoryPlan:
     """The bytes an Engine over (mcfg, cfg) allocates, without allocating.
 
     num_host_blocks / max_model_len: as Engine gets them; None derives them as Engine does (then
@@ -117,9 +138,10 @@ def plan_memory(mcfg: ModelConfig, cfg: LookaheadConfig, num_host_blocks: int | 
     weights=False: the model is already loaded (Engine.sibling), count only the engine's own
     parts. packed_weights: count plugins.cpu's packed copies (default: when the dtype is fp32,
     the only dtype the C linear kernel takes). `cfg` is the effective config (top_k already
-    clamped, if the caller clamps it)."""
-    packed = dtype_bytes == 4 if packed_weights is None else packed_weights
-    inputs = PlanInputs(mcfg, cfg, dtype_bytes, num_host_blocks, max_model_len, weights, packed)
+    clamped, if the caller clamps it). device_type: where the engine runs ("cpu", "cuda"), which
+    decides what check_memory holds against host memory (`host_components`)."""
+    packed = (dtype_bytes == 4 and device_type == "cpu") if packed_weights is None else packed_weights
+    inputs = PlanInputs(mcfg, cfg, dtype_bytes, num_host_blocks, max_model_len, weights, packed, device_type)
     return _plan(inputs)
 
 
@@ -137,7 +159,7 @@ def _plan(p: PlanInputs) -> MemoryPlan:
     if c.mode == "lookahead":
         wb = _blocks(c.recent_window, bs) + 1 if c.recent_window > 0 else 1      # SlotLayout.from_config
         slots = c.num_sink_blocks + wb + c.top_k
-        nbuf = 2 if c.residency == "pingpong" else L
+        nbuf = num_buffers(c, L)
         lane_tier = 2 * nbuf * kvh * slots * bs * d * b
         lane_summ = 2 * L * max_blocks * kvh * d * b
         tier, summ = lanes * lane_tier, lanes * lane_summ
@@ -198,7 +220,7 @@ def _largest_fit(plan: MemoryPlan, field: str, limit: int) -> int | None:
     (the total grows with each field; block_size is tried over the powers of two)."""
     current = plan.num_host_blocks if field == "num_host_blocks" else getattr(plan.inputs.cfg, field)
     lo = 1 if field == "num_host_blocks" else FIELD_MIN[field]
-    fits = lambda v: _replan(plan, field, v).total <= limit          # noqa: E731
+    fits = lambda v: _replan(plan, field, v).host_total <= limit     # noqa: E731
     if field == "block_size":
         return next((v for v in (1 << i for i in range(current.bit_length() - 2, -1, -1)) if fits(v)), None)
     if current <= lo or not fits(lo):
@@ -227,8 +249,8 @@ def check_memory(plan: MemoryPlan, cfg: LookaheadConfig | None = None, available
     """Refuse, before any allocation, a plan that cannot fit: a ConfigError naming the field
     that drives the excess and the value that would fit.
 
-    Checks `cfg.device_budget_bytes` (one sequence's device tier, as engine.check_budget does
-    after allocating) and then the total against `headroom` of `available_bytes` (default: the
+    Checks `cfg.device_budget_bytes` (one sequence's device tier and summaries,
+    lookahead/budget.py) and then the host's share (`host_total`) against `headroom` of `available_bytes` (default: the
     host's available memory, `available_host_bytes`). `cfg` defaults to the plan's own."""
     cfg = cfg or plan.inputs.cfg
     if cfg != plan.inputs.cfg:
@@ -236,7 +258,7 @@ def check_memory(plan: MemoryPlan, cfg: LookaheadConfig | None = None, available
     _check_device_budget(plan, cfg)
     avail = available_host_bytes() if available_bytes is None else available_bytes
     limit = int(avail * headroom)
-    if plan.total <= limit:
+    if plan.host_total <= limit:
         return
     need = (f"need {plan.describe()} of host memory, but {fmt_bytes(limit)} is usable "
             f"({headroom:.0%} of {fmt_bytes(avail)} available)")
@@ -254,19 +276,7 @@ def _current(plan: MemoryPlan, field: str) -> int:
 
 
 def _check_device_budget(plan: MemoryPlan, cfg: LookaheadConfig) -> None:
-    budget = cfg.device_budget_bytes
-    if budget is None or cfg.mode != "lookahead" or plan.per_seq_device_tier <= budget:
-        return
-    wb = _blocks(cfg.recent_window, cfg.block_size) + 1 if cfg.recent_window > 0 else 1
-    fixed_slots = cfg.num_sink_blocks + wb
-    per_slot = plan.per_seq_device_tier // (fixed_slots + cfg.top_k)
-    need = plan.per_seq_device_tier
-    if per_slot * fixed_slots >= budget:
-        raise ConfigError("device_budget_bytes", f"{budget} bytes cannot hold the sink and recent window "
-                          f"({per_slot * fixed_slots} bytes)",
-                          "raise the budget or lower num_sink_blocks/recent_window")
-    raise ConfigError("device_budget_bytes", f"top_k={cfg.top_k} needs {need} bytes per sequence",
-                      f"use top_k <= {(budget - per_slot * fixed_slots) // per_slot} or a budget >= {need}")
+    check_device_budget(cfg, plan.per_seq_device_tier, plan.per_seq_device - plan.per_seq_device_tier)
 
 
 def available_host_bytes(meminfo: str | Path = "/proc/meminfo", cgroup_root: str | Path = "/sys/fs/cgroup") -> int:

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.cpu import linear, rms_norm
+from plugins.cpu import rms_norm
 
 from .config import ModelConfig
+from .ops import Ops, select_ops
 from .rope import RotaryEmbedding
 
 
@@ -22,12 +23,6 @@ class AttentionBackend(Protocol):
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] (post-RoPE) -> out [T, H, D]."""
         ...
-
-
-def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A decode step's few rows go through plugins.cpu's kernel on CPU (it reads the weights at up
-    to twice BLAS's small-M rate here); anything else is F.linear."""
-    return linear(x, layer.weight, layer.bias)
 
 
 class RMSNorm(nn.Module):
@@ -57,28 +52,34 @@ class DecoderLayer(nn.Module):
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                attn: AttentionBackend, rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        c = self.cfg
+                attn: AttentionBackend, rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
+                ops: Ops) -> torch.Tensor:
+        c, linear = self.cfg, ops.linear
         T = x.shape[0]
-        qkv = _linear(self.wqkv, self.attn_norm(x))                         # [T, q + 2kv]
+        qkv = linear(self.attn_norm(x), self.wqkv.weight, self.wqkv.bias)  # [T, q + 2kv]
         # q and k are adjacent in qkv: one rotation covers both heads' sets (half the small ops)
         qk = rope.apply(qkv[:, : c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim),
                         positions, rope_tables)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]                    # [T, H, D], [T, KVH, D]
         v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim)
         o = attn.forward(self.layer_idx, q, k, v)                           # [T, H, D]
-        x = x + _linear(self.wo, o.reshape(T, c.q_size))
-        gate, up = _linear(self.w13, self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + _linear(self.w2, F.silu(gate) * up)
+        x = x + linear(o.reshape(T, c.q_size), self.wo.weight)
+        gate, up = linear(self.mlp_norm(x), self.w13.weight).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.w2.weight)
 
 
 class LlamaModel(nn.Module):
-    """tokens [T] + positions [T] -> hidden [T, hidden]; `logits(hidden)` -> [N, vocab]."""
+    """tokens [T] + positions [T] -> hidden [T, hidden]; `logits(hidden)` -> [N, vocab].
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 empty: bool = False):
+    `device` is where the RoPE tables (and, unless `empty`, the parameters) are made; `ops` the
+    implementations its projections call (default: `select_ops(device, dtype)`).
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 empty: bool = False, ops: Ops | None = None):
         super().__init__()
         self.cfg = cfg
+        self.ops = ops or select_ops(torch.device(device), dtype)
         # empty=True: parameters on the meta device (no init cost); load_weights assigns real ones
         with torch.device("meta" if empty else device):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -95,15 +96,20 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(tokens)
         tables = self.rope.tables(positions)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, attn, tables)
+            x = layer(x, positions, self.rope, attn, tables, self.ops)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, w).float()
+        return self.ops.linear(hidden, w).float()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load runtime-layout tensors (see engine_dir.WEIGHT_LAYOUT); strict on names and shapes."""
+        """Load runtime-layout tensors (see engine_dir.WEIGHT_LAYOUT); strict on names and shapes.
+        The parameters take the tensors' device (load them where the model runs)."""
         self.load_state_dict(tensors, strict=True, assign=True)
 
     @classmethod

@@ -86,7 +86,7 @@ class Replay:
         sequences whose prompt completes this step."""
         e0 = self.parts[0][2]
         T = sum(it.num_tokens for _, it, _ in self.parts)
-        q = torch.zeros(T, *e0.q_last.shape[1:], dtype=e0.q_last.dtype)
+        q = e0.q_last.new_zeros(T, *e0.q_last.shape[1:])
         attn.store_only = True
         try:
             for layer in range(num_layers):

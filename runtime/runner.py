@@ -21,6 +21,10 @@ class DenseRunner:
     def release(self, seq: Sequence) -> None:
         """Nothing per sequence to free beyond its blocks (the scheduler frees those)."""
 
+    def take_draws(self) -> None:
+        """Dense mode draws only the emitted rows."""
+        return None
+
     def stats(self) -> dict:
         """Dense mode moves no KV between tiers: the whole cache is 'resident'."""
         return {"h2d_bytes": 0, "device_resident_bytes": 0, "prefetch_hit_rate": None,
@@ -34,7 +38,7 @@ class DenseRunner:
             items.append(StepItem(seq.seq_id, row, n, start, seq.block_table))
             token_ids.extend(seq.token_at(p) for p in range(start, start + n))
             row += n
-        batch = StepBatch.build(items, token_ids, self.block_size)
+        batch = StepBatch.build(items, token_ids, self.block_size, self.attn.pool.device)
         self.attn.batch = batch
         cache = self.prefill_cache
         if cache is not None and (replay := cache.replay(self.model, work, items)) is not None:
@@ -51,7 +55,7 @@ class DenseRunner:
             seq.num_cached += n
         out = {}
         if sampling:
-            last_rows = torch.tensor([it.row_start + it.num_tokens - 1 for _, it in sampling])
+            last_rows = torch.tensor([it.row_start + it.num_tokens - 1 for _, it in sampling], device=hidden.device)
             logits = self.model.logits(hidden[last_rows])                         # [S, vocab]
             out = {seq.seq_id: logits[i] for i, (seq, _) in enumerate(sampling)}
         if rec:

@@ -10,6 +10,7 @@ in sync under sampling), and dense and lookahead mode emit the same tokens for a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,10 +66,11 @@ def _mix(seed: int, position: int) -> int:
 
 
 def position_noise(seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Gumbel(0, 1) noise [vocab_size] float64, the same for every call with (seed, position)."""
-    gen = torch.Generator(device).manual_seed(_mix(seed, position))
-    u = torch.rand(vocab_size, generator=gen, dtype=torch.float64, device=device)
-    return -torch.log(-torch.log(u))         # u = 0 gives -inf: that entry is never drawn
+    """Gumbel(0, 1) noise [vocab_size] float64, the same for every call with (seed, position), on
+    every device: drawn by a CPU generator (a CUDA one draws other numbers), then moved."""
+    gen = torch.Generator().manual_seed(_mix(seed, position))
+    u = torch.rand(vocab_size, generator=gen, dtype=torch.float64)
+    return (-torch.log(-torch.log(u))).to(device, non_blocking=True)   # u = 0 gives -inf: never drawn
 
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -88,7 +90,29 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
     """The token at `position` from logits [vocab] (float32): argmax when greedy, otherwise a
     Gumbel-max draw on the noise of (seed, position)."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    z = filtered_logits(logits, params)
-    return int(torch.argmax(z + position_noise(seed, position, z.shape[-1], z.device)))
+    return sample_rows(logits[None], [(params, seed, position)])[0]
+
+
+def sample_rows(logits: torch.Tensor, draws: list[tuple[SamplingParams, int, int]]) -> list[int]:
+    """One token per row of logits [N, vocab] (any device), row i drawn as `draws[i]` = (params,
+    seed, position) say; the draws run where the logits are, and the N ids come back to the host
+    in one copy."""
+    if not draws:
+        return []
+    tokens = torch.argmax(logits, dim=-1)                                  # [N]: the greedy rows
+    sampled = [i for i, (params, _, _) in enumerate(draws) if not params.greedy]
+    for i in sampled:
+        params, seed, position = draws[i]
+        z = filtered_logits(logits[i], params)
+        tokens[i] = torch.argmax(z + position_noise(seed, position, z.shape[-1], z.device))
+    return tokens.tolist()
+
+
+@dataclass
+class PendingDraws:
+    """Rows a runner leaves to the engine's one sampling pass of the step (the draft and
+    pre-decoding rows of lookahead mode): drawn with the emitted rows, `accept` gets their ids."""
+
+    logits: torch.Tensor                                  # [D, vocab]
+    draws: list[tuple[SamplingParams, int, int]]          # (params, seed, position) per row
+    accept: Callable[[list[int]], None]

@@ -1,13 +1,16 @@
 """Per-step metadata shared by the model runner and the attention backends (cf. nano-vllm's Context).
 
 A step is a flat batch of T token rows made of `StepItem`s: a prefill chunk or one decode token of a
-sequence. Built once per step by the runner; read by every layer's attention.
+sequence. Built once per step by the runner (as lists, then tensors moved to the device in one
+go); read by every layer's attention.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from .device import to_device
 
 
 @dataclass
@@ -33,12 +36,14 @@ class StepBatch:
     slot_offsets: torch.Tensor    # [T] int64 offset within that block
 
     @classmethod
-    def build(cls, items: list[StepItem], token_ids: list[int], block_size: int) -> "StepBatch":
+    def build(cls, items: list[StepItem], token_ids: list[int], block_size: int,
+              device: torch.device = torch.device("cpu")) -> "StepBatch":
         positions, blocks, offsets = [], [], []
         for it in items:
             for p in range(it.start_pos, it.start_pos + it.num_tokens):
                 positions.append(p)
                 blocks.append(it.block_table[p // block_size])
                 offsets.append(p % block_size)
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-        return cls(items, as_long(token_ids), as_long(positions), as_long(blocks), as_long(offsets))
+        # one [4, T] host tensor, one copy to the device
+        packed = torch.tensor([token_ids, positions, blocks, offsets], dtype=torch.long)
+        return cls(items, *to_device(device, packed)[0].unbind(0))

@@ -186,7 +186,7 @@ class EngineDecoder:
         if self.device_bytes_per_seq is None:
             return None
         attn = self.engine.runner.attn
-        per_layer = self.device_bytes_per_seq // attn.num_buffers
+        per_layer = attn.working_set_bytes_per_lane() // attn.num_buffers
         return per_layer * attn.num_layers, attn.summary_bytes(context)
 
     @property

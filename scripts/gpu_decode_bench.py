@@ -28,18 +28,14 @@ JSON goes to `<out>/decode_bench.json` after every mode; a table is printed last
 
 Prompts are prefilled with the engine's chunked prefill (`--prefill-chunk`, 4096 tokens on a GPU).
 
-On a GPU the runtime runs under `torch.device(device)`, so its per-step tensors and the device tier
-are created on the GPU. Dense keeps its KV pool in device memory. Lookahead's host pool is
-page-locked in place and wrapped by `PinnedHostPool`, because the runtime's KV pool indexes on the
-host only: each layer's new K/V rows are copied down (one host sync per layer), and chunked
-prefill reads its prefix back up. These adaptations, and the per-op cost of the `torch.device`
-mode, are in the timings. They belong to this script, not to the runtime, which does not place
-tensors on a device yet.
+The engine runs where the model is (`Engine` places everything on `model.device`): dense keeps its
+KV pool in device memory; lookahead keeps its host pool pinned and its device tier, summaries
+and bookkeeping on the GPU. A lookahead step still copies its stored rows down to the host pool
+(one blocking copy per store) and has host syncs in its bookkeeping (issue 16).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -64,7 +60,6 @@ from runtime.block_manager import blocks_needed  # noqa: E402
 from runtime.config import LookaheadConfig, ModelConfig  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.engine_dir import Manifest  # noqa: E402
-from runtime.kv_pool import KVPool  # noqa: E402
 from runtime.lookahead.layout import SlotLayout  # noqa: E402
 from runtime.model import LlamaModel  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
@@ -159,48 +154,6 @@ class NullTokenizer:
         return ""
 
 
-class PinnedHostPool:
-    """Lookahead's host KV tier on a GPU machine: a page-locked KVPool the runtime reaches from the GPU.
-
-    KVPool indexes on the host only, so `write` copies the step's rows (made on the GPU) down before
-    storing them, and `read` (chunked prefill's prefix) copies back up, one contiguous head at a
-    time from pinned memory. `by_block` hands the transfer engine the pinned pool itself.
-    """
-
-    def __init__(self, pool: KVPool, device: torch.device):
-        self.pool, self.device = pool, device
-        self.num_blocks, self.block_size = pool.num_blocks, pool.block_size
-        self.num_kv_heads, self.head_dim = pool.num_kv_heads, pool.head_dim
-
-    @property
-    def k(self) -> torch.Tensor:
-        return self.pool.k
-
-    @property
-    def v(self) -> torch.Tensor:
-        return self.pool.v
-
-    @property
-    def block_bytes(self) -> int:
-        return self.pool.block_bytes
-
-    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor,
-              offsets: torch.Tensor) -> None:
-        self.pool.write(layer_idx, k.cpu(), v.cpu(), block_ids.cpu(), offsets.cpu())
-
-    def by_block(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pool.by_block(layer_idx)
-
-    def read(self, layer_idx: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(self._up(t) for t in self.pool.read(layer_idx, block_table, length))
-
-    def _up(self, t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
-        for h in range(t.shape[0]):                     # each head's run is contiguous in the pool
-            out[h].copy_(t[h], non_blocking=t[h].is_contiguous())
-        return out
-
-
 class TimedThreadTransferEngine(ThreadTransferEngine):
     """The CPU engine, plus `transfer_s`: the time its worker spends copying (for the hidden share)."""
 
@@ -221,44 +174,16 @@ class TimedThreadTransferEngine(ThreadTransferEngine):
 
 
 class BenchEngine(Engine):
-    """The runtime's Engine over an in-memory manifest and a random model, its KV pool placed for `device`.
-
-    Engine.__init__ makes the KV pool on the host and then calls `_make_runner`, which places it
-    first: on a GPU, dense moves the cache to device memory; lookahead page-locks the host pool in
-    place (`pin_pool`) behind `PinnedHostPool`. On CPU the thread engine is swapped for one that
-    also times its copies. Construct inside `torch.device(device)` on a GPU.
-    """
+    """The runtime's Engine over an in-memory manifest and a random model; it runs where the model
+    lives (Engine places the pools, the device tier and the step's tensors on `model.device`). On
+    CPU its copies go through a thread engine that also times them."""
 
     def __init__(self, model: LlamaModel, mcfg: ModelConfig, lcfg: LookaheadConfig, device: torch.device,
                  num_host_blocks: int, dtype_name: str):
-        self.device = device
         manifest = Manifest(path=Path("random-weights"), model=mcfg, dtype=dtype_name, lookahead=lcfg, files={},
                             source={"kind": "random"}, versions={}, name="random-weights")
-        super().__init__(manifest, model, NullTokenizer(), lcfg, num_host_blocks=num_host_blocks,
-                         transfer="cuda" if device.type == "cuda" else "thread")
-
-    def _make_runner(self, transfer: str):
-        self.pool = self._place(self.pool)
-        runner = super()._make_runner(transfer)
-        attn = getattr(runner, "attn", None)
-        if self.device.type == "cpu" and hasattr(attn, "transfer"):
-            attn.transfer.close()
-            attn.transfer = TimedThreadTransferEngine()
-        return runner
-
-    def _place(self, pool: KVPool):
-        if self.device.type == "cpu":
-            return pool
-        cfg, n, bs, dtype = self.manifest.model, pool.num_blocks, pool.block_size, pool.k.dtype
-        if self.config.mode == "dense":
-            return KVPool(cfg, n, bs, dtype=dtype, device=self.device)   # the host pool is dropped
-        from runtime.transfer_cuda import CudaError, pin_pool
-        try:
-            host = pin_pool(pool)
-        except CudaError as e:   # torch's pinned allocator instead (it rounds sizes up to a power of two)
-            print(f"  pin_pool failed ({e}); allocating the host pool with pin_memory=True", flush=True)
-            host = KVPool(cfg, n, bs, dtype=dtype, pin_memory=True)
-        return PinnedHostPool(host, self.device)
+        transfer = "cuda" if device.type == "cuda" else (TimedThreadTransferEngine() if lcfg.mode != "dense" else None)
+        super().__init__(manifest, model, NullTokenizer(), lcfg, num_host_blocks=num_host_blocks, transfer=transfer)
 
 
 # ---- sizing under one budget --------------------------------------------------------------------------
@@ -304,11 +229,10 @@ def sync(device: torch.device) -> None:
 def run_mode(model, mcfg, lcfg: LookaheadConfig, batch: int, prompts: list[list[int]], max_tokens: int,
              args, device: torch.device) -> dict[str, Any]:
     nblocks = batch * blocks_needed(lcfg.max_model_len, lcfg.block_size)
-    on_device = torch.device(device) if device.type == "cuda" else contextlib.nullcontext()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     row: dict[str, Any] = {}
-    with on_device, torch.inference_mode():
+    with torch.inference_mode():
         t0 = time.perf_counter()
         eng = BenchEngine(model, mcfg, lcfg, device, nblocks, args.dtype)
         row["build_s"] = time.perf_counter() - t0
@@ -350,8 +274,8 @@ def run_mode(model, mcfg, lcfg: LookaheadConfig, batch: int, prompts: list[list[
                 prefetch_hit_rate_whole_run=after.get("prefetch_hit_rate"),
                 draft_accept_rate_whole_run=after.get("draft_accept_rate"),
                 gather_kernel=getattr(tr, "gather_kernel", None),
-                device_bytes_per_seq_runtime=(attn.device_bytes_per_lane() if hasattr(attn, "device_bytes_per_lane")
-                                              else None))
+                device_bytes_per_seq_runtime=(attn.working_set_bytes_per_lane()
+                                              if hasattr(attn, "working_set_bytes_per_lane") else None))
             if tokens != batch * args.steps:
                 row["note"] = f"{tokens} tokens in {args.steps} steps of batch {batch}: sequences ended early"
         finally:

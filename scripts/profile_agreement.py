@@ -6,7 +6,7 @@
 At decode step s, layer l, the draft query (token d at p+1) scores every candidate block's
 min/max key summary; its top-K is the set prefetched for step s+1. At step s+1 the real query
 scores the same candidates; agreement = |predicted ∩ true| / |true|, averaged over KV heads and
-steps (exactly `LookaheadMetrics.record_layer`, which this script cross-checks at the run's K).
+steps (exactly `LookaheadMetrics.record_step`, which this script cross-checks at the run's K).
 One run gives every K of the sweep: the scores are tapped and re-ranked at each K.
 
 Drafts: `dual_token` (the runtime's default, model-generated), `oracle` (the true next token:
@@ -104,7 +104,7 @@ class ScoreTap:
     """Sees every block score the lookahead backend computes for lane 0 and turns each pair
     (prediction made at step s, real query at step s+1) into agreement at every K of a sweep.
 
-    The runtime has no public hook for the scores (only `record_layer` at the run's own K), so the
+    The runtime has no public hook for the scores (only `record_step` at the run's own K), so the
     backend's `_score` is wrapped on this one instance; `close()` restores it.
     """
 

@@ -1,4 +1,4 @@
-"""Lookahead mode's invariants (DESIGN.md), on a tiny random model with a long context."""
+"""Lookahead mode's invariants (docs/ARCHITECTURE.md), on a tiny random model with a long context."""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +9,12 @@ from runtime.draft import DraftSource, RandomDraft
 from runtime.engine import Engine
 from runtime.errors import ConfigError
 from runtime.sampling import SamplingParams
+from runtime.transfer import SyncTransferEngine
 from tiny_engine import make_tiny_engine
 
 SP = SamplingParams(max_tokens=16, ignore_eos=True)
 SMALL = dict(mode="lookahead", block_size=4, recent_window=8, num_sink_blocks=1)
+CHECKED = dict(SMALL, debug_checks=True)    # the checked ops, and check_integrity before every attention
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def prompts(*lens, seed=0):
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
 
 
-def run(engine, ps, sp=SP, checks=True):
+def run(engine, ps, sp=SP):
     """Generate and capture the logits each sequence sampled from, per step."""
     logits: dict[int, list[torch.Tensor]] = {}
     orig = engine.runner.run
@@ -35,8 +37,6 @@ def run(engine, ps, sp=SP, checks=True):
             logits.setdefault(sid, []).append(lg.clone())
         return out
     engine.runner.run = spy
-    if checks and hasattr(engine.runner, "attn"):
-        engine.runner.attn.debug_checks = True
     outs = engine.generate(ps, sp)
     engine.close()
     return outs, [torch.stack(v) for _, v in sorted(logits.items())]
@@ -61,7 +61,7 @@ class OracleDraft(DraftSource):
 def test_k_covering_every_block_equals_dense(tiny_dir, residency, miss):
     ps = prompts(150, 61, 97)
     dense, dl = run(Engine.from_dir(tiny_dir, block_size=4), ps)
-    la, ll = run(Engine.from_dir(tiny_dir, **SMALL, top_k=64, residency=residency, miss_policy=miss), ps)
+    la, ll = run(Engine.from_dir(tiny_dir, **CHECKED, top_k=64, residency=residency, miss_policy=miss), ps)
     assert [c.token_ids for c in la] == [c.token_ids for c in dense]
     for a, b in zip(ll, dl):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -70,7 +70,7 @@ def test_k_covering_every_block_equals_dense(tiny_dir, residency, miss):
 def test_without_lookahead_k_covering_every_block_equals_dense(tiny_dir):
     ps = prompts(150, 61, 97)
     dense, dl = run(Engine.from_dir(tiny_dir, block_size=4), ps)
-    la, ll = run(Engine.from_dir(tiny_dir, **SMALL, top_k=64, draft="none"), ps)
+    la, ll = run(Engine.from_dir(tiny_dir, **CHECKED, top_k=64, draft="none"), ps)
     assert [c.token_ids for c in la] == [c.token_ids for c in dense]
     for a, b in zip(ll, dl):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -79,9 +79,9 @@ def test_without_lookahead_k_covering_every_block_equals_dense(tiny_dir):
 def test_without_lookahead_needs_urgent_and_resident(tiny_dir):
     from runtime.errors import ConfigError
     with pytest.raises(ConfigError, match="miss_policy"):
-        Engine.from_dir(tiny_dir, **SMALL, draft="none", miss_policy="drop")
+        Engine.from_dir(tiny_dir, **CHECKED, draft="none", miss_policy="drop")
     with pytest.raises(ConfigError, match="residency"):
-        Engine.from_dir(tiny_dir, **SMALL, draft="none", residency="pingpong")
+        Engine.from_dir(tiny_dir, **CHECKED, draft="none", residency="pingpong")
 
 
 class QuestReference:
@@ -131,7 +131,7 @@ class QuestReference:
 def test_urgent_equals_reference_sparse_attention(tiny_dir, residency, draft, group_score):
     # draft "none": no look-ahead at all, every block fetched on demand: the same output
     ps = prompts(150, 110, seed=4)
-    engine = Engine.from_dir(tiny_dir, **SMALL, top_k=6, residency=residency, miss_policy="urgent", draft=draft,
+    engine = Engine.from_dir(tiny_dir, **CHECKED, top_k=6, residency=residency, miss_policy="urgent", draft=draft,
                              group_score=group_score)
     la, ll = run(engine, ps)
     if draft == "none":
@@ -139,7 +139,7 @@ def test_urgent_equals_reference_sparse_attention(tiny_dir, residency, draft, gr
     ref_engine = Engine.from_dir(tiny_dir, block_size=4)
     ref_engine.runner.attn = QuestReference(ref_engine.pool, 16 ** -0.5, top_k=6, sink=1, window_blocks=3,
                                             group_score=group_score)
-    rf, rl = run(ref_engine, ps, checks=False)
+    rf, rl = run(ref_engine, ps)
     assert [c.token_ids for c in la] == [c.token_ids for c in rf]
     for a, b in zip(ll, rl):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -148,7 +148,7 @@ def test_urgent_equals_reference_sparse_attention(tiny_dir, residency, draft, gr
 @pytest.mark.parametrize("residency", ["resident", "pingpong"])
 def test_adversarial_draft_under_urgent_equals_perfect_draft(tiny_dir, residency):
     ps = prompts(170, 90, seed=5)
-    cfg = dict(SMALL, top_k=5, residency=residency, miss_policy="urgent")
+    cfg = dict(CHECKED, top_k=5, residency=residency, miss_policy="urgent")
     base = Engine.from_dir(tiny_dir, **cfg)
     good, gl = run(base, ps)
     oracle = Engine.from_dir(tiny_dir, **cfg)
@@ -165,55 +165,87 @@ def test_adversarial_draft_under_urgent_equals_perfect_draft(tiny_dir, residency
     assert s_good["draft_accept_rate"] > 0.9 and s_bad["draft_accept_rate"] < 0.2
 
 
+class CountingTransfer(SyncTransferEngine):
+    """Copies inline, one (block, head) unit at a time, and counts the bytes it copies (not the
+    engine's own accounting); remembers the step of every urgent job."""
+
+    def __init__(self):
+        super().__init__()
+        self.copied_bytes, self.urgent_steps = 0, []
+
+    def submit(self, job, urgent=False):
+        ticket = self._account(job, urgent)
+        if urgent:
+            self.urgent_steps.append(job.tag[0])
+        for src, dst in ((job.src_k, job.dst_k), (job.src_v, job.dst_v)):
+            for b, h, lane, h2, slot in zip(*(t.tolist() for t in (*job.src_index, *job.dst_index))):
+                dst[lane, h2, slot].copy_(src[b, h])
+                self.copied_bytes += src[b, h].numel() * src.element_size()
+        ticket._done.set()
+        return ticket
+
+
 def test_random_draft_under_drop_never_corrupts_the_cache(tiny_dir):
-    eng = Engine.from_dir(tiny_dir, **SMALL, top_k=4, miss_policy="drop", fetch_ratio=0.25)
+    transfer = CountingTransfer()
+    eng = Engine.from_dir(tiny_dir, **CHECKED, top_k=4, miss_policy="drop", fetch_ratio=0.25, transfer=transfer)
     eng.runner.chain.source = RandomDraft(256, seed=2)
-    urgent_steps = []
-    orig = eng.runner.attn.transfer.submit
-    eng.runner.attn.transfer.submit = lambda job, urgent=False: (
-        urgent and urgent_steps.append(job.tag[0]), orig(job, urgent))[1]
     outs, _ = run(eng, prompts(160, 120, seed=6))      # check_integrity runs before every attention
     assert all(len(o.token_ids) == SP.max_tokens for o in outs)
     # drop fetches misses only at the first decode step (step 2: both prompts prefill in step 1),
     # whose working set the seed predicted, not a draft
-    assert eng.stats()["urgent_blocks"] > 0 and set(urgent_steps) == {2}
+    assert eng.stats()["urgent_blocks"] > 0 and set(transfer.urgent_steps) == {2}
 
 
 @pytest.mark.parametrize("residency", ["resident", "pingpong"])
-def test_h2d_bytes_equal_admitted_blocks_times_block_bytes(tiny_dir, residency):
-    eng = Engine.from_dir(tiny_dir, **SMALL, top_k=5, residency=residency, transfer="sync")
-    jobs = []
-    orig = eng.runner.attn.transfer.submit
-    eng.runner.attn.transfer.submit = lambda job, urgent=False: (jobs.append(job), orig(job, urgent))[1]
-    run(eng, prompts(140, 75, seed=7))
+def test_h2d_bytes_equal_the_bytes_copied(tiny_dir, residency):
+    transfer = CountingTransfer()
+    eng = Engine.from_dir(tiny_dir, **CHECKED, top_k=5, residency=residency, transfer=transfer)
+    run(eng, prompts(140, 75, seed=7))               # check_integrity: the copies landed where told
     unit = 2 * 4 * 16 * 4                            # K+V of one (block, head): 2 * bs * D * fp32
     st = eng.stats()
-    assert st["h2d_bytes"] == sum(j.num_units for j in jobs) * unit > 0
+    assert st["h2d_bytes"] == transfer.copied_bytes > 0
     if residency == "resident":                       # every unit moved is an admitted block
         assert st["h2d_bytes"] == (st["prefetched_blocks"] + st["urgent_blocks"]) * unit
 
 
-@pytest.mark.parametrize("residency", ["resident", "pingpong"])
-def test_device_bytes_do_not_grow_with_context_and_respect_the_budget(tiny_dir, residency):
-    sizes = []
-    for max_len in (512, 4096):
-        eng = Engine.from_dir(tiny_dir, **SMALL, top_k=8, residency=residency, max_model_len=max_len)
-        sizes.append(eng.runner.attn.device_bytes_per_lane())
+@pytest.fixture(scope="module")
+def four_layer_dir(tmp_path_factory):
+    """Four layers: resident holds four layer buffers, pingpong two."""
+    return make_tiny_engine(tmp_path_factory.mktemp("tiny_la4"), seed=3, num_layers=4)
+
+
+@pytest.mark.parametrize("residency,buffers", [("resident", 4), ("pingpong", 2)])
+def test_device_bytes_are_working_set_plus_summaries_and_respect_the_budget(four_layer_dir, residency, buffers):
+    layers, kvh, d, bs, fp32 = 4, 2, 16, 4, 4
+    slots = 1 + (8 // bs + 1) + 8                     # sink, window ring (recent_window 8), top_k
+    working = buffers * 2 * kvh * slots * bs * d * fp32
+    per_seq = {}
+    for max_len in (512, 2048):
+        eng = Engine.from_dir(four_layer_dir, **CHECKED, top_k=8, residency=residency, max_model_len=max_len)
+        attn, lanes = eng.runner.attn, eng.config.max_batch_size
+        summaries = 2 * layers * (max_len // bs) * kvh * d * fp32      # kmin + kmax per block
+        assert attn.working_set_bytes_per_lane() == working            # not by context
+        assert attn.device_bytes_per_lane() == working + summaries
+        held = sum(t.numel() * t.element_size() for t in (attn.dev_k, attn.dev_v, attn.kmin, attn.kmax))
+        assert held == lanes * (working + summaries)                   # what the tensors hold
+        per_seq[max_len] = working + summaries
         eng.close()
-    assert sizes[0] == sizes[1]
-    per_seq = sizes[0]
-    eng = Engine.from_dir(tiny_dir, **SMALL, top_k=8, residency=residency, device_budget_bytes=per_seq)
+    dense_kv = 2 * layers * kvh * 2048 * d * fp32                      # one sequence at max_model_len
+    assert per_seq[2048] < dense_kv / 3
+    eng = Engine.from_dir(four_layer_dir, **CHECKED, top_k=8, residency=residency, max_model_len=2048,
+                          device_budget_bytes=per_seq[2048])
     outs, _ = run(eng, prompts(1000, seed=8), SamplingParams(max_tokens=4, ignore_eos=True))
-    dense_bytes = 2 * 2 * 2 * (1004 // 4 + 1) * 4 * 16 * 4   # layers * K,V * KVH * blocks * bs * D * 4
-    assert per_seq <= eng.config.device_budget_bytes and per_seq < dense_bytes / 3
-    with pytest.raises(ConfigError, match="device_budget_bytes"):
-        Engine.from_dir(tiny_dir, **SMALL, top_k=8, residency=residency, device_budget_bytes=per_seq - 1)
-    with pytest.raises(ConfigError, match="sink and recent window"):
-        Engine.from_dir(tiny_dir, **SMALL, top_k=8, residency=residency, device_budget_bytes=64)
+    assert len(outs[0].token_ids) == 4
+    with pytest.raises(ConfigError, match="device_budget_bytes: top_k=8 needs"):
+        Engine.from_dir(four_layer_dir, **CHECKED, top_k=8, residency=residency, max_model_len=2048,
+                        device_budget_bytes=per_seq[2048] - 1)
+    with pytest.raises(ConfigError, match="sink and recent window with the block summaries"):
+        Engine.from_dir(four_layer_dir, **CHECKED, top_k=8, residency=residency, max_model_len=2048,
+                        device_budget_bytes=per_seq[2048] - working + 1)
 
 
 def test_metrics_are_reported(tiny_dir):
-    eng = Engine.from_dir(tiny_dir, **SMALL, top_k=4)
+    eng = Engine.from_dir(tiny_dir, **CHECKED, top_k=4)
     outs, _ = run(eng, prompts(200, 120, seed=9))
     st = eng.stats()
     per_req = [o.metrics for o in outs]
@@ -222,3 +254,20 @@ def test_metrics_are_reported(tiny_dir):
     assert all(0 <= m["prefetch_hit_rate"] <= 1 and m["draft_accept_rate"] is not None for m in per_req)
     assert 0 <= st["prefetch_hit_rate"] <= 1 and 0 <= st["agreement_mean"] <= 1
     assert len(st["agreement_per_layer"]) == 2 and st["h2d_bytes"] > 0
+
+
+@pytest.mark.parametrize("lead", [1, 3])
+def test_pingpong_prefetch_lead_sizes_the_buffers_and_keeps_the_output(four_layer_dir, lead):
+    """Layer l + lead is refilled into layer l's buffer: `lead` buffers; under urgent the output
+    is exact sparse attention whatever the lead."""
+    ps = prompts(150, 90, seed=10)
+    cfg = dict(CHECKED, top_k=5, residency="pingpong", miss_policy="urgent")
+    base = Engine.from_dir(four_layer_dir, **cfg)
+    ref, rl = run(base, ps)
+    eng = Engine.from_dir(four_layer_dir, **cfg, prefetch_lead=lead)
+    assert eng.runner.attn.num_buffers == lead
+    assert eng.runner.attn.working_set_bytes_per_lane() * 2 == base.runner.attn.working_set_bytes_per_lane() * lead
+    out, ol = run(eng, ps)                       # check_integrity before every attention
+    assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+    for a, b in zip(ol, rl):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

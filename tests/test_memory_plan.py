@@ -81,8 +81,9 @@ def test_plan_matches_what_the_engine_allocates(eng_dir, overrides, num_host_blo
         attn = engine.runner.attn
         assert plan.device_tier == nbytes(attn.dev_k, attn.dev_v) > 0
         assert plan.summaries == nbytes(attn.kmin, attn.kmax) > 0
-        assert plan.per_seq_device_tier == attn.device_bytes_per_lane()
-        assert plan.per_seq_device == attn.device_bytes_per_lane() + attn.summary_bytes(engine.max_model_len)
+        assert plan.per_seq_device_tier == attn.working_set_bytes_per_lane()
+        assert plan.per_seq_device == attn.device_bytes_per_lane()          # what the budget bounds
+        assert plan.per_seq_device == attn.working_set_bytes_per_lane() + attn.summary_bytes(engine.max_model_len)
         assert plan.bookkeeping > 0
     finally:
         engine.close()
@@ -176,9 +177,9 @@ def test_weights_alone_too_big_is_refused():
         check_memory(plan_memory(SMOLLM2, cfg, None, 4), cfg, available_bytes=GiB // 2)
 
 
-@pytest.mark.parametrize("budget,kind", [(80_000, "top_k=5 needs"), (3_000, "cannot hold the sink")])
+@pytest.mark.parametrize("budget,kind", [(100_000, "top_k=5 needs"), (3_000, "cannot hold the sink")])
 def test_device_budget_is_checked_before_allocating(eng_dir, budget, kind):
-    """The same refusal engine.check_budget makes after allocating, made from the plan."""
+    """Engine.from_dir refuses a budget with the plan's message (lookahead/budget.py), summaries counted."""
     overrides = dict(mode="lookahead", max_model_len=200, max_batch_size=3, top_k=5, block_size=8,
                      device_budget_bytes=budget)
     with pytest.raises(ConfigError) as after:
@@ -204,3 +205,20 @@ def test_available_host_bytes_reads_meminfo_and_cgroups(tmp_path):
     (cg / "memory.stat").write_text(f"anon 1\ninactive_file {GiB // 4}\n")
     assert available_host_bytes(meminfo, cg) == GiB + GiB // 4                  # the cgroup is tighter
     assert 0 < available_host_bytes() < 1 << 50                                 # this machine
+
+
+@pytest.mark.parametrize("mode", ["dense", "lookahead"])
+def test_on_a_gpu_only_the_host_share_is_held_against_host_memory(mode):
+    """A plan for device_type cuda counts the lookahead host pool (and the allocator) as host
+    memory, not what Engine puts on the GPU: weights, the dense pool, the device tier, summaries."""
+    cfg = LookaheadConfig(mode=mode)
+    cpu_plan = plan_memory(SMOLLM2, cfg, None, 4)
+    gpu_plan = plan_memory(SMOLLM2, cfg, None, 4, device_type="cuda")
+    assert cpu_plan.host_total == cpu_plan.total
+    assert gpu_plan.packed_weights == 0                  # plugins.cpu packs weights on CPU only
+    expected = {"allocator"} | ({"host_kv_pool"} if mode == "lookahead" else set())
+    assert {k for k, v in gpu_plan.host_components().items() if v} == expected
+    assert gpu_plan.host_total == sum(getattr(gpu_plan, k) for k in expected) < cpu_plan.total
+    check_memory(gpu_plan, cfg, available_bytes=int(gpu_plan.host_total / 0.9) + 1)
+    with pytest.raises(ConfigError):
+        check_memory(cpu_plan, cfg, available_bytes=int(gpu_plan.host_total / 0.9) + 1)

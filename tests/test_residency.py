@@ -100,7 +100,9 @@ def test_metrics_agreement_and_hits_count_the_overlap():
     true = torch.tensor([[[1, 5, 9, -1]], [[2, 3, -1, -1]]])        # lanes 2 and 0, one KV head
     pred = torch.tensor([[[5, 9, 11, 40]], [[-1, -1, -1, -1]]])
     resident = torch.tensor([[[True, False, True, False]], [[False, False, False, False]]])
-    m.record_layer(1, torch.tensor([2, 0]), pred, true, resident)
+    # layer 0 had no prediction yet: its hits count, its agreement does not
+    m.record_step([0, 1], torch.tensor([2, 0]), torch.stack([torch.full_like(pred, -1), pred]),
+                  torch.tensor([False, True]), torch.stack([true, true]), torch.stack([resident, resident]))
     assert m.per_layer_agreement() == [None, (2 / 3 + 0.0) / 2]
     s = m.summary()
     assert s["prefetch_hit_rate"] == 2 / 5

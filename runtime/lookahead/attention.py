@@ -20,41 +20,40 @@ from __future__ import annotations
 
 import torch
 
-import plugins  # registers torch.ops.lookahead.*
 from ..attention_dense import prefill_attention
 from ..config import LookaheadConfig, ModelConfig
 from ..kv_pool import KVPool
+from ..ops import Ops
 from ..transfer import CopyJob, Ticket, TransferEngine
-from .layout import SlotLayout
+from .layout import SlotLayout, num_buffers
 from .metrics import LookaheadMetrics
 from .residency import Admission, SlotTable
-from .step_plan import DecodePart, StepPlan
-
-# The ops unwrapped: this module builds every shape itself, and on the hot path (3 ops x layers x
-# steps) the wrappers' argument checks cost more than the ops' own work on small batches. With
-# `debug_checks` (the tests) the checked wrappers `plugins.*` run instead, on the same arguments.
-# On CPU even the dispatcher is skipped (`plugins.direct`); on CUDA it picks plugins.cuda's kernels.
-OPS = torch.ops.lookahead
+from .step_plan import DecodePart, StepPlan, candidate_mask
 
 
 class LookaheadAttention:
     def __init__(self, mcfg: ModelConfig, cfg: LookaheadConfig, pool: KVPool, num_lanes: int,
-                 max_blocks: int, transfer: TransferEngine):
-        self.cfg, self.pool, self.transfer = cfg, pool, transfer
+                 max_blocks: int, transfer: TransferEngine, device: torch.device, ops: Ops,
+                 debug_checks: bool = False):
+        """pool: the host tier (the whole cache); the device tier, the summaries and the
+        bookkeeping are allocated on `device`. ops: the engine's op implementations (this module
+        builds every shape itself, so they may be the unchecked ones). debug_checks: verify the
+        slots' contents before every attention (tests)."""
+        self.cfg, self.pool, self.transfer, self.device, self.ops = cfg, pool, transfer, device, ops
         self.layout = lay = SlotLayout.from_config(cfg)
         self.num_layers, self.kvh, self.hd = mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim
         self.scale = mcfg.head_dim ** -0.5
         self.pingpong = cfg.residency == "pingpong"
-        self.num_buffers = 2 if self.pingpong else mcfg.num_layers
+        self.num_buffers = num_buffers(cfg, mcfg.num_layers)     # pingpong: the prefetch lead
         self.max_blocks = max_blocks
-        dtype = pool.k.dtype
+        on = dict(dtype=pool.k.dtype, device=device)
         shape = (self.num_buffers, num_lanes, self.kvh, lay.num_slots, lay.block_size, self.hd)
-        self.dev_k = torch.zeros(shape, dtype=dtype)          # the device tier's KV working set
-        self.dev_v = torch.zeros(shape, dtype=dtype)
+        self.dev_k = torch.zeros(shape, **on)          # the device tier's KV working set
+        self.dev_v = torch.zeros(shape, **on)
         sshape = (mcfg.num_layers, num_lanes * max_blocks, self.kvh, self.hd)
-        self.kmin = torch.zeros(sshape, dtype=dtype)           # summaries, by (lane, logical block)
-        self.kmax = torch.zeros(sshape, dtype=dtype)
-        self.slots = SlotTable(self.num_buffers, num_lanes, self.kvh, cfg.top_k, max_blocks)
+        self.kmin = torch.zeros(sshape, **on)           # summaries, by (lane, logical block)
+        self.kmax = torch.zeros(sshape, **on)
+        self.slots = SlotTable(self.num_buffers, num_lanes, self.kvh, cfg.top_k, max_blocks, device)
         # views made once: a layer's host pool by block, a buffer's K/V as [lanes, KVH, tokens, D]
         self._pool_views = [pool.by_block(layer) for layer in range(self.num_layers)]
         tokens = (num_lanes, self.kvh, lay.num_slots * lay.block_size, self.hd)
@@ -62,42 +61,48 @@ class LookaheadAttention:
         self._dev_tokens = [(self.dev_k[b].view(tokens), self.dev_v[b].view(tokens)) for b in range(self.num_buffers)]
         # attention's key mask by slot and token: sink/window rows set once per step (begin_step),
         # the selected rows per layer from the slot table
-        self._mask = torch.zeros(num_lanes, self.kvh, lay.num_slots, lay.block_size, dtype=torch.bool)
-        self.pred = torch.full((mcfg.num_layers, num_lanes, self.kvh, cfg.top_k), -1, dtype=torch.long)
-        self.has_pred = torch.zeros(mcfg.num_layers, num_lanes, dtype=torch.bool)
-        self.seeded = torch.zeros(mcfg.num_layers, num_lanes, dtype=torch.bool)  # pred is the seed's
-        self.lane_blocks = torch.full((num_lanes, max_blocks), -1, dtype=torch.long)  # logical -> host
+        long, bool_ = dict(dtype=torch.long, device=device), dict(dtype=torch.bool, device=device)
+        self._mask = torch.zeros(num_lanes, self.kvh, lay.num_slots, lay.block_size, **bool_)
+        self.pred = torch.full((mcfg.num_layers, num_lanes, self.kvh, cfg.top_k), -1, **long)
+        self.has_pred = torch.zeros(mcfg.num_layers, num_lanes, **bool_)
+        self.seeded = torch.zeros(mcfg.num_layers, num_lanes, **bool_)  # pred is the seed's
+        self.lane_blocks = torch.full((num_lanes, max_blocks), -1, **long)  # logical -> host block
         self.tickets: dict[int, list[Ticket]] = {}             # layer -> copies it must wait for
-        self.metrics = LookaheadMetrics(mcfg.num_layers, num_lanes)
+        self.metrics = LookaheadMetrics(mcfg.num_layers, num_lanes, device=device)
         self.step_idx = 0
         self.plan: StepPlan | None = None
-        self.debug_checks = False           # tests: verify slot contents before every attention
-        self._fast_ops = plugins.direct if pool.k.device.type == "cpu" else OPS
+        self.debug_checks = debug_checks
         self.store_only = False             # a replayed prefill (prefill_cache): store and seed only
         self._step_metrics: list[tuple] = []
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # decode rows, stored at end_step
 
-    @property
-    def _ops(self):
-        return plugins if self.debug_checks else self._fast_ops
-
     # ---- lanes ----------------------------------------------------------------------------------
     def attach(self, lane: int, block_table: list[int]) -> None:
         self.lane_blocks[lane] = -1
-        self.lane_blocks[lane, : len(block_table)] = torch.tensor(block_table[: self.max_blocks])
+        self.lane_blocks[lane, : len(block_table)] = torch.tensor(block_table[: self.max_blocks], device=self.device)
         self.slots.reset_lane(lane)
         self.pred[:, lane] = -1
         self.has_pred[:, lane] = False
         self.seeded[:, lane] = False
 
-    def device_bytes_per_lane(self) -> int:
-        """KV working-set bytes one sequence holds in the device tier (the budgeted quantity)."""
+    def buffer_of(self, layer: int) -> int:
+        """The device-tier buffer layer `layer` reads (pingpong: one of `prefetch_lead`)."""
+        return layer % self.num_buffers if self.pingpong else layer
+
+    def working_set_bytes_per_lane(self) -> int:
+        """KV working-set bytes one sequence holds in the device tier (dev_k + dev_v)."""
         per_buffer = self.dev_k[0, 0].numel() * self.dev_k.element_size() * 2
         return per_buffer * self.num_buffers
 
     def summary_bytes(self, context_len: int) -> int:
+        """Block summaries (kmin + kmax) of a `context_len`-token sequence, all layers."""
         nb = -(-context_len // self.layout.block_size)
         return 2 * self.num_layers * nb * self.kvh * self.hd * self.kmin.element_size()
+
+    def device_bytes_per_lane(self) -> int:
+        """Device bytes one sequence holds (the budgeted quantity, `device_budget_bytes`): its
+        working set and its summaries, sized for `max_blocks`, whatever its context."""
+        return self.working_set_bytes_per_lane() + self.summary_bytes(self.max_blocks * self.layout.block_size)
 
     # ---- the step ---------------------------------------------------------------------------------
     def begin_step(self, plan: StepPlan) -> None:
@@ -110,7 +115,7 @@ class LookaheadAttention:
             self._mask[: d.num_lanes, :, : lay.selected_start] = d.base_mask.view(d.num_lanes, 1, lay.selected_start,
                                                                                   lay.block_size)
         if self.pingpong and plan.decode is not None:
-            for layer in range(min(2, self.num_layers)):
+            for layer in range(self.num_buffers):
                 self._refill(layer, plan.decode)
 
     def end_step(self) -> None:
@@ -143,7 +148,7 @@ class LookaheadAttention:
             rows = slice(it.row_start, it.row_start + it.num_tokens)
             if not self.store_only:         # a replayed prefill only stores and seeds
                 kc, vc = ((k[rows].transpose(0, 1), v[rows].transpose(0, 1)) if it.start_pos == 0
-                          else self.pool.read(layer, it.block_table, it.context_len))
+                          else self._read_prefix(layer, it))
                 out[rows] = prefill_attention(q[rows], kc, vc)
             if part.completes_prompt:
                 self._seed(layer, part.lane, q[it.row_start + it.num_tokens - 1], it.context_len)
@@ -152,19 +157,25 @@ class LookaheadAttention:
         return out
 
     # ---- pieces -------------------------------------------------------------------------------------
+    def _read_prefix(self, layer: int, it) -> tuple[torch.Tensor, torch.Tensor]:
+        """A later prefill chunk's keys and values so far, [KVH, context, D], from the host pool
+        onto the device (a view, no copy, when both are the host)."""
+        kc, vc = self.pool.read(layer, it.block_table, it.context_len)
+        return kc.to(self.device, non_blocking=True), vc.to(self.device, non_blocking=True)
+
     def _store(self, layers: slice, ks: torch.Tensor, vs: torch.Tensor) -> None:
         """The step's real rows of `layers`, ks/vs [L', T_real, KVH, D]: into the host pool, the
         block summaries and (resident) the device copies of sink/window blocks."""
         p = self.plan
         n_layers, T = ks.shape[0], ks.shape[1]
-        self.pool.write_layers(layers, ks, vs, p.batch.slot_blocks, p.batch.slot_offsets)
+        self.pool.write_layers(layers, ks, vs, p.pool_blocks, p.pool_offsets)
         # the layers' summaries as one [L' * lanes * max_blocks, KVH, D] table
         per_layer = self.kmin.shape[1]
         ids = p.real_lanes * self.max_blocks + p.real_logical
         if n_layers > 1:
-            ids = (torch.arange(n_layers)[:, None] * per_layer + ids).reshape(-1)
+            ids = (torch.arange(n_layers, device=self.device)[:, None] * per_layer + ids).reshape(-1)
         flat = (-1, self.kvh, self.hd)
-        self._ops.update_summaries(self.kmin[layers].view(flat), self.kmax[layers].view(flat),
+        self.ops.update_summaries(self.kmin[layers].view(flat), self.kmax[layers].view(flat),
                                    ks.reshape(n_layers * T, self.kvh, self.hd), ids,
                                    p.batch.slot_offsets.repeat(n_layers))
         if not self.pingpong:      # the device copies of sink/window blocks stay current
@@ -185,7 +196,7 @@ class LookaheadAttention:
         kmin = self.kmin[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n, :nb]
         kmax = self.kmax[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n, :nb]
         k_sel = min(self.cfg.top_k, nb)
-        idx, scores = self._ops.block_topk(q, kmin, kmax, valid[..., :nb], k_sel, self.cfg.group_score)
+        idx, scores = self.ops.block_topk(q, kmin, kmax, valid[..., :nb], k_sel, self.cfg.group_score)
         if k_sel < self.cfg.top_k:
             idx = torch.nn.functional.pad(idx, (0, self.cfg.top_k - k_sel), value=-1)
         return idx, scores
@@ -198,13 +209,12 @@ class LookaheadAttention:
 
     def _seed(self, layer: int, lane: int, q_last: torch.Tensor, context_len: int) -> None:
         """Pre-decoding: the last prompt token's query picks the first working set (uncapped)."""
-        from .step_plan import candidate_mask
-        valid = candidate_mask(self.layout, context_len + 1, self.max_blocks)
-        lanes = torch.tensor([lane])
-        pad_q = torch.zeros(lane + 1, *q_last.shape, dtype=q_last.dtype)
-        pad_q[lane] = q_last
+        valid = candidate_mask(self.layout, context_len + 1, self.max_blocks)         # host
         pad_valid = torch.zeros(lane + 1, self.max_blocks, dtype=torch.bool)
         pad_valid[lane] = valid
+        lanes, pad_valid = (t.to(self.device, non_blocking=True) for t in (torch.tensor([lane]), pad_valid))
+        pad_q = torch.zeros(lane + 1, *q_last.shape, dtype=q_last.dtype, device=self.device)
+        pad_q[lane] = q_last
         idx, scores = self._score(layer, pad_q, pad_valid, lane + 1, context_len // self.layout.block_size + 1)
         idx, scores = idx[lanes], scores[lanes]
         self._predict(layer, lanes, idx, scores, cap=self.cfg.top_k)
@@ -233,21 +243,20 @@ class LookaheadAttention:
             self.transfer.wait(self.transfer.submit(self._copy_job(layer, buf, adm), urgent=True))
 
     def _refill(self, layer: int, d: DecodePart) -> None:
-        """Ping-pong: copy layer `layer`'s whole sparse set (sink, window, predicted) into its half."""
-        lay, buf = self.layout, layer % 2
-        lanes, heads, slots, host = [], [], [], []
-        for lane, c in zip(d.lanes.tolist(), d.context_lens):
+        """Ping-pong: copy layer `layer`'s whole sparse set (sink, window, predicted) into its buffer."""
+        lay, buf = self.layout, self.buffer_of(layer)
+        lanes, heads, slots, blocks = [], [], [], []
+        for lane, c in zip(d.lane_list, d.context_lens):
             # the host holds c - 1 tokens of this layer; this step's token is written through later
             last = (c - 2) // lay.block_size
             fixed = list(range(min(lay.num_sink, last + 1))) + list(range(lay.window_start(c), last + 1))
             for b in dict.fromkeys(fixed):
                 for h in range(self.kvh):
-                    lanes.append(lane), heads.append(h), slots.append(lay.device_slot(b))
-                    host.append(int(self.lane_blocks[lane, b]))
-        fixed_job = CopyJob(*self._pool_views[layer], *self._dev_views[buf],
-                            (torch.tensor(host, dtype=torch.long), torch.tensor(heads, dtype=torch.long)),
-                            (torch.tensor(lanes, dtype=torch.long), torch.tensor(heads, dtype=torch.long),
-                             torch.tensor(slots, dtype=torch.long)), tag=(self.step_idx, layer, "fixed"))
+                    lanes.append(lane), heads.append(h), slots.append(lay.device_slot(b)), blocks.append(b)
+        ix = torch.tensor([lanes, heads, slots, blocks], dtype=torch.long).to(self.device, non_blocking=True)
+        host = self.lane_blocks[ix[0], ix[3]]                               # logical -> host block ids
+        fixed_job = CopyJob(*self._pool_views[layer], *self._dev_views[buf], (host, ix[1]),
+                            (ix[0], ix[1], ix[2]), tag=(self.step_idx, layer, "fixed"))
         self.tickets[layer] = [self.transfer.submit(fixed_job)]
         want = self.pred[layer, d.lanes]                                    # [B, KVH, K]
         self.slots.assign(buf, d.lanes, want, self.step_idx)
@@ -258,27 +267,54 @@ class LookaheadAttention:
         self.tickets[layer].append(self.transfer.submit(self._copy_job(layer, buf, adm)))
 
     def _decode(self, layer: int, q, k, v, out, d: DecodePart) -> None:
-        lay, n, buf = self.layout, d.num_lanes, (layer % 2 if self.pingpong else layer)
+        """One layer of the decode lanes: wait, score, fetch misses, attend, predict, refill."""
+        buf = self.buffer_of(layer)
         for ticket in self.tickets.pop(layer, []):
             self.transfer.wait(ticket)
-        L, R = d.lane_ix, d.rows            # the decoding lanes (a slice in a packed step); rows
-        if d.packed:                        # rows already are [lane, (real, draft)]: views only
-            qd = q.view(n, R, q.shape[1], q.shape[2]).contiguous()     # (scoring and attention read it)
-        else:
-            qd = torch.zeros(n, R, q.shape[1], q.shape[2], dtype=q.dtype)
-            qd[d.lanes, 0] = q[d.real_rows]
-            if R == 2:
-                qd[d.lanes, 1] = q[d.draft_rows]
+        L = d.lane_ix                       # the decoding lanes (a slice in a packed step)
+        qd = self._lane_rows(q, d)                                           # [n, R, H, D]
         # One read of the summaries scores both rows: the real query's true top-K (for `urgent`,
         # and for the agreement metric) and the draft's prediction for the next step (used below).
         # Without look-ahead (R = 1) only the real query is scored, and fetched on demand.
-        nb = max(d.context_lens) // lay.block_size + 1          # covers this and the next step
-        idx2, scores2 = self._score(layer, qd, d.cand_masks, n, nb)
-        true_idx, true_scores = idx2[:, 0], scores2[:, 0]
+        nb = max(d.context_lens) // self.layout.block_size + 1  # covers this and the next step
+        idx2, scores2 = self._score(layer, qd, d.cand_masks, d.num_lanes, nb)
+        self._serve_misses(layer, buf, d, idx2[:, 0], scores2[:, 0])
+        if self.debug_checks:
+            check_integrity(self, layer, d)
+        o = self._attend(buf, qd, k, v, d)
+        if d.packed:
+            out.view(d.num_lanes, d.rows, *out.shape[1:]).copy_(o)
+        else:
+            out[d.real_rows] = o[d.lanes, 0]
+            if d.rows == 2:
+                out[d.draft_rows] = o[d.lanes, 1]
+        if d.rows == 2:     # look ahead: the draft query predicts the next step's top-K here
+            self._predict(layer, L, idx2[L, 1], scores2[L, 1], cap=self.cfg.fetch_cap)
+        if self.pingpong and layer + self.num_buffers < self.num_layers:
+            self._refill(layer + self.num_buffers, d)            # this buffer is free again
+
+    @staticmethod
+    def _lane_rows(x: torch.Tensor, d: DecodePart, contiguous: bool = True) -> torch.Tensor:
+        """The step's rows [T, heads, D] as [n, R, heads, D] by lane: a view when packed (made
+        contiguous when asked: scoring and attention read the queries so)."""
+        n, R = d.num_lanes, d.rows
+        if d.packed:                        # rows already are [lane, (real, draft)]
+            rows = x.view(n, R, x.shape[1], x.shape[2])
+            return rows.contiguous() if contiguous else rows
+        out = x.new_zeros(n, R, x.shape[1], x.shape[2])
+        out[d.lanes, 0] = x[d.real_rows]
+        if R == 2:
+            out[d.lanes, 1] = x[d.draft_rows]
+        return out
+
+    def _serve_misses(self, layer: int, buf: int, d: DecodePart, true_idx: torch.Tensor,
+                      true_scores: torch.Tensor) -> None:
+        """Tally the real query's hits, then fetch its misses as the miss policy says."""
+        L = d.lane_ix
         t_idx = true_idx[L]
         resident = self.slots.resident(buf, L, t_idx)
         # metrics: kept per layer, tallied once per step (end_step); pred is about to be replaced
-        has = self.has_pred[layer, L].all() if R == 2 else torch.tensor(False)   # no prediction to score
+        has = self.has_pred[layer, L].all() if d.rows == 2 else self.has_pred.new_zeros(())  # none to score
         self._step_metrics.append((layer, self.pred[layer, L].clone(), has, t_idx, resident))
         if self.cfg.miss_policy == "urgent":
             self._fetch_urgent(layer, buf, L, t_idx, true_scores[L])
@@ -288,11 +324,14 @@ class LookaheadAttention:
             # wrong: fetch those steps' misses (the next step's real row is then served exactly)
             self._fetch_urgent(layer, buf, d.lanes[first], t_idx[first], true_scores[L][first])
             self.seeded[layer, L] = False
-        if self.debug_checks:
-            check_integrity(self, layer, d)
-        # attention over the device tier: [n, KVH, NS * bs, D] is a view, no gather. Selected
-        # slots past `high` are empty in every lane: left out, not masked (at a short context
-        # most of the K slots are, and the torch path reads every slot it is given)
+
+    def _attend(self, buf: int, qd: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: DecodePart) -> torch.Tensor:
+        """Both rows over the device tier (sink, occupied selected slots, window) plus this step's
+        own rows as extra keys -> [n, R, H, D]."""
+        lay, n = self.layout, d.num_lanes
+        # [n, KVH, NS * bs, D] is a view, no gather. Selected slots past `high` are empty in every
+        # lane: left out, not masked (at a short context most of the K slots are, and the torch
+        # path reads every slot it is given)
         used, S = self.slots.high[buf], lay.selected_start
         sel = self.slots.block[buf, :n, :, :used] >= 0                             # [n, KVH, used]
         if not d.packed:                    # a packed step's lanes all decode
@@ -303,27 +342,8 @@ class LookaheadAttention:
         kb, vb = (t[:n, :, :n_keys] for t in self._dev_tokens[buf])
         # this step's own rows are extra keys (the device tier does not hold them yet, see
         # forward): the real row sees itself; the draft row sees the real row and itself
-        if d.packed:
-            kx = k.view(n, R, self.kvh, self.hd).transpose(1, 2)                  # [n, KVH, R, D]
-            vx = v.view(n, R, self.kvh, self.hd).transpose(1, 2)
-        else:
-            kx = torch.zeros(n, self.kvh, R, self.hd, dtype=k.dtype)
-            vx = torch.zeros_like(kx)
-            kx[d.lanes, :, 0], vx[d.lanes, :, 0] = k[d.real_rows], v[d.real_rows]
-            if R == 2:
-                kx[d.lanes, :, 1], vx[d.lanes, :, 1] = k[d.draft_rows], v[d.draft_rows]
-        o = self._ops.lookahead_attention(qd, kb, vb, mask, kx, vx, d.extra_mask, self.scale)
-        if d.packed:
-            out.view(n, R, *out.shape[1:]).copy_(o)
-        else:
-            out[d.real_rows] = o[d.lanes, 0]
-            if R == 2:
-                out[d.draft_rows] = o[d.lanes, 1]
-        if R == 2:          # look ahead: the draft query predicts the next step's top-K here
-            self._predict(layer, L, idx2[L, 1], scores2[L, 1], cap=self.cfg.fetch_cap)
-        if self.pingpong and layer + 2 < self.num_layers:
-            self._refill(layer + 2, d)                            # this half is free again
-
+        kx, vx = (self._lane_rows(t, d, contiguous=False).transpose(1, 2) for t in (k, v))   # [n, KVH, R, D]
+        return self.ops.lookahead_attention(qd, kb, vb, mask, kx, vx, d.extra_mask, self.scale)
 
 
 def check_integrity(attn: LookaheadAttention, layer: int, d: DecodePart) -> None:
@@ -332,17 +352,17 @@ def check_integrity(attn: LookaheadAttention, layer: int, d: DecodePart) -> None
     Selected slots must equal their host blocks; sink/window slots must equal the host tokens that
     the mask exposes. Raises AssertionError naming the first mismatch.
     """
-    lay, buf = attn.layout, (layer % 2 if attn.pingpong else layer)
+    lay, buf = attn.layout, attn.buffer_of(layer)
     bs = lay.block_size
     held = attn.slots.block[buf, d.lanes]                                      # [B, KVH, K]
     b_i, h_i, j_i = (held >= 0).nonzero(as_tuple=True)
     host = attn.lane_blocks[d.lanes[b_i], held[b_i, h_i, j_i]]
     for dev, pool in zip((attn.dev_k, attn.dev_v), attn.pool.by_block(layer)):
-        got = dev[buf, d.lanes[b_i], h_i, lay.selected_start + j_i]
-        bad = (got != pool[host, h_i]).flatten(1).any(-1).nonzero()
+        got = dev[buf, d.lanes[b_i], h_i, lay.selected_start + j_i].cpu()      # compared on the host
+        bad = (got != pool[host.cpu(), h_i.cpu()]).flatten(1).any(-1).nonzero()
         assert bad.numel() == 0, f"layer {layer}: selected slot {int(j_i[bad[0]])} of lane " \
                                  f"{int(d.lanes[b_i[bad[0]]])} does not hold its block"
-    for lane, c in zip(d.lanes.tolist(), d.context_lens):
+    for lane, c in zip(d.lane_list, d.context_lens):
         for h in range(attn.kvh):
             mask = d.base_mask[lane].view(lay.selected_start, bs)
             for slot in range(lay.selected_start):
@@ -352,5 +372,5 @@ def check_integrity(attn: LookaheadAttention, layer: int, d: DecodePart) -> None
                 blk = slot if slot < lay.num_sink else next(
                     b for b in range(lay.window_start(c), (c - 1) // bs + 1) if lay.device_slot(b) == slot)
                 host = int(attn.lane_blocks[lane, blk])
-                assert torch.equal(attn.dev_k[buf, lane, h, slot, :n], attn.pool.k[layer, h, host, :n]), \
+                assert torch.equal(attn.dev_k[buf, lane, h, slot, :n].cpu(), attn.pool.k[layer, h, host, :n]), \
                     f"layer {layer} lane {lane} head {h}: window/sink slot {slot} is stale"

@@ -48,3 +48,9 @@ class SlotLayout:
         if logical_block < self.num_sink:
             return logical_block
         return self.num_sink + logical_block % self.num_window
+
+
+def num_buffers(cfg: LookaheadConfig, num_layers: int) -> int:
+    """Device-tier buffers: one per layer (resident), or `prefetch_lead` (pingpong: layer l uses
+    buffer l % lead, and layer l + lead is refilled into it once layer l is done)."""
+    return min(cfg.prefetch_lead, num_layers) if cfg.residency == "pingpong" else num_layers

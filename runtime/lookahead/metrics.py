@@ -17,15 +17,17 @@ class LookaheadMetrics:
     num_lanes: int = 1
     urgent_blocks: int = 0
     prefetched_blocks: int = 0
+    device: torch.device = torch.device("cpu")     # where the tallies live: beside what they count
 
     def __post_init__(self) -> None:
+        f64 = dict(dtype=torch.float64, device=self.device)
         # per layer: sum of |pred ∩ true| / |true| over (lane, head), and the count of such rows
-        self.layer = torch.zeros(self.num_layers, 2, dtype=torch.float64)
+        self.layer = torch.zeros(self.num_layers, 2, **f64)
         # blocks in the real query's top-K over steps/layers/heads, and those resident before any
         # urgent fetch
-        self.blocks = torch.zeros(2, dtype=torch.float64)
+        self.blocks = torch.zeros(2, **f64)
         # per lane: true blocks, hits, agreement sum, agreement count, urgent, prefetched
-        self.lane = torch.zeros(self.num_lanes, 6, dtype=torch.float64)
+        self.lane = torch.zeros(self.num_lanes, 6, **f64)
         self._counts: list[tuple[int, torch.Tensor]] = []     # count_blocks calls not yet added
 
     def count_blocks(self, column: int, lanes: torch.Tensor) -> None:
@@ -49,17 +51,11 @@ class LookaheadMetrics:
                 "agreement_mean": a_sum / a_cnt if a_cnt else None,
                 "urgent_blocks": int(urgent), "prefetched_blocks": int(pre)}
 
-    def record_layer(self, layer: int, lanes, pred: torch.Tensor | None, true: torch.Tensor,
-                     resident: torch.Tensor) -> None:
-        """One layer: lanes [B] (or a slice); pred, true: [B, KVH, K] logical blocks (-1 pad);
-        resident: bool, for `true`; pred None when the layer had no prediction yet."""
-        has = torch.tensor([pred is not None])
-        self.record_step([layer], lanes, (torch.full_like(true, -1) if pred is None else pred)[None],
-                         has, true[None], resident[None])
-
     def record_step(self, layers: list[int], lanes, pred: torch.Tensor, has_pred: torch.Tensor,
                     true: torch.Tensor, resident: torch.Tensor) -> None:
-        """Several layers of one step at once: pred, true, resident [L, B, KVH, K]; has_pred [L]."""
+        """The layers of one step at once: lanes [B] (or a slice); pred, true [L, B, KVH, K] logical
+        blocks (-1 pad); resident [L, B, KVH, K] bool, for `true`; has_pred [L] bool (False: the
+        layer had no prediction yet, its agreement is not counted)."""
         valid = true >= 0
         n_true = valid.sum(-1).double()                                        # [L, B, KVH]
         hits = (resident & valid).sum(-1).double()
@@ -67,7 +63,7 @@ class LookaheadMetrics:
         self.lane[lanes, :2] += torch.stack([n_true.sum((0, 2)), hits.sum((0, 2))], -1)
         # membership through a per-(layer, lane, head) bitmap of the predicted blocks (column 0 = "-1")
         width = int(torch.maximum(true.max(), pred.max())) + 2
-        in_pred = torch.zeros(*pred.shape[:-1], width, dtype=torch.bool).scatter_(-1, pred + 1, True)
+        in_pred = torch.zeros(*pred.shape[:-1], width, dtype=torch.bool, device=pred.device).scatter_(-1, pred + 1, True)
         in_pred[..., 0] = False
         both = in_pred.gather(-1, true + 1) & valid
         rows = (n_true > 0) & has_pred[:, None, None]

@@ -2,6 +2,7 @@
 
 Bookkeeping only (small int tensors, no KV bytes): `plan` decides, the transfer engine moves.
 Shapes: `[num_buffers, lanes, KVH, K]`; a buffer is a layer (resident) or a ping-pong half.
+The tables live on the engine's device, beside the slots they describe.
 An inverse map (logical block -> slot) makes membership a gather instead of a K x K' compare.
 """
 from __future__ import annotations
@@ -27,14 +28,16 @@ class Admission:
 
 
 class SlotTable:
-    def __init__(self, num_buffers: int, num_lanes: int, num_kv_heads: int, top_k: int, max_blocks: int):
+    def __init__(self, num_buffers: int, num_lanes: int, num_kv_heads: int, top_k: int, max_blocks: int,
+                 device: torch.device = torch.device("cpu")):
         shape = (num_buffers, num_lanes, num_kv_heads, top_k)
-        self.top_k, self.max_blocks = top_k, max_blocks
-        self.block = torch.full(shape, -1, dtype=torch.long)
-        self.last_used = torch.full(shape, -1, dtype=torch.long)
+        self.top_k, self.max_blocks, self.device = top_k, max_blocks, device
+        self.block = torch.full(shape, -1, dtype=torch.long, device=device)
+        self.last_used = torch.full(shape, -1, dtype=torch.long, device=device)
         # slot_of[..., b] = slot holding logical block b, or -1; column max_blocks stands for "no
         # block" (-1 entries of a request) and stays -1
-        self.slot_of = torch.full((num_buffers, num_lanes, num_kv_heads, max_blocks + 1), -1, dtype=torch.long)
+        self.slot_of = torch.full((num_buffers, num_lanes, num_kv_heads, max_blocks + 1), -1, dtype=torch.long,
+                                  device=device)
         self.use_kernel = True          # tests compare the C plan with plan_torch
         # per buffer: every selected slot at or past high[buf] is empty in every lane (a bound that
         # only grows: attention leaves those slots out without looking at the table)
@@ -58,7 +61,7 @@ class SlotTable:
         self.high[buf] = max(self.high[buf], blocks.shape[-1])
         self.last_used[buf, lanes] = torch.where(blocks >= 0, step, -1)
         inv = torch.full_like(self.slot_of[buf, lanes], -1)
-        slots = torch.arange(blocks.shape[-1]).expand_as(blocks)
+        slots = torch.arange(blocks.shape[-1], device=self.device).expand_as(blocks)
         inv.scatter_(-1, self._col(blocks), torch.where(blocks >= 0, slots, -1))
         inv[..., self.max_blocks] = -1
         self.slot_of[buf, lanes] = inv
@@ -75,7 +78,8 @@ class SlotTable:
         """
         adm = None
         if self.use_kernel:
-            lane_ids = (torch.arange(lanes.start, lanes.start + want.shape[0]) if isinstance(lanes, slice)
+            lane_ids = (torch.arange(lanes.start, lanes.start + want.shape[0], device=self.device)
+                        if isinstance(lanes, slice)
                         else lanes)
             out = bookkeeping.plan(self.block[buf], self.last_used[buf], self.slot_of[buf], lane_ids, want,
                                    priority, cap, step)
@@ -96,7 +100,7 @@ class SlotTable:
         where = inv.gather(-1, self._col(want))                                 # [B, KVH, K'] slot or -1
         missing = valid & (where < 0)
         # slots holding a wanted block: scatter into a spare column K for the not-held ones
-        slot_wanted = torch.zeros(*held.shape[:-1], self.top_k + 1, dtype=torch.bool)
+        slot_wanted = torch.zeros(*held.shape[:-1], self.top_k + 1, dtype=torch.bool, device=self.device)
         slot_wanted.scatter_(-1, torch.where(where >= 0, where, self.top_k), True)
         slot_wanted = slot_wanted[..., : self.top_k]
         last = torch.where(slot_wanted, step, last)
@@ -105,10 +109,10 @@ class SlotTable:
         order = torch.argsort(torch.where(missing, -priority, float("inf")), dim=-1, stable=True)
         if not bool(missing.any()):           # nothing to admit: only the recency update
             self.last_used[buf, lanes] = last
-            empty = torch.zeros(0, dtype=torch.long)
+            empty = torch.zeros(0, dtype=torch.long, device=self.device)
             return Admission(empty, empty, empty, empty)
         n_admit = missing.sum(-1).clamp(max=cap)                                # [B, KVH]
-        take = torch.arange(want.shape[-1]) < n_admit[..., None]                # [B, KVH, K']
+        take = torch.arange(want.shape[-1], device=self.device) < n_admit[..., None]                # [B, KVH, K']
         b_idx, h_idx, j_idx = take.nonzero(as_tuple=True)
         slots = victims[b_idx, h_idx, j_idx]
         blocks = want.gather(-1, order)[b_idx, h_idx, j_idx]

@@ -1,14 +1,16 @@
 """Lookahead model runner: builds dual-row decode steps (real + draft token per sequence)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
+from ..device import to_device
 from ..draft import DraftChain
 from ..model import LlamaModel
 from ..prefill_cache import PrefillCache
-from ..sampling import sample
+from ..sampling import PendingDraws
 from ..sequence import Sequence
 from ..step import StepBatch, StepItem
 from .attention import LookaheadAttention
@@ -54,6 +56,7 @@ class LookaheadRunner:
         self.model, self.attn, self.block_size, self.chain = model, attn, block_size, chain
         self.prefill_cache = prefill_cache
         self.free_lanes = list(range(num_lanes))
+        self._draws: PendingDraws | None = None     # this step's draft draws, see take_draws
         self.lanes: dict[int, int] = {}
 
     def _lane(self, seq: Sequence) -> int:
@@ -75,7 +78,9 @@ class LookaheadRunner:
 
     # ---- one step ---------------------------------------------------------------------------------
     def run(self, work: list[tuple[Sequence, int]]) -> dict[int, torch.Tensor]:
-        """Run one step; returns {seq_id: logits [vocab]} for sequences that emit a token."""
+        """Run one step; returns {seq_id: logits [vocab]} for sequences that emit a token (the
+        draft rows' draws wait in `take_draws`)."""
+        self._draws = None
         for seq, _ in work:                  # rows in lane order: a full decode batch packs (step_plan)
             self._lane(seq)
         work = sorted(work, key=lambda w: self.lanes[w[0].seq_id])
@@ -121,17 +126,24 @@ class LookaheadRunner:
         return r
 
     def _plan(self, r: _Rows) -> StepPlan:
-        t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-        batch = StepBatch(r.items, t(r.tokens), t(r.positions), t(r.blocks), t(r.offsets))
+        """The step's tensors, made on the host from the row lists and moved to the device once."""
+        dev = self.attn.device
+        rows = torch.tensor([r.tokens, r.positions], dtype=torch.long)                     # [2, T]
+        stored = torch.tensor([r.stored, r.stored_lanes, r.blocks, r.offsets,
+                               [p // self.block_size for p in (r.positions[i] for i in r.stored)]],
+                              dtype=torch.long)                                           # [5, T_real]
+        keep = None if all(r.keep) else torch.tensor(r.keep, dtype=torch.bool)
+        rows_d, stored_d, *keep_d = to_device(dev, rows, stored, *([keep] if keep is not None else []))
+        s_rows, s_lanes, s_blocks, s_offsets, s_logical = stored_d.unbind(0)
+        batch = StepBatch(r.items, *rows_d.unbind(0), s_blocks, s_offsets)
         decode = (build_decode_part(self.attn.layout, r.dec_lanes, r.dec_real, r.dec_draft, r.dec_ctx,
-                                    self.attn.max_blocks, only_decode=not r.prefill, predecode=r.dec_pre)
+                                    self.attn.max_blocks, only_decode=not r.prefill, predecode=r.dec_pre,
+                                    device=dev)
                   if r.dec_lanes else None)
-        stored = t(r.stored)
         # a packed decode step stores every real row: a slice of them is a view, not a copy
-        real_ix = decode.real_ix if decode is not None and decode.packed and not any(r.dec_pre) else stored
-        return StepPlan(batch, stored, t(r.stored_lanes), batch.positions[stored] // self.block_size,
-                        slice(None) if all(r.keep) else torch.tensor(r.keep, dtype=torch.bool),
-                        r.prefill, decode, real_ix)
+        real_ix = decode.real_ix if decode is not None and decode.packed and not any(r.dec_pre) else s_rows
+        return StepPlan(batch, s_rows, s_lanes, s_logical, keep_d[0] if keep_d else slice(None),
+                        r.prefill, decode, real_ix, pool_blocks=stored[2], pool_offsets=stored[3])
 
     def _advance(self, work: list[tuple[Sequence, int]], r: _Rows) -> None:
         """The cache now holds the step's stored rows (a pre-decoding sequence stored none)."""
@@ -151,14 +163,27 @@ class LookaheadRunner:
                 emit_rows.append(row), emit_seqs.append(seq)
         if not emit_rows and not r.dec_draft:
             return {}
-        logits = self.model.logits(hidden[torch.tensor(emit_rows + r.dec_draft, dtype=torch.long)])
-        for i, (seq, pre) in enumerate(zip(r.dec_seqs if r.dec_draft else [], r.dec_pre)):
-            # the draft row draws the token after next (position p + 2); a pre-decoding row, which
-            # is next step's real row computed ahead, the next one (p + 1): each on the noise of
-            # its position, as the real row that will draw it
-            position = seq.num_tokens + (0 if pre else 1)
-            self.chain.set_guess(seq.seq_id, sample(logits[len(emit_rows) + i], seq.params, seq.noise_seed, position))
+        logits = self.model.logits(hidden[torch.tensor(emit_rows + r.dec_draft, dtype=torch.long, device=hidden.device)])
+        drafts = list(zip(r.dec_seqs, r.dec_pre)) if r.dec_draft else []
+        # the draft row draws the token after next (position p + 2); a pre-decoding row, which is
+        # next step's real row computed ahead, the next one (p + 1): each on the noise of its
+        # position, as the real row that will draw it
+        if drafts:          # drawn by the engine with the emitted rows: one copy of ids per step
+            ids = [seq.seq_id for seq, _ in drafts]
+            self._draws = PendingDraws(
+                logits[len(emit_rows):],
+                [(seq.params, seq.noise_seed, seq.num_tokens + (0 if pre else 1)) for seq, pre in drafts],
+                functools.partial(self._set_guesses, ids))
         return {seq.seq_id: logits[i] for i, seq in enumerate(emit_seqs)}
+
+    def _set_guesses(self, seq_ids: list[int], guesses: list[int]) -> None:
+        for seq_id, guess in zip(seq_ids, guesses):
+            self.chain.set_guess(seq_id, guess)
+
+    def take_draws(self) -> PendingDraws | None:
+        """The last step's draft draws, for the engine's sampling pass (once; None if none)."""
+        draws, self._draws = self._draws, None
+        return draws
 
     def stats(self) -> dict:
         a, tr = self.attn, self.attn.transfer
@@ -166,8 +191,9 @@ class LookaheadRunner:
         chain = self.chain.stats() if self.chain is not None else {}
         return {
             "h2d_bytes": tr.h2d_bytes,
-            "device_resident_bytes": a.device_bytes_per_lane() * len(self.lanes),
-            "device_bytes_per_seq": a.device_bytes_per_lane(),
+            "device_resident_bytes": a.working_set_bytes_per_lane() * len(self.lanes),
+            "device_bytes_per_seq": a.working_set_bytes_per_lane(),
+            "device_summary_bytes_per_seq": a.device_bytes_per_lane() - a.working_set_bytes_per_lane(),
             "prefetch_hit_rate": m["prefetch_hit_rate"],
             "urgent_blocks": m["urgent_blocks"],
             "prefetched_blocks": m["prefetched_blocks"],

@@ -1,10 +1,15 @@
-"""Per-step tensors of the lookahead backend, built once per step by the runner, read by every layer."""
+"""Per-step tensors of the lookahead backend, built once per step by the runner, read by every layer.
+
+Built on the host from lists, then moved to the engine's device in one go (`to_device`): no layer
+makes or moves metadata of its own.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from ..device import to_device
 from ..step import StepBatch, StepItem
 from .layout import SlotLayout
 
@@ -25,7 +30,7 @@ class DecodePart:
     (its draw becomes the first draft of a re-seeded chain, runtime/draft.py).
     """
 
-    lanes: torch.Tensor            # [B] lane of each decoding sequence
+    lanes: torch.Tensor            # [B] lane of each decoding sequence (device)
     real_rows: torch.Tensor        # [B] row of the real token in the flat batch
     draft_rows: torch.Tensor       # [B]
     num_lanes: int                 # lanes [0, num_lanes) are computed; inactive ones are masked out
@@ -45,6 +50,7 @@ class DecodePart:
     extra_mask: torch.Tensor | None = None   # [num_lanes, rows, rows] bool: which of this step's
                                    # own rows each row sees (real: itself; draft: real and itself)
     predecode: torch.Tensor | None = None    # [num_lanes] bool: the lane pre-decodes this step
+    lane_list: list[int] | None = None       # `lanes` on the host (the ping-pong refill's lists)
 
     @property
     def size(self) -> int:
@@ -63,6 +69,8 @@ class StepPlan:
     prefill: list[PrefillPart]
     decode: DecodePart | None
     real_ix: slice | torch.Tensor | None = None   # real_rows, as a slice when the decode is packed
+    pool_blocks: torch.Tensor | None = None       # batch.slot_blocks / slot_offsets on the host
+    pool_offsets: torch.Tensor | None = None      # (the host pool's write indices)
 
 
 def window_mask(layout: SlotLayout, context_len: int, visible: int | None = None) -> torch.Tensor:
@@ -82,6 +90,7 @@ def window_mask(layout: SlotLayout, context_len: int, visible: int | None = None
 
 
 def candidate_mask(layout: SlotLayout, context_len: int, max_blocks: int) -> torch.Tensor:
+    """bool [max_blocks] (host): the top-K candidates of a query at `context_len` tokens."""
     m = torch.zeros(max_blocks, dtype=torch.bool)
     m[layout.num_sink: layout.window_start(context_len)] = True
     return m
@@ -89,8 +98,10 @@ def candidate_mask(layout: SlotLayout, context_len: int, max_blocks: int) -> tor
 
 def build_decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int], draft_rows: list[int],
                       context_lens: list[int], max_blocks: int, only_decode: bool,
-                      predecode: list[bool] | None = None) -> DecodePart:
-    """`predecode[i]`: lane i pre-decodes (its draft row is at the real row's position)."""
+                      predecode: list[bool] | None = None,
+                      device: torch.device = torch.device("cpu")) -> DecodePart:
+    """`predecode[i]`: lane i pre-decodes (its draft row is at the real row's position). The
+    tensors are built on the host and moved to `device` once."""
     n = max(lanes) + 1
     predecode = predecode or [False] * len(lanes)
     base = torch.zeros(n, layout.selected_start * layout.block_size, dtype=torch.bool)
@@ -103,14 +114,16 @@ def build_decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int]
         cand[lane, 1] = candidate_mask(layout, c if p else c + 1, max_blocks)
         active[lane] = True
         pre[lane] = p
-    t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     rows = 2 if draft_rows else 1
-    part = DecodePart(t(lanes), t(real_rows), t(draft_rows), n, base, active, cand[:, :rows],
-                      list(context_lens), rows=rows, predecode=pre)
-    part.extra_mask = torch.tensor([[True, False], [True, True]])[:rows, :rows].expand(n, rows, rows)
-    if pre.any():       # a pre-decoding row sees only itself: the real row is the same token
-        part.extra_mask = part.extra_mask.clone()
-        part.extra_mask[pre, 1, 0] = False
+    extra = torch.tensor([[True, False], [True, True]])[:rows, :rows].expand(n, rows, rows)
+    if any(predecode):  # a pre-decoding row sees only itself: the real row is the same token
+        extra = extra.clone()
+        extra[pre, 1, 0] = False
+    ids = torch.tensor([lanes, real_rows, draft_rows or real_rows], dtype=torch.long)   # [3, B]
+    ids, base, active, cand, pre, extra = to_device(device, ids, base, active, cand[:, :rows], pre, extra)
+    t_lanes, t_real, t_draft = ids.unbind(0)
+    part = DecodePart(t_lanes, t_real, t_draft if draft_rows else t_draft[:0], n, base, active, cand,
+                      list(context_lens), rows=rows, extra_mask=extra, predecode=pre, lane_list=list(lanes))
     part.lane_ix, part.real_ix = part.lanes, part.real_rows
     if lanes == list(range(n)):
         part.lane_ix = slice(0, n)

@@ -1,0 +1,56 @@
+"""The op implementations one engine calls, chosen once from its (device, dtype).
+
+    ops = select_ops(torch.device("cpu"), torch.float32)
+    ops.block_topk(q, kmin, kmax, valid, k, "max")      # plugins.direct: no dispatcher on CPU
+
+Every caller on the decode path (the model's projections, the lookahead backend's scoring,
+attention and summaries) reads its ops from the engine's `Ops`, never from a module global, so
+the choice follows the device the tensors live on: on CPU the ops' implementations are called
+directly (`plugins.direct`: a `torch.ops` dispatch costs about what a decode-size op computes
+in), on CUDA through `torch.ops.lookahead`, whose CUDA key `plugins.cuda` registers its kernels
+for. `checked=True` gives the argument-checking wrappers (`plugins.<op>`) on the same arguments,
+for tests. A test may pass an `Ops` of its own (e.g. one that records or checks every argument).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+import plugins  # registers torch.ops.lookahead.*
+from plugins import cpu
+
+
+@dataclass(frozen=True)
+class Ops:
+    """One callable per op; the signatures are those of `plugins/CONTRACTS.md` and F.linear."""
+
+    block_gather: Callable
+    block_topk: Callable
+    update_summaries: Callable
+    lookahead_attention: Callable
+    linear: Callable            # (x [M, K], weight [N, K], bias [N] | None) -> [M, N]
+    name: str = ""
+
+    def wrapped(self, wrap: Callable[[str, Callable], Callable], name: str | None = None) -> "Ops":
+        """These ops with each callable replaced by `wrap(op_name, fn)` (tests: check, record)."""
+        ops = {f.name: wrap(f.name, getattr(self, f.name)) for f in fields(self) if f.name != "name"}
+        return Ops(**ops, name=name or f"{self.name}+wrapped")
+
+
+def select_ops(device: torch.device, dtype: torch.dtype, checked: bool = False) -> Ops:
+    """The ops for tensors of `dtype` on `device`. checked: the validating wrappers (tests)."""
+    # plugins.cpu.linear runs its C kernel for a decode step's few fp32 rows and is F.linear
+    # otherwise; on a GPU F.linear is cuBLAS
+    linear = cpu.linear if device.type == "cpu" and dtype == torch.float32 else F.linear
+    if checked:
+        return Ops(plugins.block_gather, plugins.block_topk, plugins.update_summaries,
+                   plugins.lookahead_attention, linear, name=f"checked/{device.type}")
+    if device.type == "cpu":
+        d = plugins.direct
+        return Ops(d.block_gather, d.block_topk, d.update_summaries, d.lookahead_attention, linear, name="direct/cpu")
+    o = torch.ops.lookahead
+    return Ops(o.block_gather, o.block_topk, o.update_summaries, o.lookahead_attention, linear,
+               name=f"dispatch/{device.type}")
