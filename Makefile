@@ -52,23 +52,18 @@ dynamo: $(DYNAMO_STAMP)
 engine: model
 	@test -f $(ENGINE)/engine.yaml || $(VPY) scripts/build_engine.py --model default --output $(ENGINE)
 
-# The main job: serve the engine with Triton, ask it one question over HTTP /generate, load-test it
-# over gRPC streaming against the same workload in-process, and stop the server (also on failure).
+# The main job: one ~5K-token needle-in-a-haystack question served from Triton in dense mode, then in
+# lookahead mode, both answers and their numbers side by side (device KV per sequence, H2D bytes,
+# prefetch hit rate, draft accept rate, agreement, TTFT, decode tokens/s), then the load test against
+# the lookahead server; servers stopped on any exit (scripts/demo.py). `data`: RULER's generators and
+# the essays the haystack comes from.
 demo: HTTP_PORT ?= 8000
 demo: GRPC_PORT ?= 8001
 demo: METRICS_PORT ?= 8002
-demo: MODE ?= dense
-demo: engine
-	@set -e; PYTHON=$(VPY) scripts/serve.sh start --engine $(ENGINE) --mode $(MODE) \
-	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT); \
-	trap 'PYTHON=$(VPY) scripts/serve.sh stop' EXIT; trap 'exit 130' INT TERM; \
-	$(VPY) -c 'import json; from runtime.tokenizer import TextTokenizer as T; \
-	  q = T("$(ENGINE)/tokenizer").apply_chat_template("What is the capital of France? Answer in one sentence."); \
-	  print(json.dumps({"text_input": q, "max_tokens": 48, "exclude_input_in_output": True}))' \
-	  | curl -sf http://127.0.0.1:$(HTTP_PORT)/v2/models/lookahead_llm/generate -d @-; echo; \
-	$(VPY) scripts/load_test.py --url 127.0.0.1:$(GRPC_PORT) --concurrency 4 --num-requests 16 \
-	  --prompt-len 128 --prompt-len-std 32 --max-tokens 32 --in-process --rounds 2 \
-	  --server-pid-file build/serve/tritonserver.pid --json results/load_test.json --plot results/load_test.png
+demo: DEMO_ARGS ?=
+demo: engine data
+	$(VPY) scripts/demo.py --engine $(ENGINE) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+	  --metrics-port $(METRICS_PORT) $(DEMO_ARGS)
 
 .PHONY: serve serve-stop
 serve: engine
