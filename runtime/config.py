@@ -139,7 +139,7 @@ class LookaheadConfig:
     residency: str = "resident"
     miss_policy: str = "urgent"
     draft: str = "dual_token"
-    group_score: str = "max"       # a GQA group's block score: max over its heads, or sum (DESIGN.md)
+    group_score: str = "max"       # a GQA group's block score: max over its heads, or sum (the original design)
     resync_after: int = 1          # draft misses in a row before the chain is re-seeded by
                                    # pre-decoding (1: after every miss; 0: never)
     prefetch_lead: int = 2         # pingpong: layer l+lead is fetched while layer l computes

@@ -1,4 +1,4 @@
-"""Lookahead attention backend: the per-layer data flow of DESIGN.md ("One decode step").
+"""Lookahead attention backend: the per-layer data flow of docs/ARCHITECTURE.md ("One decode step").
 
 For layer l of a decode step:
   1. keep the real rows' K/V for the end of the step (step 6): this step they are extra keys;
