@@ -35,7 +35,6 @@ import math
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from load_workload import Prompts  # noqa: E402
+from runtime.serving.triton_env import free_ports  # noqa: E402
 
 MODEL = "lookahead_llm"
 TARGET_RSS_GROWTH_PCT = 5.0
@@ -436,17 +436,6 @@ def plot(summaries: dict[str, dict], path: str) -> bool:
 
 
 # ---- servers --------------------------------------------------------------------------------------
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class Server:
     """scripts/serve.sh start/stop for one mode, on free ports, in its own run dir."""
 

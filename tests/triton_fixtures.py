@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.serving.triton_env import free_ports
 from tiny_engine import make_tiny_engine
 
 READY_TIMEOUT_S = 120
@@ -67,17 +67,6 @@ class TritonServer:
                 raise AssertionError(f"tritonserver ignored SIGTERM for {timeout} s:\n{self.log_tail()}")
         return self.proc.returncode
 
-
-def free_ports(n: int) -> list[int]:
-    """n distinct ports the kernel calls free right now (held together, so they differ)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _ready(url: str) -> bool:

@@ -24,6 +24,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import stat
 import sys
 import sysconfig
@@ -252,3 +253,15 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports the kernel calls free on 127.0.0.1 right now (held together, so they differ)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
