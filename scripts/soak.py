@@ -290,6 +290,27 @@ def is_settled(s: Sample) -> bool:
             and not s.running and not s.queue)
 
 
+def throughput_trend(whole: list[dict], bucket_s: float) -> dict | None:
+    """A least-squares line through the whole buckets' tokens/s: its slope as % of the mean per
+    10 minutes, with two standard errors. The thirds' drift above swings with the prompt-length mix
+    of a minute (a 4000-token prefill stalls every stream); a slope inside its 2 SE is no trend."""
+    ys = np.array([b["tokens_per_s"] for b in whole if b["tokens_per_s"] is not None], dtype=float)
+    if len(ys) < 3 or ys.mean() <= 0:
+        return None
+    xs = np.arange(len(ys)) * bucket_s / 600.0                      # in 10-minute units
+    slope, intercept = np.polyfit(xs, ys, 1)
+    resid = ys - (slope * xs + intercept)
+    se = float(np.sqrt(resid @ resid / (len(ys) - 2) / ((xs - xs.mean()) @ (xs - xs.mean()))))
+    pct = lambda v: round(100.0 * v / ys.mean(), 1)  # noqa: E731
+    return {"pct_per_10min": pct(slope), "two_se_pct": pct(2 * se), "significant": abs(slope) > 2 * se}
+
+
+def _trend(t: dict | None) -> str:
+    if not t:
+        return "-"
+    return f"{t['pct_per_10min']:+.1f}% ± {t['two_se_pct']:.1f}%" + (" (a trend)" if t["significant"] else " (none)")
+
+
 def summarize_soak(results: list[Result], samples: list[Sample], t0: float, t_load_end: float,
                    warmup_s: float, bucket_s: float) -> dict:
     """The report of one soak (pure: times are monotonic seconds, `t0` the load's start)."""
@@ -314,6 +335,7 @@ def summarize_soak(results: list[Result], samples: list[Sample], t0: float, t_lo
     first = np.mean([b["tokens_per_s"] for b in whole[:third]]) if len(whole) >= 2 else 0.0
     if first > 0:
         drift = round(100.0 * (np.mean([b["tokens_per_s"] for b in whole[-third:]]) / first - 1.0), 1)
+    trend = throughput_trend(whole, bucket_s)
 
     load = [s for s in samples if s.phase == "load" and s.stub_rss]
     after = [s for s in load if s.t >= warmup_s]
@@ -334,7 +356,7 @@ def summarize_soak(results: list[Result], samples: list[Sample], t0: float, t_lo
         "error_examples": errors[:3],
         "prompt_lens": sorted({r.prompt_len for r in results}),
         "output_tokens": len(tokens), "output_tokens_per_s": round(len(tokens) / t_load_end, 2) if t_load_end else None,
-        "buckets": buckets, "throughput_drift_pct": drift,
+        "buckets": buckets, "throughput_drift_pct": drift, "throughput_trend": trend,
         "stub_rss_mb": {"first": _mb(load[0].stub_rss) if load else None, "after_warmup": _mb(rss_warm),
                         "end": _mb(rss_end), "max": _mb(max((s.stub_rss for s in load), default=None)),
                         "growth_pct": growth, "slope_mb_per_min": slope},
@@ -381,6 +403,7 @@ def table(summaries: dict[str, dict]) -> str:
         ("tokens/s per bucket", lambda s: " ".join(_f(b["tokens_per_s"], 0) for b in s["buckets"])),
         ("bucket (s) / warm-up (s)", lambda s: f"{s['bucket_s']:g} / {s['warmup_s']:g}"),
         ("throughput drift after warm-up", lambda s: _pct(s["throughput_drift_pct"])),
+        ("trend per 10 min (± 2 SE)", lambda s: _trend(s.get("throughput_trend"))),
         ("stub RSS after warm-up -> end", rss),
         ("stub RSS growth (target < 5%)", lambda s: _pct(s["stub_rss_mb"]["growth_pct"])),
         ("stub RSS slope (MB/min)", lambda s: _f(s["stub_rss_mb"]["slope_mb_per_min"])),

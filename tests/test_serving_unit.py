@@ -557,3 +557,13 @@ def test_soak_workload_is_seeded_and_visits_every_length_first(soak):
     assert all(p.cancel_after is None or 1 <= p.cancel_after <= p.max_tokens // 2 for p in plans)
     assert 0.4 < sum(p.cancel_after is not None for p in plans) / 400 < 0.6
     assert soak.parse_lens("24:5,4000") == [(24, 5.0), (4000, 1.0)]
+
+
+def test_soak_trend_tells_a_slope_from_noise(soak):
+    flat = [{"tokens_per_s": v} for v in (20, 24, 18, 22, 19, 23, 21, 20, 22)]
+    t = soak.throughput_trend(flat, 60.0)
+    assert not t["significant"] and abs(t["pct_per_10min"]) < t["two_se_pct"]
+    rising = [{"tokens_per_s": 10 + 2 * i + (i % 2) * 0.5} for i in range(9)]
+    t = soak.throughput_trend(rising, 60.0)
+    assert t["significant"] and t["pct_per_10min"] > 50          # +2 tokens/s a minute on a mean of 18
+    assert soak.throughput_trend(flat[:2], 60.0) is None
