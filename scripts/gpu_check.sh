@@ -2,6 +2,12 @@
 # The one-shot GPU check (H200): kernels, the CUDA transfer engine, decode timing. Under 8 minutes.
 #
 #   scripts/gpu_check.sh                    # results under ${OUT:-out/gpu_check}
+#   scripts/gpu_check.sh --dry-run          # here, without a GPU: the same stages on CPU, small shapes
+#
+# --dry-run (a test runs it): env without the GPU requirement; kernels compile-only is not run (it
+# needs a CUDA torch), so the stage imports the check and prints its help; tests collects the CUDA
+# test files; bench runs gpu_decode_bench.py on CPU (2 layers, 256 tokens, dense and all lookahead
+# modes). It catches a Python error in a stage before the H200 run does.
 #
 # Runs on the GPU machine with that machine's python (PYTHON, default python3: torch with CUDA,
 # cuda-bindings, nvcc, ninja; RECIPES.md "The GPU machine"); the repository's .venv is not used.
@@ -26,10 +32,17 @@ set -uo pipefail    # no -e: a failing stage is recorded and the next one runs
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
+DRY=0
+case "${1:-}" in
+    --dry-run) DRY=1 ;;
+    "") ;;
+    *) echo "gpu_check: unknown option $1 (use --dry-run, or nothing)" >&2; exit 2 ;;
+esac
 OUT="${OUT:-out/gpu_check}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 PY="${PYTHON:-python3}"
+if [[ $DRY == 1 && -z "${PYTHON:-}" && -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; fi
 BUDGET_S="${GPU_CHECK_BUDGET_S:-450}"
 T_ENV="${T_ENV:-30}" T_KERNELS="${T_KERNELS:-150}" T_TESTS="${T_TESTS:-110}" T_BENCH="${T_BENCH:-170}"
 WHEELHOUSE="${WHEELHOUSE:-$ROOT/build/wheelhouse}"
@@ -80,7 +93,7 @@ env_report() {
     nvcc --version | tail -n 2 || echo "nvcc: not found"
     echo "ninja: $(command -v ninja || echo 'not found')"
     "$PY" - <<'EOF'
-import importlib.util, sys
+import importlib.util, os, sys
 import torch
 print("python", sys.version.split()[0], "| torch", torch.__version__, "| torch CUDA", torch.version.cuda)
 def installed(m):
@@ -93,11 +106,15 @@ for m in ("cuda.bindings", "numpy", "safetensors", "tokenizers", "yaml", "pytest
 from runtime.transfer.cuda import unavailable_reason
 print("CUDA transfer engine:", unavailable_reason() or "available")
 if not torch.cuda.is_available():
+    if os.environ.get("GPU_CHECK_DRY") == "1":
+        print("device: cpu (dry run)")
+        sys.exit(0)
     sys.exit("torch.cuda.is_available() is False: no usable GPU")
 print("device:", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
 EOF
 }
 export PY
+export GPU_CHECK_DRY=$DRY
 export -f env_report
 run_stage env "$T_ENV" "$OUT/env.txt" bash -c env_report
 record env "$STAGE_STATUS" "$STAGE_SECS" "$(grep -m1 '^device:' "$OUT/env.txt" | cut -c9-)"
@@ -110,6 +127,10 @@ fi
 
 # ---- kernels -----------------------------------------------------------------------------------
 mkdir -p "$OUT/kernel_check"
+if [[ $DRY == 1 ]]; then
+    run_stage kernels "$T_KERNELS" "$OUT/kernel_check.log" "$PY" scripts/gpu_kernel_check.py --help
+    record kernels "$STAGE_STATUS" "$STAGE_SECS" "dry run: imported and parsed its arguments only (needs CUDA)"
+else
 run_stage kernels "$T_KERNELS" "$OUT/kernel_check.log" "$PY" scripts/gpu_kernel_check.py --out "$OUT/kernel_check"
 note=$("$PY" - "$OUT/kernel_check/kernel_check.json" <<'EOF' 2>/dev/null
 import json, sys
@@ -121,6 +142,7 @@ print(f"numerics {ok}/{len(r['checks'])}; gather/memcpy >= {ratio:.2f}; memcpy H
 EOF
 )
 record kernels "$STAGE_STATUS" "$STAGE_SECS" "${note:-no kernel_check.json}"
+fi
 
 # ---- tests -------------------------------------------------------------------------------------
 if ! "$PY" -c 'import pytest' 2>/dev/null; then
@@ -134,17 +156,21 @@ if ! "$PY" -c 'import pytest' 2>/dev/null; then
     fi
 fi
 if "$PY" -c 'import pytest' 2>/dev/null; then
-    run_stage tests "$T_TESTS" "$OUT/pytest.log" "$PY" -m pytest -q -p no:cacheprovider -m "not slow" \
+    collect=(); [[ $DRY == 1 ]] && collect=(--collect-only)
+    run_stage tests "$T_TESTS" "$OUT/pytest.log" "$PY" -m pytest -q -p no:cacheprovider -m "not slow" "${collect[@]}" \
         --junitxml "$OUT/pytest-junit.xml" tests/test_transfer_cuda.py tests/test_cuda_kernels.py
-    note=$(grep -E '[0-9]+ (passed|failed|error)' "$OUT/pytest.log" | tail -n 1 | tr -d '=' | sed 's/^ *//')
+    note=$(grep -E '[0-9]+ (passed|failed|error|tests? collected)' "$OUT/pytest.log" | tail -n 1 | tr -d '=' | sed 's/^ *//')
     record tests "$STAGE_STATUS" "$STAGE_SECS" "${note:-no pytest summary line}"
 else
     record tests SKIPPED 0 "no pytest on this python and no wheels in $WHEELHOUSE"
 fi
 
 # ---- bench -------------------------------------------------------------------------------------
+bench_args=(--steps 12 --warmup 2)
+[[ $DRY == 1 ]] && bench_args=(--device cpu --context 256 --layers 2 --steps 2 --warmup 1 --prefill-chunk 256
+                               --bandwidth-gib 0.125 --dense-batch 8)
 run_stage bench "$T_BENCH" "$OUT/decode_bench.log" "$PY" scripts/gpu_decode_bench.py \
-    --out "$OUT/decode_bench" --steps 12 --warmup 2
+    --out "$OUT/decode_bench" "${bench_args[@]}"
 note=$("$PY" - "$OUT/decode_bench/decode_bench.json" <<'EOF' 2>/dev/null
 import json, sys
 rows = json.load(open(sys.argv[1]))["results"]

@@ -370,3 +370,20 @@ def test_sweep_fetch_ratio_reports_each_policy_and_ratio(tiny_dir, tmp_path, sma
     # an uncapped admission takes the whole prediction: never fewer hits than a one-block cap
     assert rows[1]["prefetch_hit_rate"] >= rows[0]["prefetch_hit_rate"]
     assert json.loads(out.read_text())["rows"] == rows
+
+
+@pytest.mark.timeout(180)
+def test_gpu_check_dry_run_runs_every_stage_on_cpu(tmp_path):
+    """scripts/gpu_check.sh --dry-run: the GPU check's Python stages on CPU, so a Python error in
+    one fails here, not on the H200."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), "--dry-run"], capture_output=True, text=True,
+                       timeout=170, env={**__import__("os").environ, "OUT": str(tmp_path), "PYTHON": sys.executable})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    for stage in ("env", "kernels", "tests", "bench"):
+        assert f"\n{stage} " in "\n" + summary and "FAIL" not in summary, summary
+    assert "3/3 modes timed" in summary
+    bad = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), "--bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown option" in bad.stderr
