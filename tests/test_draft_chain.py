@@ -9,20 +9,14 @@ import torch
 from runtime.draft import DraftChain, DraftSource, DualTokenDraft, PromptLookupDraft, make_draft
 from runtime.engine import Engine
 from runtime.sampling import SamplingParams, filtered_logits, position_noise, sample
-from tiny_engine import make_tiny_engine
+from tiny_engine import SMALL_LOOKAHEAD as SMALL, make_tiny_engine, random_prompts as prompts
 
-SMALL = dict(mode="lookahead", block_size=4, recent_window=8, num_sink_blocks=1)
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return make_tiny_engine(tmp_path_factory.mktemp("tiny_chain"), seed=11)
-
-
-def prompts(*lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
 
 
 def generate(engine, ps, params=GREEDY):

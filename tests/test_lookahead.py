@@ -10,21 +10,15 @@ from runtime.engine import Engine
 from runtime.errors import ConfigError
 from runtime.sampling import SamplingParams
 from runtime.transfer import SyncTransferEngine
-from tiny_engine import make_tiny_engine
+from tiny_engine import SMALL_LOOKAHEAD as SMALL, make_tiny_engine, random_prompts as prompts
 
 SP = SamplingParams(max_tokens=16, ignore_eos=True)
-SMALL = dict(mode="lookahead", block_size=4, recent_window=8, num_sink_blocks=1)
 CHECKED = dict(SMALL, debug_checks=True)    # the checked ops, and check_integrity before every attention
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return make_tiny_engine(tmp_path_factory.mktemp("tiny_la"), seed=3)
-
-
-def prompts(*lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
 
 
 def run(engine, ps, sp=SP):

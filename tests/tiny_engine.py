@@ -35,3 +35,14 @@ def make_tiny_engine(path: Path, seed: int = 0, lookahead: LookaheadConfig | Non
     write_manifest(path, name="tiny", model=cfg, dtype="float32", lookahead=lookahead or LookaheadConfig(),
                    source={"kind": "random", "seed": seed}, versions={})
     return path
+
+
+# the small lookahead geometry the invariant tests use: 4-token blocks, an 8-token window, one sink
+SMALL_LOOKAHEAD = dict(mode="lookahead", block_size=4, recent_window=8, num_sink_blocks=1)
+
+
+def random_prompts(*lens: int, seed: int = 0, vocab: int = 256) -> list[list[int]]:
+    """Token-id prompts of the given lengths, fresh random ids (seeded)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
