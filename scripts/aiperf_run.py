@@ -6,7 +6,7 @@
     scripts/aiperf_run.py --target both --openai-url http://127.0.0.1:8100 --triton-url http://127.0.0.1:8000
 
 Targets (RECIPES.md, "aiperf"):
-- `openai`: the OpenAI endpoint (the Dynamo frontend: runtime/serving/dynamo_launch.py), streaming
+- `openai`: the OpenAI endpoint (the Dynamo frontend: serving/dynamo_launch.py), streaming
   chat (`--endpoint-type chat --streaming`);
 - `triton`: Triton's HTTP `/v2/models/lookahead_llm/generate_stream`, through aiperf's template
   endpoint: a Jinja payload template (written to the artifact dir) renders each request as the
@@ -43,7 +43,7 @@ TRITON_MODEL = "lookahead_llm"
 EXPORT = "profile_export_aiperf.json"
 # aiperf's template endpoint renders this with jinja2 (autoescape on: `tojson` output is safe) from
 # `text` (the prompt), `max_tokens` (--osl) and `stream`; keys that are not model inputs
-# (ignore_eos) reach the model as request parameters, which runtime/serving/request.py reads.
+# (ignore_eos) reach the model as request parameters, which serving/request.py reads.
 TRITON_TEMPLATE = ('{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens|tojson }}, '
                    '"stream": true, "exclude_input_in_output": true, "ignore_eos": IGNORE_EOS}')
 SUMMARY_METRICS = (("time_to_first_token", "TTFT"), ("inter_token_latency", "ITL"),
@@ -102,7 +102,7 @@ def aiperf_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 def write_tokenizer_dir(engine_dir: str | Path, out_dir: str | Path) -> Path:
     """The engine's tokenizer as a local HF-style dir (what the Dynamo frontend reads too)."""
-    from runtime.serving.dynamo_worker import make_model_dir
+    from serving.dynamo_worker import make_model_dir
     return make_model_dir(engine_dir, out_dir)
 
 

@@ -11,7 +11,7 @@ lookahead mode, their answers and numbers side by side, then the load test (what
 2. `scripts/serve.sh start --mode dense`, the question over HTTP `/v2/models/lookahead_llm/
    generate_stream` (streamed, so TTFT and decode tokens/s are measured at the client), `serve.sh stop`.
 3. The same with `--mode lookahead`. Its numbers come from the server's metrics endpoint
-   (runtime/serving/metrics.py), read before and after the request: counters as deltas; the rate
+   (serving/metrics.py), read before and after the request: counters as deltas; the rate
    gauges (hit rate, accept rate, agreement) are cumulative since the server started, and the
    server is fresh, so they are this request's (the table says so when they were not NaN before).
    Device bytes per sequence (working set, block summaries) are the server's gauges; the engine
@@ -49,7 +49,7 @@ LOAD_TEST_ARGS = ("--concurrency 4 --num-requests 16 --prompt-len 128 --prompt-l
 PROGRESS_EVERY_S = 5.0
 DEFAULT_RUN_DIR = ROOT / "build" / "serve"      # serve.sh's default --run-dir
 
-# Metric families read (runtime/serving/metrics.py); a counter's delta is the request's.
+# Metric families read (serving/metrics.py); a counter's delta is the request's.
 COUNTERS = {"h2d_bytes": "lookahead_h2d_bytes_total", "urgent_blocks": "lookahead_urgent_blocks_total",
             "prefetched_blocks": "lookahead_prefetched_blocks_total",
             "drafts_proposed": "lookahead_drafts_proposed_total",

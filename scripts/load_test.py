@@ -40,7 +40,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from load_report import plot, print_table  # noqa: E402
 from load_workload import (Prompts, Record, Run, Schedule, concat_runs, process_tree_cpu_s,  # noqa: E402,F401
                            summarize)
-from runtime.serving.grpc_stream import is_final, stream_request  # noqa: E402
+from serving.grpc_stream import is_final, stream_request  # noqa: E402
 
 WARMUP_ID = 1_000_000          # warm-up prompts come from ids the measured run never uses
 

@@ -11,11 +11,11 @@
 #                          [--run-dir DIR] [--discovery file|etcd] [-- any --lookahead-field VALUE]
 #
 # --frontend dynamo: the OpenAI API (/v1) from NVIDIA Dynamo's frontend and N engine workers on
-# 127.0.0.1 (runtime/serving/dynamo_launch.py; install it with scripts/install_dynamo.sh or
+# 127.0.0.1 (serving/dynamo_launch.py; install it with scripts/install_dynamo.sh or
 # `make dynamo`); its run dir is build/dynamo unless --run-dir is given. stop and status find it.
 #
 # The tritonserver is the one bundled in the nvidia-pytriton wheel (RECIPES.md), run by a supervisor
-# (runtime/serving/supervisor.py) that stays in the background: the HTTP port is its front, which
+# (serving/supervisor.py) that stays in the background: the HTTP port is its front, which
 # refuses bodies over --max-body-bytes (413; default 2 MiB: tritonserver 2.51 crashes on bodies over
 # ~4 MB) and malformed or deeply nested JSON (400); gRPC and metrics are tritonserver's own ports.
 # --watch restarts the server when it or its python stub dies (or stops answering the probe).
@@ -107,7 +107,7 @@ EOF
 
 start() {
   local pid
-  if pid="$(alive_pid "$SUP_PID_FILE" runtime.serving.supervisor)"; then die "already running (supervisor pid $pid, see $STATE); run: scripts/serve.sh stop${RUN_DIR:+ --run-dir \"$RUN_DIR\"}"; fi
+  if pid="$(alive_pid "$SUP_PID_FILE" serving.supervisor)"; then die "already running (supervisor pid $pid, see $STATE); run: scripts/serve.sh stop${RUN_DIR:+ --run-dir \"$RUN_DIR\"}"; fi
   if pid="$(alive_pid "$PID_FILE" tritonserver)"; then die "a tritonserver of $RUN_DIR still runs (pid $pid) without its supervisor; run: scripts/serve.sh stop --run-dir \"$RUN_DIR\""; fi
   case "$MODE" in ""|dense|lookahead) ;; *) die "--mode must be dense or lookahead, got '$MODE'" ;; esac
   case "$MAX_BODY" in ''|*[!0-9]*) die "--max-body-bytes must be a number of bytes, got '$MAX_BODY'" ;; esac
@@ -129,7 +129,7 @@ except LookaheadError as e:
 
   mkdir -p "$RUN_DIR"
   local mode_flag=(); [ -n "$MODE" ] && mode_flag=(--mode "$MODE")
-  "$PY" -m runtime.serving.config_template --engine "$ENGINE" --out "$RUN_DIR/model_repo" \
+  "$PY" -m serving.config_template --engine "$ENGINE" --out "$RUN_DIR/model_repo" \
       --instances "$INSTANCES" --max-queue "$MAX_QUEUE" "${mode_flag[@]}" >/dev/null \
       || die "could not write the model repository (see above)"
 
@@ -138,7 +138,7 @@ except LookaheadError as e:
   local watch_flag=(); [ "$WATCH" = 1 ] && watch_flag=(--watch)
   # The supervisor rotates tritonserver.log before each server start, cleans up what a killed run
   # left, and runs the HTTP front. setsid: it outlives this shell and its terminal's signals.
-  setsid "$PY" -m runtime.serving.supervisor run --run-dir "$RUN_DIR" --http-port "$HTTP" \
+  setsid "$PY" -m serving.supervisor run --run-dir "$RUN_DIR" --http-port "$HTTP" \
       --grpc-port "$GRPC" --metrics-port "$METRICS" --instances "$INSTANCES" --timeout "$TIMEOUT" \
       --max-body-bytes "$MAX_BODY" "${watch_flag[@]}" --info "ENGINE=$ENGINE" --info "MODE=${MODE:-engine default}" \
       >>"$SUP_LOG" 2>&1 < /dev/null &
@@ -154,7 +154,7 @@ except LookaheadError as e:
       die "start failed: $(state_of LAST_DEATH | grep . || echo "the supervisor exited (log above)")"
     fi
     if [ $SECONDS -ge $deadline ]; then
-      log_tail 30; "$PY" -m runtime.serving.supervisor stop --run-dir "$RUN_DIR" >&2 || true
+      log_tail 30; "$PY" -m serving.supervisor stop --run-dir "$RUN_DIR" >&2 || true
       die "not ready after ${TIMEOUT}s (log above); stopped it"
     fi
     sleep 0.25
@@ -166,7 +166,7 @@ dynamo_running() { [ -f "$DYN_RUN_DIR/frontend.pid" ] || compgen -G "$DYN_RUN_DI
 
 dynamo_start() {   # the launcher checks the port, the engine dir and the settings: one-line errors
   local mode_flag=(); [ -n "$MODE" ] && mode_flag=(--mode "$MODE")
-  "$PY" -m runtime.serving.dynamo_launch start --engine "$ENGINE" --workers "$WORKERS" --http-port "$HTTP" \
+  "$PY" -m serving.dynamo_launch start --engine "$ENGINE" --workers "$WORKERS" --http-port "$HTTP" \
       --run-dir "$DYN_RUN_DIR" --discovery "$DISCOVERY" --max-queue "$MAX_QUEUE" --timeout "$TIMEOUT" \
       "${mode_flag[@]}" "${EXTRA[@]}"
 }
@@ -174,19 +174,19 @@ dynamo_start() {   # the launcher checks the port, the engine dir and the settin
 stop() {
   local rc=0 dyn=0
   if [ "$FRONTEND" = dynamo ] || dynamo_running; then
-    dyn=1; "$PY" -m runtime.serving.dynamo_launch stop --run-dir "$DYN_RUN_DIR" || rc=$?
+    dyn=1; "$PY" -m serving.dynamo_launch stop --run-dir "$DYN_RUN_DIR" || rc=$?
   fi
   # a Triton server too, unless this was a Dynamo run dir with no Triton supervisor in it
   if [ "$FRONTEND" = triton ] && { [ "$dyn" = 0 ] || [ -f "$SUP_PID_FILE" ]; }; then
-    "$PY" -m runtime.serving.supervisor stop --run-dir "$RUN_DIR" || rc=$?
+    "$PY" -m serving.supervisor stop --run-dir "$RUN_DIR" || rc=$?
   fi
   return "$rc"
 }
 
 status() {
   local rc=0
-  if [ "$FRONTEND" = dynamo ]; then "$PY" -m runtime.serving.dynamo_launch status --run-dir "$DYN_RUN_DIR"; return; fi
-  "$PY" -m runtime.serving.supervisor status --run-dir "$RUN_DIR" || rc=$?
+  if [ "$FRONTEND" = dynamo ]; then "$PY" -m serving.dynamo_launch status --run-dir "$DYN_RUN_DIR"; return; fi
+  "$PY" -m serving.supervisor status --run-dir "$RUN_DIR" || rc=$?
   [ -f "$STATE" ] && [ "$rc" != 3 ] && sed 's/^/  /' "$STATE"
   return "$rc"
 }

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from load_workload import Prompts  # noqa: E402
-from runtime.serving.triton_env import free_ports  # noqa: E402
+from serving.triton_env import free_ports  # noqa: E402
 
 MODEL = "lookahead_llm"
 TARGET_RSS_GROWTH_PCT = 5.0
@@ -127,7 +127,7 @@ def grpc_inputs(prompt: str, max_tokens: int):
 
 
 async def one_request(client, i: int, workload: Workload, timeout_s: float) -> Result:
-    from runtime.serving.grpc_stream import stream_request
+    from serving.grpc_stream import stream_request
 
     plan = workload.plan(i)
     res = Result(start=time.monotonic(), prompt_len=plan.prompt_len)

@@ -47,11 +47,11 @@ def test_triton_template_command(tmp_path):
 
 def test_triton_template_renders_a_request_the_model_accepts():
     """Rendered as aiperf renders it (jinja2, autoescape on), the payload is JSON that
-    runtime.serving.request.parse_request accepts the way Triton's HTTP endpoint splits it: model
+    serving.request.parse_request accepts the way Triton's HTTP endpoint splits it: model
     inputs become tensors, the other keys request parameters."""
     import jinja2
 
-    from runtime.serving.request import parse_request
+    from serving.request import parse_request
 
     prompt = 'A "quoted" <tag> & a\nnewline \u00e9'
     rendered = jinja2.Environment(autoescape=True).from_string(aiperf_run.triton_template()).render(

@@ -78,7 +78,7 @@ def test_request_numbers_are_counter_deltas_and_flag_stale_rates():
 
 
 def test_exported_families_include_what_the_demo_reads():
-    from runtime.serving.metrics import METRICS
+    from serving.metrics import METRICS
     names = {s.name for s in METRICS}
     assert set(demo.COUNTERS.values()) <= names
     assert set(demo.RATE_GAUGES.values()) | set(demo.DEVICE_PER_SEQ.values()) <= names

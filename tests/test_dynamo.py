@@ -1,11 +1,11 @@
-"""The OpenAI API on NVIDIA Dynamo: runtime/serving/dynamo_worker.py behind a real `dynamo.frontend`.
+"""The OpenAI API on NVIDIA Dynamo: serving/dynamo_worker.py behind a real `dynamo.frontend`.
 
 Three parts:
 - pure tests of the request mapping, the model dir and the launcher's checks (no Dynamo needed);
 - the handler on a real EngineLoop over a tiny engine, and the launcher facing a worker that dies
   at start (Dynamo needed, no real model);
 - one real deployment (TestLive: a frontend and two workers on the default engine, started by
-  runtime.serving.dynamo_launch, stopped even on failure) driven with the official `openai` client:
+  serving.dynamo_launch, stopped even on failure) driven with the official `openai` client:
   models list, greedy equality with the in-process engine (chat and completions, streaming and
   not), sampling parameters, stop strings, usage counts, 16 concurrent streams, 4xx answers while
   another stream goes on, a cancelled stream freeing its KV blocks, and both workers serving; then
@@ -26,8 +26,8 @@ import urllib.request
 import pytest
 
 from runtime.errors import RequestError
-from runtime.serving import dynamo_launch
-from runtime.serving.dynamo_worker import make_model_dir, sampling_params_from_request
+from serving import dynamo_launch
+from serving.dynamo_worker import make_model_dir, sampling_params_from_request
 
 MODEL = "lookahead_llm"
 MAX_MODEL_LEN = 512
@@ -105,7 +105,7 @@ def test_launcher_environment_and_commands(tmp_path):
                                      lookahead_overrides={"mode": "lookahead", "top_k": 64}, threads=1,
                                      worker_options={"max_queue": 9, "no_verify_checksums": True,
                                                      "num_host_blocks": None})
-    assert w[:3] == ["py", "-m", "runtime.serving.dynamo_worker"]
+    assert w[:3] == ["py", "-m", "serving.dynamo_worker"]
     joined = " ".join(w)
     assert "--mode lookahead" in joined and "--top-k 64" in joined and "--max-queue 9" in joined
     assert "--no-verify-checksums" in w and "--num-host-blocks" not in w and "--worker-index 1" in joined
@@ -115,7 +115,7 @@ def test_worker_flags_cover_every_lookahead_field():
     import dataclasses
 
     from runtime.config import LookaheadConfig
-    from runtime.serving.dynamo_worker import build_parser
+    from serving.dynamo_worker import build_parser
 
     args = build_parser().parse_args(["--engine", "E", "--mode", "lookahead", "--top-k", "32", "--fetch-ratio", "0.1"])
     assert (args.mode, args.top_k, args.fetch_ratio) == ("lookahead", 32, 0.1)
@@ -184,8 +184,8 @@ def test_handler_streams_counts_and_cancels_on_a_tiny_engine(tmp_path):
     request with its blocks freed."""
     exc = _dynamo_exceptions()
     from runtime.engine import Engine
-    from runtime.serving.dynamo_worker import EngineHandler
-    from runtime.serving.loop import EngineLoop
+    from serving.dynamo_worker import EngineHandler
+    from serving.loop import EngineLoop
     from tiny_engine import make_tiny_engine
 
     engine = Engine.from_dir(make_tiny_engine(tmp_path / "e"), max_queue=0, max_batch_size=1)

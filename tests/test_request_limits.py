@@ -19,8 +19,8 @@ from runtime.engine_dir import TOKENIZER_DIR, write_manifest
 from runtime.errors import RequestError
 from runtime.sampling import SamplingParams
 from runtime.scheduler import QueueFullError
-from runtime.serving.loop import EngineLoop, encode_releasing_gil
-from runtime.serving.request import (MAX_JSON_BYTES, MAX_STOP_STRINGS, RequestLimits, max_token_bytes,
+from serving.loop import EngineLoop, encode_releasing_gil
+from serving.request import (MAX_JSON_BYTES, MAX_STOP_STRINGS, RequestLimits, max_token_bytes,
                                      parse_request)
 from runtime.tokenizer import TextTokenizer
 from tiny_engine import TINY, byte_tokenizer, make_tiny_engine
@@ -321,7 +321,7 @@ MODEL = "lookahead_llm"
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory, triton_backend_dir, monkeypatch_module):
     """tritonserver on the long-token engine with 2 batch slots and max_queue 2."""
-    import runtime.serving.config_template as ct
+    import serving.config_template as ct
     from triton_fixtures import start_server
 
     engine_dir = long_token_engine(tmp_path_factory.mktemp("small_server_engine"), max_batch_size=2)
@@ -500,7 +500,7 @@ def test_a_long_prompt_does_not_stall_a_running_stream(small_server):
     """Served: while an 800 KB prompt (allowed by the byte bound, then too many tokens) is
     tokenized, a running stream keeps getting tokens (before: none for the whole tokenizing)."""
     import tritonclient.grpc.aio as grpcclient
-    from runtime.serving.grpc_stream import stream_request
+    from serving.grpc_stream import stream_request
 
     big = ("hgfedcba " * 88_889)[:800_000]
 

@@ -15,10 +15,10 @@ import pytest
 from runtime.engine import Engine
 from runtime.errors import ConfigError, EngineDirError, RequestError
 from runtime.sampling import SamplingParams
-from runtime.serving import config_template as ct
-from runtime.serving.loop import EngineLoop
-from runtime.serving.metrics import METRICS, MetricExporter
-from runtime.serving.request import GenerateRequest, ResponseStream, parse_request
+from serving import config_template as ct
+from serving.loop import EngineLoop
+from serving.metrics import METRICS, MetricExporter
+from serving.request import GenerateRequest, ResponseStream, parse_request
 from tiny_engine import make_tiny_engine
 
 
@@ -463,7 +463,7 @@ def run_within(coro, timeout=5.0):
 
 
 def stream_with(responses, on_response):
-    from runtime.serving.grpc_stream import stream_request
+    from serving.grpc_stream import stream_request
 
     client = FakeClient(responses)
     run_within(stream_request(client, "m", ["x"], on_response))

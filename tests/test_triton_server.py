@@ -14,7 +14,7 @@ import pytest
 
 from runtime.engine import Engine
 from runtime.sampling import SamplingParams
-from runtime.serving.triton_env import shm_regions
+from serving.triton_env import shm_regions
 from triton_fixtures import triton_backend_dir, triton_engine_dir, triton_server  # noqa: F401
 
 pytestmark = [pytest.mark.triton, pytest.mark.timeout(180)]
@@ -63,7 +63,7 @@ class Reply:
 async def generate(client, ins, cancel_when=lambda reply: False) -> Reply:
     """One request on its own gRPC stream; collects responses until the final one, or cancels the
     request once `cancel_when(reply)` holds after a response."""
-    from runtime.serving.grpc_stream import stream_request
+    from serving.grpc_stream import stream_request
 
     reply = Reply()
 
@@ -249,7 +249,7 @@ def wait_for_aborts(server, aborted: float, timeout: float = 15.0) -> dict[str, 
 
 
 def test_metrics_endpoint_exports_engine_stats(triton_server):
-    from runtime.serving.metrics import METRICS
+    from serving.metrics import METRICS
 
     run(triton_server, inputs(text_input="count me", max_tokens=3))
     time.sleep(0.6)                                   # the loop publishes at most every 0.5 s

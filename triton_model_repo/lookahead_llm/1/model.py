@@ -1,4 +1,4 @@
-"""Lookahead-KV on Triton's python backend (decoupled): a thin adapter over `runtime.serving`.
+"""Lookahead-KV on Triton's python backend (decoupled): a thin adapter over `serving`.
 
 initialize  loads `runtime.Engine` from the config's engine_dir and starts one step-loop thread;
 execute     parses each request (a bad one gets an error response naming the field; the others go on)
@@ -22,9 +22,9 @@ import triton_python_backend_utils as pb_utils
 from runtime.engine import Engine
 from runtime.errors import LookaheadError
 from runtime.scheduler import QueueFullError
-from runtime.serving.loop import EngineLoop
-from runtime.serving.metrics import MetricExporter
-from runtime.serving.request import RequestLimits, ResponseStream, parse_request
+from serving.loop import EngineLoop
+from serving.metrics import MetricExporter
+from serving.request import RequestLimits, ResponseStream, parse_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -74,7 +74,7 @@ class TritonPythonModel:
 
 
 class _Sink:
-    """One request's response sender, seen from the step loop (runtime.serving.loop.RequestSink)."""
+    """One request's response sender, seen from the step loop (serving.loop.RequestSink)."""
 
     def __init__(self, sender, request):
         self.sender, self.stream = sender, ResponseStream(request)

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ..errors import RequestError
-from ..sampling import SamplingParams
+from runtime.errors import RequestError
+from runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from ..engine import RequestOutput
+    from runtime.engine import RequestOutput
 
 Getter = Callable[[str], "np.ndarray | None"]
 

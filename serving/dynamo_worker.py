@@ -1,10 +1,10 @@
 """Serve a `runtime.Engine` as an NVIDIA Dynamo worker: the OpenAI API through `python -m dynamo.frontend`.
 
-    python -m runtime.serving.dynamo_worker --engine engines/default \\
+    python -m serving.dynamo_worker --engine engines/default \\
         [--mode lookahead --top-k 128 ... (any LookaheadConfig field)] \\
         [--model-name lookahead_llm] [--namespace lookahead] [--run-dir build/dynamo] [--worker-index 0]
 
-`runtime/serving/dynamo_launch.py` starts the frontend and N of these with the right environment
+`serving/dynamo_launch.py` starts the frontend and N of these with the right environment
 (RECIPES.md, "NVIDIA Dynamo"); run by hand, set the same DYN_* variables first.
 
 How a request flows
@@ -17,7 +17,7 @@ How a request flows
 - The handler gets `token_ids`, `stop_conditions` and `sampling_options`, builds a
   `runtime.sampling.SamplingParams` from them (`sampling_params_from_request`: the validation the
   Triton path uses, raising RequestError naming the field) and submits the ids to one `EngineLoop`
-  (runtime/serving/loop.py), whose background thread steps the engine for every request of the
+  (serving/loop.py), whose background thread steps the engine for every request of the
   worker. Outputs cross back to asyncio through `call_soon_threadsafe`; each chunk carries the new
   token ids, the last one the finish reason and `completion_usage` (the frontend reports the
   prompt token count from it).
@@ -59,9 +59,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import LookaheadError, RequestError
+from runtime.errors import LookaheadError, RequestError
 
-log = logging.getLogger("runtime.serving.dynamo_worker")
+log = logging.getLogger("serving.dynamo_worker")
 
 DEFAULT_MODEL_NAME = "lookahead_llm"
 DEFAULT_NAMESPACE = "lookahead"
@@ -115,7 +115,7 @@ def sampling_params_from_request(request: dict[str, Any], max_model_len: int,
     max_tokens means "up to the context": max_model_len - prompt length (or `default_max_tokens`,
     whichever is smaller). top_k -1 (vLLM's "off", which the frontend accepts) is 0 here.
     """
-    from ..sampling import SamplingParams
+    from runtime.sampling import SamplingParams
 
     so = request.get("sampling_options") or {}
     sc = request.get("stop_conditions") or {}
@@ -156,7 +156,7 @@ def make_model_dir(engine_dir: str | Path, out_dir: str | Path, *, max_model_len
     config.json (a minimal Llama-style config: context length, special token ids) and
     generation_config.json. Each file is written to a temporary name and renamed, so workers
     sharing one dir never expose a half-written file (they all write the same bytes)."""
-    from ..engine_dir import TOKENIZER_DIR, load_manifest
+    from runtime.engine_dir import TOKENIZER_DIR, load_manifest
 
     engine_dir, out = Path(engine_dir), Path(out_dir)
     manifest = load_manifest(engine_dir, verify_checksums=False)
@@ -250,7 +250,7 @@ class EngineHandler:
     async def generate(self, request: dict[str, Any], context):
         from dynamo.llm.exceptions import EngineShutdown, HttpError, InvalidArgument, Unknown
 
-        from ..scheduler import QueueFullError
+        from runtime.scheduler import QueueFullError
 
         try:
             ids, params = sampling_params_from_request(request, self.engine.max_model_len, self.default_max_tokens)
@@ -335,9 +335,9 @@ class StatsPublisher:
 
 # ---- the worker -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import add_lookahead_flags
+    from runtime.cli import add_lookahead_flags
 
-    p = argparse.ArgumentParser(prog="python -m runtime.serving.dynamo_worker", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m serving.dynamo_worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", required=True, help="engine dir (scripts/build_engine.py makes one)")
     p.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help="the model id clients send (default: %(default)s)")
@@ -393,8 +393,8 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
     """Load the engine (the slow part, before the runtime exists) and start its step loop."""
     import torch
 
-    from ..cli import lookahead_overrides
-    from ..engine import Engine
+    from runtime.cli import lookahead_overrides
+    from runtime.engine import Engine
     from .loop import EngineLoop
 
     if args.threads:

@@ -1,16 +1,16 @@
 """Start and stop an NVIDIA Dynamo deployment of an engine: one OpenAI frontend and N workers.
 
-    python -m runtime.serving.dynamo_launch start --engine engines/default [--workers 2] [--http-port 8000]
+    python -m serving.dynamo_launch start --engine engines/default [--workers 2] [--http-port 8000]
         [--run-dir build/dynamo] [--discovery file|etcd] [--mode lookahead --top-k 64 ...]
-    python -m runtime.serving.dynamo_launch status [--run-dir build/dynamo]
-    python -m runtime.serving.dynamo_launch stop   [--run-dir build/dynamo]
+    python -m serving.dynamo_launch status [--run-dir build/dynamo]
+    python -m serving.dynamo_launch stop   [--run-dir build/dynamo]
 
 From Python: `start(engine_dir, workers=2, http_port=P, run_dir=..., lookahead_overrides={...})`
 returns a `Deployment` (url, model, pids); `stop(run_dir)` ends it.
 
 Everything listens on 127.0.0.1. `start` runs `python -m dynamo.frontend --http-host 127.0.0.1
 --http-port P --discovery-backend file --request-plane tcp --event-plane zmq` and N
-`python -m runtime.serving.dynamo_worker` processes with the environment RECIPES.md found necessary
+`python -m serving.dynamo_worker` processes with the environment RECIPES.md found necessary
 (every *_HOST = 127.0.0.1, DYN_FILE_KV under the run dir). It waits until every worker has
 registered and `/v1/models` lists the model, printing progress, and writes PID files, logs and
 `deployment.json` under the run dir. `stop` sends SIGTERM to each PID (workers first, so they leave
@@ -23,7 +23,7 @@ other through etcd (`--etcd-endpoints`, default http://127.0.0.1:2379) and send 
 events over NATS (`--nats-server`, default nats://127.0.0.1:4222). Debian's `etcd-server` and
 `nats-server` packages provide both; `--start-etcd-nats` starts them here on loopback (data under
 the run dir) and `stop` stops them. On other machines start workers only:
-`python -m runtime.serving.dynamo_worker --engine DIR --discovery-backend etcd --request-plane nats
+`python -m serving.dynamo_worker --engine DIR --discovery-backend etcd --request-plane nats
 --event-plane nats` with ETCD_ENDPOINTS and NATS_SERVER pointing at the shared servers (and
 DYN_TCP_RPC_HOST etc. set to an address the frontend can reach).
 
@@ -111,7 +111,7 @@ def frontend_command(python: str, http_port: int, discovery: str, namespace: str
 def worker_command(python: str, engine_dir: str, index: int, *, run_dir: Path, model_name: str, namespace: str,
                    lookahead_overrides: dict[str, Any] | None = None, threads: int | None = None,
                    worker_options: dict[str, Any] | None = None) -> list[str]:
-    cmd = [python, "-m", "runtime.serving.dynamo_worker", "--engine", str(engine_dir), "--worker-index", str(index),
+    cmd = [python, "-m", "serving.dynamo_worker", "--engine", str(engine_dir), "--worker-index", str(index),
            "--run-dir", str(run_dir), "--model-name", model_name, "--namespace", namespace]
     if threads:
         cmd += ["--threads", str(threads)]
@@ -168,8 +168,8 @@ def free_port(below_32768: bool = False) -> int:
 
 def check_engine(engine_dir: str | Path, lookahead_overrides: dict[str, Any] | None) -> None:
     """A bad engine dir or setting, found before any process starts (checksums: the workers check them)."""
-    from ..errors import LookaheadError
-    from ..engine_dir import load_manifest
+    from runtime.errors import LookaheadError
+    from runtime.engine_dir import load_manifest
     try:
         manifest = load_manifest(engine_dir, verify_checksums=False)
         manifest.lookahead.replace(**(lookahead_overrides or {}))
@@ -224,7 +224,7 @@ def _alive(pid: int, marker: str) -> bool:
 
 
 def _markers() -> dict[str, str]:
-    return {"frontend": "dynamo.frontend", "worker": "runtime.serving.dynamo_worker", "etcd": "etcd",
+    return {"frontend": "dynamo.frontend", "worker": "serving.dynamo_worker", "etcd": "etcd",
             "nats": "nats-server"}
 
 
@@ -273,7 +273,7 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
     running = _running_pids(run_dir)
     if running:
         raise LaunchError(f"a deployment is already running from {run_dir} (pids {sorted(running.values())}): "
-                          f"stop it first (python -m runtime.serving.dynamo_launch stop --run-dir {run_dir})")
+                          f"stop it first (python -m serving.dynamo_launch stop --run-dir {run_dir})")
     check_engine(engine_dir, lookahead_overrides)
     check_port_free(http_port)
     check_dynamo(python)
@@ -283,7 +283,7 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
             p.unlink(missing_ok=True)
     shutil.rmtree(run_dir / "kv", ignore_errors=True)
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
-    repo_root = Path(__file__).resolve().parents[2]      # so `-m runtime...` resolves with any python
+    repo_root = Path(__file__).resolve().parents[1]      # so `-m runtime...` resolves with any python
     infra: dict[str, int] = {}
     procs: dict[str, subprocess.Popen] = {}
     try:
@@ -318,7 +318,7 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
         _terminate(procs, infra)
         raise
     say(f"dynamo: ready: model {model_name!r} at {dep.url} ({workers} worker(s)); "
-        f"stop: python -m runtime.serving.dynamo_launch stop --run-dir {run_dir}")
+        f"stop: python -m serving.dynamo_launch stop --run-dir {run_dir}")
     return dep
 
 
@@ -486,9 +486,9 @@ def status(run_dir: str | Path = DEFAULT_RUN_DIR) -> dict[str, Any]:
 
 # ---- CLI ----------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import add_lookahead_flags
+    from runtime.cli import add_lookahead_flags
 
-    p = argparse.ArgumentParser(prog="python -m runtime.serving.dynamo_launch", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m serving.dynamo_launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="action", required=True)
     s = sub.add_parser("start", help="start the frontend and N workers, wait until they serve")
@@ -519,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli import lookahead_overrides
+    from runtime.cli import lookahead_overrides
 
     args = build_parser().parse_args(argv)
     try:

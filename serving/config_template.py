@@ -1,6 +1,6 @@
 """Fill `config.pbtxt` templates and write a ready Triton model repository.
 
-    python -m runtime.serving.config_template --engine engines/default --out build/serve/model_repo \
+    python -m serving.config_template --engine engines/default --out build/serve/model_repo \
         --instances 1 --max-queue 256 --mode lookahead
 
 Templates use `${name}` placeholders (as tensorrtllm_backend's `fill_template.py` does). `fill` is
@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import LookaheadError
+from runtime.errors import LookaheadError
 
-REPO_TEMPLATE = Path(__file__).resolve().parents[2] / "triton_model_repo"
+REPO_TEMPLATE = Path(__file__).resolve().parents[1] / "triton_model_repo"
 MODEL_NAME = "lookahead_llm"
 TEMPLATE_FILE = "config.pbtxt.template"
 _TOKEN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -71,7 +71,7 @@ def write_model_repo(out: str | Path, engine_dir: str | Path, *, model_name: str
     The engine dir and overrides are checked here (manifest only, no checksums), so a bad one fails
     now with the runtime's message rather than later inside the server's log.
     """
-    from ..engine_dir import load_manifest
+    from runtime.engine_dir import load_manifest
 
     out, template_dir = Path(out).resolve(), Path(template_dir).resolve()
     model_dir = out / model_name
@@ -100,9 +100,9 @@ def write_model_repo(out: str | Path, engine_dir: str | Path, *, model_name: str
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import add_lookahead_flags
+    from runtime.cli import add_lookahead_flags
 
-    p = argparse.ArgumentParser(prog="python -m runtime.serving.config_template",
+    p = argparse.ArgumentParser(prog="python -m serving.config_template",
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", required=True, help="engine dir the server loads")
     p.add_argument("--out", required=True, help="model repository to write (created when missing)")
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli import lookahead_overrides
+    from runtime.cli import lookahead_overrides
 
     args = build_parser().parse_args(argv)
     try:

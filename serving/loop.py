@@ -28,9 +28,9 @@ import time
 from collections import deque
 from typing import Any, Callable, Protocol
 
-from ..engine import Engine, RequestOutput
-from ..errors import LookaheadError, RequestError
-from ..sampling import SamplingParams
+from runtime.engine import Engine, RequestOutput
+from runtime.errors import LookaheadError, RequestError
+from runtime.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
