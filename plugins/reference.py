@@ -94,3 +94,14 @@ def lookahead_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
                 weights = torch.softmax(keys @ q[b, r, h].float() * scale, dim=0)
                 out[b, r, h] = weights @ values
     return out.to(q.dtype)
+
+
+def linear_int8_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-only int8 linear: x [M, K] fp32, qweight [N, K] int8, scale [N] fp32 (per output
+    channel), bias [N] | None -> [M, N] fp32 = x @ (qweight * scale[:, None]).T + bias."""
+    w = qweight.to(torch.float64) * scale.to(torch.float64)[:, None]
+    y = x.to(torch.float64) @ w.T
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y.to(torch.float32)

@@ -3,7 +3,7 @@ elementwise.c (the decoder layer's RMSNorm), all wrapped by ops.py,
 and residency.c (the lookahead runtime's slot planning and block copies, wrapped by
 bookkeeping.py); loader.py builds them on first use."""
 from .ops import (attention, attention_paged, attention_supported, available, block_topk, block_topk_supported,
-                  linear, paged_mask, rms_norm)
+                  linear, linear_int8, paged_mask, rms_norm)
 
 __all__ = ["attention", "attention_paged", "attention_supported", "available", "block_topk", "block_topk_supported",
-           "linear", "paged_mask", "rms_norm"]
+           "linear", "linear_int8", "paged_mask", "rms_norm"]

@@ -66,6 +66,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
+def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-only int8 linear (contract: `plugins.reference.linear_int8_ref`): x [M, K] fp32,
+    qweight [N, K] int8, scale [N] fp32 per output channel, bias [N] | None -> [M, N] fp32.
+    Placeholder until the C kernel lands: dequantize, then F.linear."""
+    return F.linear(x, qweight.to(x.dtype) * scale[:, None].to(x.dtype), bias)
+
+
 def attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_extra: torch.Tensor,
                         v_extra: torch.Tensor, kv_mask: torch.Tensor | None = None,
                         extra_mask: torch.Tensor | None = None) -> bool:
