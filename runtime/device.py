@@ -6,27 +6,31 @@ import torch
 
 from .errors import ConfigError
 
+AUTO = "auto"
+CHOICES = "cpu, cuda or cuda:N (auto: cuda when torch has a GPU, else cpu)"
+
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """None: CUDA when torch has a GPU, else CPU. "cuda" without one is a ConfigError."""
-    if device is None:
+    """None or "auto": CUDA when torch has a GPU, else CPU. "cuda" (index 0) or "cuda:N" without
+    that GPU is a ConfigError naming `device`, one line with the fix, raised before anything loads."""
+    if device is None or device == AUTO:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError("device", f"{device!r} is not a device ({e})", "use cpu or cuda[:N]") from None
+    except (RuntimeError, TypeError):
+        raise ConfigError("device", f"{device!r} is not a device", "use cpu, cuda, cuda:N or auto") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device", f"{device!r} asked for, but torch sees no CUDA device",
-                              "use device=cpu, or run on a machine with a GPU and a CUDA build of torch")
+                              "set device to cpu or auto, or run on a machine with a GPU and a CUDA build of torch")
         index = 0 if dev.index is None else dev.index
         if index >= torch.cuda.device_count():
             raise ConfigError("device", f"{device!r}: only {torch.cuda.device_count()} CUDA devices",
                               f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
         return torch.device("cuda", index)
     if dev.type != "cpu":
-        raise ConfigError("device", f"{device!r} is not supported", "use cpu or cuda[:N]")
-    return dev
+        raise ConfigError("device", f"{device!r} is not supported", "use cpu, cuda, cuda:N or auto")
+    return torch.device("cpu")
 
 
 def to_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Start, stop or query tritonserver serving an engine dir through triton_model_repo/lookahead_llm.
 #
-#   scripts/serve.sh start [--engine DIR] [--http-port N] [--grpc-port N] [--metrics-port N]
-#                          [--mode dense|lookahead] [--instances N] [--max-queue N] [--timeout S]
-#                          [--watch] [--max-body-bytes N] [--run-dir DIR]
+#   scripts/serve.sh start [--engine DIR] [--device cpu|cuda|cuda:N] [--http-port N] [--grpc-port N]
+#                          [--metrics-port N] [--mode dense|lookahead] [--instances N] [--max-queue N]
+#                          [--timeout S] [--watch] [--max-body-bytes N] [--run-dir DIR]
 #   scripts/serve.sh stop [--run-dir DIR]       # seconds, even when the python stub died
 #   scripts/serve.sh status [--run-dir DIR]     # runs a one-token request: 0 serving, 1 not, 3 not running
 #   scripts/serve.sh restart [start options]    # stop, then start
 #   scripts/serve.sh start --frontend dynamo [--workers N] [--http-port N] [--engine DIR] [--mode M]
-#                          [--run-dir DIR] [--discovery file|etcd] [-- any --lookahead-field VALUE]
+#                          [--device D] [--run-dir DIR] [--discovery file|etcd] [-- any --lookahead-field VALUE]
+#
+# --device (default auto: cuda when torch has a GPU, else cpu) is where the engine runs: the Triton
+# config's instance_group (KIND_GPU on GPU N for cuda:N, KIND_CPU for cpu) or every Dynamo worker's
+# --device. A device that is not there (cuda on a machine without one) is refused before anything
+# starts, in one line naming `device` and the fix.
 #
 # --frontend dynamo: the OpenAI API (/v1) from NVIDIA Dynamo's frontend and N engine workers on
 # 127.0.0.1 (serving/dynamo_launch.py; install it with scripts/install_dynamo.sh or
@@ -31,14 +36,15 @@ ACTION="${1:-}"; [ $# -gt 0 ] && shift
 ENGINE="engines/default"; HTTP=8000; GRPC=8001; METRICS=8002
 MODE=""; INSTANCES=1; MAX_QUEUE=256; TIMEOUT=180; RUN_DIR="$ROOT/build/serve"; WATCH=0
 MAX_BODY=$((2 * 1024 * 1024)); LOG_KEEP=5
-FRONTEND=triton; WORKERS=1; DISCOVERY=file; RUN_DIR_SET=0; EXTRA=()
+FRONTEND=triton; WORKERS=1; DISCOVERY=file; RUN_DIR_SET=0; EXTRA=(); DEVICE=auto
 
-usage() { sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 die() { echo "serve.sh: error: $*" >&2; exit 1; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
     --engine) ENGINE="$2"; shift 2 ;;
+    --device) DEVICE="$2"; shift 2 ;;
     --http-port) HTTP="$2"; shift 2 ;;
     --grpc-port) GRPC="$2"; shift 2 ;;
     --metrics-port) METRICS="$2"; shift 2 ;;
@@ -113,24 +119,32 @@ start() {
   case "$MAX_BODY" in ''|*[!0-9]*) die "--max-body-bytes must be a number of bytes, got '$MAX_BODY'" ;; esac
   [ "$MAX_BODY" -ge 1 ] && [ "$MAX_BODY" -le 3900000 ] \
     || die "--max-body-bytes must be in 1..3900000 (tritonserver 2.51 crashes on HTTP bodies over ~4 MB), got $MAX_BODY"
+  # The device and the engine dir are checked first, with the runtime's own messages (fast: no
+  # checksums here; the server verifies them when it loads the engine). Prints the device.
+  local device
+  device="$("$PY" -c "import sys; from runtime.errors import LookaheadError
+from runtime.device import resolve_device
+from runtime.engine_dir import load_manifest
+try:
+    dev = resolve_device(sys.argv[1])
+except LookaheadError as e:
+    sys.exit(f'serve.sh: error: {e}')
+try:
+    load_manifest(sys.argv[2], verify_checksums=False)
+except LookaheadError as e:
+    sys.exit(f'serve.sh: error: bad engine dir: {e}')
+print(dev)" "$DEVICE" "$ENGINE")" || exit 1
   for port in "$HTTP" "$GRPC" "$METRICS"; do
     if ! port_free "$port"; then
       who="$(ss -ltnpH "sport = :$port" 2>/dev/null | sed -n 's/.*users:((\("[^"]*",pid=[0-9]*\).*/\1/p' | head -1)"
       die "port $port on 127.0.0.1 is taken${who:+ by $who}; stop that server or pass --http-port/--grpc-port/--metrics-port"
     fi
   done
-  # The engine dir is checked first, with the runtime's own message (fast: no checksums here;
-  # the server verifies them when it loads the engine).
-  "$PY" -c "import sys; from runtime.engine_dir import load_manifest; from runtime.errors import LookaheadError
-try:
-    load_manifest(sys.argv[1], verify_checksums=False)
-except LookaheadError as e:
-    sys.exit(f'serve.sh: error: bad engine dir: {e}')" "$ENGINE"
 
   mkdir -p "$RUN_DIR"
   local mode_flag=(); [ -n "$MODE" ] && mode_flag=(--mode "$MODE")
   "$PY" -m serving.config_template --engine "$ENGINE" --out "$RUN_DIR/model_repo" \
-      --instances "$INSTANCES" --max-queue "$MAX_QUEUE" "${mode_flag[@]}" >/dev/null \
+      --instances "$INSTANCES" --max-queue "$MAX_QUEUE" --device "$device" "${mode_flag[@]}" >/dev/null \
       || die "could not write the model repository (see above)"
 
   rotate "$SUP_LOG"
@@ -140,10 +154,10 @@ except LookaheadError as e:
   # left, and runs the HTTP front. setsid: it outlives this shell and its terminal's signals.
   setsid "$PY" -m serving.supervisor run --run-dir "$RUN_DIR" --http-port "$HTTP" \
       --grpc-port "$GRPC" --metrics-port "$METRICS" --instances "$INSTANCES" --timeout "$TIMEOUT" \
-      --max-body-bytes "$MAX_BODY" "${watch_flag[@]}" --info "ENGINE=$ENGINE" --info "MODE=${MODE:-engine default}" \
+      --max-body-bytes "$MAX_BODY" "${watch_flag[@]}" --info "ENGINE=$ENGINE" --info "MODE=${MODE:-engine default}" --info "DEVICE=$device" \
       >>"$SUP_LOG" 2>&1 < /dev/null &
   pid=$!
-  echo "serve.sh: starting (supervisor pid $pid, engine $ENGINE${MODE:+, mode $MODE}$([ "$WATCH" = 1 ] && echo ', --watch')); logs: $LOG, $SUP_LOG"
+  echo "serve.sh: starting (supervisor pid $pid, engine $ENGINE on $device${MODE:+, mode $MODE}$([ "$WATCH" = 1 ] && echo ', --watch')); logs: $LOG, $SUP_LOG"
   local deadline=$((SECONDS + TIMEOUT + 30)) st
   while :; do
     st="$(state_of STATE)"
@@ -166,7 +180,7 @@ dynamo_running() { [ -f "$DYN_RUN_DIR/frontend.pid" ] || compgen -G "$DYN_RUN_DI
 
 dynamo_start() {   # the launcher checks the port, the engine dir and the settings: one-line errors
   local mode_flag=(); [ -n "$MODE" ] && mode_flag=(--mode "$MODE")
-  "$PY" -m serving.dynamo_launch start --engine "$ENGINE" --workers "$WORKERS" --http-port "$HTTP" \
+  "$PY" -m serving.dynamo_launch start --engine "$ENGINE" --device "$DEVICE" --workers "$WORKERS" --http-port "$HTTP" \
       --run-dir "$DYN_RUN_DIR" --discovery "$DISCOVERY" --max-queue "$MAX_QUEUE" --timeout "$TIMEOUT" \
       "${mode_flag[@]}" "${EXTRA[@]}"
 }

@@ -1,7 +1,12 @@
 """Fill `config.pbtxt` templates and write a ready Triton model repository.
 
     python -m serving.config_template --engine engines/default --out build/serve/model_repo \
-        --instances 1 --max-queue 256 --mode lookahead
+        --instances 1 --max-queue 256 --device cuda:1 --mode lookahead
+
+`--device` (cpu, cuda, cuda:N; default auto: cuda when torch has a GPU, else cpu) places the
+instances: `instance_group [{ kind: KIND_GPU, gpus: [N] }]` for cuda:N, KIND_CPU for cpu, and a
+`device` parameter; `1/model.py` hands the instance's device to `Engine.from_dir(device=...)`.
+A device that is not there is refused here, before anything is written or started.
 
 Templates use `${name}` placeholders (as tensorrtllm_backend's `fill_template.py` does). `fill` is
 strict both ways: a placeholder without a value and a value without a placeholder (a typo) are errors,
@@ -15,9 +20,12 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from runtime.errors import LookaheadError
+
+if TYPE_CHECKING:
+    import torch
 
 REPO_TEMPLATE = Path(__file__).resolve().parents[1] / "triton_model_repo"
 MODEL_NAME = "lookahead_llm"
@@ -62,15 +70,66 @@ def pbtxt_string(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def placement(device: str | torch.device) -> dict[str, str]:
+    """The template's instance values for `device` (checked for its form only, not for presence):
+    cuda:N -> KIND_GPU on GPU N, cpu -> KIND_CPU; `device` as the engine will be given it."""
+    import torch
+
+    from runtime.errors import ConfigError
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError("device", f"{device!r} is not a device", "use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda":
+        index = dev.index or 0
+        return {"instance_kind": "KIND_GPU", "instance_gpus": str(index), "device": f"cuda:{index}"}
+    if dev.type == "cpu":
+        return {"instance_kind": "KIND_CPU", "instance_gpus": "", "device": "cpu"}
+    raise ConfigError("device", f"{device!r} is not supported", "use cpu, cuda, cuda:N or auto")
+
+
+def instance_device(args: Mapping[str, Any], parameters: Mapping[str, str]) -> str:
+    """The device of one model instance, from what Triton hands `initialize`: a KIND_GPU instance
+    runs on its GPU (`model_instance_device_id`), a KIND_CPU one on the CPU; any other kind
+    (KIND_MODEL, a config without instance_group) uses the config's `device` parameter, else auto."""
+    kind = str(args.get("model_instance_kind") or "").upper()
+    if kind == "GPU":
+        return f"cuda:{int(args.get('model_instance_device_id') or 0)}"
+    if kind == "CPU":
+        return "cpu"
+    return parameters.get("device") or "auto"
+
+
+def config_text(engine_dir: str | Path, *, model_name: str = MODEL_NAME, instance_count: int = 1,
+                device: str | torch.device = "cpu", max_queue: int = 256,
+                lookahead_overrides: Mapping[str, Any] | None = None,
+                template_dir: str | Path = REPO_TEMPLATE / MODEL_NAME) -> str:
+    """The filled config.pbtxt (nothing checked but the template's values; `write_model_repo`
+    checks the engine dir, the overrides and that `device` is there)."""
+    values = {
+        "model_name": model_name,
+        "engine_dir": pbtxt_string(str(Path(engine_dir).resolve())),
+        "instance_count": instance_count,
+        **placement(device),
+        "max_queue": max_queue,
+        "lookahead_overrides": pbtxt_string(json.dumps(dict(lookahead_overrides or {}), sort_keys=True)),
+    }
+    return fill((Path(template_dir) / TEMPLATE_FILE).read_text(), values)
+
+
 def write_model_repo(out: str | Path, engine_dir: str | Path, *, model_name: str = MODEL_NAME,
-                     instance_count: int = 1, instance_kind: str = "KIND_CPU", max_queue: int = 256,
+                     instance_count: int = 1, device: str | None = None, max_queue: int = 256,
                      lookahead_overrides: Mapping[str, Any] | None = None,
                      template_dir: str | Path = REPO_TEMPLATE / MODEL_NAME) -> Path:
     """Write `<out>/<model_name>/{config.pbtxt, 1/model.py}` from the template; returns `out`.
 
-    The engine dir and overrides are checked here (manifest only, no checksums), so a bad one fails
-    now with the runtime's message rather than later inside the server's log.
+    `device`: cpu, cuda, cuda:N, or None/"auto" (cuda when torch has a GPU, else cpu); one that is
+    not there is a ConfigError naming `device`. The engine dir and overrides are checked here too
+    (manifest only, no checksums), so a bad one fails now with the runtime's message rather than
+    later inside the server's log.
     """
+    from runtime.device import resolve_device
     from runtime.engine_dir import load_manifest
 
     out, template_dir = Path(out).resolve(), Path(template_dir).resolve()
@@ -81,18 +140,12 @@ def write_model_repo(out: str | Path, engine_dir: str | Path, *, model_name: str
         raise TemplateError(f"instance_count must be >= 1, got {instance_count}")
     if max_queue < 1:
         raise TemplateError(f"max_queue must be >= 1, got {max_queue}")
+    dev = resolve_device(device)                     # raises ConfigError naming device
     overrides = dict(lookahead_overrides or {})
     manifest = load_manifest(engine_dir, verify_checksums=False)
     manifest.lookahead.replace(**overrides)          # raises ConfigError naming a bad field
-    values = {
-        "model_name": model_name,
-        "engine_dir": pbtxt_string(str(Path(engine_dir).resolve())),
-        "instance_count": instance_count,
-        "instance_kind": instance_kind,
-        "max_queue": max_queue,
-        "lookahead_overrides": pbtxt_string(json.dumps(overrides, sort_keys=True)),
-    }
-    text = fill((template_dir / TEMPLATE_FILE).read_text(), values)
+    text = config_text(engine_dir, model_name=model_name, instance_count=instance_count, device=dev,
+                       max_queue=max_queue, lookahead_overrides=overrides, template_dir=template_dir)
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
     (model_dir / "config.pbtxt").write_text(text)
     shutil.copyfile(template_dir / "1" / "model.py", model_dir / "1" / "model.py")
@@ -108,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="model repository to write (created when missing)")
     p.add_argument("--model-name", default=MODEL_NAME)
     p.add_argument("--instances", type=int, default=1, help="model instances (each loads its own engine)")
-    p.add_argument("--instance-kind", default="KIND_CPU", help="KIND_CPU here; KIND_GPU/KIND_MODEL on GPUs")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda or cuda:N: KIND_CPU, or KIND_GPU on that GPU (default: auto, cuda when "
+                        "torch has a GPU, else cpu)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission, per instance")
     p.add_argument("--template-dir", default=str(REPO_TEMPLATE / MODEL_NAME))
     add_lookahead_flags(p)
@@ -121,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         out = write_model_repo(args.out, args.engine, model_name=args.model_name, instance_count=args.instances,
-                               instance_kind=args.instance_kind, max_queue=args.max_queue,
+                               device=args.device, max_queue=args.max_queue,
                                lookahead_overrides=lookahead_overrides(args), template_dir=args.template_dir)
     except LookaheadError as e:
         print(f"error: {e}", file=sys.stderr)

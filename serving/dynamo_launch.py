@@ -1,7 +1,7 @@
 """Start and stop an NVIDIA Dynamo deployment of an engine: one OpenAI frontend and N workers.
 
     python -m serving.dynamo_launch start --engine engines/default [--workers 2] [--http-port 8000]
-        [--run-dir build/dynamo] [--discovery file|etcd] [--mode lookahead --top-k 64 ...]
+        [--device cpu|cuda|cuda:N] [--run-dir build/dynamo] [--discovery file|etcd] [--mode lookahead --top-k 64 ...]
     python -m serving.dynamo_launch status [--run-dir build/dynamo]
     python -m serving.dynamo_launch stop   [--run-dir build/dynamo]
 
@@ -27,7 +27,10 @@ the run dir) and `stop` stops them. On other machines start workers only:
 --event-plane nats` with ETCD_ENDPOINTS and NATS_SERVER pointing at the shared servers (and
 DYN_TCP_RPC_HOST etc. set to an address the frontend can reach).
 
-Errors are one line (a taken port, a bad engine dir or setting, Dynamo missing), except a process
+`--device` (default auto: cuda when torch has a GPU, else cpu) is every worker's `--device`; one
+that is not there is refused before any process starts.
+
+Errors are one line (a taken port, a bad engine dir, setting or device, Dynamo missing), except a process
 that dies while starting: then the last lines of its log follow, and everything started is stopped.
 """
 from __future__ import annotations
@@ -179,6 +182,16 @@ def check_engine(engine_dir: str | Path, lookahead_overrides: dict[str, Any] | N
         raise LaunchError(f"engine {engine_dir}: bad lookahead override ({e})") from None
 
 
+def check_device(device: str | None) -> None:
+    """A device that is not here (cuda on a machine without a GPU), refused before any process starts."""
+    from runtime.device import resolve_device
+    from runtime.errors import LookaheadError
+    try:
+        resolve_device(device)
+    except LookaheadError as e:
+        raise LaunchError(str(e)) from None
+
+
 def check_dynamo(python: str) -> None:
     code = "import dynamo.frontend, dynamo.llm, dynamo.runtime"
     r = subprocess.run([python, "-c", code], capture_output=True, text=True)
@@ -256,13 +269,14 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
           discovery: str = "file", model_name: str = DEFAULT_MODEL_NAME, namespace: str = DEFAULT_NAMESPACE,
           python: str | None = None, timeout: float = 180.0, threads: int | None = None,
           worker_options: dict[str, Any] | None = None, etcd_endpoints: str | None = None,
-          nats_server: str | None = None, start_etcd_nats: bool = False,
+          nats_server: str | None = None, start_etcd_nats: bool = False, device: str | None = None,
           progress: Callable[[str], None] | None = print) -> Deployment:
     """Start the frontend and `workers` workers; return once all serve and /v1/models lists the model.
 
     `worker_options`: more dynamo_worker flags by name (num_host_blocks, max_queue,
     default_max_tokens, no_verify_checksums...). `threads`: torch threads per worker (default: the
-    cores shared out). Raises LaunchError, having stopped whatever it started."""
+    cores shared out). `device`: every worker's (None: auto). Raises LaunchError, having stopped
+    whatever it started."""
     python = python or sys.executable
     run_dir = Path(run_dir).resolve()
     say = progress or (lambda _msg: None)
@@ -274,6 +288,7 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
     if running:
         raise LaunchError(f"a deployment is already running from {run_dir} (pids {sorted(running.values())}): "
                           f"stop it first (python -m serving.dynamo_launch stop --run-dir {run_dir})")
+    check_device(device)
     check_engine(engine_dir, lookahead_overrides)
     check_port_free(http_port)
     check_dynamo(python)
@@ -302,7 +317,7 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
             sys_ports.append(port)
             cmd = worker_command(python, str(Path(engine_dir).resolve()), i, run_dir=run_dir, model_name=model_name,
                                  namespace=namespace, lookahead_overrides=lookahead_overrides, threads=threads,
-                                 worker_options=worker_options)
+                                 worker_options={**(worker_options or {}), "device": device})
             procs[f"worker-{i}"] = _spawn(cmd, {**env, "DYN_SYSTEM_PORT": str(port)}, run_dir / f"worker-{i}.log",
                                           cwd=repo_root)
             (run_dir / f"worker-{i}.pid").write_text(str(procs[f"worker-{i}"].pid))
@@ -310,7 +325,7 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
                          procs["frontend"].pid, [procs[f"worker-{i}"].pid for i in range(workers)], sys_ports, infra)
         (run_dir / "deployment.json").write_text(json.dumps(
             {**dataclasses.asdict(dep), "run_dir": str(run_dir), "engine": str(engine_dir),
-             "lookahead_overrides": lookahead_overrides or {}}, indent=1))
+             "device": device or "auto", "lookahead_overrides": lookahead_overrides or {}}, indent=1))
         say(f"dynamo: starting frontend (pid {dep.frontend_pid}, port {http_port}) and {workers} worker(s) "
             f"(pids {dep.worker_pids}, engine {engine_dir}); logs in {run_dir}")
         _wait_ready(dep, procs, timeout, say)
@@ -494,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("start", help="start the frontend and N workers, wait until they serve")
     s.add_argument("--engine", default="engines/default")
     s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--device", default=None,
+                   help="every worker's device: cpu, cuda or cuda:N (default: auto, cuda when torch has a GPU, "
+                        "else cpu)")
     s.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT)
     s.add_argument("--run-dir", default=DEFAULT_RUN_DIR)
     s.add_argument("--discovery", choices=("file", "etcd"), default="file")
@@ -529,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                   lookahead_overrides=lookahead_overrides(args), discovery=args.discovery,
                   model_name=args.model_name, namespace=args.namespace, python=args.python, timeout=args.timeout,
                   threads=args.threads, worker_options=opts, etcd_endpoints=args.etcd_endpoints,
-                  nats_server=args.nats_server, start_etcd_nats=args.start_etcd_nats)
+                  nats_server=args.nats_server, start_etcd_nats=args.start_etcd_nats, device=args.device)
             return 0
         if args.action == "stop":
             stop(args.run_dir, grace_s=args.grace)

@@ -1,6 +1,6 @@
 """Serve a `runtime.Engine` as an NVIDIA Dynamo worker: the OpenAI API through `python -m dynamo.frontend`.
 
-    python -m serving.dynamo_worker --engine engines/default \\
+    python -m serving.dynamo_worker --engine engines/default [--device cpu|cuda|cuda:N] \\
         [--mode lookahead --top-k 128 ... (any LookaheadConfig field)] \\
         [--model-name lookahead_llm] [--namespace lookahead] [--run-dir build/dynamo] [--worker-index 0]
 
@@ -24,7 +24,8 @@ How a request flows
 - Stop strings go to the engine too, so it stops (and frees the blocks) at the same token where the
   frontend cuts the text.
 
-Errors. A bad request raises `InvalidArgument` (HTTP 400, message naming the field) inside the
+Errors. A bad request raises `InvalidArgument` (HTTP 400, message naming the field as the OpenAI
+request calls it: the runtime's `prompt` is `prompt/messages`, serving/fields.py) inside the
 response generator, before its first chunk; a full queue raises `HttpError(429)`. Raising *outside*
 the generator (in the handler call itself) makes Dynamo 1.6 treat the worker as failed: it answers
 503 and routes nothing to it for several seconds, so this module never does. For a streaming request
@@ -60,6 +61,8 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import LookaheadError, RequestError
+
+from .fields import OPENAI_FIELDS, client_error
 
 log = logging.getLogger("serving.dynamo_worker")
 
@@ -128,7 +131,7 @@ def sampling_params_from_request(request: dict[str, Any], max_model_len: int,
                                    _FIX.get(key, f"omit {key}"))
     ids = token_ids_of(request)
     if not ids:
-        raise RequestError("prompt", "has no tokens", "send a non-empty prompt or at least one message")
+        raise RequestError(OPENAI_FIELDS["prompt"], "has no tokens", "send a non-empty prompt or at least one message")
     values: dict[str, Any] = {}
     max_tokens = sc.get("max_tokens")
     if max_tokens is None:
@@ -146,7 +149,10 @@ def sampling_params_from_request(request: dict[str, Any], max_model_len: int,
         values["stop"] = list(sc["stop"])
     if sc.get("ignore_eos") is not None:
         values["ignore_eos"] = bool(sc["ignore_eos"])
-    return ids, SamplingParams(**values)
+    try:
+        return ids, SamplingParams(**values)
+    except RequestError as e:
+        raise client_error(e, OPENAI_FIELDS) from None
 
 
 # ---- the model dir the frontend reads --------------------------------------------------------------
@@ -221,6 +227,7 @@ class _Sink:
         self._put(_Failure(message, None))
 
     def on_reject(self, error: LookaheadError) -> None:
+        error = client_error(error, OPENAI_FIELDS)
         self._put(_Failure(str(error), error))
 
     def is_cancelled(self) -> bool:
@@ -261,8 +268,8 @@ class EngineHandler:
             sink.rid = self.loop.submit(ids, params, sink)
         except QueueFullError as e:
             raise HttpError(429, str(e)) from None
-        except LookaheadError as e:
-            raise InvalidArgument(str(e)) from None
+        except LookaheadError as e:         # the engine's errors name its fields: the OpenAI names
+            raise InvalidArgument(str(client_error(e, OPENAI_FIELDS))) from None
         except RuntimeError as e:           # the loop is stopping: the worker is shutting down
             raise EngineShutdown(str(e)) from None
         self.num_requests += 1
@@ -340,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serving.dynamo_worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", required=True, help="engine dir (scripts/build_engine.py makes one)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda or cuda:N (default: auto, cuda when torch has a GPU, else cpu); one that "
+                        "is not there fails the start with a one-line error naming device")
     p.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help="the model id clients send (default: %(default)s)")
     p.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="Dynamo namespace (default: %(default)s)")
     p.add_argument("--component", default=COMPONENT)
@@ -403,17 +413,19 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = lookahead_overrides(args)
     t0 = time.perf_counter()
-    engine = Engine.from_dir(args.engine, verify_checksums=not args.no_verify_checksums,
+    engine = Engine.from_dir(args.engine, device=args.device, verify_checksums=not args.no_verify_checksums,
                              num_host_blocks=args.num_host_blocks, max_queue=args.max_queue, **overrides)
     model_dir = make_model_dir(args.engine, run_dir / "model", max_model_len=engine.max_model_len)
     info = {"worker_index": args.worker_index, "pid": os.getpid(), "mode": engine.config.mode,
+            "device": str(engine.device),
             "model": args.model_name, "max_model_len": engine.max_model_len,
             "config": dataclasses.asdict(engine.config)}
     stats = StatsPublisher(run_dir / f"worker-{args.worker_index}.stats.json", info)
     engine_loop = EngineLoop(engine, on_stats=stats.update, name=f"dynamo-w{args.worker_index}")
     engine_loop.start()
-    log.info("engine %s loaded in %.1f s (mode %s, overrides %s, max_model_len %d, %d KV blocks)", args.engine,
-             time.perf_counter() - t0, engine.config.mode, overrides, engine.max_model_len, engine.allocator.num_blocks)
+    log.info("engine %s loaded on %s in %.1f s (mode %s, overrides %s, max_model_len %d, %d KV blocks)",
+             args.engine, engine.device, time.perf_counter() - t0, engine.config.mode, overrides,
+             engine.max_model_len, engine.allocator.num_blocks)
     return {"engine": engine, "loop": engine_loop, "stats": stats, "model_dir": model_dir, "run_dir": run_dir}
 
 

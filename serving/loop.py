@@ -17,6 +17,9 @@ characters is therefore tokenized on a second thread ("tokenizer"), one prompt a
 when its ids are ready. Errors found then (the prompt is too long, the queue is full) go to the
 sink's `on_reject(error)`. Short prompts are tokenized in `submit`, as the engine does, and their
 errors are raised there.
+
+Errors name the runtime's fields (`prompt`, `max_tokens`, ...), as the engine's do: the loop serves
+every front end, and each maps them to its request's names (serving/fields.py).
 """
 from __future__ import annotations
 
@@ -141,7 +144,7 @@ class EngineLoop:
     def _admit_tokenized(self, rid: str, ids: list[int], params: SamplingParams, sink: RequestSink) -> None:
         limit = self.engine.max_model_len
         if len(ids) + params.max_tokens > limit:     # the engine's check, before its O(n) id checks
-            raise RequestError("text_input", f"is {len(ids)} tokens: with max_tokens {params.max_tokens} that "
+            raise RequestError("prompt", f"is {len(ids)} tokens: with max_tokens {params.max_tokens} that "
                                f"exceeds the engine's max_model_len {limit}", "shorten the prompt or lower max_tokens")
         with self._cv:
             if self._tokenizing.pop(rid, None) is None:

@@ -6,8 +6,12 @@ The names follow Triton's vLLM and TensorRT-LLM backends (see triton_model_repo/
     max_tokens, top_k (INT [1])           temperature, top_p (FP32 [1])      seed (INT [1])
     stop (BYTES [n])                      sampling_parameters (BYTES [1], a JSON object)
 
-Every problem a client can cause raises `RequestError` naming the field, malformed JSON (too
-large, nested too deeply, a number out of range) included. Integer inputs accept any integer width
+Every problem a client can cause raises `RequestError` naming the field as the client sent it,
+malformed JSON (too large, nested too deeply, a number out of range) included: a value the runtime
+refuses (`SamplingParams`, the engine) names the runtime's field, which `GenerateRequest.fields`
+maps to the request's (`prompt` -> `text_input`, `temperature` sent in `sampling_parameters` ->
+`sampling_parameters.temperature`; the table is serving/fields.py, and `GenerateRequest.error`
+applies it to errors the engine raises later). Integer inputs accept any integer width
 and floats accept integers, so a client that picked INT64 for `top_k` is not refused over a detail.
 A tensor input overrides the same key in `sampling_parameters`.
 
@@ -28,8 +32,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from runtime.errors import RequestError
+from runtime.errors import LookaheadError, RequestError
 from runtime.sampling import SamplingParams
+
+from .fields import TRITON_FIELDS, client_error
 
 if TYPE_CHECKING:
     from runtime.engine import RequestOutput
@@ -119,6 +125,14 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool = False
     exclude_input_in_output: bool = False
+    # runtime field -> the name this request sent it under (serving/fields.py's TRITON_FIELDS, then
+    # `sampling_parameters.<key>` / `parameters.<key>` for the values that came from there)
+    fields: dict[str, str] = dataclasses.field(default_factory=lambda: dict(TRITON_FIELDS))
+
+    def error(self, error: LookaheadError) -> LookaheadError:
+        """An error the runtime raised for this request (naming its own field), naming the
+        request's field instead; same type, problem and fix."""
+        return client_error(error, self.fields)
 
 
 def parse_request(get: Getter, parameters: str | dict[str, Any] | None = None,
@@ -131,22 +145,32 @@ def parse_request(get: Getter, parameters: str | dict[str, Any] | None = None,
     `limits`: the engine's size bounds (`RequestLimits`), checked here; None checks none.
     """
     prompt, prompt_bytes = _text_input(get("text_input"))
-    values = _sampling_dict("parameters", _request_parameters(parameters))
-    values.update(_sampling_dict("sampling_parameters", _sampling_json(get("sampling_parameters"))))
+    fields = dict(TRITON_FIELDS)
+    values: dict[str, Any] = {}
+    for source, doc in (("parameters", _request_parameters(parameters)),
+                        ("sampling_parameters", _sampling_json(get("sampling_parameters")))):
+        found = _sampling_dict(source, doc)
+        values.update(found)
+        fields.update({key: f"{source}.{key}" for key in found})
     for name in TENSOR_PARAMS:
         arr = get(name)
         if arr is not None:
             kind = SAMPLING_KINDS[name].removeprefix("optional_")
             values[name] = _convert(name, _scalar(name, arr, kind), kind)
+            fields[name] = name
     stop = get("stop")
     if stop is not None:
         values["stop"] = _stop_strings(np.asarray(stop).reshape(-1), limits)
+        fields["stop"] = "stop"
     elif "stop" in values:
-        _check_stop(values["stop"], limits, "sampling_parameters.stop")
-    params = SamplingParams(**values)          # validates ranges; raises RequestError naming the field
-    _check_prompt_bytes(prompt_bytes, params.max_tokens, limits)
+        _check_stop(values["stop"], limits, fields["stop"])
+    try:
+        params = SamplingParams(**values)      # validates ranges; raises RequestError naming its field
+    except RequestError as e:
+        raise client_error(e, fields) from None
+    _check_prompt_bytes(prompt_bytes, params.max_tokens, limits, fields["max_tokens"])
     return GenerateRequest(prompt, params, stream=_flag(get, "stream"),
-                           exclude_input_in_output=_flag(get, "exclude_input_in_output"))
+                           exclude_input_in_output=_flag(get, "exclude_input_in_output"), fields=fields)
 
 
 def _text_input(arr: np.ndarray | None) -> tuple[str, int]:
@@ -162,13 +186,14 @@ def _text_input(arr: np.ndarray | None) -> tuple[str, int]:
     return text, len(raw) if isinstance(raw, (bytes, np.bytes_)) else len(text.encode("utf-8"))
 
 
-def _check_prompt_bytes(num_bytes: int, max_tokens: int, limits: RequestLimits | None) -> None:
+def _check_prompt_bytes(num_bytes: int, max_tokens: int, limits: RequestLimits | None,
+                        max_tokens_name: str = "max_tokens") -> None:
     bound = None if limits is None else limits.max_prompt_bytes(max_tokens)
     if bound is not None and num_bytes > bound:
         raise RequestError(
             "text_input", f"is {num_bytes} bytes, more than max_model_len {limits.max_model_len} tokens can "
-            f"hold with max_tokens {max_tokens} (at most {bound} bytes: a token of this engine's tokenizer "
-            f"covers at most {limits.max_token_bytes})", "shorten the prompt or lower max_tokens")
+            f"hold with {max_tokens_name} {max_tokens} (at most {bound} bytes: a token of this engine's tokenizer "
+            f"covers at most {limits.max_token_bytes})", f"shorten the prompt or lower {max_tokens_name}")
 
 
 def _stop_strings(items: np.ndarray, limits: RequestLimits | None) -> list[str]:

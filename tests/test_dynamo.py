@@ -68,12 +68,31 @@ def test_request_defaults():
     (_req(sampling={"guided_decoding": {"json": {}}}), "guided_decoding"),
     (_req(output={"logprobs": 1}), "logprobs"),
     (_req(stop={"min_tokens": 4}), "min_tokens"),
-    (_req(token_ids=()), "prompt"),
+    (_req(token_ids=()), "prompt/messages"),      # the runtime's `prompt`, under the OpenAI names
 ])
 def test_bad_request_names_the_field(request_, field):
     with pytest.raises(RequestError) as err:
         sampling_params_from_request(request_, 64)
     assert err.value.field == field and str(err.value).startswith(field + ":")
+
+
+def test_errors_name_the_openai_fields():
+    """The Dynamo worker's mapping: an empty prompt is `prompt/messages`, sampling errors keep their
+    OpenAI names, and an engine error from submit is mapped before it becomes a 400."""
+    from serving.dynamo_worker import _Sink as DynamoSink
+
+    with pytest.raises(RequestError, match=r"^prompt/messages: has no tokens"):
+        sampling_params_from_request({"token_ids": []}, 64)
+    with pytest.raises(RequestError, match=r"^temperature: "):
+        sampling_params_from_request({"token_ids": [1], "sampling_options": {"temperature": -1}}, 64)
+
+    async def rejected():
+        sink = DynamoSink(asyncio.get_running_loop())
+        sink.on_reject(RequestError("prompt", "is 900 tokens", "shorten the prompt"))     # as the loop does
+        return await asyncio.wait_for(sink.queue.get(), 5)
+    failure = asyncio.run(rejected())
+    assert failure.message == "prompt/messages: is 900 tokens (shorten the prompt)"
+    assert type(failure.error) is RequestError
 
 
 def test_model_dir_holds_tokenizer_template_and_config(tmp_path):
@@ -109,6 +128,14 @@ def test_launcher_environment_and_commands(tmp_path):
     joined = " ".join(w)
     assert "--mode lookahead" in joined and "--top-k 64" in joined and "--max-queue 9" in joined
     assert "--no-verify-checksums" in w and "--num-host-blocks" not in w and "--worker-index 1" in joined
+
+
+def test_workers_get_the_device(tmp_path):
+    cmd = dynamo_launch.worker_command("py", "E", 0, run_dir=tmp_path, model_name="m", namespace="n",
+                                       worker_options={"device": "cuda:1"})
+    assert cmd[cmd.index("--device") + 1] == "cuda:1"
+    assert "--device" not in dynamo_launch.worker_command("py", "E", 0, run_dir=tmp_path, model_name="m",
+                                                          namespace="n", worker_options={"device": None})
 
 
 def test_worker_flags_cover_every_lookahead_field():
@@ -202,6 +229,9 @@ def test_handler_streams_counts_and_cancels_on_a_tiny_engine(tmp_path):
         assert chunks[-1]["completion_usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
         with pytest.raises(exc.InvalidArgument, match="temperature"):
             await collect(_req(sampling={"temperature": -2.0}))
+        # raised by the engine at submit, naming its `prompt`: the client reads the OpenAI names
+        with pytest.raises(exc.InvalidArgument, match="prompt/messages: holds token ids outside the vocabulary"):
+            await collect(_req(token_ids=[1, 10 ** 6]))
         # a long request holds the one batch slot; a second one finds the queue full (max_queue 0);
         # then the long one's context is stopped
         ctx = _Context()

@@ -272,7 +272,8 @@ def test_a_long_prompt_is_tokenized_while_streams_go_on(long_token_dir):
     print(f"\ntokenizing {len(big)} bytes took {window:.2f} s; the stream got {len(during)} tokens meanwhile, "
           f"largest gap {gaps.max() * 1e3:.0f} ms; submit returned in {(t_submitted - t_sent) * 1e3:.1f} ms")
     assert t_submitted - t_sent < 0.25                        # tokenizing it takes seconds
-    assert len(long.rejected) == 1 and str(long.rejected[0]).startswith("text_input: is 800000 tokens")
+    # the loop names the runtime's field; the Triton model maps it to text_input (the served test below)
+    assert len(long.rejected) == 1 and str(long.rejected[0]).startswith("prompt: is 800000 tokens")
     assert window > 0.2, "the prompt tokenized too fast to show anything"
     # Before: no token at all while the GIL was held. Generous: at least 5 tokens, no gap over half.
     assert len(during) >= 5 and gaps.max() < window / 2

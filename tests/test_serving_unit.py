@@ -51,7 +51,7 @@ def test_fill_refuses_malformed_placeholders(text):
 def test_repo_template_placeholders_are_exactly_what_the_tool_fills():
     text = (ct.REPO_TEMPLATE / ct.MODEL_NAME / ct.TEMPLATE_FILE).read_text()
     assert set(ct.placeholders(text)) == {"model_name", "engine_dir", "instance_count", "instance_kind",
-                                          "max_queue", "lookahead_overrides"}
+                                          "instance_gpus", "device", "max_queue", "lookahead_overrides"}
 
 
 def _digest(path: Path) -> str:
@@ -89,6 +89,98 @@ def test_cli_writes_a_repo_and_reports_errors_in_one_line(tiny_dir, tmp_path, ca
     assert '\\"mode\\": \\"lookahead\\"' in (tmp_path / "r" / "lookahead_llm" / "config.pbtxt").read_text()
     assert ct.main(["--engine", str(tmp_path / "nope"), "--out", str(tmp_path / "r2")]) == 2
     assert capsys.readouterr().err.startswith("error: engine dir")
+
+
+# ---- the device setting: engine CLI, config template, model.py, serve.sh, Dynamo --------------------
+def _instance_group(cfg: str) -> str:
+    start = cfg.index("instance_group [")
+    return cfg[start:cfg.index("\n]\n", start)]
+
+
+def test_config_for_cpu_is_kind_cpu_with_a_device_parameter(tiny_dir, tmp_path):
+    out = ct.write_model_repo(tmp_path / "repo", tiny_dir, device="cpu", instance_count=2)
+    cfg = (out / "lookahead_llm" / "config.pbtxt").read_text()
+    group = _instance_group(cfg)
+    assert "count: 2" in group and "kind: KIND_CPU" in group and "gpus: []" in group
+    assert 'key: "device"\n  value: { string_value: "cpu" }' in cfg and "kind: KIND_GPU" not in cfg
+
+
+@pytest.mark.parametrize("device,gpu", [("cuda:1", 1), ("cuda", 0)])
+def test_config_for_cuda_n_is_kind_gpu_on_gpu_n(tiny_dir, device, gpu):
+    # config_text checks the device's form only, so the GPU text is checked on a CPU machine too
+    cfg = ct.config_text(tiny_dir, device=device)
+    group = _instance_group(cfg)
+    assert "kind: KIND_GPU" in group and f"gpus: [{gpu}]" in group and "kind: KIND_CPU" not in cfg
+    assert f'key: "device"\n  value: {{ string_value: "cuda:{gpu}" }}' in cfg
+
+
+@pytest.mark.parametrize("bad", ["tpu", "gpu0", "mps"])
+def test_config_refuses_a_device_that_is_no_device(tiny_dir, bad):
+    with pytest.raises(ConfigError, match="^device: "):
+        ct.config_text(tiny_dir, device=bad)
+
+
+def test_model_py_places_each_instance_where_triton_puts_it():
+    """model.py's device: Triton's instance kind and GPU id (args of initialize) first."""
+    gpu = {"model_instance_kind": "GPU", "model_instance_device_id": "3"}
+    assert ct.instance_device(gpu, {"device": "cuda:0"}) == "cuda:3"
+    assert ct.instance_device({"model_instance_kind": "CPU", "model_instance_device_id": "0"},
+                              {"device": "cuda:0"}) == "cpu"
+    assert ct.instance_device({"model_instance_kind": "MODEL"}, {"device": "cuda:2"}) == "cuda:2"
+    assert ct.instance_device({}, {}) == "auto"
+    model_py = (ct.REPO_TEMPLATE / ct.MODEL_NAME / "1" / "model.py").read_text()
+    assert "device = instance_device(args, params)" in model_py and "device=device" in model_py
+
+
+def test_device_flags_parse_the_same_everywhere():
+    from runtime.cli import build_parser as runtime_parser
+    from serving.dynamo_launch import build_parser as launch_parser
+    from serving.dynamo_worker import build_parser as worker_parser
+
+    gen = ["generate", "--engine", "E", "--prompt", "p"]
+    assert runtime_parser().parse_args(gen).device == "auto"
+    assert runtime_parser().parse_args(gen + ["--device", "cuda:1"]).device == "cuda:1"
+    assert ct.build_parser().parse_args(["--engine", "E", "--out", "O"]).device == "auto"
+    assert ct.build_parser().parse_args(["--engine", "E", "--out", "O", "--device", "cpu"]).device == "cpu"
+    assert worker_parser().parse_args(["--engine", "E"]).device == "auto"
+    assert worker_parser().parse_args(["--engine", "E", "--device", "cuda:2"]).device == "cuda:2"
+    assert launch_parser().parse_args(["start", "--device", "cpu"]).device == "cpu"
+
+
+NO_CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+
+
+@NO_CUDA
+def test_a_missing_device_fails_every_start_in_one_line(tiny_dir, tmp_path, capsys):
+    from runtime.cli import main as runtime_main
+    from serving import dynamo_launch
+
+    assert runtime_main(["generate", "--engine", str(tiny_dir), "--prompt", "x", "--device", "cuda"]) == 2
+    assert ct.main(["--engine", str(tiny_dir), "--out", str(tmp_path / "r"), "--device", "cuda:1"]) == 2
+    errs = capsys.readouterr().err.strip().splitlines()
+    assert len(errs) == 2 and all(e.startswith("error: device: ") and "set device to cpu" in e for e in errs)
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(dynamo_launch.LaunchError, match="^device: 'cuda' asked for, but torch sees no CUDA"):
+        dynamo_launch.start(tiny_dir, run_dir=tmp_path / "dyn", device="cuda", progress=None)
+    assert not (tmp_path / "dyn").exists()
+
+
+@NO_CUDA
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("frontend", ["triton", "dynamo"])
+def test_serve_sh_with_a_missing_device_fails_fast_before_anything_starts(tiny_dir, tmp_path, frontend):
+    import subprocess
+
+    serve = Path(__file__).resolve().parents[1] / "scripts" / "serve.sh"
+    t0 = time.monotonic()
+    r = subprocess.run([str(serve), "start", "--frontend", frontend, "--device", "cuda", "--engine", str(tiny_dir),
+                        "--run-dir", str(tmp_path / "run"), "--http-port", "1"], capture_output=True, text=True,
+                       timeout=60, env={**__import__("os").environ, "PYTHON": sys.executable})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1, r.stderr
+    assert "error: device: 'cuda' asked for, but torch sees no CUDA device (set device to cpu or auto" in lines[0]
+    assert not (tmp_path / "run").exists()          # no model repo, no supervisor, no server
+    assert time.monotonic() - t0 < 30
 
 
 def test_pbtxt_string_escapes_quotes_and_backslashes():
@@ -176,6 +268,79 @@ def test_unknown_request_parameter_is_refused():
         parse(parameters={"max_token": 3}, text_input=text("x"))
 
 
+# ---- error field names: the runtime's, mapped to the request's ------------------------------------
+def test_core_code_names_no_serving_field():
+    """runtime/ names its own fields; the request names live in serving/fields.py only."""
+    root = Path(__file__).resolve().parents[1] / "runtime"
+    hits = [f"{p.relative_to(root.parent)}" for p in root.rglob("*.py")
+            if any(name in p.read_text() for name in ('"text_input"', '"sampling_parameters', '"messages"'))]
+    assert not hits, f"core code names serving fields: {hits}"
+
+
+def test_client_error_keeps_type_problem_and_fix_under_the_request_name():
+    from runtime.errors import CapacityError
+    from runtime.scheduler import QueueFullError
+    from serving.fields import OPENAI_FIELDS, TRITON_FIELDS, client_error
+
+    core = RequestError("prompt", "is empty", "send at least one character")
+    mapped = client_error(core, TRITON_FIELDS)
+    assert type(mapped) is RequestError and mapped.field == "text_input"
+    assert str(mapped) == "text_input: is empty (send at least one character)"
+    assert (mapped.problem, mapped.fix) == (core.problem, core.fix) and str(core).startswith("prompt: ")
+    assert str(client_error(core, OPENAI_FIELDS)).startswith("prompt/messages: is empty")
+    cap = client_error(CapacityError("needs 9 KV blocks", field="max_tokens"),
+                       {"max_tokens": "sampling_parameters.max_tokens"})
+    assert type(cap) is CapacityError and str(cap) == "sampling_parameters.max_tokens: needs 9 KV blocks"
+    full = QueueFullError("the waiting queue is full (2 requests waiting); retry later")
+    assert client_error(full, TRITON_FIELDS) is full and str(full).startswith("the waiting queue is full")
+    other = ConfigError("top_k", "must be >= 1")               # a field no front renames
+    assert client_error(other, TRITON_FIELDS) is other
+
+
+@pytest.mark.parametrize("inputs,message", [
+    (dict(sampling_parameters=text('{"temperature": -1}')),
+     "sampling_parameters.temperature: must be a finite number >= 0"),
+    (dict(sampling_parameters=text('{"max_tokens": 0}')), "sampling_parameters.max_tokens: must be a positive integer"),
+    (dict(sampling_parameters=text('{"stop": [""]}')), "sampling_parameters.stop: must be a list of non-empty"),
+    (dict(sampling_parameters=text('{"top_p": 2}'), top_p=np.array([0.0], np.float32)), "top_p: must be in (0, 1]"),
+])
+def test_sampling_errors_name_the_key_the_client_sent(inputs, message):
+    """SamplingParams names its own field; the parser reports it where the request put it."""
+    with pytest.raises(RequestError) as err:
+        parse(text_input=text("x"), **inputs)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_request_parameters_errors_name_parameters_keys():
+    with pytest.raises(RequestError, match=r"^parameters\.top_k: must be an integer >= 0"):
+        parse(parameters={"top_k": -1}, text_input=text("x"))
+
+
+def test_engine_errors_reach_the_client_under_the_request_names(tiny_dir):
+    """Errors the engine raises after parsing (Engine.add_request, the scheduler) name `prompt` and
+    `max_tokens`; GenerateRequest.error (what model.py sends) names what the client typed."""
+    from runtime.errors import CapacityError
+
+    engine = Engine.from_dir(tiny_dir, max_model_len=64)
+    req = parse(text_input=text(""))
+    with pytest.raises(RequestError) as err:
+        engine.add_request(req.prompt, req.params)
+    assert str(err.value).startswith("prompt: is empty")
+    mapped = req.error(err.value)
+    assert type(mapped) is RequestError and str(mapped) == "text_input: is empty (send at least one character)"
+    req = parse(text_input=text("x"), sampling_parameters=text('{"max_tokens": 100}'))
+    with pytest.raises(CapacityError) as err:
+        engine.add_request(req.prompt, req.params)
+    mapped = req.error(err.value)
+    assert type(mapped) is CapacityError and str(mapped).startswith("sampling_parameters.max_tokens: ")
+    assert "max_model_len 64" in str(mapped)
+    req = parse(text_input=text("x"), max_tokens=np.array([100], np.int32))
+    with pytest.raises(CapacityError) as err:
+        engine.add_request(req.prompt, req.params)
+    assert str(req.error(err.value)).startswith("max_tokens: ")
+    engine.close()
+
+
 # ---- responses ----------------------------------------------------------------------------------
 class Out:
     def __init__(self, delta, finished=False, reason=None, n_out=1):
@@ -260,7 +425,7 @@ def test_cancelled_request_is_aborted_and_frees_its_blocks(tiny_dir):
 
 def test_submit_errors_surface_at_once_and_leave_no_sink(tiny_dir):
     loop = EngineLoop(Engine.from_dir(tiny_dir))
-    with pytest.raises(RequestError, match="text_input"):
+    with pytest.raises(RequestError, match="^prompt: is empty"):     # the runtime's name: fronts map it
         loop.submit("", SamplingParams(), Sink())
     assert loop.num_live() == 0
 

@@ -138,11 +138,23 @@ def test_http_generate_and_generate_stream(triton_server, reference):
 
 
 def test_http_generate_error_is_a_400_naming_the_field(triton_server):
-    body = json.dumps({"text_input": "x", "temperature": -1.0}).encode()
-    req = urllib.request.Request(f"{triton_server.http_url}/v2/models/{MODEL}/generate", body)
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(req, timeout=30)
-    assert err.value.code == 400 and "temperature" in json.loads(err.value.read())["error"]
+    url = f"{triton_server.http_url}/v2/models/{MODEL}/generate"
+    for body, field in (({"text_input": "x", "temperature": -1.0}, "temperature: "),
+                        ({"text_input": ""}, "text_input: is empty")):       # the engine's `prompt`
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(url, json.dumps(body).encode()), timeout=30)
+        assert err.value.code == 400 and json.loads(err.value.read())["error"].startswith(field)
+
+
+def test_the_instance_runs_on_the_configured_device(triton_server):
+    """The config's instance_group (KIND_CPU here: write_model_repo's auto on a CPU machine) is
+    what model.py hands Engine.from_dir."""
+    import torch
+
+    expected = "cuda:0" if torch.cuda.is_available() else "cpu"
+    repo_cfg = next(triton_server.log_path.parent.glob("model_repo/*/config.pbtxt")).read_text()
+    assert f'string_value: "{expected}"' in repo_cfg
+    assert f"loaded on {expected} " in triton_server.log_path.read_text(errors="replace")
 
 
 def test_16_concurrent_streams_complete_without_error(triton_server):
@@ -155,10 +167,15 @@ def test_16_concurrent_streams_complete_without_error(triton_server):
 
 BAD_REQUESTS = {
     "missing text_input": (dict(max_tokens=4), "text_input"),
-    "empty prompt": (dict(text_input=""), "text_input"),
+    # the engine names its own fields (`prompt`, `max_tokens`); the model maps them to the request's
+    "empty prompt": (dict(text_input=""), "text_input: is empty"),
     "max_tokens 0": (dict(text_input="x", max_tokens=0), "max_tokens"),
     "max_tokens < 0": (dict(text_input="x", max_tokens=-3), "max_tokens"),
-    "max_tokens beyond the context": (dict(text_input="x", max_tokens=1_000_000), "max_tokens"),
+    "max_tokens beyond the context": (dict(text_input="x", max_tokens=1_000_000), "max_tokens: "),
+    "max_tokens beyond the context, in sampling_parameters": (
+        dict(text_input="x", sampling_parameters={"max_tokens": 1_000_000}), "sampling_parameters.max_tokens: "),
+    "top_k < 0 in sampling_parameters": (dict(text_input="x", sampling_parameters={"top_k": -1}),
+                                         "sampling_parameters.top_k: must be an integer >= 0"),
     "max_tokens as FP32": (dict(text_input="x", max_tokens=np.array([4.0], np.float32)), "max_tokens"),
     "stream as INT32": (dict(text_input="x", stream=np.array([1], np.int32)), "stream"),
     "two prompts": (dict(text_input=["a", "b"]), "text_input"),

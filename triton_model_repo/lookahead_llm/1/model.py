@@ -1,7 +1,9 @@
 """Lookahead-KV on Triton's python backend (decoupled): a thin adapter over `serving`.
 
-initialize  loads `runtime.Engine` from the config's engine_dir and starts one step-loop thread;
-execute     parses each request (a bad one gets an error response naming the field; the others go on)
+initialize  loads `runtime.Engine` from the config's engine_dir on the instance's device (KIND_GPU:
+            the GPU Triton gives it, KIND_CPU: the CPU) and starts one step-loop thread;
+execute     parses each request (a bad one gets an error response naming the field as the request
+            sent it, `text_input` for the runtime's `prompt`: serving/fields.py; the others go on)
             and hands it to the loop, which streams its outputs back through the response sender;
 finalize    stops the loop.
 
@@ -22,6 +24,8 @@ import triton_python_backend_utils as pb_utils
 from runtime.engine import Engine
 from runtime.errors import LookaheadError
 from runtime.scheduler import QueueFullError
+from serving.config_template import instance_device
+from serving.fields import TRITON_FIELDS, client_error
 from serving.loop import EngineLoop
 from serving.metrics import MetricExporter
 from serving.request import RequestLimits, ResponseStream, parse_request
@@ -37,14 +41,18 @@ class TritonPythonModel:
                                                 "{ decoupled: true } in config.pbtxt")
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         overrides = json.loads(params.get("lookahead_overrides") or "{}")
-        self.engine = Engine.from_dir(params["engine_dir"], max_queue=int(params.get("max_queue", 256)),
-                                      **overrides)
+        device = instance_device(args, params)
+        try:
+            self.engine = Engine.from_dir(params["engine_dir"], device=device,
+                                          max_queue=int(params.get("max_queue", 256)), **overrides)
+        except LookaheadError as e:         # one line in the server log, naming the field and the fix
+            raise pb_utils.TritonModelException(f"lookahead_llm: {e}") from None
         self.limits = RequestLimits.for_engine(self.engine)
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.metrics = MetricExporter(_metric_family, labels)
         self.loop = EngineLoop(self.engine, on_stats=self.metrics.update, name=args["model_instance_name"])
         self.loop.start()
-        pb_utils.Logger.log_info(f"lookahead_llm: engine {params['engine_dir']} loaded "
+        pb_utils.Logger.log_info(f"lookahead_llm: engine {params['engine_dir']} loaded on {self.engine.device} "
                                  f"(mode {self.engine.config.mode}, overrides {overrides}; a token covers at "
                                  f"most {self.limits.max_token_bytes} bytes of prompt)")
         # torch and the engine leave ~190k long-lived objects, which every full collection walks
@@ -55,10 +63,12 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            req = None
             try:
                 req = parse_request(lambda name: _input(request, name), request.parameters(), self.limits)
                 self.loop.submit(req.prompt, req.params, _Sink(sender, req))
-            except LookaheadError as e:
+            except LookaheadError as e:     # the engine's errors name its fields: this request's names
+                e = req.error(e) if req is not None else client_error(e, TRITON_FIELDS)
                 _send_error(sender, str(e), _error_code(e))
             except Exception as e:      # a bug: answer this request, keep the model up
                 pb_utils.Logger.log_error(f"lookahead_llm: request failed: {e!r}"[:2000])
@@ -77,7 +87,7 @@ class _Sink:
     """One request's response sender, seen from the step loop (serving.loop.RequestSink)."""
 
     def __init__(self, sender, request):
-        self.sender, self.stream = sender, ResponseStream(request)
+        self.sender, self.request, self.stream = sender, request, ResponseStream(request)
 
     def on_output(self, out):
         if out.finish_reason == "abort":
@@ -92,7 +102,9 @@ class _Sink:
         _send_error(self.sender, message, pb_utils.TritonError.UNAVAILABLE)
 
     def on_reject(self, error):
-        """A long prompt refused after tokenizing (too long, queue full): the typed error."""
+        """A long prompt refused after tokenizing (too long, queue full): the typed error, under
+        the request's field names."""
+        error = self.request.error(error)
         _send_error(self.sender, str(error), _error_code(error))
 
     def is_cancelled(self):
