@@ -90,7 +90,8 @@ class DraftChain:
     """Per-sequence draft bookkeeping: what each step's draft row runs, accept counts, resyncs.
 
     The lookahead runner calls `next_draft` when it builds a step (None: the sequence pre-decodes
-    this step) and `set_guess` with the draw of the sequence's draft or pre-decoding row.
+    this step), `draws` for the draft rows' sampling, and `set_guesses` with their draws. All the
+    chain's state (guess, last draft, misses, accept counts) lives here, none in the runner.
     """
 
     def __init__(self, source: DraftSource, resync_after: int):
@@ -122,6 +123,19 @@ class DraftChain:
 
     def set_guess(self, seq_id: int, token: int) -> None:
         self.chains[seq_id].guess = token
+
+    def set_guesses(self, seq_ids: list[int], tokens: list[int]) -> None:
+        """The draws of a step's draft (or pre-decoding) rows, one per sequence, in `draws` order."""
+        for seq_id, token in zip(seq_ids, tokens):
+            self.chains[seq_id].guess = token
+
+    @staticmethod
+    def draws(seqs: list, predecode: list[bool]) -> list[tuple]:
+        """(params, noise seed, position) of each sequence's draft-row draw. A draft row draws the
+        token after next (`num_tokens + 1`); a pre-decoding row, which is the next step's real row
+        computed ahead, the next one (`num_tokens`): each on the noise of its position, as the real
+        row that will draw it (runtime/sampling.py), so the two agree whenever their logits do."""
+        return [(seq.params, seq.noise_seed, seq.num_tokens + (0 if pre else 1)) for seq, pre in zip(seqs, predecode)]
 
     def release(self, seq_id: int) -> dict:
         """A finished sequence's draft metrics; forgets its chain."""

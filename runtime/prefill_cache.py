@@ -5,9 +5,10 @@ differs is what the attention backend keeps of the prompt's K/V (dense: the host
 the pool, the block summaries, the device window, the seeded working set). A `PrefillCache`
 records, for a whole prompt, what every layer's attention received (the post-RoPE K/V rows and
 the last row's query) and the last row's logits. A later engine prefilling the same prompt on
-the same model object hands those inputs to its own backend with `store_only` set: the backend
-stores them exactly as in a real prefill, and the model's matmuls and the prefill attention are
-skipped. The decode that follows is bit-identical to an uncached run (a test).
+the same model object hands those inputs to its own backend, in a step whose plan the runner built
+with `store_only` (`StepBatch.store_only`): the backend stores them exactly as in a real prefill,
+and the model's matmuls and the prefill attention are skipped. The decode that follows is
+bit-identical to an uncached run (a test).
 
 A step replays only when every item in it is a prefill chunk of a recorded prompt; anything else
 runs the model (and records the prompts it starts). Keyed by the model object and the prompt's
@@ -82,24 +83,21 @@ class Replay:
         self.parts = parts
 
     def run(self, attn, num_layers: int) -> dict[int, torch.Tensor]:
-        """Store every layer's recorded K/V through `attn` (store_only); {seq_id: logits} of the
-        sequences whose prompt completes this step."""
+        """Hand every layer's recorded K/V to `attn`, the backend of a step whose plan the runner
+        built with `store_only` (it stores and seeds, attends to nothing); {seq_id: logits} of
+        the sequences whose prompt completes this step."""
         e0 = self.parts[0][2]
         T = sum(it.num_tokens for _, it, _ in self.parts)
         q = e0.q_last.new_zeros(T, *e0.q_last.shape[1:])
-        attn.store_only = True
-        try:
-            for layer in range(num_layers):
-                ks, vs = [], []
-                for (seq, _), it, e in self.parts:
-                    rows = slice(it.start_pos, it.start_pos + it.num_tokens)
-                    ks.append(e.k[layer, rows])
-                    vs.append(e.v[layer, rows])
-                    if it.context_len == len(seq.prompt_ids):
-                        q[it.row_start + it.num_tokens - 1] = e.q_last[layer]
-                attn.forward(layer, q, torch.cat(ks), torch.cat(vs))
-        finally:
-            attn.store_only = False
+        for layer in range(num_layers):
+            ks, vs = [], []
+            for (seq, _), it, e in self.parts:
+                rows = slice(it.start_pos, it.start_pos + it.num_tokens)
+                ks.append(e.k[layer, rows])
+                vs.append(e.v[layer, rows])
+                if it.context_len == len(seq.prompt_ids):
+                    q[it.row_start + it.num_tokens - 1] = e.q_last[layer]
+            attn.forward(layer, q, torch.cat(ks), torch.cat(vs))
         return {seq.seq_id: e.logits for (seq, _), it, e in self.parts
                 if it.context_len == len(seq.prompt_ids)}
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 
 from .attention_dense import DenseAttention
+from .kv_pool import KVPool
 from .model import LlamaModel
+from .observe import Observers
 from .prefill_cache import PrefillCache
 from .sequence import Sequence
 from .step import StepBatch, StepItem
@@ -14,9 +16,10 @@ class DenseRunner:
     """Dense mode: every row attends to its sequence's full cached context."""
 
     def __init__(self, model: LlamaModel, attn: DenseAttention, block_size: int,
-                 prefill_cache: PrefillCache | None = None):
+                 prefill_cache: PrefillCache | None = None, observers: Observers | None = None):
         self.model, self.attn, self.block_size = model, attn, block_size
         self.prefill_cache = prefill_cache
+        self.observers = observers if observers is not None else Observers()
 
     def release(self, seq: Sequence) -> None:
         """Nothing per sequence to free beyond its blocks (the scheduler frees those)."""
@@ -38,14 +41,18 @@ class DenseRunner:
             items.append(StepItem(seq.seq_id, row, n, start, seq.block_table))
             token_ids.extend(seq.token_at(p) for p in range(start, start + n))
             row += n
-        batch = StepBatch.build(items, token_ids, self.block_size, self.attn.pool.device)
-        self.attn.batch = batch
         cache = self.prefill_cache
-        if cache is not None and (replay := cache.replay(self.model, work, items)) is not None:
-            out = replay.run(self.attn, len(self.model.layers))
+        replay = cache.replay(self.model, work, items) if cache is not None else None
+        batch = StepBatch.build(items, token_ids, self.block_size, self.attn.pool.device,
+                                store_only=replay is not None)
+        if self.observers:
+            self.observers.batch(batch)
+        if replay is not None:
+            out = replay.run(StoreRows(self.attn.pool, batch), len(self.model.layers))
             for seq, n in work:
                 seq.num_cached += n
             return out
+        self.attn.batch = batch             # DenseAttention's one per-step input (attention_dense.py)
         rec = cache.record(self.model, work, items) if cache is not None else None
         backend = rec.wrap(self.attn, len(self.model.layers)) if rec else self.attn
         hidden = self.model(batch.tokens, batch.positions, backend)               # [T, hidden]
@@ -61,3 +68,15 @@ class DenseRunner:
         if rec:
             rec.finish(out)
         return out
+
+
+class StoreRows:
+    """The backend of a replayed prefill in dense mode (batch.store_only): each layer's recorded
+    K/V go into the pool where the batch says, as DenseAttention stores them; nothing attends."""
+
+    def __init__(self, pool: KVPool, batch: StepBatch):
+        self.pool, self.batch = pool, batch
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.pool.write(layer_idx, k, v, self.batch.slot_blocks, self.batch.slot_offsets)
+        return torch.empty_like(q)

@@ -2,7 +2,7 @@
 
 A step is a flat batch of T token rows made of `StepItem`s: a prefill chunk or one decode token of a
 sequence. Built once per step by the runner (as lists, then tensors moved to the device in one
-go); read by every layer's attention.
+go) and never changed after: every layer's attention only reads it.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from .device import to_device
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepItem:
     seq_id: int
     row_start: int            # first row of this item in the flat batch
@@ -27,17 +27,19 @@ class StepItem:
         return self.start_pos + self.num_tokens
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepBatch:
     items: list[StepItem]
     tokens: torch.Tensor          # [T] int64
     positions: torch.Tensor       # [T] int64
     slot_blocks: torch.Tensor     # [T] int64 block id of each real row
     slot_offsets: torch.Tensor    # [T] int64 offset within that block
+    store_only: bool = False      # a replayed prefill (runtime/prefill_cache.py): the backend stores
+                                  # the recorded K/V (and seeds), the model does not run
 
     @classmethod
     def build(cls, items: list[StepItem], token_ids: list[int], block_size: int,
-              device: torch.device = torch.device("cpu")) -> "StepBatch":
+              device: torch.device = torch.device("cpu"), store_only: bool = False) -> "StepBatch":
         positions, blocks, offsets = [], [], []
         for it in items:
             for p in range(it.start_pos, it.start_pos + it.num_tokens):
@@ -46,4 +48,4 @@ class StepBatch:
                 offsets.append(p % block_size)
         # one [4, T] host tensor, one copy to the device
         packed = torch.tensor([token_ids, positions, blocks, offsets], dtype=torch.long)
-        return cls(items, *to_device(device, packed)[0].unbind(0))
+        return cls(items, *to_device(device, packed)[0].unbind(0), store_only=store_only)

@@ -7,7 +7,8 @@ At decode step s, layer l, the draft query (token d at p+1) scores every candida
 min/max key summary; its top-K is the set prefetched for step s+1. At step s+1 the real query
 scores the same candidates; agreement = |predicted ∩ true| / |true|, averaged over KV heads and
 steps (exactly `LookaheadMetrics.record_step`, which this script cross-checks at the run's K).
-One run gives every K of the sweep: the scores are tapped and re-ranked at each K.
+One run gives every K of the sweep: the scores are tapped (the runtime's `on_scores` observation
+hook, runtime/observe.py) and re-ranked at each K.
 
 Drafts: `dual_token` (the runtime's default, model-generated), `oracle` (the true next token:
 the dual_token run's own continuation replayed; under `urgent` the output does not depend on the
@@ -44,6 +45,7 @@ import longctx_data as data  # noqa: E402
 from eval_accuracy import (EngineFactory, add_run_args, append_record, engine_policy, machine_info,  # noqa: E402
                            set_threads)
 from runtime.draft import DraftSource, DualTokenDraft, RandomDraft  # noqa: E402
+from runtime.observe import Observer  # noqa: E402
 
 SWEEP = (16, 32, 64, 128, 256)
 DRAFTS = ("dual_token", "oracle", "random", "context_seed")   # context_seed: the chain before pre-decoding
@@ -100,36 +102,26 @@ def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     return mask
 
 
-class ScoreTap:
-    """Sees every block score the lookahead backend computes for lane 0 and turns each pair
-    (prediction made at step s, real query at step s+1) into agreement at every K of a sweep.
+class ScoreTap(Observer):
+    """Sees every block score the lookahead backend computes for the run's one lane (the
+    engine's `on_scores` hook, runtime/observe.py) and turns each pair (prediction made at step
+    s, real query at step s+1) into agreement at every K of a sweep."""
 
-    The runtime has no public hook for the scores (only `record_step` at the run's own K), so the
-    backend's `_score` is wrapped on this one instance; `close()` restores it.
-    """
-
-    def __init__(self, attn, ks: tuple[int, ...]):
-        self.attn, self.ks = attn, ks
+    def __init__(self, ks: tuple[int, ...]):
+        self.ks = ks
         self.pending: dict[int, torch.Tensor] = {}     # layer -> prediction scores [KVH, NB]
         self.steps: list[dict[int, list[float]]] = []  # per decode step: layer -> agreement per K
         self.candidates: list[int] = []                # per decode step
-        self._orig = attn._score
-        attn._score = self._score
 
-    def close(self) -> None:
-        self.attn._score = self._orig
-
-    def _score(self, layer: int, q: torch.Tensor, valid: torch.Tensor, n: int, *args):
-        idx, scores = self._orig(layer, q, valid, n, *args)
-        plan = self.attn.plan
-        dec = plan.decode if plan is not None else None
-        if scores.dim() == 4:       # a decode step: row 0 the real query, row 1 the draft query
-            lane = int(dec.lanes[0])
-            self._record(layer, scores[lane, 0])
-            self.pending[layer] = scores[lane, 1].clone()
-        else:                       # pre-decoding: the last prompt token's query seeds the set
-            self.pending[layer] = scores[n - 1].clone()
-        return idx, scores
+    def on_scores(self, layer: int, rows: tuple[str, ...], lanes: list[int], idx: torch.Tensor,
+                  scores: torch.Tensor) -> None:
+        lane = lanes[0]
+        if rows == ("seed",):       # the last prompt token's query seeds the first working set
+            self.pending[layer] = scores[lane, 0].clone()
+            return
+        self._record(layer, scores[lane, rows.index("real")])        # a decode step's real query
+        if "draft" in rows:                                          # its prediction for the next
+            self.pending[layer] = scores[lane, rows.index("draft")].clone()
 
     def _record(self, layer: int, true: torch.Tensor) -> None:
         if layer == 0:
@@ -159,14 +151,13 @@ def run_draft(factory: EngineFactory, prompt: str, draft: str, top_k: int, steps
     ids = eng.tokenizer.encode(prompt)
     logger = LoggingDraft(make_draft(draft, eng.manifest.model.vocab_size, len(ids), continuation, seed))
     eng.runner.chain.source = logger
-    tap = ScoreTap(eng.runner.attn, ks)
+    tap = eng.observe(ScoreTap(ks))
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True, temperature=temperature, top_p=top_p, seed=seed)
     try:
         t0 = time.perf_counter()
         out = eng.generate([ids], params)[0]
         stats = eng.stats()
     finally:
-        tap.close()
         eng.close()
     full = ids + out.token_ids
     # one proposal per decode step: None is a pre-decoding step (the chain's seed, or a resync),

@@ -10,6 +10,7 @@ from gpu_skips import requires_cuda
 from runtime.device import resolve_device
 from runtime.engine import Engine
 from runtime.errors import ConfigError
+from runtime.observe import Observer
 from runtime.ops import select_ops
 from runtime.sampling import SamplingParams
 from runtime.transfer import SyncTransferEngine
@@ -50,21 +51,35 @@ class DeviceCheck:
         return checked
 
 
-class CheckingTransfer(SyncTransferEngine):
-    """Asserts each copy goes from the host pool (pinned for a GPU) into device-tier slots."""
+class InlineTransfer(SyncTransferEngine):
+    """Copies inline; on a GPU after the compute queued so far (it copies on the host's stream)."""
 
     def __init__(self, device: torch.device):
         super().__init__()
         self.device = device
 
     def submit(self, job, urgent=False):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return super().submit(job, urgent)
+
+
+class SeamCheck(Observer):
+    """Reads the step plans and asserts each copy goes from the host pool (pinned for a GPU)
+    into device-tier slots (the on_plan and on_copy hooks)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.plans, self.copies = device, [], 0
+
+    def on_plan(self, plan):
+        self.plans.append(plan)
+
+    def on_copy(self, job, urgent):
         for t in (job.dst_k, job.dst_v, *job.src_index, *job.dst_index):
             assert t.device == self.device, f"copy job tensor on {t.device}"
         for t in (job.src_k, job.src_v):
             assert t.device.type == "cpu" and t.is_pinned() == (self.device.type == "cuda")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)     # this test engine copies inline, on the host's stream
-        return super().submit(job, urgent)
+        self.copies += 1
 
 
 def engine_tensors(engine):
@@ -73,8 +88,10 @@ def engine_tensors(engine):
     yield "rope.cos", engine.model.rope.cos
     yield "rope.sin", engine.model.rope.sin
     attn = engine.runner.attn
-    for owner, prefix in ((attn, "attn"), (getattr(attn, "slots", None), "slots"),
-                          (getattr(attn, "metrics", None), "metrics")):
+    parts = ("tier", "summaries", "residency", "metrics")
+    owners = [(attn, "attn")] + [(getattr(attn, p, None), p) for p in parts]
+    owners.append((getattr(getattr(attn, "residency", None), "slots", None), "slots"))
+    for owner, prefix in owners:
         for name, value in (vars(owner) if owner is not None else {}).items():
             if isinstance(value, torch.Tensor) and value is not getattr(attn, "pool", None):
                 yield f"{prefix}.{name}", value
@@ -82,7 +99,7 @@ def engine_tensors(engine):
 
 def plan_tensors(plan):
     """The step plan's tensors that layers read (the host pool's write indices aside)."""
-    for obj in (plan.batch, plan, plan.decode):
+    for obj in (plan.batch, plan, plan.decode, *plan.prefill):
         for name, value in (vars(obj) if obj is not None else {}).items():
             if name not in ("pool_blocks", "pool_offsets"):
                 yield from ((name, t) for t in tensors_in(value))
@@ -95,17 +112,16 @@ def test_every_tensor_a_step_touches_is_on_the_engine_device(tiny_dir, mode, dev
     check = DeviceCheck(dev)
     ops = select_ops(dev, torch.float32, checked=True).wrapped(check, "device-checked")
     lookahead = mode != "dense"
-    transfer = CheckingTransfer(dev) if lookahead else None
+    transfer = InlineTransfer(dev) if lookahead else None
     engine = Engine.from_dir(tiny_dir, device=device, ops=ops, transfer=transfer, **MODES[mode])
     assert engine.device == dev and engine.ops is ops
+    seams = engine.observe(SeamCheck(dev))
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
     engine.add_request(list(range(1, 90)), params)
     engine.add_request(list(range(7, 60)), SamplingParams(max_tokens=6, ignore_eos=True))
-    plans = []
     while engine.has_unfinished():
         engine.step()
-        if lookahead and engine.runner.attn.plan is not None:
-            plans.append(engine.runner.attn.plan)
+    plans = seams.plans
     expected_ops = {"linear"} | ({"block_topk", "lookahead_attention", "update_summaries"} if lookahead else set())
     assert expected_ops <= set(check.calls)
     for name, t in engine_tensors(engine):
@@ -113,7 +129,7 @@ def test_every_tensor_a_step_touches_is_on_the_engine_device(tiny_dir, mode, dev
     pool = engine.pool
     if lookahead:
         assert pool.device.type == "cpu" and pool.k.is_pinned() == (dev.type == "cuda")   # the host tier
-        assert transfer.jobs > 0
+        assert transfer.jobs == seams.copies > 0          # every job was checked
         assert any(p.decode is not None for p in plans)
         for plan in plans:
             for name, t in plan_tensors(plan):

@@ -116,6 +116,16 @@ def test_draft_chain_judges_counts_and_resyncs():
     assert chain.release(0)["resyncs"] == 1 and 0 not in chain.chains
 
 
+def test_draft_rows_draw_at_the_position_their_token_will_hold():
+    from types import SimpleNamespace as Seq
+    chain = DraftChain(DualTokenDraft(), resync_after=1)
+    seqs = [Seq(seq_id=1, params="p", noise_seed=7, num_tokens=5), Seq(seq_id=2, params="q", noise_seed=8, num_tokens=3)]
+    assert chain.draws(seqs, [False, True]) == [("p", 7, 6), ("q", 8, 3)]    # a draft row; a pre-decoding row
+    assert chain.next_draft(1, [1]) is None and chain.next_draft(2, [2]) is None
+    chain.set_guesses([1, 2], [40, 41])
+    assert chain.next_draft(1, [1, 2]) == 40 and chain.next_draft(2, [2, 3]) == 41
+
+
 def test_make_draft_knows_the_config_kinds_only():
     assert make_draft("none") is None
     assert isinstance(make_draft("dual_token"), DualTokenDraft)

@@ -8,6 +8,7 @@ from runtime.attention_dense import prefill_attention
 from runtime.draft import DraftSource, RandomDraft
 from runtime.engine import Engine
 from runtime.errors import ConfigError
+from runtime.observe import Observer
 from runtime.sampling import SamplingParams
 from runtime.transfer import SyncTransferEngine
 from tiny_engine import SMALL_LOOKAHEAD as SMALL, make_tiny_engine, random_prompts as prompts
@@ -21,19 +22,23 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_engine(tmp_path_factory.mktemp("tiny_la"), seed=3)
 
 
+class StepLogits(Observer):
+    """The logits each sequence sampled from, per step (the engine's on_step_end hook)."""
+
+    def __init__(self):
+        self.by_seq: dict[int, list[torch.Tensor]] = {}
+
+    def on_step_end(self, logits):
+        for sid, lg in logits.items():
+            self.by_seq.setdefault(sid, []).append(lg.clone())
+
+
 def run(engine, ps, sp=SP):
     """Generate and capture the logits each sequence sampled from, per step."""
-    logits: dict[int, list[torch.Tensor]] = {}
-    orig = engine.runner.run
-    def spy(work):
-        out = orig(work)
-        for sid, lg in out.items():
-            logits.setdefault(sid, []).append(lg.clone())
-        return out
-    engine.runner.run = spy
+    seen = engine.observe(StepLogits())
     outs = engine.generate(ps, sp)
     engine.close()
-    return outs, [torch.stack(v) for _, v in sorted(logits.items())]
+    return outs, [torch.stack(v) for _, v in sorted(seen.by_seq.items())]
 
 
 class OracleDraft(DraftSource):
@@ -159,18 +164,27 @@ def test_adversarial_draft_under_urgent_equals_perfect_draft(tiny_dir, residency
     assert s_good["draft_accept_rate"] > 0.9 and s_bad["draft_accept_rate"] < 0.2
 
 
+class UrgentSteps(Observer):
+    """The step of every urgent copy job (the on_copy hook)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_copy(self, job, urgent):
+        if urgent:
+            self.steps.append(job.tag[0])
+
+
 class CountingTransfer(SyncTransferEngine):
-    """Copies inline, one (block, head) unit at a time, and counts the bytes it copies (not the
-    engine's own accounting); remembers the step of every urgent job."""
+    """A transfer engine that copies inline, one (block, head) unit at a time, and counts the
+    bytes it copies (not the engine's own accounting)."""
 
     def __init__(self):
         super().__init__()
-        self.copied_bytes, self.urgent_steps = 0, []
+        self.copied_bytes = 0
 
     def submit(self, job, urgent=False):
         ticket = self._account(job, urgent)
-        if urgent:
-            self.urgent_steps.append(job.tag[0])
         for src, dst in ((job.src_k, job.dst_k), (job.src_v, job.dst_v)):
             for b, h, lane, h2, slot in zip(*(t.tolist() for t in (*job.src_index, *job.dst_index))):
                 dst[lane, h2, slot].copy_(src[b, h])
@@ -183,11 +197,13 @@ def test_random_draft_under_drop_never_corrupts_the_cache(tiny_dir):
     transfer = CountingTransfer()
     eng = Engine.from_dir(tiny_dir, **CHECKED, top_k=4, miss_policy="drop", fetch_ratio=0.25, transfer=transfer)
     eng.runner.chain.source = RandomDraft(256, seed=2)
+    urgent = eng.observe(UrgentSteps())
     outs, _ = run(eng, prompts(160, 120, seed=6))      # check_integrity runs before every attention
     assert all(len(o.token_ids) == SP.max_tokens for o in outs)
     # drop fetches misses only at the first decode step (step 2: both prompts prefill in step 1),
     # whose working set the seed predicted, not a draft
-    assert eng.stats()["urgent_blocks"] > 0 and set(transfer.urgent_steps) == {2}
+    assert eng.stats()["urgent_blocks"] > 0 and set(urgent.steps) == {2}
+    assert transfer.urgent_jobs == len(urgent.steps)   # every job the transfer engine got was observed
 
 
 @pytest.mark.parametrize("residency", ["resident", "pingpong"])
@@ -265,3 +281,80 @@ def test_pingpong_prefetch_lead_sizes_the_buffers_and_keeps_the_output(four_laye
     assert [c.token_ids for c in out] == [c.token_ids for c in ref]
     for a, b in zip(ol, rl):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+class Recorder(Observer):
+    """Every hook call, in order (the observation API of runtime/observe.py)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_batch(self, batch):
+        self.calls.append(("batch", batch))
+
+    def on_plan(self, plan):
+        self.calls.append(("plan", plan))
+
+    def on_scores(self, layer, rows, lanes, idx, scores):
+        self.calls.append(("scores", layer, rows, list(lanes), idx.shape, scores.shape))
+
+    def on_copy(self, job, urgent):
+        self.calls.append(("copy", job.tag, urgent))
+
+    def on_step_end(self, logits):
+        self.calls.append(("end", sorted(logits)))
+
+
+@pytest.mark.parametrize("residency", ["resident", "pingpong"])
+def test_observers_see_every_step_and_cannot_change_it(tiny_dir, residency):
+    """The hooks fire once per step in order (batch, plan, per layer scores, copies, step end),
+    the copies they see are every job the transfer engine got, the plan is frozen, and observing
+    changes nothing."""
+    import dataclasses
+    ps = prompts(90, 50, seed=11)
+    cfg = dict(CHECKED, top_k=3, residency=residency)
+    plain, pl = run(Engine.from_dir(tiny_dir, **cfg), ps)
+    eng = Engine.from_dir(tiny_dir, **cfg)
+    rec = eng.observe(Recorder())
+    seen, sl = run(eng, ps)
+    assert [c.token_ids for c in seen] == [c.token_ids for c in plain]
+    assert all(torch.equal(a, b) for a, b in zip(sl, pl))
+    kinds = [c[0] for c in rec.calls]
+    steps = eng.stats()["steps"]
+    assert kinds.count("batch") == kinds.count("plan") == kinds.count("end") == steps
+    assert kinds.count("copy") == eng.runner.attn.transfer.jobs > 0
+    plans = [c[1] for c in rec.calls if c[0] == "plan"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plans[0].real_ix = None
+    decode = [p for p in plans if p.decode is not None]
+    scores = [c for c in rec.calls if c[0] == "scores"]
+    # two layers per decode step, real and draft rows; one seed per prompt and layer
+    assert sum(c[2] == ("real", "draft") for c in scores) == 2 * len(decode)
+    assert sum(c[2] == ("seed",) for c in scores) == 2 * len(ps)
+    for c in scores:
+        assert c[4][:2] == c[5][:2] and c[4][1] == len(c[2]) and c[4][-1] == 3
+    from runtime.observe import Observers
+    none = Observers()
+    assert not none and none.add(rec) is rec and none      # call sites test it: free when empty
+    none.remove(rec)
+    assert not none
+    with pytest.raises(TypeError, match="Observer"):
+        none.add(object())
+
+
+def test_summaries_are_fp32_minmax_of_the_stored_keys():
+    """fp16 KV storage: the summaries stay fp32 and bound the keys as stored (rounded to fp16)."""
+    from runtime.lookahead.summaries import BlockSummaries
+    from runtime.ops import select_ops
+    cpu = torch.device("cpu")
+    s = BlockSummaries(2, 1, 4, 2, 8, torch.float16, cpu, select_ops(cpu, torch.float32, checked=True))
+    assert s.kmin.dtype == s.kmax.dtype == torch.float32
+    keys = torch.randn(2, 8, 2, 8) * 3                        # [L, T, KVH, D]: two blocks of 4
+    lanes, logical = torch.zeros(8, dtype=torch.long), torch.arange(8) // 4
+    s.update(slice(0, 2), keys, lanes, logical, torch.arange(8) % 4)
+    stored = keys.half().float().view(2, 2, 4, 2, 8)
+    torch.testing.assert_close(s.kmin[:, :2], stored.amin(2), rtol=0, atol=0)
+    torch.testing.assert_close(s.kmax[:, :2], stored.amax(2), rtol=0, atol=0)
+    assert not torch.equal(stored.amin(2), keys.view(2, 2, 4, 2, 8).amin(2))    # the rounding shows
+    idx, sc = s.score(1, torch.randn(1, 6, 8).half(), torch.ones(1, 4, dtype=torch.bool), 1, 2, 3, "max")
+    assert sc.dtype == torch.float32 and idx[0, :, 2].eq(-1).all()           # 2 blocks scored, K=3

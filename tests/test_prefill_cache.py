@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from runtime.engine import Engine
+from runtime.observe import Observer
 from runtime.prefill_cache import PrefillCache
 from runtime.sampling import SamplingParams
 from test_lookahead import SMALL, prompts, run
@@ -29,12 +30,20 @@ def sibling(base: Engine, cache: PrefillCache | None, **overrides) -> Engine:
     return base.sibling(cache, **overrides)
 
 
+class ModelRows(Observer):
+    """Token rows the model runs on, per step (a replayed step's batch is store_only: no model)."""
+
+    def __init__(self):
+        self.rows: list[int] = []
+
+    def on_batch(self, batch):
+        if not batch.store_only:
+            self.rows.append(len(batch.tokens))
+
+
 def count_rows(engine: Engine) -> list[int]:
-    """Token rows the model's forward sees, per call."""
-    rows: list[int] = []
-    orig = engine.model.forward
-    engine.model.forward = lambda tokens, positions, attn: (rows.append(len(tokens)), orig(tokens, positions, attn))[1]
-    return rows
+    """Token rows the model's forward sees, per step that runs it."""
+    return engine.observe(ModelRows()).rows
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -29,6 +29,34 @@ class LookaheadMetrics:
         # per lane: true blocks, hits, agreement sum, agreement count, urgent, prefetched
         self.lane = torch.zeros(self.num_lanes, 6, **f64)
         self._counts: list[tuple[int, torch.Tensor]] = []     # count_blocks calls not yet added
+        self._layers: list[tuple] = []                          # this step's note_layer calls
+
+    # ---- one step: layers noted as they run, tallied once at the end ---------------------------
+    def begin_step(self) -> None:
+        self._layers = []                   # a step that failed midway leaves no half tally
+
+    def note_layer(self, layer: int, pred: torch.Tensor, has_pred: torch.Tensor, true: torch.Tensor,
+                   resident: torch.Tensor) -> None:
+        """One decode layer's prediction (as made at the last step: pass a copy), its real query's
+        true top-K and which of those were resident before any fetch; see `record_step`."""
+        self._layers.append((layer, pred, has_pred, true, resident))
+
+    def end_step(self, lanes) -> None:
+        """The step's noted layers at once (lanes: the decoding lanes, a tensor or a slice)."""
+        self.flush()
+        rec, self._layers = self._layers, []
+        if rec:
+            layers, pred, has, true, res = zip(*rec)
+            self.record_step(list(layers), lanes, torch.stack(pred), torch.stack(has), torch.stack(true),
+                             torch.stack(res))
+
+    def add_blocks(self, urgent: bool, lanes: torch.Tensor) -> None:
+        """Blocks admitted for copying, one per entry of `lanes`: fetched urgently or prefetched."""
+        if urgent:
+            self.urgent_blocks += lanes.numel()
+        else:
+            self.prefetched_blocks += lanes.numel()
+        self.count_blocks(4 if urgent else 5, lanes)
 
     def count_blocks(self, column: int, lanes: torch.Tensor) -> None:
         """Add one per entry of `lanes` to a per-lane column (4: urgent, 5: prefetched). Added at

@@ -1,9 +1,18 @@
-"""Which logical block each selected device slot holds, and the capped-eviction admission rule.
+"""The residency manager: what each lane's device working set holds, and the copies that fill it.
 
-Bookkeeping only (small int tensors, no KV bytes): `plan` decides, the transfer engine moves.
-Shapes: `[num_buffers, lanes, KVH, K]`; a buffer is a layer (resident) or a ping-pong half.
-The tables live on the engine's device, beside the slots they describe.
-An inverse map (logical block -> slot) makes membership a gather instead of a K x K' compare.
+`ResidencyManager` decides: it records each layer's prediction, admits blocks through its
+`SlotTable` (capped eviction), seeds a lane's first working set from its prompt, serves the
+real query's misses by the miss policy (`urgent`: fetch them all before attention; `drop`: only
+on a lane's first decode step and on pre-decoding steps), and hands `CopyJob`s to the transfer
+engine, which alone moves the bytes. What differs between the residencies (when copies are made,
+into which buffer, and whether stored rows are written through) is its policy object
+(runtime/lookahead/policies.py): one per residency, no branches here.
+
+`SlotTable` is the bookkeeping it decides with: which logical block each selected device slot
+holds (small int tensors, no KV bytes). Shapes: `[num_buffers, lanes, KVH, K]`; a buffer is a
+layer (resident) or a ping-pong buffer. The tables live on the engine's device, beside the slots
+they describe. An inverse map (logical block -> slot) makes membership a gather instead of a
+K x K' compare.
 """
 from __future__ import annotations
 
@@ -12,6 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from plugins.cpu import bookkeeping
+
+from ..config import LookaheadConfig
+from ..kv_pool import KVPool
+from ..observe import Observers
+from ..transfer import CopyJob, Ticket, TransferEngine
+from .device_tier import DeviceTier
+from .metrics import LookaheadMetrics
+from .step_plan import DecodePart
 
 
 @dataclass
@@ -128,3 +145,96 @@ class SlotTable:
             self.slot_of[buf, lanes] = inv
         lane_ids = b_idx + lanes.start if isinstance(lanes, slice) else lanes[b_idx]
         return Admission(lane_ids, h_idx, slots, blocks)
+
+
+class ResidencyManager:
+    def __init__(self, cfg: LookaheadConfig, policy, num_layers: int, num_lanes: int, num_kv_heads: int,
+                 max_blocks: int, pool: KVPool, tier: DeviceTier, transfer: TransferEngine,
+                 metrics: LookaheadMetrics, observers: Observers, device: torch.device):
+        """policy: `ResidentPolicy` or `PingPongPolicy` (policies.make_policy); pool: the host tier."""
+        self.cfg, self.policy, self.tier, self.transfer = cfg, policy, tier, transfer
+        self.metrics, self.observers, self.max_blocks = metrics, observers, max_blocks
+        self.slots = SlotTable(policy.num_buffers, num_lanes, num_kv_heads, cfg.top_k, max_blocks, device)
+        long, bool_ = dict(dtype=torch.long, device=device), dict(dtype=torch.bool, device=device)
+        self.pred = torch.full((num_layers, num_lanes, num_kv_heads, cfg.top_k), -1, **long)  # next step's sets
+        self.has_pred = torch.zeros(num_layers, num_lanes, **bool_)
+        self.seeded = torch.zeros(num_layers, num_lanes, **bool_)        # pred is the seed's
+        self.lane_blocks = torch.full((num_lanes, max_blocks), -1, **long)  # logical -> host block
+        self.tickets: dict[int, list[Ticket]] = {}                        # layer -> copies it must wait for
+        self.pool_views = [pool.by_block(layer) for layer in range(num_layers)]   # copy-job sources
+        self.step_idx = 0
+
+    def attach(self, lane: int, block_table: list[int]) -> None:
+        """A new sequence on `lane`: its block table, an empty working set, no prediction."""
+        self.lane_blocks[lane] = -1
+        self.lane_blocks[lane, : len(block_table)] = torch.tensor(block_table[: self.max_blocks],
+                                                                  device=self.lane_blocks.device)
+        self.slots.reset_lane(lane)
+        self.pred[:, lane] = -1
+        self.has_pred[:, lane] = False
+        self.seeded[:, lane] = False
+
+    def buffer_of(self, layer: int) -> int:
+        return self.policy.buffer_of(layer)
+
+    def begin_step(self, step_idx: int, d: DecodePart | None) -> None:
+        self.step_idx = step_idx
+        if d is not None:
+            self.policy.begin_step(self, d)
+
+    def take_tickets(self, layer: int) -> list[Ticket]:
+        """The copies layer `layer` must wait for before it reads its buffer (and only those)."""
+        return self.tickets.pop(layer, [])
+
+    def serve_misses(self, layer: int, buf: int, d: DecodePart, true_idx: torch.Tensor,
+                     true_scores: torch.Tensor) -> None:
+        """Note the real query's hits (metrics), then fetch its misses as the miss policy says.
+        true_idx [num_lanes, KVH, K], true_scores [num_lanes, KVH, nb]."""
+        L = d.lane_ix
+        t_idx = true_idx[L]
+        resident = self.slots.resident(buf, L, t_idx)
+        has = self.has_pred[layer, L].all() if d.rows == 2 else self.has_pred.new_zeros(())   # none to score
+        self.metrics.note_layer(layer, self.pred[layer, L].clone(), has, t_idx, resident)  # pred is replaced below
+        if self.cfg.miss_policy == "urgent":
+            self.fetch_urgent(layer, buf, L, t_idx, true_scores[L])
+        elif (first := self.seeded[layer, L] | d.predecode[L]).any():
+            # drop tolerates a draft's misses, but a lane's first decode step was predicted by the
+            # seed (the last prompt token's query), and a pre-decoding step by a draft known to be
+            # wrong: fetch those steps' misses (the next step's real row is then served exactly)
+            self.fetch_urgent(layer, buf, d.lanes[first], t_idx[first], true_scores[L][first])
+            self.seeded[layer, L] = False
+
+    def fetch_urgent(self, layer: int, buf: int, lanes, want: torch.Tensor, scores: torch.Tensor) -> None:
+        """Copy the blocks of `want` [lanes, KVH, K] missing from `buf` on the urgent queue, and wait."""
+        prio = scores.gather(-1, want.clamp(min=0))
+        adm = self.slots.plan(buf, lanes, want, prio, self.cfg.top_k, self.step_idx)
+        if len(adm):
+            self.transfer.wait(self.submit(layer, buf, adm, urgent=True))
+
+    def predict(self, layer: int, lanes, idx: torch.Tensor, scores: torch.Tensor, cap: int) -> None:
+        """The working set of layer `layer` at the next step: idx [lanes, KVH, K] (scores [.., nb]);
+        the policy admits (at most `cap` new blocks per head) and queues copies, or waits to refill."""
+        self.pred[layer, lanes] = idx
+        self.has_pred[layer, lanes] = True
+        self.policy.on_predict(self, layer, lanes, idx, scores, cap)
+
+    def seed(self, layer: int, lane: int, lanes: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor) -> None:
+        """A completed prompt's first working set, predicted by its last token's query (uncapped)."""
+        self.predict(layer, lanes, idx, scores, cap=self.cfg.top_k)
+        self.seeded[layer, lane] = True
+
+    def after_layer(self, layer: int, d: DecodePart) -> None:
+        self.policy.after_layer(self, layer, d)
+
+    def submit(self, layer: int, buf: int, adm: Admission, urgent: bool = False) -> Ticket:
+        """Admitted blocks -> one copy job (host pool of `layer` -> selected slots of `buf`)."""
+        self.metrics.add_blocks(urgent, adm.lanes)
+        host = self.lane_blocks[adm.lanes, adm.blocks]
+        job = CopyJob(*self.pool_views[layer], *self.tier.views[buf], (host, adm.heads),
+                      (adm.lanes, adm.heads, adm.slots + self.tier.layout.selected_start), tag=(self.step_idx, layer))
+        return self.send(job, urgent)
+
+    def send(self, job: CopyJob, urgent: bool = False) -> Ticket:
+        if self.observers:
+            self.observers.copy(job, urgent)
+        return self.transfer.submit(job, urgent=urgent)

@@ -1,60 +1,34 @@
-"""Lookahead model runner: builds dual-row decode steps (real + draft token per sequence)."""
+"""Lookahead model runner: builds dual-row decode steps (real + draft token per sequence).
+
+One step (`run`): lanes for new sequences, the step's rows (`_rows`, asking the draft chain for
+each decoding sequence's draft), the frozen plan (`step_plan.build_plan`), then the forward pass
+through the lookahead backend (or the replay of a recorded prefill), and the logits of the rows
+that emit; the draft rows' logits wait for the engine's one sampling pass (`take_draws`).
+"""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 
 import torch
 
-from ..device import to_device
 from ..draft import DraftChain
 from ..model import LlamaModel
+from ..observe import Observers
 from ..prefill_cache import PrefillCache
 from ..sampling import PendingDraws
 from ..sequence import Sequence
-from ..step import StepBatch, StepItem
+from ..step import StepItem
 from .attention import LookaheadAttention
-from .step_plan import PrefillPart, StepPlan, build_decode_part
-
-
-@dataclass
-class _Rows:
-    """A step's rows as the runner lays them out (lists; made tensors once, in `_plan`)."""
-
-    tokens: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    stored: list[int] = field(default_factory=list)          # rows whose K/V the cache keeps
-    stored_lanes: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)          # per stored row: host block, offset,
-    offsets: list[int] = field(default_factory=list)         # and whether it is written through
-    keep: list[bool] = field(default_factory=list)
-    items: list[StepItem] = field(default_factory=list)
-    prefill: list[PrefillPart] = field(default_factory=list)
-    dec_lanes: list[int] = field(default_factory=list)       # per decoding sequence
-    dec_real: list[int] = field(default_factory=list)
-    dec_draft: list[int] = field(default_factory=list)
-    dec_ctx: list[int] = field(default_factory=list)
-    dec_seqs: list[Sequence] = field(default_factory=list)
-    dec_pre: list[bool] = field(default_factory=list)        # the sequence pre-decodes this step
-
-    def add(self, token: int, pos: int, store: tuple[int, int, int, bool] | None) -> int:
-        """Append a row; `store` = (lane, host block, offset, write-through) for a stored row."""
-        row = len(self.tokens)
-        self.tokens.append(token)
-        self.positions.append(pos)
-        if store is not None:
-            lane, block, offset, keep = store
-            self.stored.append(row), self.stored_lanes.append(lane)
-            self.blocks.append(block), self.offsets.append(offset), self.keep.append(keep)
-        return row
+from .step_plan import StepPlan, StepRows, build_plan
 
 
 class LookaheadRunner:
     def __init__(self, model: LlamaModel, attn: LookaheadAttention, block_size: int, chain: DraftChain | None,
-                 num_lanes: int, prefill_cache: PrefillCache | None = None):
+                 num_lanes: int, prefill_cache: PrefillCache | None = None, observers: Observers | None = None):
         """chain None: sparse attention without look-ahead (one row per sequence, no prediction)."""
         self.model, self.attn, self.block_size, self.chain = model, attn, block_size, chain
         self.prefill_cache = prefill_cache
+        self.observers = observers if observers is not None else Observers()
         self.free_lanes = list(range(num_lanes))
         self._draws: PendingDraws | None = None     # this step's draft draws, see take_draws
         self.lanes: dict[int, int] = {}
@@ -85,10 +59,15 @@ class LookaheadRunner:
             self._lane(seq)
         work = sorted(work, key=lambda w: self.lanes[w[0].seq_id])
         rows = self._rows(work)
-        plan = self._plan(rows)
-        self.attn.begin_step(plan)
         cache, num_layers = self.prefill_cache, len(self.model.layers)
-        if cache is not None and (replay := cache.replay(self.model, work, rows.items)) is not None:
+        replay = cache.replay(self.model, work, rows.items) if cache is not None else None
+        plan = build_plan(rows, self.attn.layout, self.attn.max_blocks, self.attn.device,
+                          store_only=replay is not None)
+        if self.observers:
+            self.observers.batch(plan.batch)
+            self.observers.plan(plan)
+        self.attn.begin_step(plan)
+        if replay is not None:               # the plan says store_only: store and seed, no model
             out = replay.run(self.attn, num_layers)
             self.attn.end_step()
             self._advance(work, rows)
@@ -98,13 +77,13 @@ class LookaheadRunner:
                             rec.wrap(self.attn, num_layers) if rec else self.attn)
         self.attn.end_step()
         self._advance(work, rows)
-        out = self._sample_rows(work, rows, hidden)
+        out = self._sample_rows(work, rows, plan, hidden)
         if rec:
             rec.finish(out)
         return out
 
-    def _rows(self, work: list[tuple[Sequence, int]]) -> _Rows:
-        bs, lay, r = self.block_size, self.attn.layout, _Rows()
+    def _rows(self, work: list[tuple[Sequence, int]]) -> StepRows:
+        bs, lay, r = self.block_size, self.attn.layout, StepRows()
         for seq, n in work:
             lane, start, row = self.lanes[seq.seq_id], seq.num_cached, len(r.tokens)
             draft = None
@@ -117,7 +96,7 @@ class LookaheadRunner:
                 r.add(seq.token_at(p), p, store)
             r.items.append(StepItem(seq.seq_id, row, 0 if pre else n, start, seq.block_table))
             if seq.in_prefill:
-                r.prefill.append(PrefillPart(r.items[-1], lane, start + n == len(seq.prompt_ids)))
+                r.prefill.append((r.items[-1], lane, start + n == len(seq.prompt_ids)))
                 continue
             r.dec_lanes.append(lane), r.dec_real.append(row), r.dec_ctx.append(start + 1)
             r.dec_seqs.append(seq), r.dec_pre.append(pre)
@@ -125,36 +104,16 @@ class LookaheadRunner:
                 r.dec_draft.append(r.add(seq.token_at(start), start, None) if pre else r.add(draft, start + 1, None))
         return r
 
-    def _plan(self, r: _Rows) -> StepPlan:
-        """The step's tensors, made on the host from the row lists and moved to the device once."""
-        dev = self.attn.device
-        rows = torch.tensor([r.tokens, r.positions], dtype=torch.long)                     # [2, T]
-        stored = torch.tensor([r.stored, r.stored_lanes, r.blocks, r.offsets,
-                               [p // self.block_size for p in (r.positions[i] for i in r.stored)]],
-                              dtype=torch.long)                                           # [5, T_real]
-        keep = None if all(r.keep) else torch.tensor(r.keep, dtype=torch.bool)
-        rows_d, stored_d, *keep_d = to_device(dev, rows, stored, *([keep] if keep is not None else []))
-        s_rows, s_lanes, s_blocks, s_offsets, s_logical = stored_d.unbind(0)
-        batch = StepBatch(r.items, *rows_d.unbind(0), s_blocks, s_offsets)
-        decode = (build_decode_part(self.attn.layout, r.dec_lanes, r.dec_real, r.dec_draft, r.dec_ctx,
-                                    self.attn.max_blocks, only_decode=not r.prefill, predecode=r.dec_pre,
-                                    device=dev)
-                  if r.dec_lanes else None)
-        # a packed decode step stores every real row: a slice of them is a view, not a copy
-        real_ix = decode.real_ix if decode is not None and decode.packed and not any(r.dec_pre) else s_rows
-        return StepPlan(batch, s_rows, s_lanes, s_logical, keep_d[0] if keep_d else slice(None),
-                        r.prefill, decode, real_ix, pool_blocks=stored[2], pool_offsets=stored[3])
-
-    def _advance(self, work: list[tuple[Sequence, int]], r: _Rows) -> None:
+    def _advance(self, work: list[tuple[Sequence, int]], r: StepRows) -> None:
         """The cache now holds the step's stored rows (a pre-decoding sequence stored none)."""
         for (seq, n), it in zip(work, r.items):
             seq.num_cached += it.num_tokens
 
-    def _sample_rows(self, work, r: _Rows, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _sample_rows(self, work, r: StepRows, plan: StepPlan, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
         """Logits of the rows that emit (prompts that completed, real decode rows that are not
         pre-decoding) -> {seq_id: logits}; the draft and pre-decoding rows' draws -> the chain."""
         emit_rows, emit_seqs = [], []
-        for part in r.prefill:
+        for part in plan.prefill:
             if part.completes_prompt:
                 emit_rows.append(part.item.row_start + part.item.num_tokens - 1)
                 emit_seqs.append(next(s for s, _ in work if s.seq_id == part.item.seq_id))
@@ -164,21 +123,11 @@ class LookaheadRunner:
         if not emit_rows and not r.dec_draft:
             return {}
         logits = self.model.logits(hidden[torch.tensor(emit_rows + r.dec_draft, dtype=torch.long, device=hidden.device)])
-        drafts = list(zip(r.dec_seqs, r.dec_pre)) if r.dec_draft else []
-        # the draft row draws the token after next (position p + 2); a pre-decoding row, which is
-        # next step's real row computed ahead, the next one (p + 1): each on the noise of its
-        # position, as the real row that will draw it
-        if drafts:          # drawn by the engine with the emitted rows: one copy of ids per step
-            ids = [seq.seq_id for seq, _ in drafts]
-            self._draws = PendingDraws(
-                logits[len(emit_rows):],
-                [(seq.params, seq.noise_seed, seq.num_tokens + (0 if pre else 1)) for seq, pre in drafts],
-                functools.partial(self._set_guesses, ids))
+        if r.dec_draft:     # drawn by the engine with the emitted rows: one copy of ids per step
+            seqs = r.dec_seqs
+            self._draws = PendingDraws(logits[len(emit_rows):], self.chain.draws(seqs, r.dec_pre),
+                                       functools.partial(self.chain.set_guesses, [s.seq_id for s in seqs]))
         return {seq.seq_id: logits[i] for i, seq in enumerate(emit_seqs)}
-
-    def _set_guesses(self, seq_ids: list[int], guesses: list[int]) -> None:
-        for seq_id, guess in zip(seq_ids, guesses):
-            self.chain.set_guess(seq_id, guess)
 
     def take_draws(self) -> PendingDraws | None:
         """The last step's draft draws, for the engine's sampling pass (once; None if none)."""

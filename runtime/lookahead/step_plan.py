@@ -1,11 +1,13 @@
-"""Per-step tensors of the lookahead backend, built once per step by the runner, read by every layer.
+"""The step plan of lookahead mode: built once per step by the runner (`build_plan`), frozen, read by
+every layer.
 
-Built on the host from lists, then moved to the engine's device in one go (`to_device`): no layer
-makes or moves metadata of its own.
+The runner lays out the step's rows as lists (`StepRows`); `build_plan` turns them into tensors on
+the host and moves them to the engine's device in one go (`to_device`): no layer makes, moves or
+changes metadata of its own.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,14 +16,17 @@ from ..step import StepBatch, StepItem
 from .layout import SlotLayout
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefillPart:
     item: StepItem
     lane: int
     completes_prompt: bool
+    # the chunk that completes the prompt seeds the first working set from its last token's query:
+    seed_valid: torch.Tensor | None = None   # [lane + 1, max_blocks] bool: the seed's candidates (row `lane`)
+    seed_lane: torch.Tensor | None = None    # [1] int64: `lane`, on the device
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodePart:
     """The decode lanes of a step: each has a real row (stored) and a draft row (never stored).
 
@@ -32,32 +37,32 @@ class DecodePart:
 
     lanes: torch.Tensor            # [B] lane of each decoding sequence (device)
     real_rows: torch.Tensor        # [B] row of the real token in the flat batch
-    draft_rows: torch.Tensor       # [B]
+    draft_rows: torch.Tensor       # [B] ([0] without look-ahead)
     num_lanes: int                 # lanes [0, num_lanes) are computed; inactive ones are masked out
     base_mask: torch.Tensor        # [num_lanes, (S + Wb) * bs] bool: sink + window tokens visible
                                    # (not this step's own token: an extra key of the attention)
     lane_active: torch.Tensor      # [num_lanes] bool
     cand_masks: torch.Tensor       # [num_lanes, rows, max_blocks] bool: top-K candidates of the
                                    # real query (this step) and of the draft query (the next step)
-    context_lens: list[int]        # per decoding lane, after this step's real token
+    context_lens: tuple[int, ...]  # per decoding lane, after this step's real token
     # Index forms for the hot path: when the lanes are 0..B-1 and the step holds only decode rows,
     # interleaved (real, draft) per lane, these are slices, so indexing gives views, not copies.
-    lane_ix: slice | torch.Tensor | None = None
-    real_ix: slice | torch.Tensor | None = None
-    packed: bool = False           # rows are exactly [real0, draft0, real1, draft1, ...]
+    lane_ix: slice | torch.Tensor
+    real_ix: slice | torch.Tensor
+    packed: bool                   # rows are exactly [real0, draft0, real1, draft1, ...]
                                    # (or [real0, real1, ...] without a draft row)
-    rows: int = 2                  # query rows per lane: real + draft, or 1 without look-ahead
-    extra_mask: torch.Tensor | None = None   # [num_lanes, rows, rows] bool: which of this step's
-                                   # own rows each row sees (real: itself; draft: real and itself)
-    predecode: torch.Tensor | None = None    # [num_lanes] bool: the lane pre-decodes this step
-    lane_list: list[int] | None = None       # `lanes` on the host (the ping-pong refill's lists)
+    rows: int                      # query rows per lane: real + draft, or 1 without look-ahead
+    extra_mask: torch.Tensor       # [num_lanes, rows, rows] bool: which of this step's own rows
+                                   # each row sees (real: itself; draft: real and itself)
+    predecode: torch.Tensor        # [num_lanes] bool: the lane pre-decodes this step
+    lane_list: tuple[int, ...]     # `lanes` on the host (the ping-pong refill's lists)
 
     @property
     def size(self) -> int:
-        return int(self.lanes.numel())
+        return len(self.lane_list)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepPlan:
     batch: StepBatch
     real_rows: torch.Tensor        # [T_real] rows stored in the cache (prefill tokens + real decode rows)
@@ -66,11 +71,79 @@ class StepPlan:
     write_through: torch.Tensor | slice  # [T_real] bool: row's block is a sink or ends in the
                                    # window; a prefill that wraps the ring writes each (slot, offset)
                                    # once. slice(None) when every row does (decode steps)
-    prefill: list[PrefillPart]
+    prefill: tuple[PrefillPart, ...]
     decode: DecodePart | None
-    real_ix: slice | torch.Tensor | None = None   # real_rows, as a slice when the decode is packed
-    pool_blocks: torch.Tensor | None = None       # batch.slot_blocks / slot_offsets on the host
-    pool_offsets: torch.Tensor | None = None      # (the host pool's write indices)
+    real_ix: slice | torch.Tensor  # real_rows, as a slice when the decode is packed
+    pool_blocks: torch.Tensor      # batch.slot_blocks / slot_offsets on the host
+    pool_offsets: torch.Tensor     # (the host pool's write indices)
+
+    @property
+    def store_only(self) -> bool:
+        """A replayed prefill: store the recorded K/V and seed; no attention (batch.store_only)."""
+        return self.batch.store_only
+
+
+@dataclass
+class StepRows:
+    """A step's rows as the runner lays them out (lists; made tensors once, in `build_plan`)."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    stored: list[int] = field(default_factory=list)          # rows whose K/V the cache keeps
+    stored_lanes: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)          # per stored row: host block, offset,
+    offsets: list[int] = field(default_factory=list)         # and whether it is written through
+    keep: list[bool] = field(default_factory=list)
+    items: list[StepItem] = field(default_factory=list)
+    prefill: list[tuple[StepItem, int, bool]] = field(default_factory=list)   # (item, lane, completes)
+    dec_lanes: list[int] = field(default_factory=list)       # per decoding sequence
+    dec_real: list[int] = field(default_factory=list)
+    dec_draft: list[int] = field(default_factory=list)
+    dec_ctx: list[int] = field(default_factory=list)
+    dec_seqs: list = field(default_factory=list)
+    dec_pre: list[bool] = field(default_factory=list)        # the sequence pre-decodes this step
+
+    def add(self, token: int, pos: int, store: tuple[int, int, int, bool] | None) -> int:
+        """Append a row; `store` = (lane, host block, offset, write-through) for a stored row."""
+        row = len(self.tokens)
+        self.tokens.append(token)
+        self.positions.append(pos)
+        if store is not None:
+            lane, block, offset, keep = store
+            self.stored.append(row), self.stored_lanes.append(lane)
+            self.blocks.append(block), self.offsets.append(offset), self.keep.append(keep)
+        return row
+
+
+def build_plan(r: StepRows, layout: SlotLayout, max_blocks: int, device: torch.device,
+               store_only: bool = False) -> StepPlan:
+    """The step's plan, complete: tensors made on the host from the row lists, moved once."""
+    rows = torch.tensor([r.tokens, r.positions], dtype=torch.long)                       # [2, T]
+    stored = torch.tensor([r.stored, r.stored_lanes, r.blocks, r.offsets,
+                           [r.positions[i] // layout.block_size for i in r.stored]], dtype=torch.long)  # [5, T_real]
+    keep = None if all(r.keep) else torch.tensor(r.keep, dtype=torch.bool)
+    rows_d, stored_d, *keep_d = to_device(device, rows, stored, *([keep] if keep is not None else []))
+    s_rows, s_lanes, s_blocks, s_offsets, s_logical = stored_d.unbind(0)
+    batch = StepBatch(r.items, *rows_d.unbind(0), s_blocks, s_offsets, store_only=store_only)
+    decode = (build_decode_part(layout, r.dec_lanes, r.dec_real, r.dec_draft, r.dec_ctx, max_blocks,
+                                only_decode=not r.prefill, predecode=r.dec_pre, device=device)
+              if r.dec_lanes else None)
+    # a packed decode step stores every real row: a slice of them is a view, not a copy
+    real_ix = decode.real_ix if decode is not None and decode.packed and not any(r.dec_pre) else s_rows
+    prefill = tuple(prefill_part(layout, it, lane, done, max_blocks, device) for it, lane, done in r.prefill)
+    return StepPlan(batch, s_rows, s_lanes, s_logical, keep_d[0] if keep_d else slice(None), prefill, decode,
+                    real_ix, pool_blocks=stored[2], pool_offsets=stored[3])
+
+
+def prefill_part(layout: SlotLayout, item: StepItem, lane: int, completes: bool, max_blocks: int,
+                 device: torch.device) -> PrefillPart:
+    """A prefill chunk; the one that completes the prompt carries its seed's candidate mask."""
+    if not completes:
+        return PrefillPart(item, lane, False)
+    valid = torch.zeros(lane + 1, max_blocks, dtype=torch.bool)
+    valid[lane] = candidate_mask(layout, item.context_len + 1, max_blocks)
+    seed_lane, valid = to_device(device, torch.tensor([lane]), valid)
+    return PrefillPart(item, lane, True, valid, seed_lane)
 
 
 def window_mask(layout: SlotLayout, context_len: int, visible: int | None = None) -> torch.Tensor:
@@ -122,13 +195,11 @@ def build_decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int]
     ids = torch.tensor([lanes, real_rows, draft_rows or real_rows], dtype=torch.long)   # [3, B]
     ids, base, active, cand, pre, extra = to_device(device, ids, base, active, cand[:, :rows], pre, extra)
     t_lanes, t_real, t_draft = ids.unbind(0)
-    part = DecodePart(t_lanes, t_real, t_draft if draft_rows else t_draft[:0], n, base, active, cand,
-                      list(context_lens), rows=rows, extra_mask=extra, predecode=pre, lane_list=list(lanes))
-    part.lane_ix, part.real_ix = part.lanes, part.real_rows
-    if lanes == list(range(n)):
-        part.lane_ix = slice(0, n)
-        part.packed = (only_decode and real_rows == list(range(0, rows * n, rows))
-                       and (rows == 1 or draft_rows == list(range(1, rows * n, rows))))
-        if part.packed:
-            part.real_ix = slice(0, rows * n, rows)     # the step's rows are then views of q/k/v
-    return part
+    # the index forms: slices (views) when the lanes are 0..n-1 and the rows interleave
+    consecutive = lanes == list(range(n))
+    packed = (consecutive and only_decode and real_rows == list(range(0, rows * n, rows))
+              and (rows == 1 or draft_rows == list(range(1, rows * n, rows))))
+    return DecodePart(t_lanes, t_real, t_draft if draft_rows else t_draft[:0], n, base, active, cand,
+                      tuple(context_lens), lane_ix=slice(0, n) if consecutive else t_lanes,
+                      real_ix=slice(0, rows * n, rows) if packed else t_real, packed=packed, rows=rows,
+                      extra_mask=extra, predecode=pre, lane_list=tuple(lanes))

@@ -1,0 +1,113 @@
+"""The residency policies: when the working set is copied in, into which buffer, and whether stored
+rows are written through. One object per `residency`; the residency manager calls it at fixed
+points of the step (runtime/lookahead/residency.py) and it never branches on the residency.
+
+    hook                     resident                           pingpong (lead = prefetch_lead)
+    buffer_of(l)             l                                  l % lead
+    begin_step               -                                  refill layers 0 .. lead-1
+    on_predict               capped admission, copies queued    - (the prediction waits for the refill)
+    after_layer(l)           -                                  refill layer l + lead into l's buffer
+    store (end of step)      write sink/window rows through     - (re-copied at every refill)
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import LookaheadConfig
+from ..transfer import CopyJob
+from .device_tier import DeviceTier
+from .layout import num_buffers
+from .residency import Admission
+from .step_plan import DecodePart, StepPlan
+
+
+def make_policy(cfg: LookaheadConfig, num_layers: int):
+    if cfg.residency == "pingpong":
+        return PingPongPolicy(num_layers, num_buffers(cfg, num_layers))
+    return ResidentPolicy(num_layers)
+
+
+class ResidentPolicy:
+    """OasisKV: a buffer per layer, kept across steps; each prediction admits at most `cap` new
+    blocks per (lane, KV head), copied in for that layer of the next step."""
+
+    def __init__(self, num_layers: int):
+        self.num_buffers = num_layers
+
+    def buffer_of(self, layer: int) -> int:
+        return layer
+
+    def begin_step(self, mgr, d: DecodePart) -> None:
+        pass
+
+    def on_predict(self, mgr, layer: int, lanes, idx: torch.Tensor, scores: torch.Tensor, cap: int) -> None:
+        prio = scores.gather(-1, idx.clamp(min=0))
+        adm = mgr.slots.plan(layer, lanes, idx, prio, cap, mgr.step_idx)
+        if len(adm):
+            mgr.tickets.setdefault(layer, []).append(mgr.submit(layer, layer, adm))
+
+    def after_layer(self, mgr, layer: int, d: DecodePart) -> None:
+        pass
+
+    def store(self, tier: DeviceTier, layers: slice, ks: torch.Tensor, vs: torch.Tensor, p: StepPlan) -> None:
+        """The device copies of sink/window blocks stay current: stored rows are written through."""
+        w = p.write_through
+        tier.write_through(layers, ks[:, w], vs[:, w], p.real_lanes[w], p.real_logical[w], p.batch.slot_offsets[w])
+
+
+class PingPongPolicy:
+    """DualDecoder: `lead` layer buffers; layer l reads buffer l % lead, which is refilled with
+    layer l + lead's whole sparse set (sink, window, the full predicted set, no cap) as soon as
+    layer l's attention is done."""
+
+    def __init__(self, num_layers: int, lead: int):
+        self.num_layers, self.lead, self.num_buffers = num_layers, lead, lead
+        self._fixed: tuple[torch.Tensor, torch.Tensor] | None = None    # this step's sink/window units
+
+    def buffer_of(self, layer: int) -> int:
+        return layer % self.lead
+
+    def begin_step(self, mgr, d: DecodePart) -> None:
+        self._fixed = self._fixed_units(mgr, d)
+        for layer in range(self.lead):
+            self.refill(mgr, layer, d)
+
+    def on_predict(self, mgr, layer: int, lanes, idx: torch.Tensor, scores: torch.Tensor, cap: int) -> None:
+        pass
+
+    def after_layer(self, mgr, layer: int, d: DecodePart) -> None:
+        if layer + self.lead < self.num_layers:
+            self.refill(mgr, layer + self.lead, d)            # this buffer is free again
+
+    def store(self, tier: DeviceTier, layers: slice, ks: torch.Tensor, vs: torch.Tensor, p: StepPlan) -> None:
+        pass
+
+    @staticmethod
+    def _fixed_units(mgr, d: DecodePart) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lanes, heads, slots, logical blocks) [4, n] of every lane's sink and window blocks, and
+        their host blocks: the same for every layer of the step."""
+        lay, kvh = mgr.tier.layout, mgr.tier.kvh
+        lanes, heads, slots, blocks = [], [], [], []
+        for lane, c in zip(d.lane_list, d.context_lens):
+            # the host holds c - 1 tokens of this layer; this step's token is written through later
+            last = (c - 2) // lay.block_size
+            fixed = list(range(min(lay.num_sink, last + 1))) + list(range(lay.window_start(c), last + 1))
+            for b in dict.fromkeys(fixed):
+                for h in range(kvh):
+                    lanes.append(lane), heads.append(h), slots.append(lay.device_slot(b)), blocks.append(b)
+        ix = torch.tensor([lanes, heads, slots, blocks], dtype=torch.long).to(mgr.lane_blocks.device,
+                                                                              non_blocking=True)
+        return ix, mgr.lane_blocks[ix[0], ix[3]]                         # logical -> host block ids
+
+    def refill(self, mgr, layer: int, d: DecodePart) -> None:
+        """Copy layer `layer`'s sink, window and whole predicted set into its buffer."""
+        buf = self.buffer_of(layer)
+        ix, host = self._fixed
+        fixed_job = CopyJob(*mgr.pool_views[layer], *mgr.tier.views[buf], (host, ix[1]), (ix[0], ix[1], ix[2]),
+                            tag=(mgr.step_idx, layer, "fixed"))
+        mgr.tickets[layer] = [mgr.send(fixed_job)]
+        want = mgr.pred[layer, d.lanes]                                  # [B, KVH, K]
+        mgr.slots.assign(buf, d.lanes, want, mgr.step_idx)
+        b_i, h_i, j_i = (want >= 0).nonzero(as_tuple=True)
+        adm = Admission(d.lanes[b_i], h_i, j_i, want[b_i, h_i, j_i])
+        mgr.tickets[layer].append(mgr.submit(layer, buf, adm))

@@ -1,0 +1,61 @@
+"""Block summaries: the coordinate-wise min and max of each block's post-RoPE keys, and the
+Quest scoring of queries against them.
+
+One table per layer, indexed by (lane, logical block): `[num_layers, lanes * max_blocks, KVH, D]`.
+The summaries are float32 whatever the KV storage dtype: min/max are taken over the keys as the
+pool stores them (rounded into `kv_dtype`), upcast to fp32, so a block's bound covers exactly the
+keys attention will read. At fp32 storage nothing is cast or copied.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ops import Ops
+
+DTYPE = torch.float32
+
+
+class BlockSummaries:
+    def __init__(self, num_layers: int, num_lanes: int, max_blocks: int, num_kv_heads: int, head_dim: int,
+                 kv_dtype: torch.dtype, device: torch.device, ops: Ops):
+        """kv_dtype: how the pool stores keys (the summaries bound those values)."""
+        self.max_blocks, self.kvh, self.hd = max_blocks, num_kv_heads, head_dim
+        self.kv_dtype, self.device, self.ops = kv_dtype, device, ops
+        shape = (num_layers, num_lanes * max_blocks, num_kv_heads, head_dim)
+        self.kmin = torch.zeros(shape, dtype=DTYPE, device=device)
+        self.kmax = torch.zeros(shape, dtype=DTYPE, device=device)
+
+    def nbytes(self, num_layers: int, num_blocks: int) -> int:
+        """kmin + kmax of `num_blocks` blocks of one lane over `num_layers` layers."""
+        return 2 * num_layers * num_blocks * self.kvh * self.hd * self.kmin.element_size()
+
+    def update(self, layers: slice, keys: torch.Tensor, lanes: torch.Tensor, logical: torch.Tensor,
+               offsets: torch.Tensor) -> None:
+        """Fold the stored rows of `layers` into their blocks: keys [L', T, KVH, D]; lanes,
+        logical, offsets [T] (a row at offset 0 starts its block's summary)."""
+        n_layers, T = keys.shape[0], keys.shape[1]
+        per_layer = self.kmin.shape[1]
+        ids = lanes * self.max_blocks + logical
+        if n_layers > 1:        # the layers' tables as one [L' * lanes * max_blocks, KVH, D] table
+            ids = (torch.arange(n_layers, device=self.device)[:, None] * per_layer + ids).reshape(-1)
+        flat = (-1, self.kvh, self.hd)
+        stored = keys.reshape(n_layers * T, self.kvh, self.hd).to(self.kv_dtype).to(DTYPE)   # no-ops at fp32
+        self.ops.update_summaries(self.kmin[layers].view(flat), self.kmax[layers].view(flat), stored, ids,
+                                  offsets.repeat(n_layers))
+
+    def score(self, layer: int, q: torch.Tensor, valid: torch.Tensor, n: int, num_blocks: int, top_k: int,
+              group_score: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, (R,) H, D] for lanes [0, n) -> (top-K logical blocks [n, (R,) KVH, top_k], -1 padded;
+        group scores [n, (R,) KVH, nb], fp32); valid [n, (R,) max_blocks].
+
+        Only the first `num_blocks` logical blocks (those any lane's context reaches) are scored,
+        in one read of the summaries for every row.
+        """
+        nb = min(num_blocks, self.max_blocks)
+        kmin = self.kmin[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n, :nb]
+        kmax = self.kmax[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n, :nb]
+        k_sel = min(top_k, nb)
+        idx, scores = self.ops.block_topk(q.to(DTYPE), kmin, kmax, valid[..., :nb], k_sel, group_score)
+        if k_sel < top_k:
+            idx = torch.nn.functional.pad(idx, (0, top_k - k_sel), value=-1)
+        return idx, scores
