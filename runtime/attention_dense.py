@@ -1,4 +1,9 @@
-"""Dense paged attention: every step attends to the whole cached context of each sequence."""
+"""Dense paged attention: every step attends to the whole cached context of each sequence.
+
+K/V come from the KV pool in its storage dtype (`kv_dtype`). Where that differs from the
+queries' dtype (a float16/bfloat16 cache under an fp32 model), attention upcasts the stored
+values and computes in fp32; at equal dtypes (the fp32 default) nothing is cast.
+"""
 from __future__ import annotations
 
 import torch
@@ -13,8 +18,9 @@ from .step import StepBatch
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One query row per head without repeating K/V across the GQA group.
 
-    q: [H, D]; k, v: [KVH, L, D] -> [H, D]. fp32 on CPU: plugins/cpu's C kernel (one pass over
-    K and V, ~2x torch's matmuls here) where it builds and takes the layout.
+    q: [H, D]; k, v: [KVH, L, D] -> [H, D] in q's dtype. fp32 on CPU: plugins/cpu's C kernel (one
+    pass over K and V, ~2x torch's matmuls here) where it builds and takes the layout. K/V stored
+    in another dtype than q's (a half-precision cache) are read in fp32.
     """
     kvh = k.shape[0]
     if q.device.type == "cpu" and cpu.available():
@@ -22,7 +28,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         none = k4[:, :, :0]                                       # no extra keys
         if cpu.attention_supported(q4, k4, v4, none, none):
             every = torch.ones(1, kvh, k.shape[1], dtype=torch.bool)
-            return cpu.attention(q4, k4, v4, every, none, none, torch.zeros(1, 1, 0, dtype=torch.bool), scale)[0, 0]
+            out = cpu.attention(q4, k4, v4, every, none, none, torch.zeros(1, 1, 0, dtype=torch.bool), scale)
+            return out[0, 0].to(q.dtype)
+    if k.dtype != q.dtype or v.dtype != q.dtype:            # the stored values, upcast: fp32 math
+        return decode_attention(q.float(), k.float(), v.float(), scale).to(q.dtype)
     qg = q.view(kvh, -1, q.shape[-1])                       # [KVH, G, D]
     probs = torch.softmax((qg @ k.transpose(1, 2)).float() * scale, dim=-1).to(v.dtype)
     return (probs @ v).view(q.shape)                         # [KVH, G, D] -> [H, D]
@@ -31,8 +40,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of n new rows over L = prefix + n cached keys.
 
-    q: [n, H, D]; k, v: [KVH, L, D] -> [n, H, D]
+    q: [n, H, D]; k, v: [KVH, L, D] -> [n, H, D] in q's dtype; K/V of another dtype than q's (a
+    half-precision cache) are read in fp32.
     """
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return prefill_attention(q.float(), k.float(), v.float()).to(q.dtype)
     n, L = q.shape[0], k.shape[1]
     qh = q.transpose(0, 1).unsqueeze(0)                      # [1, H, n, D]
     kh, vh = k.unsqueeze(0), v.unsqueeze(0)
@@ -84,13 +96,14 @@ class DenseAttention:
             if o is None:
                 done = frozenset()
             else:
-                out[rows] = o
+                out[rows] = o.to(out.dtype)
         for it in b.items:
             if it.row_start in done:
                 continue
             own = slice(it.row_start, it.row_start + it.num_tokens)
             if it.start_pos == 0:       # whole sequence is in this chunk: no need to read the pool
-                kc, vc = k[own].transpose(0, 1), v[own].transpose(0, 1)
+                # (the rows as the pool stores them, so a chunking of the prompt sees the same keys)
+                kc, vc = (t[own].transpose(0, 1).to(self.pool.dtype) for t in (k, v))
             else:
                 kc, vc = self.pool.read(layer_idx, it.block_table, it.context_len)
             if it.num_tokens == 1:

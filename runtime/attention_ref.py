@@ -9,10 +9,24 @@ import torch.nn.functional as F
 
 
 class CausalAttention:
-    """Full causal attention within the current forward call (one sequence, positions 0..T-1)."""
+    """Full causal attention within the current forward call (one sequence, positions 0..T-1).
+
+    kv_dtype: the reference for a cache stored in that dtype (`LookaheadConfig.kv_dtype`): K and V
+    are rounded into it and attention computes in fp32 over the rounded values. None: K/V as given.
+    """
+
+    def __init__(self, kv_dtype: torch.dtype | None = None):
+        self.kv_dtype = kv_dtype
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]
+        if self.kv_dtype is not None:
+            out = self._attend(q.float(), k.to(self.kv_dtype).float(), v.to(self.kv_dtype).float())
+            return out.to(q.dtype)
+        return self._attend(q, k, v)
+
+    @staticmethod
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              is_causal=True, enable_gqa=True)
         return out.transpose(0, 1)

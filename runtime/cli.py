@@ -10,8 +10,12 @@ import json
 import sys
 import time
 
-from .config import LookaheadConfig
+from .config import DRAFTS, GROUP_SCORES, KV_DTYPES, MISS_POLICIES, MODES, RESIDENCY, LookaheadConfig
 from .errors import LookaheadError
+
+# the values of the settings that take a name (help only: a bad one is the config's ConfigError)
+VALUES = {"mode": MODES, "residency": RESIDENCY, "miss_policy": MISS_POLICIES, "draft": DRAFTS,
+          "group_score": GROUP_SCORES, "kv_dtype": KV_DTYPES}
 
 
 def add_lookahead_flags(parser: argparse.ArgumentParser) -> None:
@@ -19,8 +23,10 @@ def add_lookahead_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("lookahead (override engine.yaml)")
     for f in dataclasses.fields(LookaheadConfig):
         typ = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], int)
+        values = f"{', '.join(VALUES[f.name])}; " if f.name in VALUES else ""
+        default = "the weights' dtype" if f.name == "kv_dtype" else f.default
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=None,
-                           help=f"default: {f.default}")
+                           help=f"{values}default: {default}")
 
 
 def lookahead_overrides(args: argparse.Namespace) -> dict:
@@ -43,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object with ids, timings, metrics")
-    g.add_argument("--device", default=None,
-                   help="where the engine runs: cpu, cuda or cuda:N (default: cuda when torch has a GPU, else cpu)")
+    g.add_argument("--device", default="auto",
+                   help="where the engine runs: cpu, cuda or cuda:N (default: auto, cuda when torch has a GPU, "
+                        "else cpu); one that is not there is a one-line error naming device")
     add_lookahead_flags(g)
     return p
 
@@ -65,6 +72,7 @@ def generate(args: argparse.Namespace) -> int:
                           "num_prompt_tokens": c.num_prompt_tokens, "load_s": round(load_s, 3), "device": str(engine.device),
                           "ttft_s": round(c.ttft_s, 4), "total_s": round(c.total_s, 4),
                           "decode_tokens_per_s": round(c.tokens_per_s, 2), "mode": engine.config.mode,
+                          "kv_dtype": engine.config.kv_dtype,
                           "request_metrics": c.metrics, "engine_metrics": engine.stats()}, indent=2))
         engine.close()
         return 0

@@ -121,6 +121,7 @@ MISS_POLICIES = ("urgent", "drop")
 DRAFTS = ("dual_token", "prompt_lookup", "none")
 GROUP_SCORES = ("sum", "max")   # none: sparse attention without look-ahead
 MODES = ("dense", "lookahead")
+KV_DTYPES = ("float32", "float16", "bfloat16")   # KV storage: host pool, device tier, dense pool
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,9 @@ class LookaheadConfig:
     max_batch_size: int = 8
     max_model_len: int = 8192
     device_budget_bytes: int | None = None  # None: derived from top_k, sink and window
+    kv_dtype: str | None = None    # how K/V are stored (host pool, device tier, dense pool): float32,
+                                   # float16 or bfloat16 (half the bytes; attention reads them in fp32).
+                                   # None: the weights' dtype (float32 for an fp32 engine)
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, "mode", f"{self.mode!r} is unknown", f"use one of {MODES}")
@@ -178,11 +182,25 @@ class LookaheadConfig:
         _check_int(self.max_model_len, "max_model_len", 1, 1 << 24, "e.g. 8192")
         if self.device_budget_bytes is not None:
             _check_int(self.device_budget_bytes, "device_budget_bytes", 1, 1 << 50, "a number of bytes, or null")
+        if self.kv_dtype is not None:
+            _check(isinstance(self.kv_dtype, str) and self.kv_dtype in KV_DTYPES, "kv_dtype",
+                   f"{self.kv_dtype!r} is not a KV storage dtype" if isinstance(self.kv_dtype, str)
+                   else f"must be a dtype name, got {_got(self.kv_dtype)}", f"use one of {', '.join(KV_DTYPES)}")
 
     @property
     def fetch_cap(self) -> int:
         """Blocks admitted per step, layer and KV head under capped eviction (at least one)."""
         return max(1, math.ceil(self.fetch_ratio * self.top_k - 1e-9))
+
+    def with_kv_dtype(self, weights_dtype: str) -> "LookaheadConfig":
+        """This config with `kv_dtype` set for an engine of `weights_dtype`: unset, the KV is stored
+        in the weights' dtype. Lookahead's ops take K/V in the queries' dtype, or float16/bfloat16
+        under float32 queries (plugins/CONTRACTS.md); dense attention upcasts any pairing."""
+        cfg = self if self.kv_dtype is not None else dataclasses.replace(self, kv_dtype=weights_dtype)
+        _check(cfg.mode != "lookahead" or weights_dtype == "float32" or cfg.kv_dtype == weights_dtype, "kv_dtype",
+               f"{cfg.kv_dtype} under {weights_dtype} weights is not supported in lookahead mode",
+               f"use kv_dtype {weights_dtype}, or an fp32 engine")
+        return cfg
 
     @property
     def always_resident_tokens(self) -> int:

@@ -9,6 +9,10 @@ Layout per layer: k, v `[num_kv_heads, num_blocks, block_size, head_dim]` (head-
 Dense mode allocates the pool on the engine's device; lookahead mode keeps it on the host
 (pinned when the device tier is on a GPU, so the transfer engine's copies read it directly).
 Writes take rows and indices from any device and land them in the pool's.
+
+The storage dtype (`LookaheadConfig.kv_dtype`: float32, float16 or bfloat16) is the pool's own,
+whatever the model computes in: writes round the rows into it, and attention reads the stored
+values and computes in fp32 (`attention_dense`, the lookahead ops). At float32 nothing is cast.
 """
 from __future__ import annotations
 
@@ -31,10 +35,16 @@ class KVPool:
     def device(self) -> torch.device:
         return self.k.device
 
-    def _here(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rows written from the device tier into a host pool: one blocking copy each (a no-op
-        when they already live here)."""
-        return tuple(t.to(self.k.device) for t in tensors)
+    @property
+    def dtype(self) -> torch.dtype:
+        """The storage dtype of K and V."""
+        return self.k.dtype
+
+    def _here(self, k: torch.Tensor, v: torch.Tensor, *index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rows written from the device tier into a host pool: one blocking copy each, the K/V rows
+        rounded into the storage dtype on the way (both no-ops when they already match)."""
+        to = dict(device=self.k.device, dtype=self.k.dtype)
+        return (k.to(**to), v.to(**to), *(t.to(self.k.device) for t in index))
 
     @property
     def block_bytes(self) -> int:
@@ -43,7 +53,8 @@ class KVPool:
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
               block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
-        """k, v: [T, KVH, D]; block_ids, offsets: [T] int64 -> stored at those slots."""
+        """k, v: [T, KVH, D] (any float dtype); block_ids, offsets: [T] int64 -> stored at those
+        slots, in the pool's dtype."""
         k, v, block_ids, offsets = self._here(k, v, block_ids, offsets)
         self.k[layer_idx, :, block_ids, offsets] = k.transpose(0, 1)
         self.v[layer_idx, :, block_ids, offsets] = v.transpose(0, 1)
@@ -67,7 +78,7 @@ class KVPool:
         return ids[0] if ids and ids[-1] - ids[0] == n - 1 and ids == list(range(ids[0], ids[0] + n)) else None
 
     def read(self, layer_idx: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `length` tokens of a sequence as k, v `[KVH, length, D]`.
+        """The first `length` tokens of a sequence as k, v `[KVH, length, D]`, in the storage dtype.
 
         A contiguous run of block ids is a view (no copy); otherwise blocks are gathered once.
         """

@@ -9,9 +9,10 @@ constructors allocate:
     weights         LlamaModel's parameters (engine_dir.expected_shapes), in the engine's dtype
     packed_weights  plugins.cpu's packed copy of each 2-D weight a decode step multiplies (fp32)
     rope            RotaryEmbedding's cos/sin tables [max_position_embeddings, head_dim]
-    host_kv_pool    KVPool's k and v [L, KVH, num_host_blocks, block_size, D]
-    device_tier     LookaheadAttention's dev_k/dev_v [buffers, lanes, KVH, slots, block_size, D]
-    summaries       its kmin/kmax [L, lanes * max_blocks, KVH, D]
+    host_kv_pool    KVPool's k and v [L, KVH, num_host_blocks, block_size, D], in kv_dtype
+    device_tier     LookaheadAttention's dev_k/dev_v [buffers, lanes, KVH, slots, block_size, D],
+                    in kv_dtype (the device tier follows the host pool)
+    summaries       its kmin/kmax [L, lanes * max_blocks, KVH, D], fp32 whatever the kv_dtype
     bookkeeping     its SlotTable, pred, masks, lane_blocks and metrics tensors
     allocator       estimate: BlockAllocator's Python free list (ints, not tensors)
     step_buffers    estimate: one step's transient peak (activations, logits, attention's
@@ -38,6 +39,7 @@ from .lookahead.budget import check_device_budget
 from .lookahead.layout import num_buffers
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SUMMARY_BYTES = 4                   # the block summaries are fp32 whatever the weights' and KV's dtype
 ALLOCATOR_BYTES_PER_BLOCK = 64     # a free-list entry: list slot + int object + set slot when used
 HEADROOM = 0.9                      # plan against 90 % of what is available: the rest is the
                                     # interpreter, torch's own buffers and the estimates' error
@@ -147,21 +149,22 @@ def plan_memory(mcfg: ModelConfig, cfg: LookaheadConfig, num_host_blocks: int | 
 
 def _plan(p: PlanInputs) -> MemoryPlan:
     m, c, b = p.mcfg, p.cfg, p.dtype_bytes
+    kv = _kv_bytes(c, b)                            # the KV storage: host pool, device tier, dense pool
     L, kvh, d, bs = m.num_layers, m.num_kv_heads, m.head_dim, c.block_size
     max_len = min(c.max_model_len, m.max_position_embeddings, p.max_model_len or math.inf)
     max_blocks = _blocks(max_len, bs)
     n_blocks = p.num_host_blocks or c.max_batch_size * max_blocks
     w, packed = _weight_bytes(m, b) if p.weights else (0, 0)
     rope = 2 * m.max_position_embeddings * d * b if p.weights else 0
-    pool = 2 * L * kvh * n_blocks * bs * d * b
+    pool = 2 * L * kvh * n_blocks * bs * d * kv
     tier = summ = books = lane_tier = lane_summ = 0
     lanes = c.max_batch_size
     if c.mode == "lookahead":
         wb = _blocks(c.recent_window, bs) + 1 if c.recent_window > 0 else 1      # SlotLayout.from_config
         slots = c.num_sink_blocks + wb + c.top_k
         nbuf = num_buffers(c, L)
-        lane_tier = 2 * nbuf * kvh * slots * bs * d * b
-        lane_summ = 2 * L * max_blocks * kvh * d * b
+        lane_tier = 2 * nbuf * kvh * slots * bs * d * kv
+        lane_summ = 2 * L * max_blocks * kvh * d * SUMMARY_BYTES
         tier, summ = lanes * lane_tier, lanes * lane_summ
         books = (8 * nbuf * lanes * kvh * (2 * c.top_k + max_blocks + 1)    # SlotTable block, last_used, slot_of
                  + lanes * kvh * slots * bs                                  # attention's key mask (bool)
@@ -174,6 +177,17 @@ def _plan(p: PlanInputs) -> MemoryPlan:
                       allocator=ALLOCATOR_BYTES_PER_BLOCK * n_blocks, step_buffers=_step_bytes(m, c, b, max_len),
                       per_seq_device_tier=lane_tier, per_seq_device=lane_tier + lane_summ,
                       num_host_blocks=n_blocks, max_model_len=max_len, inputs=p)
+
+
+def _weights_dtype(b: int) -> str:
+    """The engine dtype of `b`-byte weights (the builder makes float32 or bfloat16 engines; a
+    float16 one counts as bfloat16 here, in an estimate)."""
+    return "float32" if b == 4 else "bfloat16"
+
+
+def _kv_bytes(c: LookaheadConfig, b: int) -> int:
+    """Bytes of one stored K or V element: `kv_dtype`'s, or the weights' when it is unset."""
+    return DTYPE_BYTES[c.kv_dtype] if c.kv_dtype is not None else b
 
 
 def _weight_bytes(m: ModelConfig, b: int) -> tuple[int, int]:
@@ -193,13 +207,16 @@ def _step_bytes(m: ModelConfig, c: LookaheadConfig, b: int, max_len: int) -> int
     """Estimate of one step's transient peak: the rows' activations (fp32, a few live at once),
     logits and sampling's copy, a prefill chunk's causal mask and GQA-expanded K/V (torch's
     CPU flash attention materialises those, not the score matrix), a dense gather of one
-    sequence's K/V, and lookahead's per-step membership and score tables."""
+    sequence's K/V (in kv_dtype, and its fp32 copy when attention upcasts a half-precision
+    cache), and lookahead's per-step membership and score tables."""
     rows = c.prefill_chunk + 2 * c.max_batch_size
     h, inter = m.hidden_size, m.intermediate_size
     act = 4 * rows * (4 * h + 2 * m.q_size + 2 * m.kv_size + 3 * inter)
     logits = 2 * 4 * 2 * c.max_batch_size * m.vocab_size
-    attn = c.prefill_chunk * max_len + 2 * m.num_heads * max_len * m.head_dim * b \
-        + 2 * m.num_kv_heads * max_len * m.head_dim * b
+    kv = _kv_bytes(c, b)
+    upcast = (c.kv_dtype or _weights_dtype(b)) != _weights_dtype(b)   # attention reads the cache in fp32
+    gather = 2 * m.num_kv_heads * max_len * m.head_dim * (kv + (4 if upcast else 0))
+    attn = c.prefill_chunk * max_len + 2 * m.num_heads * max_len * m.head_dim * (4 if upcast else b) + gather
     extra = 0
     if c.mode == "lookahead":
         nb = _blocks(max_len, c.block_size)
@@ -268,7 +285,9 @@ def check_memory(plan: MemoryPlan, cfg: LookaheadConfig | None = None, available
             raise ConfigError(field, f"{_current(plan, field)} makes this configuration {need}",
                               f"use {field} <= {fit}, or free memory")
     raise ConfigError("memory", f"the model and this configuration {need}, and no one setting brings it within that",
-                      "run on a machine with more memory, or build the engine with --dtype bfloat16")
+                      "run on a machine with more memory, or build the engine with --dtype bfloat16"
+                      + (", or store the KV cache with kv_dtype float16" if _kv_bytes(cfg, plan.inputs.dtype_bytes) == 4
+                         else ""))
 
 
 def _current(plan: MemoryPlan, field: str) -> int:

@@ -16,12 +16,13 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_engine(tmp_path_factory.mktemp("tiny"), seed=1)
 
 
-def reference_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
-    """Greedy decode by recomputing the full causal forward each step (no cache)."""
+def reference_greedy(model, prompt_ids: list[int], n: int, kv_dtype: torch.dtype | None = None) -> list[int]:
+    """Greedy decode by recomputing the full causal forward each step (no cache); kv_dtype: K/V
+    rounded into it, as a cache stored in that dtype holds them."""
     ids = list(prompt_ids)
     for _ in range(n):
         t = torch.tensor(ids)
-        h = model(t, torch.arange(len(ids)), CausalAttention())
+        h = model(t, torch.arange(len(ids)), CausalAttention(kv_dtype))
         ids.append(int(model.logits(h[-1:])[0].argmax()))
     return ids[len(prompt_ids):]
 
@@ -34,12 +35,15 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 @pytest.mark.parametrize("chunk", [3, 16, 512])
-def test_cached_greedy_equals_full_recompute(tiny_dir, chunk):
-    eng = Engine.from_dir(tiny_dir, prefill_chunk=chunk, block_size=4)
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16"])
+def test_cached_greedy_equals_full_recompute(tiny_dir, chunk, kv_dtype):
+    """At every KV storage dtype: the reference rounds K/V the same way (fp32: not at all)."""
+    eng = Engine.from_dir(tiny_dir, prefill_chunk=chunk, block_size=4, kv_dtype=kv_dtype)
     p = prompt(0, 37)
     out = eng.generate([p], GREEDY)[0]
+    rounding = None if kv_dtype == "float32" else getattr(torch, kv_dtype)
     with torch.inference_mode():
-        assert out.token_ids == reference_greedy(eng.model, p, 12)
+        assert out.token_ids == reference_greedy(eng.model, p, 12, rounding)
 
 
 def test_batched_sequences_of_different_lengths_match_alone(tiny_dir):
@@ -49,11 +53,14 @@ def test_batched_sequences_of_different_lengths_match_alone(tiny_dir):
     assert [c.token_ids for c in together] == alone
 
 
-def test_chunked_prefill_logits_equal_one_shot(tiny_dir):
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_chunked_prefill_logits_equal_one_shot(tiny_dir, kv_dtype):
+    """fp16 too: a one-shot prefill attends over its rows as the pool stores them, like a chunk's
+    over the pool."""
     p = prompt(5, 50)
     logits = []
     for chunk in (7, 50):
-        eng = Engine.from_dir(tiny_dir, prefill_chunk=chunk)
+        eng = Engine.from_dir(tiny_dir, prefill_chunk=chunk, kv_dtype=kv_dtype)
         seq_logits = {}
         orig = eng.runner.run
         def spy(work, orig=orig):
@@ -136,7 +143,7 @@ def test_requests_that_cannot_fit_are_rejected_at_once(tiny_dir):
     eng = Engine.from_dir(tiny_dir, max_model_len=64)
     with pytest.raises(CapacityError, match="max_model_len"):
         eng.add_request("x" * 60, SamplingParams(max_tokens=10))
-    with pytest.raises(RequestError, match="text_input"):
+    with pytest.raises(RequestError, match="^prompt"):
         eng.add_request("", SamplingParams())
 
 

@@ -61,11 +61,13 @@ CASES = [dict(mode="dense"), dict(mode="lookahead", residency="resident"),
 
 @pytest.mark.parametrize("overrides", CASES, ids=["dense", "resident", "pingpong"])
 @pytest.mark.parametrize("num_host_blocks", [None, 37])
-def test_plan_matches_what_the_engine_allocates(eng_dir, overrides, num_host_blocks):
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_plan_matches_what_the_engine_allocates(eng_dir, overrides, num_host_blocks, kv_dtype):
     engine = Engine.from_dir(eng_dir, num_host_blocks=num_host_blocks, max_model_len=200, max_batch_size=3,
-                             top_k=5, block_size=8, **overrides)
+                             top_k=5, block_size=8, kv_dtype=kv_dtype, **overrides)
     try:
         plan = plan_memory(engine.manifest.model, engine.config, num_host_blocks, DTYPE_BYTES[engine.manifest.dtype])
+        assert engine.pool.k.element_size() == DTYPE_BYTES[kv_dtype]       # the KV storage dtype, not the weights'
         model = engine.model
         assert plan.weights == nbytes(*model.parameters()) > 0
         assert plan.rope == nbytes(model.rope.cos, model.rope.sin) > 0
@@ -80,7 +82,8 @@ def test_plan_matches_what_the_engine_allocates(eng_dir, overrides, num_host_blo
             return
         attn = engine.runner.attn
         assert plan.device_tier == nbytes(attn.dev_k, attn.dev_v) > 0
-        assert plan.summaries == nbytes(attn.kmin, attn.kmax) > 0
+        assert plan.summaries == nbytes(attn.kmin, attn.kmax) > 0             # fp32 whatever the kv_dtype
+        assert attn.dev_k.dtype == engine.pool.k.dtype                       # the tier follows the pool
         assert plan.per_seq_device_tier == attn.working_set_bytes_per_lane()
         assert plan.per_seq_device == attn.device_bytes_per_lane()          # what the budget bounds
         assert plan.per_seq_device == attn.working_set_bytes_per_lane() + attn.summary_bytes(engine.max_model_len)
@@ -126,6 +129,10 @@ def test_the_defaults_fit_and_match_the_readme():
     assert round(plan.per_seq_device_tier / 2 ** 20, 1) == 94.2             # README: 94 MiB resident
     pp = plan_memory(SMOLLM2, cfg.replace(residency="pingpong"), None, 4)
     assert round(pp.per_seq_device_tier / 2 ** 20, 1) == 6.3                # and 6.3 MiB pingpong
+    half = plan_memory(SMOLLM2, cfg.replace(kv_dtype="float16"), None, 4)   # fp16 KV: half of each
+    assert (2 * half.per_seq_device_tier, 2 * half.device_tier, 2 * half.host_kv_pool) == \
+        (plan.per_seq_device_tier, plan.device_tier, plan.host_kv_pool)
+    assert half.summaries == plan.summaries and half.weights == plan.weights
 
 
 @pytest.mark.parametrize("overrides,field", [
