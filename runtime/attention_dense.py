@@ -57,39 +57,46 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 
 
 class DenseAttention:
-    """AttentionBackend over a KVPool. Set `batch` before each forward."""
+    """Dense mode's attention over a KVPool. `step(batch)` gives one step's AttentionBackend; the
+    batch is an argument, never state set from outside."""
 
     def __init__(self, pool: KVPool, scale: float):
         self.pool, self.scale = pool, scale
-        self.batch: StepBatch | None = None
-        self.store_only = False     # a replayed prefill (prefill_cache): store K/V, skip attention
-        self._paged: tuple | None = None     # one step's batched decode items, see _paged_decode
 
-    def _paged_decode(self, b: StepBatch) -> tuple:
-        """(b, rows, starts, lens, mask, row set) of the step's decode items that lie in one run of
+    def step(self, batch: StepBatch) -> "DenseStep":
+        return DenseStep(self.pool, self.scale, batch)
+
+
+class DenseStep:
+    """One step's dense attention: stores each layer's rows where `batch` says, then attends."""
+
+    def __init__(self, pool: KVPool, scale: float, batch: StepBatch):
+        self.pool, self.scale, self.batch = pool, scale, batch
+        self._paged: tuple | None = None     # the step's batched decode items, see _paged_decode
+
+    def _paged_decode(self) -> tuple:
+        """(rows, starts, lens, mask, row set) of the step's decode items that lie in one run of
         pool blocks each, for one kernel call a layer (plugins.cpu.attention_paged, which shares
         their (sequence, head) units out over the threads); rows is None when there are none or no
         kernel. Worked out once a step: every layer's lengths are the same."""
-        if self._paged is not None and self._paged[0] is b:
+        if self._paged is not None:
             return self._paged
         rows, starts, lens = [], [], []
         if self.pool.k.device.type == "cpu" and cpu.available():
-            for it in b.items:
+            for it in self.batch.items:
                 first = self.pool.run_start(it.block_table, it.context_len) if it.num_tokens == 1 else None
                 if first is not None:
                     rows.append(it.row_start), starts.append(first), lens.append(it.context_len)
-        self._paged = ((b, torch.tensor(rows, dtype=torch.long), starts, lens,
+        self._paged = ((torch.tensor(rows, dtype=torch.long), starts, lens,
                         cpu.paged_mask(lens, self.pool.num_kv_heads), frozenset(rows)) if rows
-                       else (b, None, [], [], None, frozenset()))
+                       else (None, [], [], None, frozenset()))
         return self._paged
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
         self.pool.write(layer_idx, k, v, b.slot_blocks, b.slot_offsets)
         out = torch.empty_like(q)
-        if self.store_only:
-            return out
-        _, rows, starts, lens, mask, done = self._paged_decode(b)
+        rows, starts, lens, mask, done = self._paged_decode()
         if rows is not None:
             o = cpu.attention_paged(q[rows], self.pool.k[layer_idx], self.pool.v[layer_idx], starts, lens,
                                     self.scale, mask)

@@ -52,9 +52,9 @@ class DenseRunner:
             for seq, n in work:
                 seq.num_cached += n
             return out
-        self.attn.batch = batch             # DenseAttention's one per-step input (attention_dense.py)
+        step = self.attn.step(batch)        # this step's backend: the batch is its argument
         rec = cache.record(self.model, work, items) if cache is not None else None
-        backend = rec.wrap(self.attn, len(self.model.layers)) if rec else self.attn
+        backend = rec.wrap(step, len(self.model.layers)) if rec else step
         hidden = self.model(batch.tokens, batch.positions, backend)               # [T, hidden]
         sampling = [(seq, it) for (seq, n), it in zip(work, items)
                     if it.context_len >= len(seq.prompt_ids)]                     # prompt done

@@ -345,14 +345,22 @@ def test_topk_from_half_precision_keys_rarely_changes_real_model(default_engine)
     T, NQ = 2032, 4
     eng = default_engine.sibling()
     ids = eng.tokenizer.encode(README.read_text() * 4)[:T]
-    attn, orig, seen = eng.runner.attn, eng.runner.attn.forward, {}
+    seen = {}
 
-    def spy(layer, q, k, v):
-        it = attn.batch.items[0]
-        if it.context_len == T:
-            seen[layer] = (q[-NQ:].clone(), list(it.block_table))
-        return orig(layer, q, k, v)
-    attn.forward = spy
+    class Recorder:             # the runner's DenseAttention, recording the prompt's queries
+        def __init__(self, attn):
+            self.attn, self.pool = attn, attn.pool
+
+        def step(self, batch):
+            inner, it = self.attn.step(batch), batch.items[0]
+
+            class Step:
+                def forward(self, layer, q, k, v):
+                    if it.context_len == T:
+                        seen[layer] = (q[-NQ:].clone(), list(it.block_table))
+                    return inner.forward(layer, q, k, v)
+            return Step()
+    eng.runner.attn = Recorder(eng.runner.attn)
     eng.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
     assert len(ids) == T and len(seen) == eng.manifest.model.num_layers
     for name in HALF:
