@@ -38,7 +38,8 @@ def make_parser() -> argparse.ArgumentParser:
         else:
             default_note = "" if required or f.default is None else f" (default: {f.default})"
             parser.add_argument(flag, dest=f.name, required=required, default=None if required else f.default,
-                                metavar=f.name.upper(), help=help_text + default_note)
+                                type=int if f.type in (int, "int") else None,
+                                metavar=f.metadata.get("metavar", f.name.upper()), help=help_text + default_note)
     return parser
 
 

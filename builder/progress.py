@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 Log = Callable[[str], None]
 STAGES = ("resolve source", "load", "convert", "write", "verify", "checksum")
 
 
 class Stages:
-    """Times the build's stages; `seconds` maps each finished stage to its duration."""
+    """Times the build's stages; `seconds` maps each finished stage to its duration. `names`: the
+    build's stages in order (default STAGES; a --random-weights build has its own)."""
 
-    def __init__(self, log: Log):
-        self.log, self.seconds = log, {}
+    def __init__(self, log: Log, names: Sequence[str] = STAGES):
+        self.log, self.seconds, self.names = log, {}, tuple(names)
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[Callable[[str], None]]:
@@ -23,8 +24,8 @@ class Stages:
         t0 = time.perf_counter()
         yield detail.append
         self.seconds[name] = time.perf_counter() - t0
-        n = STAGES.index(name) + 1
-        self.log(f"[{n}/{len(STAGES)}] {name:<15}{self.seconds[name]:7.1f}s  {' '.join(detail)}".rstrip())
+        n = self.names.index(name) + 1
+        self.log(f"[{n}/{len(self.names)}] {name:<15}{self.seconds[name]:7.1f}s  {' '.join(detail)}".rstrip())
 
     @property
     def total(self) -> float:

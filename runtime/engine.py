@@ -18,17 +18,17 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors.torch import load_file
 
 from .attention_dense import DenseAttention
 from .block_manager import BlockAllocator, blocks_needed
 from .config import LookaheadConfig
 from .device import resolve_device
-from .engine_dir import TOKENIZER_DIR, WEIGHTS, Manifest, load_manifest
+from .engine_dir import TOKENIZER_DIR, Manifest, load_manifest
 from .errors import RequestError
 from .kv_pool import KVPool
 from .memory_plan import DTYPE_BYTES, check_memory, plan_memory
-from .model import LlamaModel
+from .model import LlamaModel, load_model
+from .observe import Observer, Observers
 from .ops import Ops, select_ops
 from .prefill_cache import PrefillCache
 from .runner import DenseRunner
@@ -89,7 +89,7 @@ class Engine:
         mcfg = manifest.model
         self.device, self.ops, self.debug_checks = model.device, model.ops, debug_checks
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
-        config = clamp_top_k(config, self.max_model_len)
+        config = clamp_top_k(config, self.max_model_len).with_kv_dtype(manifest.dtype)   # unset: the weights'
         self.manifest, self.model, self.tokenizer, self.config = manifest, model, tokenizer, config
         self.prefill_cache = prefill_cache
         self.eos_ids = mcfg.eos_token_ids
@@ -100,10 +100,11 @@ class Engine:
         # the weights are already loaded)
         check_memory(plan_memory(mcfg, config, num_host_blocks, dtype.itemsize, self.max_model_len, weights=False,
                                  device_type=self.device.type))
-        self.pool = self._make_pool(n_blocks, dtype)
+        self.pool = self._make_pool(n_blocks, DTYPES[config.kv_dtype])     # the KV storage dtype
         self.allocator = BlockAllocator(n_blocks)
         self.scheduler = Scheduler(self.allocator, bs, config.max_batch_size, self.max_model_len,
                                    config.prefill_chunk, max_queue)
+        self.observers = Observers()          # runtime/observe.py: registered with `observe`
         self.runner = self._make_runner(transfer)
         self._ids = itertools.count()
         self._inbox: list[tuple[str, Any]] = []
@@ -113,7 +114,8 @@ class Engine:
                          "aborted_requests": 0}
 
     def _make_pool(self, num_blocks: int, dtype: torch.dtype) -> KVPool:
-        """Dense: the whole cache on the device. Lookahead: the host tier (pinned for a GPU)."""
+        """Dense: the whole cache on the device. Lookahead: the host tier (pinned for a GPU); the
+        device tier follows its dtype. `dtype`: `kv_dtype`, whatever the weights' dtype."""
         mcfg, bs = self.manifest.model, self.config.block_size
         if self.config.mode == "dense":
             return KVPool(mcfg, num_blocks, bs, dtype=dtype, device=self.device)
@@ -123,7 +125,7 @@ class Engine:
         mcfg, cfg = self.manifest.model, self.config
         if cfg.mode == "dense":
             return DenseRunner(self.model, DenseAttention(self.pool, mcfg.head_dim ** -0.5), cfg.block_size,
-                               self.prefill_cache)
+                               self.prefill_cache, self.observers)
         from .draft import DraftChain, make_draft
         from .lookahead.attention import LookaheadAttention
         from .lookahead.runner import LookaheadRunner
@@ -133,10 +135,17 @@ class Engine:
         # allocation
         attn = LookaheadAttention(mcfg, cfg, self.pool, cfg.max_batch_size,
                                   blocks_needed(self.max_model_len, cfg.block_size), transfer, self.device,
-                                  self.ops, self.debug_checks)
+                                  self.ops, self.debug_checks, self.observers)
         source = make_draft(cfg.draft)
         chain = DraftChain(source, cfg.resync_after) if source is not None else None
-        return LookaheadRunner(self.model, attn, cfg.block_size, chain, cfg.max_batch_size, self.prefill_cache)
+        return LookaheadRunner(self.model, attn, cfg.block_size, chain, cfg.max_batch_size, self.prefill_cache,
+                               self.observers)
+
+    def observe(self, observer: Observer) -> Observer:
+        """Register an `Observer` (runtime/observe.py): its hooks see this engine's step batches,
+        plans, block scores, copy jobs and emitted logits from the next step on. Returns it;
+        `observers.remove(observer)` unregisters it."""
+        return self.observers.add(observer)
 
     def sibling(self, prefill_cache: PrefillCache | None = None, **overrides: Any) -> "Engine":
         """A new engine over this one's loaded model (no second weight load) with its own KV pool,
@@ -166,17 +175,18 @@ class Engine:
         """
         device = resolve_device(device)
         manifest = load_manifest(path, verify_checksums=verify_checksums)
-        config = manifest.lookahead.replace(**overrides)
+        config = manifest.lookahead.replace(**overrides).with_kv_dtype(manifest.dtype)
         config = clamp_top_k(config, min(config.max_model_len, manifest.model.max_position_embeddings))
         # refuse what the host cannot hold before the weights are read (engine.yaml, CLI and
         # server overrides all come through here)
+        # (an int8 engine has no packed fp32 copies; its weights are counted at fp32, an overestimate)
         check_memory(plan_memory(manifest.model, config, num_host_blocks, DTYPE_BYTES[manifest.dtype],
+                                 packed_weights=False if manifest.quantization else None,
                                  device_type=device.type))
         dtype = DTYPES[manifest.dtype]
-        ops = ops or select_ops(device, dtype, checked=debug_checks)
-        model = LlamaModel(manifest.model, dtype=dtype, device=device, empty=True, ops=ops)
-        model.load_weights(load_file(str(Path(path) / WEIGHTS), device=str(device)))
-        model.eval().requires_grad_(False)
+        ops = ops or select_ops(device, dtype, checked=debug_checks, quantized=manifest.quantization is not None)
+        # weights.safetensors read onto `device`, or a random_weights recipe generated there
+        model = load_model(manifest, device, ops, dtype)
         tokenizer = TextTokenizer(Path(path) / TOKENIZER_DIR)
         return cls(manifest, model, tokenizer, config, num_host_blocks, max_queue, transfer,
                    debug_checks=debug_checks)
@@ -188,12 +198,12 @@ class Engine:
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
-                raise RequestError("text_input", "the prompt is empty", "send at least one character")
+                raise RequestError("prompt", "is empty", "send at least one character")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
         if not ids:
-            raise RequestError("text_input", "the prompt has no tokens", "send a non-empty prompt")
+            raise RequestError("prompt", "has no tokens", "send a non-empty prompt")
         if any(t < 0 or t >= self.manifest.model.vocab_size for t in ids):
             raise RequestError("prompt", "holds token ids outside the vocabulary",
                                f"ids must be in [0, {self.manifest.model.vocab_size})")
@@ -241,6 +251,8 @@ class Engine:
             return outs
         self.counters["prompt_tokens"] += sum(n for s, n in work if s.in_prefill)
         logits = self.runner.run(work)
+        if self.observers:
+            self.observers.step_end(logits)
         self.counters["steps"] += 1
         self.counters["output_tokens"] += len(logits)
         emitting = [seq for seq, _ in work if seq.seq_id in logits]

@@ -1,7 +1,7 @@
 """The engine directory: format, checksums, and the checks the runtime makes before loading.
 
     <engine>/engine.yaml          single source of truth (format, model, dtype, lookahead, checksums)
-    <engine>/weights.safetensors  runtime layout, see WEIGHT_LAYOUT
+    <engine>/weights.safetensors  runtime layout, see WEIGHT_LAYOUT (absent for a random-weights recipe)
     <engine>/tokenizer/           tokenizer.json (+ tokenizer_config.json, chat template)
     <engine>/build_report.json    what the builder verified
 
@@ -10,6 +10,13 @@ Written by `builder` (which calls `write_manifest`), read by `runtime.Engine.fro
 The checksums are not signed, so `load_manifest` also distrusts a dir whose manifest matches its
 files: every path it names must stay inside the dir (no `..`, no absolute path, no symlink out),
 and the weights' safetensors header must describe exactly the model's tensors before any is read.
+
+Two optional sections (format_version 2; a dir without them is written as version 1, as before):
+
+    quantization:     weight-only int8 (QUANT_SCHEME): the roles it names hold `qweight` int8
+                      [N, K] + `scale` fp32 [N] (symmetric, per output channel) instead of `weight`
+    random_weights:   a recipe (shape, seed, dtype, init) instead of weights.safetensors: the
+                      runtime generates the weights on the target device at load (model.py)
 """
 from __future__ import annotations
 
@@ -26,13 +33,22 @@ import yaml
 from .config import LookaheadConfig, ModelConfig
 from .errors import ConfigError, EngineDirError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1               # what a plain engine dir is written as
+FORMAT_VERSION_EXTENDED = 2      # a dir with a quantization or random_weights section
+SUPPORTED_FORMAT_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_EXTENDED)
 MANIFEST = "engine.yaml"
 WEIGHTS = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 REPORT = "build_report.json"
 DTYPES = ("float32", "bfloat16", "float16")
-SAFETENSORS_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2)}
+SAFETENSORS_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "int8": ("I8", 1)}
+# Weight-only int8: the only scheme this runtime implements, and what each of its fields must say.
+QUANT_SCHEME = {"scheme": "int8", "granularity": "per_output_channel", "symmetric": True,
+                "scale_dtype": "float32"}
+# Weights that may be quantized, by role: the four projections of every layer, the embedding
+# (tied: its per-row scale serves the lookup and the logits) and an untied lm_head.
+QUANTIZABLE = ("embed_tokens", "wqkv", "wo", "w13", "w2", "lm_head")
+RANDOM_INITS = ("normal_fan_in",)   # weights ~ N(0, 1/fan_in); norms ~ 1 + 0.1 N(0, 1)
 MAX_HEADER_BYTES = 100 << 20     # the safetensors library's own limit on a header
 # Files the runtime reads whether or not the manifest lists them (TextTokenizer reads the config
 # if present): each must lie inside the engine dir, and be listed, so its checksum covers it.
@@ -50,6 +66,10 @@ layers.{i}.w13.weight            [2 * intermediate_size, hidden_size]  rows: gat
 layers.{i}.w2.weight             [hidden_size, intermediate_size]
 norm.weight                      [hidden_size]
 lm_head.weight                   [vocab_size, hidden_size]             only if not tie_word_embeddings
+
+Quantized (engine.yaml `quantization.quantized` lists the roles): `<role>.weight` [N, K] is stored
+as `<role>.qweight` [N, K] int8 and `<role>.scale` [N] float32, W ~= qweight * scale[:, None];
+norms and biases stay in the engine's dtype (float32).
 """
 
 
@@ -72,6 +92,22 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
+
+
+def expected_tensors(cfg: ModelConfig, dtype: str,
+                     quantization: dict[str, Any] | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of the weights file: name -> (shape, dtype name), with the quantized roles'
+    weights as qweight (int8) + scale (float32)."""
+    roles = set(quantization["quantized"]) if quantization else set()
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, shape in expected_shapes(cfg).items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module.rsplit(".", 1)[-1] in roles:
+            out[module + ".qweight"] = (shape, "int8")
+            out[module + ".scale"] = ((shape[0],), QUANT_SCHEME["scale_dtype"])
+        else:
+            out[name] = (shape, dtype)
+    return out
 
 
 def contained_path(d: Path, rel: Any, mpath: Path) -> Path:
@@ -116,24 +152,41 @@ class Manifest:
     source: dict[str, Any]
     versions: dict[str, str]
     name: str = "engine"
+    quantization: dict[str, Any] | None = None     # QUANT_SCHEME + `quantized` roles (+ build info)
+    random_weights: dict[str, Any] | None = None   # shape, seed, dtype, init: no weights file
+    tokenizer: dict[str, Any] | None = None        # informational (random weights: token_ids)
+
+    @property
+    def has_weights_file(self) -> bool:
+        return self.random_weights is None
 
 
 def write_manifest(engine_dir: Path, *, name: str, model: ModelConfig, dtype: str,
-                   lookahead: LookaheadConfig, source: dict[str, Any], versions: dict[str, str]) -> Path:
-    """Checksum every file already in `engine_dir` (except the manifest) and write engine.yaml."""
+                   lookahead: LookaheadConfig, source: dict[str, Any], versions: dict[str, str],
+                   quantization: dict[str, Any] | None = None, random_weights: dict[str, Any] | None = None,
+                   tokenizer: dict[str, Any] | None = None) -> Path:
+    """Checksum every file already in `engine_dir` (except the manifest) and write engine.yaml.
+
+    quantization / random_weights / tokenizer: the optional sections (see the module docstring);
+    with either of the first two the dir is format_version 2, which older runtimes refuse."""
     engine_dir = Path(engine_dir)
     files = {str(p.relative_to(engine_dir)): sha256_file(p)
              for p in sorted(engine_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    extended = quantization is not None or random_weights is not None
     doc = {
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION_EXTENDED if extended else FORMAT_VERSION,
         "name": name,
         "dtype": dtype,
         "model": model.to_dict(),
         "lookahead": lookahead.to_dict(),
         "source": source,
         "versions": versions,
-        "files": files,
     }
+    for key, section in (("quantization", quantization), ("random_weights", random_weights),
+                         ("tokenizer", tokenizer)):
+        if section is not None:
+            doc[key] = section
+    doc["files"] = files
     out = engine_dir / MANIFEST
     out.write_text(yaml.safe_dump(doc, sort_keys=False))
     return out
@@ -155,9 +208,10 @@ def load_manifest(engine_dir: str | Path, *, verify_checksums: bool = True) -> M
     if not isinstance(doc, dict):
         raise EngineDirError(f"{mpath} does not hold a mapping; rebuild the engine")
     version = doc.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in SUPPORTED_FORMAT_VERSIONS or isinstance(version, bool):
         raise EngineDirError(f"{mpath}: format_version {version!r} is incompatible with this runtime "
-                             f"(expects {FORMAT_VERSION}); rebuild the engine with this version's builder")
+                             f"(expects {' or '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); rebuild the "
+                             "engine with this version's builder")
     for key in ("model", "dtype", "lookahead", "files"):
         if key not in doc:
             raise EngineDirError(f"{mpath}: field {key!r} is missing; rebuild the engine")
@@ -168,11 +222,61 @@ def load_manifest(engine_dir: str | Path, *, verify_checksums: bool = True) -> M
         lookahead = LookaheadConfig.from_dict(doc["lookahead"])
     except (ConfigError, TypeError) as e:
         raise EngineDirError(f"{mpath}: {e}") from None
-    files = _check_files(d, mpath, doc["files"], verify_checksums)
-    check_weights_header(d / WEIGHTS, model, doc["dtype"])
+    extended = [k for k in ("quantization", "random_weights") if doc.get(k) is not None]
+    if extended and version != FORMAT_VERSION_EXTENDED:
+        raise EngineDirError(f"{mpath}: section {extended[0]!r} needs format_version "
+                             f"{FORMAT_VERSION_EXTENDED}, the file says {version}; rebuild the engine")
+    quantization = _quantization(doc.get("quantization"), mpath, model, doc["dtype"])
+    random_weights = _random_weights(doc.get("random_weights"), mpath, doc["dtype"])
+    if quantization is not None and random_weights is not None:
+        raise EngineDirError(f"{mpath}: random_weights cannot be quantized; rebuild the engine")
+    files = _check_files(d, mpath, doc["files"], verify_checksums, weights_file=random_weights is None)
+    if random_weights is None:
+        check_weights_header(d / WEIGHTS, model, doc["dtype"], quantization)
+    tokenizer = doc.get("tokenizer")
     return Manifest(path=d, model=model, dtype=doc["dtype"], lookahead=lookahead, files=files,
                     source=_mapping(doc.get("source")), versions=_mapping(doc.get("versions")),
-                    name=str(doc.get("name", d.name)))
+                    name=str(doc.get("name", d.name)), quantization=quantization,
+                    random_weights=random_weights, tokenizer=_mapping(tokenizer) if tokenizer is not None else None)
+
+
+def _quantization(q: Any, mpath: Path, model: ModelConfig, dtype: str) -> dict[str, Any] | None:
+    """engine.yaml's `quantization:` section: the one scheme this runtime runs, on roles it knows."""
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise EngineDirError(f"{mpath}: quantization must be a mapping; rebuild the engine")
+    for key, want in QUANT_SCHEME.items():
+        if q.get(key) != want:
+            raise EngineDirError(f"{mpath}: quantization.{key} is {_short(q.get(key))}, this runtime runs only "
+                                 f"{key}: {want!r} (weight-only int8, symmetric per-output-channel fp32 scales); "
+                                 "rebuild the engine")
+    roles = q.get("quantized")
+    allowed = [r for r in QUANTIZABLE if r != "lm_head" or not model.tie_word_embeddings]
+    if (not isinstance(roles, list) or not roles or not all(isinstance(r, str) for r in roles)
+            or len(set(roles)) != len(roles) or not set(roles) <= set(allowed)):
+        raise EngineDirError(f"{mpath}: quantization.quantized must list weights among {allowed}, got "
+                             f"{_short(roles)}; rebuild the engine")
+    if dtype != "float32":
+        raise EngineDirError(f"{mpath}: int8 weights run with float32 activations, but dtype is {dtype}; "
+                             "rebuild the engine")
+    return dict(q)
+
+
+def _random_weights(r: Any, mpath: Path, dtype: str) -> dict[str, Any] | None:
+    """engine.yaml's `random_weights:` recipe: generated at load, so every field must be usable."""
+    if r is None:
+        return None
+    if not isinstance(r, dict):
+        raise EngineDirError(f"{mpath}: random_weights must be a mapping; rebuild the engine")
+    seed = r.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63:
+        raise EngineDirError(f"{mpath}: random_weights.seed must be an integer in [0, 2^63), got {_short(seed)}")
+    if r.get("init") not in RANDOM_INITS:
+        raise EngineDirError(f"{mpath}: random_weights.init {_short(r.get('init'))} is not one of {RANDOM_INITS}")
+    if r.get("dtype", dtype) != dtype:
+        raise EngineDirError(f"{mpath}: random_weights.dtype {_short(r.get('dtype'))} disagrees with dtype {dtype}")
+    return dict(r)
 
 
 def _mapping(v: Any) -> dict[str, Any]:
@@ -180,14 +284,19 @@ def _mapping(v: Any) -> dict[str, Any]:
     return dict(v) if isinstance(v, dict) else {}
 
 
-def _check_files(d: Path, mpath: Path, files: Any, verify_checksums: bool) -> dict[str, str]:
+def _check_files(d: Path, mpath: Path, files: Any, verify_checksums: bool,
+                 weights_file: bool = True) -> dict[str, str]:
     """The manifest's `files:` (relative path -> sha256): every one inside the dir, present and
-    (verify_checksums) matching; every file the runtime reads listed among them."""
+    (verify_checksums) matching; every file the runtime reads listed among them. weights_file:
+    False for a random-weights recipe, which must list none."""
     if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
         raise EngineDirError(f"{mpath}: files must map relative paths to sha256 digests; rebuild the engine")
-    for required in (WEIGHTS, f"{TOKENIZER_DIR}/tokenizer.json"):
+    for required in ((WEIGHTS,) if weights_file else ()) + (f"{TOKENIZER_DIR}/tokenizer.json",):
         if required not in files:
             raise EngineDirError(f"{mpath}: lists no {required}; rebuild the engine")
+    if not weights_file and WEIGHTS in files:
+        raise EngineDirError(f"{mpath}: lists {WEIGHTS}, but random_weights says the weights are generated "
+                             "at load; rebuild the engine")
     paths = {rel: contained_path(d, rel, mpath) for rel in files}     # all checked before any is read
     for rel in RUNTIME_READS:
         p = contained_path(d, rel, mpath)
@@ -227,15 +336,19 @@ def read_weights_header(path: Path) -> tuple[dict[str, Any], int, int]:
     return header, 8 + n, size
 
 
-def check_weights_header(path: Path, cfg: ModelConfig, dtype: str) -> None:
-    """Before any weight is loaded: the header lists exactly `expected_shapes(cfg)`, each tensor in
-    the manifest's dtype with its data inside the file. A truncated file, a header claiming a huge
+def check_weights_header(path: Path, cfg: ModelConfig, dtype: str,
+                         quantization: dict[str, Any] | None = None) -> None:
+    """Before any weight is loaded: the header lists exactly `expected_tensors(cfg, dtype,
+    quantization)`, each tensor in its dtype (the manifest's; int8 + float32 scales for quantized
+    weights) with its data inside the file. A truncated file, a header claiming a huge
     shape, or weights of another model fail here in one line naming the tensor, instead of in
     safetensors or load_state_dict (a long traceback, or a huge allocation)."""
     header, start, size = read_weights_header(path)
-    want_dtype, itemsize = SAFETENSORS_DTYPES[dtype]
-    expected = expected_shapes(cfg)
+    layout = expected_tensors(cfg, dtype, quantization)
+    expected = {name: shape for name, (shape, _) in layout.items()}
     for name, shape in expected.items():
+        tensor_dtype = layout[name][1]
+        want_dtype, itemsize = SAFETENSORS_DTYPES[tensor_dtype]
         info = header.get(name)
         if not isinstance(info, dict):
             raise EngineDirError(f"{path}: tensor {name} is missing (the weights do not match engine.yaml's "
@@ -246,7 +359,7 @@ def check_weights_header(path: Path, cfg: ModelConfig, dtype: str) -> None:
                                  f"{list(shape)}: rebuild the engine")
         if info.get("dtype") != want_dtype:
             raise EngineDirError(f"{path}: tensor {name} is {_short(info.get('dtype'))}, engine.yaml says dtype "
-                                 f"{dtype} ({want_dtype}): rebuild the engine")
+                                 f"{tensor_dtype} ({want_dtype}): rebuild the engine")
         offsets = info.get("data_offsets")
         nbytes = math.prod(shape) * itemsize
         if (not isinstance(offsets, list) or len(offsets) != 2

@@ -3,10 +3,21 @@
 Attention is delegated: every layer calls `attn.forward(layer_idx, q, k, v)` on the step's
 `AttentionBackend`, which stores K/V and computes attention the way the current mode wants
 (dense paged, or lookahead sparse). The model never sees a cache.
+
+Weight-only int8 (an engine.yaml `quantization:` section): the quantized roles' modules are
+`Int8Linear` / `Int8Embedding`, whose `.weight` is an `Int8Weight` (qweight int8 [N, K], scale
+fp32 [N]) instead of a tensor; the projections pass it to `ops.linear` like any weight, and the
+quantized engine's ops (`select_ops(..., quantized=True)`) send it to `plugins.cpu.linear_int8`.
+The fp32 modules and their path are unchanged.
+
+`load_model(manifest, device, ops)` builds the model an engine dir describes: weights read from
+weights.safetensors, or, for a `random_weights:` recipe, generated on `device` tensor by tensor.
 """
 from __future__ import annotations
 
-from typing import Protocol
+import math
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +26,7 @@ from torch import nn
 from plugins.cpu import rms_norm
 
 from .config import ModelConfig
+from .engine_dir import WEIGHTS, Manifest, expected_shapes
 from .ops import Ops, select_ops
 from .rope import RotaryEmbedding
 
@@ -39,17 +51,73 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight
 
 
+class Int8Weight(NamedTuple):
+    """A weight-only int8 matrix: W ~= qweight * scale[:, None] (symmetric, per output channel).
+    What a quantized module's `.weight` is; `ops.linear` of a quantized engine takes it."""
+
+    qweight: torch.Tensor      # [N, K] int8
+    scale: torch.Tensor        # [N] float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]
+
+
+class Int8Linear(nn.Module):
+    """nn.Linear's place for a quantized projection: buffers `qweight` [out, in] int8 and `scale`
+    [out] fp32 (the state dict's `<name>.qweight`, `<name>.scale`), an fp32 `bias` or None."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.empty(out_features, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    @property
+    def weight(self) -> Int8Weight:
+        return Int8Weight(self.qweight, self.scale)
+
+
+class Int8Embedding(nn.Module):
+    """nn.Embedding's place for a quantized table: a lookup dequantizes only the rows it reads.
+    Tied, its `.weight` (the same qweight and per-row scale) is also the logits' projection."""
+
+    def __init__(self, num_embeddings: int, dim: int):
+        super().__init__()
+        self.register_buffer("qweight", torch.empty(num_embeddings, dim, dtype=torch.int8))
+        self.register_buffer("scale", torch.empty(num_embeddings, dtype=torch.float32))
+
+    @property
+    def weight(self) -> Int8Weight:
+        return Int8Weight(self.qweight, self.scale)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.qweight[tokens].to(torch.float32) * self.scale[tokens].unsqueeze(-1)
+
+
+def _linear(cfg_quantized: frozenset[str], role: str, in_f: int, out_f: int, bias: bool = False) -> nn.Module:
+    return Int8Linear(in_f, out_f, bias) if role in cfg_quantized else nn.Linear(in_f, out_f, bias=bias)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, quantized: frozenset[str] = frozenset()):
         super().__init__()
         self.layer_idx = layer_idx
         self.cfg = cfg
+        q = quantized
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.wqkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.wqkv = _linear(q, "wqkv", cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.wo = _linear(q, "wo", cfg.q_size, cfg.hidden_size)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.w13 = _linear(q, "w13", cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.w2 = _linear(q, "w2", cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 attn: AttentionBackend, rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
@@ -72,21 +140,28 @@ class LlamaModel(nn.Module):
     """tokens [T] + positions [T] -> hidden [T, hidden]; `logits(hidden)` -> [N, vocab].
 
     `device` is where the RoPE tables (and, unless `empty`, the parameters) are made; `ops` the
-    implementations its projections call (default: `select_ops(device, dtype)`).
+    implementations its projections call (default: `select_ops(device, dtype, quantized=...)`).
+    `quantized`: the roles (engine_dir.QUANTIZABLE) held as int8 (`Int8Linear`, `Int8Embedding`);
+    such a model is built `empty` and loaded with `load_weights`, in float32.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 empty: bool = False, ops: Ops | None = None):
+                 empty: bool = False, ops: Ops | None = None, quantized: Any = ()):
         super().__init__()
         self.cfg = cfg
-        self.ops = ops or select_ops(torch.device(device), dtype)
+        q = frozenset(quantized or ())
+        if q and (dtype != torch.float32 or not empty):
+            raise ValueError("an int8 model computes in float32 and is built empty (load_weights fills it)")
+        self.quantized = q
+        self.ops = ops or select_ops(torch.device(device), dtype, quantized=bool(q))
         # empty=True: parameters on the meta device (no init cost); load_weights assigns real ones
         with torch.device("meta" if empty else device):
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+            self.embed_tokens = (Int8Embedding(cfg.vocab_size, cfg.hidden_size) if "embed_tokens" in q
+                                 else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+            self.layers = nn.ModuleList(DecoderLayer(cfg, i, q) for i in range(cfg.num_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = (None if cfg.tie_word_embeddings
-                            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+                            else _linear(q, "lm_head", cfg.hidden_size, cfg.vocab_size))
         if not empty:
             self.to(device=device, dtype=dtype)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
@@ -105,7 +180,7 @@ class LlamaModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load runtime-layout tensors (see engine_dir.WEIGHT_LAYOUT); strict on names and shapes.
@@ -124,3 +199,37 @@ class LlamaModel(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5))
         return m
+
+
+def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype,
+                   device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """The runtime-layout tensors of a random model (engine_dir RANDOM_INITS "normal_fan_in":
+    weights ~ N(0, 1/fan_in), norms ~ 1 + 0.1 N(0, 1), biases ~ N(0, 1/fan_in)), made one at a time
+    directly on `device` in `dtype`: nothing passes through host memory on a GPU. The values are a
+    function of (cfg, seed, dtype, device type): CPU and CUDA generators differ."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, shape in expected_shapes(cfg).items():
+        t = torch.randn(shape, generator=g, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            t.mul_(0.1).add_(1.0)
+        else:
+            t.mul_(1.0 / math.sqrt(shape[-1] if len(shape) > 1 else cfg.hidden_size))
+        yield name, t
+
+
+def load_model(manifest: Manifest, device: str | torch.device = "cpu", ops: Ops | None = None,
+               dtype: torch.dtype | None = None) -> LlamaModel:
+    """The model of an engine dir (`load_manifest` has checked it), on `device`, in eval mode
+    without gradients: weights.safetensors read straight to `device`, or the `random_weights`
+    recipe generated there."""
+    from safetensors.torch import load_file
+
+    dtype = dtype or getattr(torch, manifest.dtype)
+    quantized = (manifest.quantization or {}).get("quantized", ())
+    model = LlamaModel(manifest.model, dtype=dtype, device=device, empty=True, ops=ops, quantized=quantized)
+    if manifest.random_weights is not None:
+        model.load_weights(dict(random_weights(manifest.model, int(manifest.random_weights["seed"]), dtype, device)))
+    else:
+        model.load_weights(load_file(str(Path(manifest.path) / WEIGHTS), device=str(device)))
+    return model.eval().requires_grad_(False)

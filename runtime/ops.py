@@ -10,6 +10,11 @@ directly (`plugins.direct`: a `torch.ops` dispatch costs about what a decode-siz
 in), on CUDA through `torch.ops.lookahead`, whose CUDA key `plugins.cuda` registers its kernels
 for. `checked=True` gives the argument-checking wrappers (`plugins.<op>`) on the same arguments,
 for tests. A test may pass an `Ops` of its own (e.g. one that records or checks every argument).
+
+A weight-only int8 engine (`quantized=True`) gets a `linear` that also takes an `Int8Weight`
+(runtime/model.py: qweight int8 [N, K], scale fp32 [N]) and sends it to `plugins.cpu.linear_int8`
+(on CPU; a dequantizing torch path elsewhere); its fp32 tensors take the fp32 path as before.
+An fp32 engine's `linear` is exactly what it was, with no extra check per call.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ class Ops:
     block_topk: Callable
     update_summaries: Callable
     lookahead_attention: Callable
-    linear: Callable            # (x [M, K], weight [N, K], bias [N] | None) -> [M, N]
+    linear: Callable            # (x [M, K], weight [N, K] | Int8Weight, bias [N] | None) -> [M, N]
     name: str = ""
 
     def wrapped(self, wrap: Callable[[str, Callable], Callable], name: str | None = None) -> "Ops":
@@ -40,11 +45,32 @@ class Ops:
         return Ops(**ops, name=name or f"{self.name}+wrapped")
 
 
-def select_ops(device: torch.device, dtype: torch.dtype, checked: bool = False) -> Ops:
-    """The ops for tensors of `dtype` on `device`. checked: the validating wrappers (tests)."""
+def linear_int8_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_int8's contract off the CPU: dequantize on the tensors' device, then F.linear."""
+    return F.linear(x, qweight.to(x.dtype) * scale.to(x.dtype)[:, None], bias)
+
+
+def quantized_linear(dense: Callable, int8: Callable) -> Callable:
+    """`linear` for an engine with int8 weights: a tensor weight goes to `dense`, an `Int8Weight`
+    (anything else with qweight/scale) to `int8(x, qweight, scale, bias)`."""
+    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return dense(x, weight, bias)
+        return int8(x, weight.qweight, weight.scale, bias)
+
+    linear.__qualname__ = linear.__name__ = f"quantized_linear[{getattr(int8, '__name__', 'int8')}]"
+    return linear
+
+
+def select_ops(device: torch.device, dtype: torch.dtype, checked: bool = False, quantized: bool = False) -> Ops:
+    """The ops for tensors of `dtype` on `device`. checked: the validating wrappers (tests).
+    quantized: the model holds int8 weights (`Int8Weight`), which `linear` must also take."""
     # plugins.cpu.linear runs its C kernel for a decode step's few fp32 rows and is F.linear
     # otherwise; on a GPU F.linear is cuBLAS
     linear = cpu.linear if device.type == "cpu" and dtype == torch.float32 else F.linear
+    if quantized:
+        linear = quantized_linear(linear, cpu.linear_int8 if device.type == "cpu" else linear_int8_torch)
     if checked:
         return Ops(plugins.block_gather, plugins.block_topk, plugins.update_summaries,
                    plugins.lookahead_attention, linear, name=f"checked/{device.type}")

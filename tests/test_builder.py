@@ -340,7 +340,8 @@ def test_cli_bad_options(ckpts, tmp_path, capsys):
 def test_cli_help_lists_every_option(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
-    for flag in ("--model", "--output", "--dtype", "--force", "--no-verify", "--name"):
+    for flag in ("--model", "--output", "--dtype", "--force", "--no-verify", "--name", "--quantize",
+                 "--random-weights", "--seed", "--tokenizer"):
         assert flag in text
 
 
@@ -362,6 +363,109 @@ def test_script_missing_model_one_line(tmp_path):
     assert done.stderr.splitlines() == ["error: --model /nonexistent: no such file or directory (pass a "
                                         "Hugging Face model dir or a .gguf file, or 'default')"]
     assert not out.exists()
+
+
+# --- --random-weights SHAPE: a recipe, no weights file, nothing verified ------------------------
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory) -> Path:
+    from builder_fixtures import write_tokenizer
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer(d)
+    return d
+
+
+def test_random_weights_tiny_shape_loads_and_decodes(tmp_path, small_tokenizer):
+    from runtime.engine import Engine
+    from runtime.sampling import SamplingParams
+
+    out = tmp_path / "rand"
+    lines: list[str] = []
+    result = build(BuildConfig(output=out, random_weights="tiny", seed=3, tokenizer=str(small_tokenizer)),
+                   log=lines.append)
+    assert [line.split("]")[0] for line in lines if line.startswith("[")] == ["[1/3", "[2/3", "[3/3"]
+    assert sorted(p.name for p in out.iterdir()) == ["build_report.json", "engine.yaml", "tokenizer"]  # no weights
+    m = load_manifest(out)
+    assert m.random_weights["shape"] == "tiny" and m.random_weights["seed"] == 3 and not m.random_weights["verified"]
+    assert m.random_weights["dtype"] == "float32" and not m.has_weights_file
+    assert m.tokenizer["token_ids"] == "synthetic" and m.source == {"kind": "random", "shape": "tiny", "seed": 3}
+    assert result.report["verification"]["skipped"]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    a = Engine.from_dir(out, device="cpu")
+    first = a.generate([[5, 40000, 17, 3]], params)[0].token_ids       # token-id prompt: any id < vocab
+    assert len(first) == 6 and all(0 <= t < 49152 for t in first)
+    assert Engine.from_dir(out).generate([[5, 40000, 17, 3]], params)[0].token_ids == first    # same recipe
+    again = tmp_path / "seed4"
+    build(BuildConfig(output=again, random_weights="tiny", seed=4, tokenizer=str(small_tokenizer)),
+          log=lambda line: None)
+    other = Engine.from_dir(again)
+    assert not torch.equal(other.model.layers[0].w13.weight, a.model.layers[0].w13.weight)
+
+
+def test_random_weights_smollm2_shape_on_cpu(tmp_path):
+    """The shape tests and the GPU bench use: SmolLM2-135M's geometry, bf16, generated at load."""
+    from runtime.engine import Engine
+    from runtime.sampling import SamplingParams
+
+    out = tmp_path / "smol"
+    quiet_build(output=out, random_weights="smollm2-135m", dtype="bfloat16", tokenizer="bytes")
+    m = load_manifest(out)
+    assert (m.model.num_layers, m.model.hidden_size, m.model.vocab_size, m.dtype) == (30, 576, 49152, "bfloat16")
+    assert m.tokenizer["num_tokens"] == 256 and m.tokenizer["token_ids"] == "synthetic"
+    eng = Engine.from_dir(out, device="cpu", max_model_len=256, max_batch_size=2)
+    assert eng.model.embed_tokens.weight.dtype == torch.bfloat16
+    emb = eng.model.embed_tokens.weight.float()
+    assert abs(emb.std().item() - 576 ** -0.5) < 0.1 * 576 ** -0.5          # N(0, 1/fan_in)
+    done = eng.generate(["hello", [1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(c.token_ids) for c in done] == [4, 4]
+
+
+def test_random_weights_llama3_8b_is_a_recipe(tmp_path, small_tokenizer):
+    """16 GB of bf16 weights are never written: the dir is a few KB, the manifest loads."""
+    out = tmp_path / "l8"
+    quiet_build(output=out, random_weights="llama3-8b", dtype="bfloat16", tokenizer=str(small_tokenizer))
+    assert sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) < 1 << 20
+    m = load_manifest(out)
+    assert (m.model.num_layers, m.model.num_kv_heads, m.model.vocab_size, m.model.tie_word_embeddings) == (
+        32, 8, 128256, False)
+    assert m.model.rope_scaling["rope_type"] == "llama3" and m.lookahead.max_model_len == 32768
+    assert m.random_weights["num_parameters"] > 8e9 and m.random_weights["dtype"] == "bfloat16"
+
+
+@pytest.mark.real_model
+def test_random_weights_default_tokenizer(tmp_path):
+    """Without --tokenizer: the default model's tokenizer, whose 49152 tokens are the shape's vocab."""
+    out = tmp_path / "smol"
+    quiet_build(output=out, random_weights="smollm2-135m")
+    m = load_manifest(out)
+    assert m.tokenizer["token_ids"] == "tokenizer" and m.tokenizer["num_tokens"] == 49152
+
+
+def test_random_weights_options(tmp_path, capsys, ckpts):
+    out = str(tmp_path / "e")
+    cases = [
+        (["--random-weights", "gpt5"], "error: --random-weights gpt5: is not a known shape (use one of: "
+                                       "smollm2-135m, llama3-8b, tiny)"),
+        (["--random-weights", "tiny", "--model", "default"], "error: --random-weights tiny: cannot be combined "
+                                                               "with --model (pass one of them)"),
+        (["--random-weights", "tiny", "--quantize", "int8"], "error: --random-weights tiny: cannot be combined "
+                                                              "with --quantize (random weights are generated at "
+                                                              "load in --dtype)"),
+        ([], "error: --model: must name a model (pass a Hugging Face model dir or a .gguf file, or 'default' "
+             "(or --random-weights SHAPE))"),
+        (["--model", str(ckpts["llama"]), "--tokenizer", "bytes"],
+         "error: --tokenizer bytes: is only used with --random-weights (a checkpoint's engine gets the "
+         "checkpoint's own tokenizer)"),
+        (["--random-weights", "tiny", "--tokenizer", str(tmp_path)],
+         f"error: --tokenizer {tmp_path}: has no tokenizer.json (pass a dir with tokenizer.json (+ "
+         "tokenizer_config.json), e.g. an engine's tokenizer/)"),
+    ]
+    for argv, message in cases:
+        code, err = cli(capsys, *argv, "--output", out)
+        assert (code, err) == (2, [message])
+        assert_nothing_written(tmp_path / "e")
+    code, err = cli(capsys, "--random-weights", "tiny", "--seed", "x", "--output", out)
+    assert code == 2 and len(err) == 1 and "--seed" in err[0]
 
 
 # --- units --------------------------------------------------------------------------------------

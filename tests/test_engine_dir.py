@@ -4,6 +4,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 import yaml
 
 from runtime.config import LookaheadConfig, ModelConfig
@@ -95,3 +96,56 @@ def test_unknown_override_is_named():
 def test_unsupported_architecture_is_named():
     with pytest.raises(ConfigError, match="gpt2"):
         ModelConfig(**{**TINY, "architecture": "gpt2"})
+
+
+# ---- random-weights recipes: no weights file, generated at load ---------------------------------
+
+@pytest.fixture
+def recipe_dir(tmp_path):
+    from builder import BuildConfig, build
+    out = tmp_path / "recipe"
+    build(BuildConfig(output=out, random_weights="tiny", seed=5, tokenizer="bytes"), log=lambda line: None)
+    return out
+
+
+def _edit_manifest(d, change):
+    doc = yaml.safe_load((d / "engine.yaml").read_text())
+    change(doc)
+    (d / "engine.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+def test_recipe_loads_on_cpu_with_generated_weights(recipe_dir):
+    m = load_manifest(recipe_dir)
+    assert m.random_weights["seed"] == 5 and m.random_weights["init"] == "normal_fan_in"
+    assert not (recipe_dir / "weights.safetensors").exists()
+    eng = Engine.from_dir(recipe_dir, device="cpu")
+    w = eng.model.layers[1].w2.weight
+    assert w.device.type == "cpu" and w.dtype == torch.float32 and abs(w.std().item() - 128 ** -0.5) < 0.02
+    norm = eng.model.layers[0].attn_norm.weight
+    assert abs(norm.mean().item() - 1.0) < 0.05 and 0.05 < norm.std().item() < 0.15
+    from runtime.model import random_weights
+    again = dict(random_weights(m.model, 5, torch.float32, "cpu"))          # a function of the recipe
+    assert torch.equal(again["layers.1.w2.weight"], w)
+
+
+def test_recipe_with_a_weights_file_is_refused(recipe_dir):
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(1)}, str(recipe_dir / "weights.safetensors"))
+    with pytest.raises(EngineDirError, match="weights.safetensors is not listed"):
+        load_manifest(recipe_dir)
+    _edit_manifest(recipe_dir, lambda d: d["files"].update({"weights.safetensors": "0" * 64}))
+    with pytest.raises(EngineDirError, match="generated at load"):
+        load_manifest(recipe_dir)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d["random_weights"].update(seed="5"), "random_weights.seed must be an integer"),
+    (lambda d: d["random_weights"].update(seed=-1), "random_weights.seed must be an integer"),
+    (lambda d: d["random_weights"].update(init="xavier"), "random_weights.init 'xavier' is not one of"),
+    (lambda d: d["random_weights"].update(dtype="bfloat16"), "disagrees with dtype float32"),
+    (lambda d: d.update(format_version=1), "needs format_version 2"),
+])
+def test_bad_recipe_is_refused(recipe_dir, change, message):
+    _edit_manifest(recipe_dir, change)
+    with pytest.raises(EngineDirError, match=message):
+        load_manifest(recipe_dir, verify_checksums=False)
