@@ -14,13 +14,93 @@ at the fp32 matmul rate measured in the same run (a large square GEMM, on the ru
 
 On a CPU with few cores a batched decode step can be bound by that instead: then no step gets
 near its bandwidth floor, and the larger of the two is the step's real lower bound.
+
+A step that also copies KV host -> device (lookahead) is bounded by two links at once, each
+measured in the same run (`device_bandwidths`: a device-to-device copy for the device's memory, a
+pinned host-to-device copy for the host link):
+
+    floor_s = max(device_bytes / device_gbps, h2d_bytes / h2d_gbps)         (step_floor)
+
+`StreamClock` times on the compute stream: CUDA events on a GPU, perf_counter on CPU, one API.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import torch
+
+
+class StreamClock:
+    """Time on the compute stream, the same calls on every device: `mark()` records a CUDA event on
+    the current stream (no host sync) or reads perf_counter on CPU; `seconds(a, b)` is the time
+    between two marks (on a GPU it waits for `b`). Work on other streams (the transfer engine's
+    copies) counts only where the compute stream waits for it."""
+
+    def __init__(self, device: str | torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.device))
+            return ev
+        return time.perf_counter()
+
+    def seconds(self, a: Any, b: Any) -> float:
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+    def sync(self) -> None:
+        """Wait for everything queued on the device (between timed windows, never inside one)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def device_bandwidths(device: str | torch.device = "cpu", gib: float = 1.0, reps: int = 5) -> dict[str, Any]:
+    """The two bandwidths a step's floor divides by, GB/s (1e9), best of `reps`, timed by StreamClock:
+
+    device_gbps: a device-to-device copy of `gib` GiB, bytes read + written per second (HBM on a
+                 GPU; host memory on CPU);
+    h2d_gbps:    a copy of `gib` GiB from pinned host memory to the device, bytes per second (the
+                 PCIe / C2C link on a GPU; on CPU a plain host copy, counted once: what the CPU
+                 transfer engine's copies cost).
+    """
+    device = torch.device(device)
+    clock = StreamClock(device)
+    n = max(1, int(gib * 2**30))
+    src = torch.ones(n, dtype=torch.uint8, device=device)          # touched: no page faults in the timing
+    dst = torch.empty_like(src)
+    host = torch.ones(n, dtype=torch.uint8, pin_memory=clock.cuda)
+
+    def best(fn) -> float:
+        fn()
+        clock.sync()
+        times = []
+        for _ in range(reps):
+            a = clock.mark()
+            fn()
+            times.append(clock.seconds(a, clock.mark()))
+        return min(times)
+
+    d2d_s = best(lambda: dst.copy_(src))
+    h2d_s = best(lambda: dst.copy_(host, non_blocking=True))
+    return {"device_gbps": round(2 * n / d2d_s / 1e9, 2), "h2d_gbps": round(n / h2d_s / 1e9, 2),
+            "bytes": n, "reps": reps, "device": str(device), "h2d_source": "pinned host" if clock.cuda else "host",
+            "timer": "cuda events" if clock.cuda else "perf_counter"}
+
+
+def step_floor(device_bytes: float, h2d_bytes: float, device_gbps: float, h2d_gbps: float) -> dict[str, Any]:
+    """A step's floor over two links measured in the same run: max(device bytes / device
+    bandwidth, H2D bytes / H2D bandwidth), and which of the two binds."""
+    device_ms = 1e3 * device_bytes / (device_gbps * 1e9)
+    h2d_ms = 1e3 * h2d_bytes / (h2d_gbps * 1e9) if h2d_bytes else 0.0
+    return {"device_bytes": device_bytes, "h2d_bytes": h2d_bytes, "device_ms": device_ms, "h2d_ms": h2d_ms,
+            "floor_ms": max(device_ms, h2d_ms), "bound": "h2d" if h2d_ms > device_ms else "device"}
 
 
 def memory_bandwidth(gib: float = 1.0, reps: int = 3, device: str | torch.device = "cpu") -> dict[str, float]:

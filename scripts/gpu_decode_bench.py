@@ -1,43 +1,81 @@
 #!/usr/bin/env python3
-"""Decode-step timing, dense vs lookahead, under one HBM KV budget, on Llama-shaped random weights.
+"""Decode-step timing of the real engine, dense vs lookahead, under one device KV budget.
 
-    python scripts/gpu_decode_bench.py --out out/gpu_decode_bench                           # GPU, 32K
-    python scripts/gpu_decode_bench.py --device cpu --context 2048 --layers 2 --out /tmp/b   # CPU smoke
+    python scripts/gpu_decode_bench.py --engines llama3-8b=out/engines/llama3-8b --out out/bench   # GPU, 32K
+    python scripts/gpu_decode_bench.py --device cpu --engines tiny=/tmp/tiny --context 256 \\
+        --steps 2 --warmup 1 --top-k 2 --recent-window 16 --bandwidth-gib 0.0625 --out /tmp/b   # CPU smoke
 
-Shapes: `smollm2` (SmolLM2-135M, the default engine's config) and `llama8b` (Llama-3-8B: 32 layers,
-hidden 4096, 32 heads, 8 KV heads, head dim 128, intermediate 14336, vocab 128256), with random
-weights (LlamaModel.random's distribution), bf16 on a GPU. Timing only: random weights say nothing
-about accuracy. `--layers` cuts the depth (smoke runs).
+The engines are engine dirs (`NAME=DIR`, comma-separated), normally the random-weights dirs of
+`scripts/build_engine.py --random-weights SHAPE` in the real shapes (SmolLM2-135M, Llama-3-8B):
+`Engine.from_dir(DIR, device=...)` generates their weights on the device. Timing only: random
+weights say nothing about accuracy, and they make the draft agree with the model about as often
+as chance, so the lookahead rows copy more than a trained model's would.
 
-Modes, each through the runtime's Engine (scheduler, chunked prefill, runner, attention backend):
-- dense: the whole KV cache in device memory; its batch is the budget divided by one sequence's KV
-  at the context, so the budget *is* dense's max batch (by default the budget is two sequences);
-- lookahead resident / pingpong, miss policy urgent, dual-token draft: the full cache in pinned
-  host memory; in device memory a bounded working set plus the block summaries, both counted
-  against the same budget; batch = budget // (working set + summaries), capped by `--max-batch`
-  and by `--host-kv-gib` (the host pool holds every sequence's full cache).
+Each engine dir runs in a child process of its own (a sticky CUDA fault in one loses none of the
+others' rows); every row is written to `<out>/decode_bench.json` as soon as it is measured
+(scripts/gpu_results.py), and the table is printed last.
 
-Per mode: decode tokens/s over the timed steps, ms/step, stall (time the compute stream waited for
-KV copies), copy time (time the copy streams, or the CPU engine's thread, spent copying), the share
-of copy time hidden under compute (1 - stall / copy time), H2D bytes per step, on a GPU the peak
-device memory, and the step's bandwidth floor as scripts/bench.py defines it (bench_floor.py): the
-bytes a step must read from the device's memory (the weights once, and each sequence's KV at the
-context: all of it for dense, the working set + block summaries + the step's H2D bytes for
-lookahead) over the device's bandwidth measured at the start of the run, with ms/step over it.
-JSON goes to `<out>/decode_bench.json` after every mode; a table is printed last.
+Per shape (one child process):
+1. the bandwidths of this run (bench_floor.device_bandwidths): a device-to-device copy (the
+   device's memory) and a pinned host-to-device copy (the host link);
+2. one model, loaded once: `Engine.from_dir(DIR, device=...)`, and every measured engine is an
+   `Engine(...)` over that model (as `Engine.sibling` makes them) with its own config and pools;
+3. one random prompt of `--context` tokens, prefilled once and replayed into every engine's
+   backend through a `PrefillCache` (the backend stores it as in a real prefill, the matmuls are
+   skipped); every sequence of every engine has that prompt and samples with its own seed
+   (temperature 1), so the batch diverges from its first token on;
+4. the rows. The device KV budget is `--kv-budget-gib`, or `--dense-batch` dense sequences. Each
+   mode runs at the largest batch its budget fits, sized by the runtime's memory plan
+   (runtime.memory_plan.plan_memory: dense's device pool; lookahead's per-sequence device tier +
+   block summaries, `per_seq_device`, the quantity `device_budget_bytes` bounds), lookahead also
+   capped by `--host-kv-gib` (its host pool holds every sequence's whole cache) and `--max-batch`.
+   Then the equal-batch rows: lookahead at dense's batch, dense at lookahead's batch (when the
+   device has the memory).
 
-Prompts are prefilled with the engine's chunked prefill (`--prefill-chunk`, 4096 tokens on a GPU).
+Timing (the same code on CPU, where StreamClock reads perf_counter):
+- ms/step: CUDA events recorded on the compute stream around each of `--steps` engine steps (no
+  device-wide synchronize inside the window: the transfer engine's streams count only where the
+  compute stream waits for them); tokens/s: the tokens the steps emitted over that time.
+- stall: the time the compute stream waited for copies (the transfer engine's `wait_s`).
+- hidden share = 1 - (ms/step with real transfers - ms/step with transfers already satisfied)
+  / copy ms/step measured alone. "Already satisfied": the same engine, right after the timed
+  steps, runs `--steps` more with its transfer engine switched to answer every copy as landed
+  (MeteredTransfer.satisfied: the copy is counted and moves nothing, urgent ones included), so the
+  step does all its own work and never waits for or competes with a copy. "Copy time alone":
+  every copy job of the real round (recorded through `Engine.observe`'s `on_copy`, indices
+  cloned) replayed through the same transfer engine with nothing else running, its copy streams'
+  busy time (CUDA timing events; on CPU each job's own time).
+- floor = max(device bytes / device bandwidth, H2D bytes / H2D bandwidth) (bench_floor.step_floor),
+  with device bytes = the weights once + per sequence all KV at the context (dense) or the
+  working set each layer attends over + the block summaries (lookahead) + the step's H2D bytes;
+  x floor = ms/step over it.
+- host syncs: one more step under torch.cuda.set_sync_debug_mode("warn"), the synchronizing calls
+  torch makes on the step path counted (GPU only).
+- CUDA graphs (dense rows): the step's forward pass at a fixed context is captured once and
+  replayed `--graph-replays` times, against the same forward run eagerly (captures and replays
+  counted). A whole engine step is not captured: its shapes change every step (the context grows
+  by one token, and the block table, StepBatch and host-side scheduling are rebuilt on the host)
+  and sampling reads the tokens back to the host. Lookahead rows are not captured: their layers
+  interleave host-side bookkeeping and copy submission (cuda-python calls on the transfer
+  engine's own streams) with the kernels (the row says so).
 
-The engine runs where the model is (`Engine` places everything on `model.device`): dense keeps its
-KV pool in device memory; lookahead keeps its host pool pinned and its device tier, summaries
-and bookkeeping on the GPU. A lookahead step still copies its stored rows down to the host pool
-(one blocking copy per store) and has host syncs in its bookkeeping (issue 16).
+decode_bench.json: `machine`, `args`, `weights`, `prompts`, `targets`; `shapes` (per engine: its dir,
+model config, the run's `bandwidth`, context, budget, `sizes_per_seq`, `rows_planned`, load and
+prefill seconds); `results` (one row per mode and batch: model, mode, label ("budget" or "equal
+batch (...)"), batch, batch_fit_in_budget, batch_cap, resident_bytes (plan) and
+resident_bytes_runtime (the engine's stats), tokens_per_s, ms_per_step (+ _median, _each),
+h2d_bytes_per_step, stall_ms_per_step, urgent_blocks_per_step, copy_busy_ms_per_step (copy streams
+during the round), `satisfied` (the satisfied round), `copy_alone`, copy_alone_ms_per_step,
+exposed_copy_ms_per_step, hidden_share, `floor` (device/h2d bytes and ms, floor_ms, bound),
+x_floor, host_syncs_per_step, `cuda_graph` (captures, replays, eager_ms, graph_ms, ...),
+peak_device_bytes, prefill seconds; or `error` / `skipped`); `comparison` (per shape and lookahead
+mode: tokens/s over dense's at the budget's batches, against the 2x target); `elapsed_s`.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
-import json
 import os
 import platform
 import statistics
@@ -54,305 +92,592 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_floor import memory_bandwidth, step_read_bytes, weight_bytes  # noqa: E402
+from bench_floor import StreamClock, device_bandwidths, step_floor, step_read_bytes, weight_bytes  # noqa: E402
+from gpu_results import ResultFile  # noqa: E402
 
-from runtime.block_manager import blocks_needed  # noqa: E402
-from runtime.config import LookaheadConfig, ModelConfig  # noqa: E402
+from runtime.config import LookaheadConfig  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
-from runtime.engine_dir import Manifest  # noqa: E402
-from runtime.lookahead.layout import SlotLayout  # noqa: E402
-from runtime.model import LlamaModel  # noqa: E402
+from runtime.engine_dir import load_manifest  # noqa: E402
+from runtime.lookahead.layout import num_buffers  # noqa: E402
+from runtime.memory_plan import DTYPE_BYTES, plan_memory  # noqa: E402
+from runtime.prefill_cache import PrefillCache  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
-from runtime.transfer import ThreadTransferEngine  # noqa: E402
+from runtime.step import StepBatch, StepItem  # noqa: E402
+from runtime.transfer import Ticket, TransferEngine, make_transfer_engine  # noqa: E402
+
+try:                                             # the observation hooks (runtime/observe.py)
+    from runtime.observe import Observer
+except ImportError:                              # pragma: no cover - older runtimes
+    Observer = object                            # type: ignore[misc,assignment]
 
 GiB = 1 << 30
-SHAPES: dict[str, dict[str, Any]] = {
-    # engines/default/engine.yaml (SmolLM2-135M-Instruct); max_position_embeddings is raised per run
-    "smollm2": dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                    num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
-                    rope_theta=100000.0, tie_word_embeddings=True),
-    "llama8b": dict(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                    num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                    rope_theta=500000.0, tie_word_embeddings=False),
-}
+RESULTS = "decode_bench.json"
 MODES = {"dense": dict(mode="dense"),
          "resident": dict(mode="lookahead", residency="resident", miss_policy="urgent", draft="dual_token"),
          "pingpong": dict(mode="lookahead", residency="pingpong", miss_policy="urgent", draft="dual_token")}
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+NO_LOOKAHEAD_GRAPH = ("not captured: a lookahead layer interleaves host-side bookkeeping and copy submission "
+                      "(cuda-python calls on the transfer engine's own streams) with its kernels, so no capture "
+                      "spans a layer")
+TARGETS = {"speedup_at_equal_budget": 2.0, "hidden_share": 0.90, "x_floor": 1.6}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", required=True, help="NAME=DIR[,NAME=DIR...]: engine dirs, in the order they run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", type=Path, default=Path("out/gpu_decode_bench"), help="directory for decode_bench.json")
-    p.add_argument("--models", default=None,
-                   help="comma list of shapes (default: smollm2,llama8b on a GPU; smollm2 on CPU, where "
-                        "llama8b's embeddings alone take 4 GB in fp32)")
+    p.add_argument("--out", type=Path, default=Path("out/gpu_decode_bench"), help=f"directory for {RESULTS}")
     p.add_argument("--modes", default="dense,resident,pingpong")
-    p.add_argument("--context", type=int, default=32768, help="prompt tokens per sequence")
-    p.add_argument("--layers", type=int, default=None, help="override the number of layers (smoke runs)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 16 GPU, 6 CPU)")
+    p.add_argument("--context", type=int, default=32768,
+                   help="prompt tokens per sequence (capped by the engine's max_position_embeddings, with a note)")
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps per round (default 16 GPU, 4 CPU)")
     p.add_argument("--warmup", type=int, default=3, help="decode steps before timing")
     p.add_argument("--dense-batch", type=int, default=2,
-                   help="the HBM KV budget, in dense sequences at the context (default 2)")
-    p.add_argument("--kv-budget-gib", type=float, default=None, help="the HBM KV budget in GiB (overrides --dense-batch)")
-    p.add_argument("--max-batch", type=int, default=None, help="lookahead batch cap (default 4 GPU, 2 CPU)")
-    p.add_argument("--host-kv-gib", type=float, default=48.0, help="cap on the pinned host pool (GiB)")
+                   help="the device KV budget, in dense sequences at the context (default 2)")
+    p.add_argument("--kv-budget-gib", type=float, default=None,
+                   help="the device KV budget in GiB (overrides --dense-batch)")
+    p.add_argument("--max-batch", type=int, default=64, help="cap on the lookahead batch")
+    p.add_argument("--host-kv-gib", type=float, default=60.0,
+                   help="cap on the lookahead host pool, GiB of KV (torch's pinned allocator rounds K and V up to "
+                        "powers of two: 60 GiB of KV pins 64)")
     p.add_argument("--top-k", type=int, default=128, help="selected blocks per layer and KV head")
-    p.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill step (default 4096 GPU, 1024 CPU)")
+    p.add_argument("--recent-window", type=int, default=None, help="recent-window tokens (default: the engine's)")
+    p.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES),
+                   help="KV storage (default: the engine's dtype)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bandwidth-gib", type=float, default=1.0,
-                   help="tensor size of the bandwidth measurement (GiB; the floor's divisor)")
+    p.add_argument("--bandwidth-gib", type=float, default=1.0, help="bytes of each bandwidth copy (GiB)")
+    p.add_argument("--graph-replays", type=int, default=None,
+                   help="CUDA graph replays per dense row (default 20 GPU, 2 CPU)")
+    p.add_argument("--no-equal-batch", action="store_true", help="skip the equal-batch rows")
+    p.add_argument("--equal-batch-modes", default=None,
+                   help="lookahead modes that also run at dense's batch (default: all of --modes; '' none)")
+    p.add_argument("--time-budget-s", type=float, default=0.0,
+                   help="stop starting shapes past this many seconds (0: no limit); each child gets what is left")
+    p.add_argument("--child-shape", default=None, help=argparse.SUPPRESS)   # internal: run one shape here
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)   # internal: epoch seconds
     args = p.parse_args(argv)
     gpu = torch.device(args.device).type == "cuda"
-    args.models = args.models or ("smollm2,llama8b" if gpu else "smollm2")
-    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    args.steps = args.steps or (16 if gpu else 6)
-    args.max_batch = args.max_batch or (4 if gpu else 2)
-    args.prefill_chunk = args.prefill_chunk or (4096 if gpu else 1024)
-    for name in args.models.split(","):
-        if name not in SHAPES:
-            p.error(f"--models: {name!r} is unknown (known: {', '.join(SHAPES)})")
+    args.steps = args.steps or (16 if gpu else 4)
+    args.graph_replays = args.graph_replays if args.graph_replays is not None else (20 if gpu else 2)
+    try:
+        args.engine_list = [(name, Path(path)) for name, _, path in
+                            (item.partition("=") for item in args.engines.split(",") if item)]
+    except ValueError:
+        p.error("--engines: NAME=DIR[,NAME=DIR...]")
+    if not args.engine_list or any(not name or not str(path) for name, path in args.engine_list):
+        p.error("--engines: NAME=DIR[,NAME=DIR...]")
     for name in args.modes.split(","):
         if name not in MODES:
             p.error(f"--modes: {name!r} is unknown (known: {', '.join(MODES)})")
+    if args.equal_batch_modes is None:
+        args.equal_batch_modes = ",".join(m for m in args.modes.split(",") if m != "dense")
+    for name in filter(None, args.equal_batch_modes.split(",")):
+        if name not in MODES or name == "dense":
+            p.error(f"--equal-batch-modes: {name!r} is not a lookahead mode (resident, pingpong)")
     return args
 
 
-# ---- the model ------------------------------------------------------------------------------------
-def model_config(shape: str, layers: int | None, max_len: int) -> ModelConfig:
-    kw = dict(SHAPES[shape])
-    if layers:
-        kw["num_layers"] = layers
-    return ModelConfig(**kw, max_position_embeddings=max(max_len, 8192))
+# ---- the transfer engine the bench injects ------------------------------------------------------------
+class DoneTicket(Ticket):
+    """A copy answered as already landed (MeteredTransfer.satisfied): nothing to wait for."""
+
+    def synchronize(self) -> None:
+        if self.error:
+            raise self.error
 
 
-def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> LlamaModel:
-    """LlamaModel.random on CPU; on a GPU the same distribution drawn there, in `dtype` (no fp32 copy)."""
-    if device.type == "cpu":
-        return LlamaModel.random(cfg, seed=seed, dtype=dtype).eval().requires_grad_(False)
-    model = LlamaModel(cfg, dtype=dtype, device=str(device), empty=True)   # parameters on meta, RoPE on device
-    g = torch.Generator(device=device).manual_seed(seed)
-    weights = {}
-    for name, p in model.named_parameters():
-        w = torch.randn(p.shape, generator=g, device=device, dtype=dtype)
-        weights[name] = 1.0 + 0.1 * w if name.endswith("norm.weight") else w * (1.0 / p.shape[-1] ** 0.5)
-    model.load_weights(weights)
-    return model.eval().requires_grad_(False)
+class MeteredTransfer(TransferEngine):
+    """The runtime's own transfer engine (`inner`: CUDA streams on a GPU, the worker thread on CPU)
+    behind the TransferEngine interface, injected with `Engine(..., transfer=...)`, plus one switch.
+
+    satisfied=False: every call goes to `inner` (the real copies);
+    satisfied=True:  every copy, urgent or not, is counted and answered as already landed: no byte
+                     moves and nothing waits, as if the blocks were resident before the step ran.
+    The counters (`h2d_bytes`, `jobs`, `urgent_jobs`) count both; `wait_s` and `transfer_s` are
+    the inner engine's (the stall, the copy streams' busy time)."""
+
+    def __init__(self, inner: TransferEngine):
+        self._own_wait_s = 0.0
+        super().__init__()
+        self.inner, self.satisfied = inner, False
+        self.recorder: CopyRecorder | None = None     # only where the engine has no Engine.observe
+
+    @property
+    def wait_s(self) -> float:
+        return self.inner.wait_s + self._own_wait_s
+
+    @wait_s.setter
+    def wait_s(self, value: float) -> None:
+        self._own_wait_s = value
+
+    @property
+    def transfer_s(self) -> float | None:
+        return getattr(self.inner, "transfer_s", None)
+
+    @property
+    def gather_kernel(self) -> bool | None:
+        return getattr(self.inner, "gather_kernel", None)
+
+    def submit(self, job, urgent: bool = False) -> Ticket:
+        if self.recorder is not None:
+            self.recorder.on_copy(job, urgent)
+        counted = self._account(job, urgent)
+        if not self.satisfied:
+            return self.inner.submit(job, urgent)
+        done = DoneTicket(counted.job_bytes, counted.urgent)
+        done._done.set()
+        return done
+
+    def wait(self, ticket: Ticket | None) -> None:
+        if isinstance(ticket, DoneTicket):
+            if ticket.error:
+                raise ticket.error
+            return
+        self.inner.wait(ticket)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
-# ---- the engine from a random model (no engine dir) --------------------------------------------------
-class NullTokenizer:
-    """Random weights have no vocabulary: prompts are token ids and outputs are not detokenized."""
+def snapshot(job):
+    """A copy job as submitted, its index tensors cloned (a runtime may reuse its index buffers)."""
+    if not dataclasses.is_dataclass(job):
+        return job
+    changes = {}
+    for name in ("src_index", "dst_index"):
+        value = getattr(job, name, None)
+        if isinstance(value, tuple):
+            changes[name] = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in value)
+    return dataclasses.replace(job, **changes) if changes else job
 
-    def encode(self, text: str) -> list[int]:
-        raise TypeError("this benchmark sends token ids, not text")
 
-    def decode(self, ids: list[int]) -> str:
-        return ""
-
-
-class TimedThreadTransferEngine(ThreadTransferEngine):
-    """The CPU engine, plus `transfer_s`: the time its worker spends copying (for the hidden share)."""
+class CopyRecorder(Observer):
+    """Observer.on_copy: snapshots every copy job handed to the transfer engine while `active`, and
+    keeps them while `keep` (the real round, for the copy-time-alone replay). The satisfied round
+    snapshots and drops them, so both rounds carry the same recording work."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.transfer_s = 0.0
+        self.active = self.keep = False
+        self.jobs: list[tuple[Any, bool]] = []
 
-    def submit(self, job, urgent: bool = False):
-        run = job.execute
+    def on_copy(self, job, urgent: bool) -> None:
+        if self.active:
+            snap = snapshot(job)
+            if self.keep:
+                self.jobs.append((snap, urgent))
 
-        def timed() -> None:
+
+def attach_recorder(eng: Engine, transfer: MeteredTransfer | None) -> tuple[CopyRecorder, str]:
+    rec = CopyRecorder()
+    observe = getattr(eng, "observe", None)
+    if observe is not None and Observer is not object:
+        observe(rec)
+        return rec, "Engine.observe"
+    if transfer is not None:
+        transfer.recorder = rec
+    return rec, "the injected transfer engine's submit"
+
+
+def copy_time_alone(jobs: list[tuple[Any, bool]], transfer: MeteredTransfer, clock: StreamClock) -> dict[str, Any]:
+    """The recorded jobs replayed one after another with nothing else running: `busy_s` is the
+    copying time (CUDA: the copy streams' timing events, read through the inner engine's
+    `transfer_s`; CPU: each job's own perf_counter time), `wall_s` the compute stream's time from
+    the first submit to the last landing (host submission included)."""
+    inner = transfer.inner
+    total_bytes = sum(j.nbytes for j, _ in jobs)
+    if not jobs:
+        return {"jobs": 0, "bytes": 0, "busy_s": 0.0, "wall_s": 0.0}
+    clock.sync()
+    if clock.cuda:
+        busy0 = inner.transfer_s
+        a = clock.mark()
+        tickets = [inner.submit(job, urgent) for job, urgent in jobs]
+        for t in tickets:
+            inner.wait(t)
+        wall = clock.seconds(a, clock.mark())
+        busy = inner.transfer_s - busy0
+    else:
+        busy = 0.0
+        a = clock.mark()
+        for job, _ in jobs:
             t0 = time.perf_counter()
-            run()
-            self.transfer_s += time.perf_counter() - t0     # one writer: the worker thread
-
-        job.execute = timed
-        return super().submit(job, urgent)
-
-
-class BenchEngine(Engine):
-    """The runtime's Engine over an in-memory manifest and a random model; it runs where the model
-    lives (Engine places the pools, the device tier and the step's tensors on `model.device`). On
-    CPU its copies go through a thread engine that also times them."""
-
-    def __init__(self, model: LlamaModel, mcfg: ModelConfig, lcfg: LookaheadConfig, device: torch.device,
-                 num_host_blocks: int, dtype_name: str):
-        manifest = Manifest(path=Path("random-weights"), model=mcfg, dtype=dtype_name, lookahead=lcfg, files={},
-                            source={"kind": "random"}, versions={}, name="random-weights")
-        transfer = "cuda" if device.type == "cuda" else (TimedThreadTransferEngine() if lcfg.mode != "dense" else None)
-        super().__init__(manifest, model, NullTokenizer(), lcfg, num_host_blocks=num_host_blocks, transfer=transfer)
+            job.execute()
+            busy += time.perf_counter() - t0
+        wall = clock.seconds(a, clock.mark())
+    return {"jobs": len(jobs), "bytes": total_bytes, "busy_s": busy, "wall_s": wall}
 
 
-# ---- sizing under one budget --------------------------------------------------------------------------
-def sizing(mcfg: ModelConfig, lcfg: LookaheadConfig, elt: int, max_len: int) -> dict[str, int]:
-    """Bytes per sequence: dense KV in device memory; lookahead's device working set and summaries
-    (as runtime/lookahead/attention.py allocates them) and its full host copy."""
-    bs, L, kvh, d = lcfg.block_size, mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim
-    nblocks = blocks_needed(max_len, bs)
-    full = nblocks * bs * 2 * L * kvh * d * elt
-    slot = 2 * kvh * bs * d * elt                                   # one slot of K and V, every KV head
-    buffers = 2 if lcfg.residency == "pingpong" else L
-    return {"dense_kv": full, "host_kv": full,
-            "working_set": buffers * SlotLayout.from_config(lcfg).num_slots * slot,
-            "summaries": 2 * L * nblocks * kvh * d * elt}
+# ---- one timed round ----------------------------------------------------------------------------------
+def timed_round(eng: Engine, steps: int, clock: StreamClock) -> dict[str, Any]:
+    """`steps` engine steps between marks on the compute stream (one mark after each step)."""
+    clock.sync()
+    before = eng.stats()
+    tr = getattr(getattr(eng.runner, "attn", None), "transfer", None)
+    busy0 = getattr(tr, "transfer_s", None)
+    marks, tokens = [clock.mark()], 0
+    for _ in range(steps):
+        outs = eng.step()
+        tokens += sum(len(o.new_token_ids) for o in outs)
+        marks.append(clock.mark())
+    total = clock.seconds(marks[0], marks[-1])
+    per = [clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
+    after = eng.stats()
+    busy1 = getattr(tr, "transfer_s", None)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("h2d_bytes", "transfer_wait_s", "urgent_blocks")
+             if isinstance(after.get(k), (int, float)) and isinstance(before.get(k, 0), (int, float))}
+    return {"steps": steps, "seconds": total, "ms_per_step": 1e3 * total / steps,
+            "ms_per_step_median": 1e3 * statistics.median(per),
+            "ms_per_step_each": [round(1e3 * t, 3) for t in per], "tokens": tokens,
+            "tokens_per_s": tokens / total if total > 0 else None,
+            "h2d_bytes_per_step": delta.get("h2d_bytes", 0) / steps,
+            "stall_ms_per_step": 1e3 * delta.get("transfer_wait_s", 0.0) / steps,
+            "urgent_blocks_per_step": delta.get("urgent_blocks", 0) / steps,
+            "copy_busy_ms_per_step": (1e3 * (busy1 - busy0) / steps if busy0 is not None and busy1 is not None
+                                      else None),
+            "prefetch_hit_rate_since_start": after.get("prefetch_hit_rate"),
+            "draft_accept_rate_since_start": after.get("draft_accept_rate")}
 
 
-def weight_read_bytes(model: LlamaModel) -> int:
+def count_host_syncs(eng: Engine, clock: StreamClock) -> dict[str, Any]:
+    """One more engine step under `torch.cuda.set_sync_debug_mode("warn")`: the synchronizing CUDA
+    calls torch makes on the step path (the engine's one sampling read-back included; the CUDA
+    transfer engine's own cuda-python event calls are not torch's and are not seen)."""
+    if not clock.cuda:
+        return {"syncs": None, "note": "CUDA only (torch.cuda.set_sync_debug_mode)"}
+    import warnings
+    clock.sync()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            eng.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    msgs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    return {"syncs": len(msgs), "first": msgs[0][:200] if msgs else None}
+
+
+# ---- CUDA graphs for the dense step ------------------------------------------------------------------
+def dense_graph(eng: Engine, replays: int, clock: StreamClock) -> dict[str, Any]:
+    """The dense step's forward pass (model + logits) at the running sequences' current context:
+    run eagerly `replays` times, then captured once in a CUDA graph and replayed `replays` times.
+    Each run writes the same K/V slot again (the next position), so repeating it is harmless."""
+    seqs = [s for s in eng.scheduler.running if not s.in_prefill]
+    if not seqs:
+        return {"captures": 0, "replays": 0, "skipped": "no decoding sequence"}
+    items = [StepItem(s.seq_id, row, 1, s.num_cached, s.block_table) for row, s in enumerate(seqs)]
+    batch = StepBatch.build(items, [s.token_at(s.num_cached) for s in seqs], eng.config.block_size, eng.device)
+    model = eng.model
+    backend = eng.runner.attn.step(batch)        # DenseAttention.step: this step's AttentionBackend
+    out: dict[str, Any] = {"captures": 0, "replays": 0, "batch": len(seqs),
+                           "context": max(s.num_cached for s in seqs) + 1}
+
+    def forward() -> torch.Tensor:
+        return model.logits(model(batch.tokens, batch.positions, backend))
+
+    with torch.inference_mode():
+        eager = forward()
+        clock.sync()
+        a = clock.mark()
+        for _ in range(replays):
+            forward()
+        out["eager_ms"] = 1e3 * clock.seconds(a, clock.mark()) / max(1, replays)
+        if not clock.cuda:
+            out["graph"] = "not captured: CUDA graphs need a GPU (the eager forward above ran the same code)"
+            return out
+        try:
+            side = torch.cuda.Stream(eng.device)
+            side.wait_stream(torch.cuda.current_stream(eng.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):                      # warm-up off the capture stream (cuBLAS workspaces)
+                    forward()
+            torch.cuda.current_stream(eng.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static = forward()
+            out["captures"] = 1
+            graph.replay()
+            clock.sync()
+            out["graph_matches_eager"] = bool(torch.allclose(static, eager, rtol=2e-2, atol=2e-2))
+            a = clock.mark()
+            for _ in range(replays):
+                graph.replay()
+            out["graph_ms"] = 1e3 * clock.seconds(a, clock.mark()) / max(1, replays)
+            out["replays"] = replays + 1
+            out["graph_speedup"] = out["eager_ms"] / out["graph_ms"] if out["graph_ms"] > 0 else None
+            del graph, static
+        except Exception as e:                          # a host sync inside the forward ends the capture
+            out["capture_error"] = f"{type(e).__name__}: {e}"[:400]
+            torch.cuda.synchronize(eng.device)
+    return out
+
+
+# ---- sizing under one budget ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class Sizing:
+    """Per-sequence bytes from the runtime's memory plan (runtime/memory_plan.py)."""
+
+    dense_device: int            # dense: its whole KV pool share, on the device
+    lookahead_device: dict       # residency -> device tier + summaries (per_seq_device)
+    lookahead_tier: dict         # residency -> device tier alone (per_seq_device_tier)
+    attended: dict               # residency -> working-set bytes the layers attend over in one step
+    summaries: int               # block summaries, all layers
+    host: int                    # lookahead host pool share
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def sizing(mcfg, cfg: LookaheadConfig, dtype_bytes: int, device_type: str) -> Sizing:
+    def plan(**kw):
+        return plan_memory(mcfg, cfg.replace(max_batch_size=1, **kw), None, dtype_bytes, weights=False,
+                           device_type=device_type)
+
+    dense = plan(**MODES["dense"])
+    dev, tier, attended = {}, {}, {}
+    summaries = host = 0
+    for res in ("resident", "pingpong"):
+        p = plan(**MODES[res])
+        dev[res], tier[res] = p.per_seq_device, p.per_seq_device_tier
+        # every layer attends over one buffer's slots: pingpong refills its 2 buffers layer by layer
+        nbuf = num_buffers(cfg.replace(**MODES[res]), mcfg.num_layers)
+        attended[res] = p.per_seq_device_tier // nbuf * mcfg.num_layers
+        summaries, host = p.per_seq_device - p.per_seq_device_tier, p.host_kv_pool
+    return Sizing(dense.host_kv_pool, dev, tier, attended, summaries, host)
+
+
+def weight_read_bytes(model) -> int:
     """bench_floor.weight_bytes for our model: an untied input embedding is left out."""
     emb = model.embed_tokens.weight
     return weight_bytes(model, emb, emb if model.lm_head is None else model.lm_head.weight)
 
 
-def floor_fields(weights: int, mcfg: ModelConfig, lcfg: LookaheadConfig, elt: int, mode: str, batch: int,
-                 context: int, h2d_per_step: float, ms_per_step: float, bandwidth_gbps: float) -> dict[str, Any]:
-    """The step's read bytes at `context` tokens per sequence, its floor ms at `bandwidth_gbps`, and
-    ms/step over it (bench_floor.step_read_bytes' definition)."""
-    kv_per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * elt
-    sparse = None
-    if mode != "dense":
-        s = sizing(mcfg, lcfg, elt, context)
-        sparse = (s["working_set"], s["summaries"])
-    read = step_read_bytes(weights, kv_per_token, context, batch, sparse, h2d_per_step)
-    floor_ms = 1e3 * read / (bandwidth_gbps * 1e9)
-    return {"step_read_bytes": read, "floor_ms": floor_ms, "x_floor": ms_per_step / floor_ms}
+def floor_fields(weights: int, kv_bytes_per_token: int, context: int, batch: int, mode: str, size: Sizing,
+                 h2d_per_step: float, ms_per_step: float, bw: dict[str, Any]) -> dict[str, Any]:
+    """The step's device bytes (bench_floor.step_read_bytes), its floor over both links and ms/step
+    over it."""
+    sparse = None if mode == "dense" else (size.attended[mode], size.summaries)
+    device_bytes = step_read_bytes(weights, kv_bytes_per_token, context, batch, sparse, h2d_per_step)
+    f = step_floor(device_bytes, h2d_per_step, bw["device_gbps"], bw["h2d_gbps"])
+    f["x_floor"] = ms_per_step / f["floor_ms"] if f["floor_ms"] > 0 else None
+    return f
 
 
-# ---- one mode -------------------------------------------------------------------------------------------
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def run_mode(model, mcfg, lcfg: LookaheadConfig, batch: int, prompts: list[list[int]], max_tokens: int,
-             args, device: torch.device) -> dict[str, Any]:
-    nblocks = batch * blocks_needed(lcfg.max_model_len, lcfg.block_size)
-    if device.type == "cuda":
+# ---- one row ------------------------------------------------------------------------------------------
+def run_row(loader: Engine, cache: PrefillCache, prompt: list[int], cfg: LookaheadConfig, mode: str,
+            max_tokens: int, args, clock: StreamClock) -> dict[str, Any]:
+    device = loader.device
+    lookahead = cfg.mode == "lookahead"
+    transfer = MeteredTransfer(make_transfer_engine("cuda" if clock.cuda else "thread")) if lookahead else None
+    if clock.cuda:
         torch.cuda.reset_peak_memory_stats(device)
     row: dict[str, Any] = {}
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        eng = BenchEngine(model, mcfg, lcfg, device, nblocks, args.dtype)
-        row["build_s"] = time.perf_counter() - t0
-        try:
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            for p in prompts[:batch]:
-                eng.add_request(p, params)
-            t0 = time.perf_counter()
-            eng.step()                       # admits every request (the batch is the engine's max)
-            prefill_steps = 1
-            while eng.scheduler.waiting or any(s.in_prefill for s in eng.scheduler.running):
-                eng.step()
-                prefill_steps += 1
-            sync(device)
-            row.update(prefill_s=time.perf_counter() - t0, prefill_steps=prefill_steps)
-            for _ in range(args.warmup):
-                eng.step()
-            sync(device)
-            before, tr = eng.stats(), getattr(getattr(eng.runner, "attn", None), "transfer", None)
-            copy0 = getattr(tr, "transfer_s", 0.0)
-            times, tokens = [], 0
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                outs = eng.step()
-                sync(device)
-                times.append(time.perf_counter() - t0)
-                tokens += sum(len(o.new_token_ids) for o in outs)
-            after = eng.stats()
-            copy_s = getattr(tr, "transfer_s", 0.0) - copy0
-            stall_s = after["transfer_wait_s"] - before["transfer_wait_s"]
-            attn = getattr(eng.runner, "attn", None)
-            row.update(
-                tokens=tokens, tokens_per_s=tokens / sum(times), ms_per_step=1e3 * statistics.median(times),
-                ms_per_step_all=[round(1e3 * t, 3) for t in times], stall_s=stall_s, copy_s=copy_s,
-                hidden_share=(min(1.0, max(0.0, 1.0 - stall_s / copy_s)) if copy_s > 0 else None),
-                h2d_bytes_per_step=(after["h2d_bytes"] - before["h2d_bytes"]) / args.steps,
-                urgent_blocks=after["urgent_blocks"] - before["urgent_blocks"],
-                # the runtime keeps these two as rates since the engine started (prefill and warm-up included)
-                prefetch_hit_rate_whole_run=after.get("prefetch_hit_rate"),
-                draft_accept_rate_whole_run=after.get("draft_accept_rate"),
-                gather_kernel=getattr(tr, "gather_kernel", None),
-                device_bytes_per_seq_runtime=(attn.working_set_bytes_per_lane()
-                                              if hasattr(attn, "working_set_bytes_per_lane") else None))
-            if tokens != batch * args.steps:
-                row["note"] = f"{tokens} tokens in {args.steps} steps of batch {batch}: sequences ended early"
-        finally:
-            eng.close()
-            del eng
-            gc.collect()
-    if device.type == "cuda":
+    t0 = time.perf_counter()
+    eng = Engine(loader.manifest, loader.model, loader.tokenizer, cfg, transfer=transfer, prefill_cache=cache)
+    row["build_s"] = time.perf_counter() - t0
+    try:
+        rec, row["copies_recorded_through"] = attach_recorder(eng, transfer)
+        for i in range(cfg.max_batch_size):
+            eng.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0,
+                                                   seed=args.seed + 1 + i))
+        hits0, t0 = cache.hits, time.perf_counter()
+        steps = 0
+        while steps == 0 or eng.scheduler.waiting or any(s.in_prefill for s in eng.scheduler.running):
+            eng.step()
+            steps += 1
+        clock.sync()
+        row.update(prefill_s=time.perf_counter() - t0, prefill_steps=steps, prefill_replayed=cache.hits - hits0)
+        for _ in range(args.warmup):
+            eng.step()
+        rec.active = rec.keep = True
+        real = timed_round(eng, args.steps, clock)
+        rec.active = rec.keep = False
+        row.update(real)
+        row["host_syncs_per_step"] = count_host_syncs(eng, clock)
+        if lookahead:
+            transfer.satisfied = True
+            eng.step()                              # lets the real round's last prefetches land untimed
+            rec.active = True                       # the same snapshot work as the real round, dropped
+            sat = timed_round(eng, args.steps, clock)
+            rec.active = transfer.satisfied = False
+            row["satisfied"] = {k: sat[k] for k in ("ms_per_step", "ms_per_step_each", "tokens_per_s",
+                                                    "h2d_bytes_per_step", "urgent_blocks_per_step")}
+            alone = copy_time_alone(rec.jobs, transfer, clock)
+            row["copy_alone"] = alone
+            copy_ms = 1e3 * alone["busy_s"] / args.steps
+            row["copy_alone_ms_per_step"] = copy_ms
+            exposed = row["ms_per_step"] - sat["ms_per_step"]
+            row["exposed_copy_ms_per_step"] = exposed
+            row["hidden_share"] = 1.0 - exposed / copy_ms if copy_ms > 0 else None
+            row["gather_kernel"] = transfer.gather_kernel
+            row["cuda_graph"] = {"captures": 0, "replays": 0, "graph": NO_LOOKAHEAD_GRAPH}
+        else:
+            row["cuda_graph"] = dense_graph(eng, args.graph_replays, clock)
+        stats = eng.stats()
+        if lookahead:
+            row["resident_bytes_runtime"] = (stats.get("device_resident_bytes", 0)
+                                             + stats.get("device_summary_bytes_per_seq", 0) * cfg.max_batch_size)
+        else:
+            row["resident_bytes_runtime"] = eng.pool.k.nbytes + eng.pool.v.nbytes
+        if real["tokens"] < cfg.max_batch_size * args.steps:
+            row["note_tokens"] = (f"{real['tokens']} tokens in {args.steps} steps of batch {cfg.max_batch_size}: "
+                                  "pre-decoding steps (draft chain re-seeds) emit none")
+    finally:
+        eng.close()
+        del eng
+        gc.collect()
+    if clock.cuda:
         row["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
         torch.cuda.empty_cache()
     return row
 
 
-def run_shape(shape: str, args, device: torch.device, results: list[dict], write) -> None:
-    dtype = DTYPES[args.dtype]
-    elt = torch.empty((), dtype=dtype).element_size()
-    modes = args.modes.split(",")
-    # Sequences that finish prefill early decode while the others prefill: room for those tokens.
-    base = LookaheadConfig(top_k=args.top_k, prefill_chunk=args.prefill_chunk)
-    est_batch = max(args.dense_batch, args.max_batch)
-    max_tokens = args.warmup + args.steps + 2 + est_batch * (-(-args.context // args.prefill_chunk) + 1)
-    max_len = args.context + max_tokens
-    mcfg = model_config(shape, args.layers, max_len)
-    sizes = {m: sizing(mcfg, base.replace(**MODES[m]), elt, max_len) for m in modes}
-    dense_kv = sizing(mcfg, base, elt, max_len)["dense_kv"]
-    budget = int(args.kv_budget_gib * GiB) if args.kv_budget_gib else args.dense_batch * dense_kv
-    t0 = time.perf_counter()
-    model = random_model(mcfg, dtype, device, args.seed)
-    weights = weight_read_bytes(model)
-    sync(device)
-    print(f"[{shape}] {mcfg.num_layers} layers, random weights in {time.perf_counter() - t0:.1f}s; "
-          f"KV budget {budget / GiB:.2f} GiB = {budget / dense_kv:.2f} dense sequences of {max_len} tokens",
-          flush=True)
-    g = torch.Generator().manual_seed(args.seed)
-    n_prompts = max(args.max_batch, budget // dense_kv, 1)
-    prompts = [torch.randint(0, mcfg.vocab_size, (args.context,), generator=g).tolist() for _ in range(n_prompts)]
+def plan_rows(modes: list[str], size: Sizing, budget: int, args) -> list[dict[str, Any]]:
+    """(mode, batch, label, fit) of every row: each mode at its budget's batch, then equal batches."""
+    host_cap = int(args.host_kv_gib * GiB) // size.host
+    rows, fits = [], {}
     for mode in modes:
-        s = sizes[mode]
-        per_seq_device = s["dense_kv"] if mode == "dense" else s["working_set"] + s["summaries"]
-        fit = budget // per_seq_device
-        batch = fit if mode == "dense" else min(fit, args.max_batch, int(args.host_kv_gib * GiB) // s["host_kv"])
-        row = {"model": shape, "mode": mode if mode == "dense" else f"lookahead/{mode}", "context": args.context,
-               "layers": mcfg.num_layers, "dtype": args.dtype, "batch": batch, "batch_fit_in_budget": fit,
-               "kv_budget_bytes": budget, "device_kv_bytes_per_seq": per_seq_device,
-               "device_kv_bytes": per_seq_device * batch, "sizes_per_seq": s}
-        if batch < 1:
-            row["error"] = (f"the budget ({budget} bytes) holds no sequence of this mode ({per_seq_device} bytes each)"
-                            if fit < 1 else f"--host-kv-gib {args.host_kv_gib} holds no sequence ({s['host_kv']} bytes)")
+        per_seq = size.dense_device if mode == "dense" else size.lookahead_device[mode]
+        fit = budget // per_seq
+        batch = fit if mode == "dense" else min(fit, args.max_batch, host_cap)
+        fits[mode] = batch
+        rows.append(dict(mode=mode, batch=batch, fit=fit, label="budget", per_seq=per_seq,
+                         cap=None if mode == "dense" else
+                         ("host pool" if host_cap < min(fit, args.max_batch) else
+                          "--max-batch" if args.max_batch < fit else None)))
+    if not args.no_equal_batch and "dense" in fits:
+        dense_b = fits["dense"]
+        equal = [m for m in args.equal_batch_modes.split(",") if m in fits]
+        for mode in equal:
+            if dense_b >= 1 and fits[mode] != dense_b:
+                rows.append(dict(mode=mode, batch=dense_b, fit=None, label="equal batch (dense's)",
+                                 per_seq=size.lookahead_device[mode], cap=None))
+        la = max((fits[m] for m in modes if m != "dense"), default=0)
+        if la > dense_b >= 0 and la >= 1:
+            rows.append(dict(mode="dense", batch=la, fit=None, label="equal batch (lookahead's)",
+                             per_seq=size.dense_device, cap=None))
+    return rows
+
+
+def device_room(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
+
+
+# ---- one shape (the child process) ---------------------------------------------------------------------
+def run_shape(name: str, path: Path, args, results: ResultFile) -> int:
+    device = torch.device(args.device)
+    clock = StreamClock(device)
+    shape: dict[str, Any] = {"engine_dir": str(path)}
+    with torch.inference_mode():
+        shape["bandwidth"] = bw = device_bandwidths(device, gib=args.bandwidth_gib)
+    print(f"[{name}] {device}: device memory {bw['device_gbps']:.0f} GB/s (copy, read + write), "
+          f"{bw['h2d_source']} -> device {bw['h2d_gbps']:.1f} GB/s", flush=True)
+    manifest = load_manifest(path)
+    mcfg = manifest.model
+    shape["model"] = dataclasses.asdict(mcfg) if dataclasses.is_dataclass(mcfg) else str(mcfg)
+    shape["weights"] = (f"random ({getattr(manifest, 'random_weights', None)})"
+                        if getattr(manifest, "random_weights", None) else f"from {path} (source {manifest.source})")
+    kv_dtype = args.kv_dtype or manifest.dtype
+    max_tokens = args.warmup + 2 * args.steps + 10     # warm-up, two rounds, the settling and sync-count steps
+    context = min(args.context, mcfg.max_position_embeddings - max_tokens)
+    if context < args.context:
+        shape["note_context"] = (f"--context {args.context} capped to {context}: the engine's max_position_embeddings "
+                                 f"is {mcfg.max_position_embeddings} and {max_tokens} decode tokens follow the prompt")
+        print(f"[{name}] {shape['note_context']}", flush=True)
+    if context < 1:
+        shape["error"] = shape["note_context"]
+        results.put("shapes", name, shape)
+        return 1
+    max_len = context + max_tokens
+    common = dict(top_k=args.top_k, kv_dtype=kv_dtype, max_model_len=max_len)
+    if args.recent_window is not None:
+        common["recent_window"] = args.recent_window
+    base = manifest.lookahead.replace(**common)
+    size = sizing(mcfg, base, DTYPE_BYTES[manifest.dtype], device.type)
+    budget = int(args.kv_budget_gib * GiB) if args.kv_budget_gib else args.dense_batch * size.dense_device
+    modes = args.modes.split(",")
+    specs = plan_rows(modes, size, budget, args)
+    shape.update(context=context, max_model_len=max_len, kv_dtype=kv_dtype, kv_budget_bytes=budget,
+                 sizes_per_seq=size.as_dict(), rows_planned=[{k: v for k, v in s.items()} for s in specs])
+    results.put("shapes", name, shape)
+
+    t0 = time.perf_counter()
+    bs = base.block_size
+    loader = Engine.from_dir(path, device=args.device, mode="dense", max_batch_size=1, max_model_len=bs,
+                             prefill_chunk=bs, kv_dtype=kv_dtype)
+    clock.sync()
+    shape["load_s"] = time.perf_counter() - t0
+    weights = weight_read_bytes(loader.model)
+    shape["weight_bytes"] = weights
+    shape["ops"] = getattr(loader.ops, "name", str(loader.ops))
+    shape["cuda_kernels_registered"] = {op: torch._C._dispatch_has_kernel_for_dispatch_key(f"lookahead::{op}", "CUDA")
+                                        for op in ("block_gather", "block_topk", "update_summaries",
+                                                   "lookahead_attention")}
+    # one prompt, prefilled once for real and replayed into every engine's backend
+    g = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, mcfg.vocab_size, (context,), generator=g).tolist()
+    cache = PrefillCache(max_prompts=1)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        rec_eng = Engine(loader.manifest, loader.model, loader.tokenizer,
+                         base.replace(**MODES["dense"], max_batch_size=1, prefill_chunk=context), prefill_cache=cache)
+        rec_eng.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        while rec_eng.has_unfinished():
+            rec_eng.step()
+        rec_eng.close()
+        del rec_eng
+        gc.collect()
+    clock.sync()
+    shape["prefill_record_s"] = time.perf_counter() - t0
+    results.put("shapes", name, shape)
+    print(f"[{name}] {mcfg.num_layers} layers loaded in {shape['load_s']:.1f}s; {context}-token prompt prefilled in "
+          f"{shape['prefill_record_s']:.1f}s; device KV budget {budget / GiB:.2f} GiB", flush=True)
+
+    kv_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * DTYPE_BYTES[kv_dtype]
+    failed = 0
+    for spec in specs:
+        mode, batch = spec["mode"], spec["batch"]
+        row: dict[str, Any] = {"model": name, "mode": mode if mode == "dense" else f"lookahead/{mode}",
+                               "label": spec["label"], "context": context, "layers": mcfg.num_layers,
+                               "dtype": manifest.dtype, "kv_dtype": kv_dtype, "batch": batch,
+                               "batch_fit_in_budget": spec["fit"], "batch_cap": spec["cap"],
+                               "kv_budget_bytes": budget, "resident_bytes_per_seq": spec["per_seq"],
+                               "resident_bytes": spec["per_seq"] * batch}
+        room = device_room(device)
+        if args.deadline and time.time() > args.deadline - 15:
+            row["skipped"] = "not run: the bench's time budget (--time-budget-s) ran out"
+        elif batch < 1:
+            row["error"] = f"the budget ({budget} bytes) holds no sequence of this mode ({spec['per_seq']} bytes each)"
+        elif room is not None and spec["label"] != "budget" and spec["per_seq"] * batch > 0.8 * room:
+            row["skipped"] = (f"needs {spec['per_seq'] * batch / GiB:.1f} GiB of device KV, "
+                              f"{room / GiB:.1f} GiB is free")
         else:
-            lcfg = base.replace(**MODES[mode], max_batch_size=batch, max_model_len=max_len)
-            print(f"[{shape}] {row['mode']}: batch {batch} (the budget fits {fit}), "
-                  f"{per_seq_device / 2**20:.1f} MiB of device KV per sequence", flush=True)
+            cfg = base.replace(**MODES[mode], max_batch_size=batch, prefill_chunk=batch * context)
+            print(f"[{name}] {row['mode']} ({spec['label']}): batch {batch}, "
+                  f"{spec['per_seq'] / 2**20:.1f} MiB of device KV per sequence", flush=True)
             try:
-                row.update(run_mode(model, mcfg, lcfg, batch, prompts, max_tokens, args, device))
-                row.update(floor_fields(weights, mcfg, lcfg, elt, mode, batch, args.context,
-                                        row["h2d_bytes_per_step"], row["ms_per_step"], args.bandwidth_gbps))
-                ws = row.get("device_bytes_per_seq_runtime")
-                if mode != "dense" and ws is not None and ws != s["working_set"]:
-                    row["note_sizes"] = (f"the runtime's working set is {ws} bytes per sequence, this script's "
-                                         f"sizing says {s['working_set']}: the budget arithmetic is off")
-            except Exception as e:           # one failing mode must not hide the others' numbers
+                row.update(run_row(loader, cache, prompt, cfg, mode, max_tokens, args, clock))
+                row["floor"] = floor_fields(weights, kv_token, context, batch, mode, size, row["h2d_bytes_per_step"],
+                                            row["ms_per_step"], bw)
+                row["x_floor"] = row["floor"]["x_floor"]
+            except Exception as e:           # one failing row must not hide the others' numbers
                 traceback.print_exc()
-                row["error"] = f"{type(e).__name__}: {e}"
-        results.append(row)
-        write()
-    del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+                row["error"] = f"{type(e).__name__}: {e}"[:500]
+        failed += bool(row.get("error"))
+        results.append("results", row)
+    loader.close()
+    return 1 if failed else 0
 
 
-# ---- report -----------------------------------------------------------------------------------------------
+# ---- the parent: one child per shape, then the table ----------------------------------------------------
 def machine(device: torch.device) -> dict[str, Any]:
     info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cpus": os.cpu_count(), "device": str(device)}
-    if device.type == "cuda":
+            "cpus": os.cpu_count(), "device": str(device), "host": platform.node()}
+    if device.type == "cuda" and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(device)
-        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / GiB, 1)
     try:
         info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                         text=True, timeout=10).stdout.strip() or None
@@ -361,32 +686,71 @@ def machine(device: torch.device) -> dict[str, Any]:
     return info
 
 
+def comparison(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per shape: each lookahead mode's tokens/s at the budget's batch over dense's."""
+    out = []
+    rows = [r for r in doc.get("results", []) if not r.get("error") and r.get("tokens_per_s")]
+    for name in dict.fromkeys(r["model"] for r in rows):
+        dense = next((r for r in rows if r["model"] == name and r["mode"] == "dense" and r["label"] == "budget"), None)
+        for r in rows:
+            if r["model"] == name and r["mode"] != "dense" and r["label"] == "budget" and dense:
+                out.append({"model": name, "mode": r["mode"], "dense_batch": dense["batch"], "batch": r["batch"],
+                            "dense_tokens_per_s": dense["tokens_per_s"], "tokens_per_s": r["tokens_per_s"],
+                            "speedup": r["tokens_per_s"] / dense["tokens_per_s"],
+                            "target": TARGETS["speedup_at_equal_budget"]})
+    return out
+
+
 def fmt(v, spec: str, missing: str = "-") -> str:
     return missing if v is None else format(v, spec)
 
 
 def print_table(doc: dict[str, Any]) -> None:
-    rows = doc["results"]
     a = doc["args"]
-    print(f"\ndecode steps on {doc['machine'].get('gpu', doc['machine']['device'])}: random weights in the "
-          f"real shapes ({a['dtype']}), {a['context']} prompt tokens, {a['steps']} timed steps after {a['warmup']}; "
-          f"HBM KV budget = {a['dense_batch'] if not a['kv_budget_gib'] else a['kv_budget_gib']}"
-          f"{' dense sequences' if not a['kv_budget_gib'] else ' GiB'} (dense's max batch); "
-          f"lookahead batch = min(budget fit, --max-batch {a['max_batch']}, host pool); floor = bytes a step "
-          f"reads / {a['bandwidth_gbps']:.0f} GB/s (measured, {doc['memory_bandwidth']['device']})")
-    head = f"{'model':<9}{'mode':<20}{'batch':>6}{'fit':>5}{'KV MiB':>9}{'tok/s':>9}{'ms/step':>9}" \
-           f"{'stall s':>9}{'copy s':>8}{'hidden':>8}{'H2D MiB/step':>14}{'floor ms':>10}{'x floor':>9}"
+    shapes = doc.get("shapes", {})
+    bws = "; ".join(f"{n}: device {s['bandwidth']['device_gbps']:.0f} GB/s, H2D {s['bandwidth']['h2d_gbps']:.1f} GB/s"
+                    for n, s in shapes.items() if "bandwidth" in s)
+    timer = next((s["bandwidth"]["timer"] for s in shapes.values() if "bandwidth" in s), "-")
+    timer = "CUDA events on the compute stream" if timer == "cuda events" else timer
+    print(f"\ndecode steps on {doc['machine'].get('gpu', doc['machine']['device'])}: the real engine over "
+          f"random-weights engine dirs, {a['context']}-token prompts, {a['steps']} timed steps after {a['warmup']} "
+          f"({timer}); budget = "
+          f"{str(a['kv_budget_gib']) + ' GiB' if a['kv_budget_gib'] else str(a['dense_batch']) + ' dense sequences'}"
+          f" of device KV; bandwidths ({bws})")
+    head = (f"{'model':<14}{'mode':<20}{'rows':<12}{'batch':>6}{'KV MiB':>9}{'tok/s':>9}{'ms/step':>9}"
+            f"{'H2D MiB':>9}{'stall ms':>9}{'copy ms':>9}{'hidden':>8}{'floor ms':>9}{'x floor':>9}{'graph ms':>9}")
     print(head)
-    for r in rows:
-        line = f"{r['model']:<9}{r['mode']:<20}{r['batch']:>6}{r['batch_fit_in_budget']:>5}" \
-               f"{r['device_kv_bytes'] / 2**20:>9.0f}"
-        if r.get("error"):
-            print(f"{line}  ERROR {r['error'][:120]}")
+    for r in doc.get("results", []):
+        label = "budget" if r.get("label") == "budget" else "equal b."
+        line = (f"{r['model']:<14}{r['mode']:<20}{label:<12}{r['batch']:>6}"
+                f"{r.get('resident_bytes', 0) / 2**20:>9.0f}")
+        if r.get("error") or r.get("skipped"):
+            print(f"{line}  {'ERROR ' + r['error'][:110] if r.get('error') else 'skipped: ' + r['skipped']}")
             continue
-        h2d = r["h2d_bytes_per_step"] / 2**20
-        print(f"{line}{r['tokens_per_s']:>9.1f}{r['ms_per_step']:>9.1f}{r['stall_s']:>9.3f}{r['copy_s']:>8.3f}"
-              f"{fmt(r['hidden_share'], '.0%'):>8}{h2d:>14.1f}{fmt(r.get('floor_ms'), '.2f'):>10}"
-              f"{fmt(r.get('x_floor'), '.2f'):>8}x")
+        g = r.get("cuda_graph") or {}
+        print(f"{line}{r['tokens_per_s']:>9.1f}{r['ms_per_step']:>9.2f}{r['h2d_bytes_per_step'] / 2**20:>9.1f}"
+              f"{r['stall_ms_per_step']:>9.2f}{fmt(r.get('copy_alone_ms_per_step'), '.2f'):>9}"
+              f"{fmt(r.get('hidden_share'), '.0%'):>8}{r['floor']['floor_ms']:>9.2f}"
+              f"{fmt(r.get('x_floor'), '.2f'):>8}x{fmt(g.get('graph_ms'), '.2f'):>9}")
+    for c in doc.get("comparison", []):
+        print(f"{c['model']}: {c['mode']} at batch {c['batch']} / dense at batch {c['dense_batch']}, equal budget: "
+              f"{c['speedup']:.2f}x tokens/s (target {c['target']:.1f}x)")
+    for n, s in shapes.items():
+        for key in ("error", "note_context"):
+            if s.get(key):
+                print(f"{n}: {s[key]}")
+
+
+def child_argv(args, name: str) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child-shape", name]
+    if args.deadline:
+        argv += ["--deadline", str(args.deadline)]
+    for key, value in vars(args).items():
+        if key in ("child_shape", "engine_list", "time_budget_s", "deadline") or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -396,35 +760,49 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_decode_bench: --device cuda but torch.cuda.is_available() is False "
               "(use --device cpu for the smoke run)", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / "decode_bench.json"
-    t_start = time.perf_counter()
-    doc: dict[str, Any] = {"machine": machine(device), "args": {k: str(v) if isinstance(v, Path) else v
-                                                                 for k, v in vars(args).items()},
-                           "weights": "random (LlamaModel.random's distribution): timing only, not accuracy",
-                           "results": []}
-
-    def write() -> None:
-        doc["elapsed_s"] = time.perf_counter() - t_start
-        out.write_text(json.dumps(doc, indent=1) + "\n")
-
-    with torch.inference_mode():
-        doc["memory_bandwidth"] = memory_bandwidth(gib=args.bandwidth_gib, device=device)
-    args.bandwidth_gbps = doc["args"]["bandwidth_gbps"] = doc["memory_bandwidth"]["bandwidth_gbps"]
-    print(f"memory bandwidth of {device}: {args.bandwidth_gbps:.1f} GB/s (best of a sum and a copy over "
-          f"{args.bandwidth_gib:g} GiB): the floor's divisor", flush=True)
-    for shape in args.models.split(","):
+    out = args.out / RESULTS
+    if args.child_shape:                            # one shape, in this (child) process
+        path = dict(args.engine_list)[args.child_shape]
         try:
-            run_shape(shape, args, device, doc["results"], write)
+            return run_shape(args.child_shape, path, args, ResultFile(out))
         except Exception as e:
             traceback.print_exc()
-            doc["results"].append({"model": shape, "mode": "-", "batch": 0, "batch_fit_in_budget": 0,
-                                   "device_kv_bytes": 0, "error": f"{type(e).__name__}: {e}"})
-            write()
-    write()
+            ResultFile(out).append("results", {"model": args.child_shape, "mode": "-", "label": "-", "batch": 0,
+                                               "error": f"{type(e).__name__}: {e}"[:500]})
+            return 1
+    t_start = time.perf_counter()
+    if args.time_budget_s:
+        args.deadline = time.time() + args.time_budget_s
+    results = ResultFile(out, fresh=True)
+    results.update(machine=machine(device),
+                   args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "engine_list"},
+                   weights="random (the engine dirs' random_weights recipe): timing only, not accuracy",
+                   prompts="one random prompt per shape, prefilled once and replayed into every engine (PrefillCache); "
+                           "each sequence samples with its own seed at temperature 1",
+                   targets=TARGETS, results=[])
+    rc = 0
+    for name, path in args.engine_list:
+        left = args.time_budget_s - (time.perf_counter() - t_start) if args.time_budget_s else None
+        if left is not None and left < 10:
+            results.put("shapes", name, {"engine_dir": str(path), "error": f"not run: {left:.0f}s of the budget left"})
+            rc = 1
+            continue
+        try:
+            proc = subprocess.run(child_argv(args, name), timeout=left - 5 if left else None)
+            code = proc.returncode
+            why = f"exit status {code}" if code > 0 else f"killed by signal {-code}"
+        except subprocess.TimeoutExpired:
+            code, why = 124, f"timed out after {left - 5:.0f}s"
+        if code != 0:
+            rc = 1
+            doc = results.load()
+            if not any(r.get("model") == name for r in doc.get("results", [])) or code < 0 or code == 124:
+                results.append("results", {"model": name, "mode": "-", "label": "-", "batch": 0,
+                                           "error": f"the {name} child process ended with {why}"})
+    doc = results.update(comparison=comparison(results.load()), elapsed_s=time.perf_counter() - t_start)
     print_table(doc)
     print(f"\nwrote {out} ({doc['elapsed_s']:.0f} s)")
-    return 1 if any(r.get("error") for r in doc["results"]) else 0
+    return rc
 
 
 if __name__ == "__main__":

@@ -1,54 +1,202 @@
 #!/usr/bin/env python3
-"""One-shot GPU check of the lookahead CUDA kernels (the kernel part of the H200 check).
+"""One-shot check of the lookahead CUDA kernels (the kernel part of the H200 check).
 
     python scripts/gpu_kernel_check.py --out out/gpu_kernel_check [--no-large]
+    python scripts/gpu_kernel_check.py --device cpu --out /tmp/k     # CPU smoke: the same machinery
 
-1. Builds the kernels through ``plugins.cuda.loader`` (a torch extension, cached on disk).
-2. Checks every kernel against ``plugins.reference`` on fresh random inputs: fp32, bf16 and fp16,
-   outputs poisoned first, plus one case per op with data past 2^31 elements (``--no-large``
-   skips those; they need ~16 GB of GPU memory).
-3. Measures pinned host->device bandwidth of a plain ``cudaMemcpyAsync`` against the gather
-   kernel moving the same bytes as scattered KV blocks (target: gather >= 80% of memcpy), the
-   same gather from HBM, and device-to-device copy bandwidth.
+1. Builds the kernels through ``plugins.cuda.loader`` (a torch extension, cached on disk) and
+   registers them for the CUDA dispatch key of ``torch.ops.lookahead.*``.
+2. Checks every kernel against ``plugins.reference`` on fresh random inputs (fp32, bf16, fp16,
+   outputs poisoned first; ``plugins/cuda/numerics.py``) through three doors: the extension's
+   entry points (``ext``), ``torch.ops.lookahead.*`` as the runtime calls them (``dispatch``:
+   the loader's wrappers and the dispatcher) and the validating public wrappers ``plugins.<op>``
+   (``wrappers``).
+3. Bandwidth: pinned host->device ``cudaMemcpyAsync`` against the gather kernel moving the same
+   bytes as scattered KV blocks (target: gather >= 80% of memcpy), the same gather from HBM, the
+   runtime's CUDA transfer engine moving a CopyJob of that size, and a device-to-device copy.
+4. The cases with data past 2^31 elements (``--no-large`` skips them; they need ~16 GB) run in a
+   child process of this script with a timeout, so a sticky CUDA fault or a hang there cannot
+   take the other results with it.
 
-Prints a short table last and writes everything to ``<out>/kernel_check.json``. Exits 2 on a
-machine without CUDA, 1 if any numerics check fails. About 1-2 minutes on an H200, most of it
-the first build.
+Every check is appended to ``<out>/kernel_check.json`` as soon as it has run (scripts/gpu_results.py;
+the child appends to the same file), and a short table is printed last. Exits 2 without CUDA
+(unless ``--device cpu``), 1 if any numerics check fails.
+
+kernel_check.json: device, capability, torch, cuda, build_s (or build_error), build_dir,
+cuda_kernels_registered {op: bool}; `checks` (target = ext | dispatch | wrappers | cpu-smoke, set =
+small | large | smoke, op, dtype, case, ok, max_abs_err, detail, seconds), `skipped` (not
+applicable, with the reason); `gather` (per shape: memcpy_h2d_gbps, gather_host_gbps,
+gather_hbm_gbps, gather_vs_memcpy), `transfer` (per shape: the transfer engine's engine_gbps and
+engine_vs_memcpy), `copy` (d2d), `child` (set, rc, note, seconds), `errors`, `targets_met`.
+
+``--device cpu`` (gpu_check.sh --dry-run) runs the same code on CPU against the torch
+implementations behind ``torch.ops.lookahead`` (no extension: it needs a CUDA torch), with one
+dtype, small bandwidth tensors and a small case set in the child. The attention checks put NaN in
+hidden keys, which the CUDA kernel must ignore but the torch implementation's contract excludes
+(finite padding), so on CPU attention is checked through its reference only (a smoke of the
+machinery, not of numerics).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_floor import StreamClock  # noqa: E402
+from gpu_results import ResultFile  # noqa: E402
+
+RESULTS = "kernel_check.json"
+OPS = ("block_gather", "block_topk", "update_summaries", "lookahead_attention")
 # (num_kv_heads, block_size, head_dim) of one layer's pool, bf16: rows of 2 KB and 4 KB.
 GATHER_SHAPES = {"smollm2": (3, 16, 64), "llama8b": (8, 16, 128)}
-POOL_BYTES = 1 << 30        # pinned host pool per shape: reads land all over 1 GB
-TRANSFER_BYTES = 64 << 20   # bytes moved per timed transfer
-COPY_BYTES = 1 << 30        # device-to-device copy
 GATHER_TARGET = 0.80        # gather bandwidth / memcpy bandwidth
+# case sets of the child process: the large-index cases (GPU), one small case per op (CPU smoke)
+CHILD_SETS = ("large", "smoke")
 
 
-def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of fn() on the current stream, timed with CUDA events."""
+# ---- the three doors ---------------------------------------------------------------------------------
+class DispatchEntryPoints:
+    """The extension's entry points, written as the runtime calls the ops: `torch.ops.lookahead.*`
+    (on a GPU the CUDA dispatch key, i.e. plugins/cuda/loader.py's wrappers around the kernels)."""
+
+    @staticmethod
+    def block_gather_out(src, block_ids, out):
+        out.copy_(torch.ops.lookahead.block_gather(src, block_ids))
+
+    @staticmethod
+    def block_topk_out(q, kmin, kmax, valid, k, group_max, indices, scores):
+        got_i, got_s = torch.ops.lookahead.block_topk(q, kmin, kmax, valid, k, "max" if group_max else "sum")
+        indices.copy_(got_i)
+        scores.copy_(got_s)
+
+    @staticmethod
+    def update_summaries(kmin, kmax, keys, block_ids, block_offsets):
+        torch.ops.lookahead.update_summaries(kmin, kmax, keys, block_ids, block_offsets)
+
+    @staticmethod
+    def lookahead_attention_out(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale, out):
+        out.copy_(torch.ops.lookahead.lookahead_attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale))
+
+
+class WrapperEntryPoints:
+    """The same through the public, validating wrappers `plugins.<op>`."""
+
+    @staticmethod
+    def block_gather_out(src, block_ids, out):
+        import plugins
+        out.copy_(plugins.block_gather(src, block_ids))
+
+    @staticmethod
+    def block_topk_out(q, kmin, kmax, valid, k, group_max, indices, scores):
+        import plugins
+        got_i, got_s = plugins.block_topk(q, kmin, kmax, valid, k, "max" if group_max else "sum")
+        indices.copy_(got_i)
+        scores.copy_(got_s)
+
+    @staticmethod
+    def update_summaries(kmin, kmax, keys, block_ids, block_offsets):
+        import plugins
+        plugins.update_summaries(kmin, kmax, keys, block_ids, block_offsets)
+
+    @staticmethod
+    def lookahead_attention_out(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale, out):
+        import plugins
+        out.copy_(plugins.lookahead_attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale))
+
+
+class CpuSmokeEntryPoints(DispatchEntryPoints):
+    """CPU: torch.ops for three ops; attention through its reference (module docstring)."""
+
+    @staticmethod
+    def lookahead_attention_out(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale, out):
+        from plugins.reference import lookahead_attention_ref
+        out.copy_(lookahead_attention_ref(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale))
+
+
+# (target, op, case) that cannot run: the reason
+NOT_APPLICABLE = {
+    ("wrappers", "block_gather", "host"): "plugins.block_gather takes src and block_ids on one device; the "
+                                          "mixed-device call (pinned host pool, ids on the GPU) goes through "
+                                          "torch.ops, checked by the dispatch target",
+}
+
+
+def op_of(fn) -> str:
+    return fn.__name__.removeprefix("check_")
+
+
+def targets(device: torch.device) -> list[tuple[str, object]]:
+    from plugins.cuda import numerics
+    if device.type == "cuda":
+        return [("ext", numerics.cuda_target()), ("dispatch", numerics.Target("cuda", DispatchEntryPoints())),
+                ("wrappers", numerics.Target("cuda", WrapperEntryPoints()))]
+    return [("cpu-smoke", numerics.Target("cpu", CpuSmokeEntryPoints()))]
+
+
+def plan(case_set: str, device: torch.device) -> list[tuple]:
+    """(fn, dtype, case) of a case set: "small" (every small case, every dtype; bf16 only on CPU),
+    "large" (one >2^31-element case per op, bf16) or "smoke" (one small case per op, bf16)."""
+    from plugins.cuda import numerics
+    if case_set == "large":
+        return [(fn, torch.bfloat16, "large") for fn in numerics.SMALL_CASES]
+    if case_set == "smoke":
+        return [(fn, torch.bfloat16, cases[0]) for fn, cases in numerics.SMALL_CASES.items()]
+    dtypes = numerics.DTYPES if device.type == "cuda" else (torch.bfloat16,)
+    return [(fn, dtype, case) for dtype in dtypes for fn, cases in numerics.SMALL_CASES.items() for case in cases]
+
+
+def run_checks(case_set: str, device: torch.device, results: ResultFile, doors: list[tuple[str, object]]) -> int:
+    """Run a case set through each door, appending every check to the results as it completes.
+    An exception is a failed check (one broken kernel does not hide the others). Returns failures."""
+    from plugins.cuda import numerics
+    failed = 0
+    for door, target in doors:
+        for fn, dtype, case in plan(case_set, device):
+            name = str(dtype).removeprefix("torch.")
+            skip = NOT_APPLICABLE.get((door, op_of(fn), case))
+            if skip:
+                results.append("skipped", {"target": door, "op": op_of(fn), "dtype": name, "case": case,
+                                           "reason": skip})
+                continue
+            t0 = time.perf_counter()
+            try:
+                got = fn(dtype, case, target)
+                checks = got if isinstance(got, list) else [got]
+            except Exception as e:  # noqa: BLE001 - reported, not swallowed
+                checks = [numerics.Check(op_of(fn), name, case, False, float("nan"), f"{type(e).__name__}: {e}"[:400])]
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()     # the large cases need their gigabytes back
+            for c in checks:
+                row = {"target": door, "set": case_set, "op": c.op, "dtype": c.dtype, "case": c.case, "ok": c.ok,
+                       "max_abs_err": c.max_abs_err, "detail": c.detail, "seconds": round(time.perf_counter() - t0, 3)}
+                results.append("checks", row)
+                failed += not c.ok
+                print(f"  {'ok  ' if c.ok else 'FAIL'} {door:<9} {c.op} {c.dtype} {c.case} "
+                      f"max|err|={c.max_abs_err:.3g} {c.detail}", flush=True)
+    return failed
+
+
+# ---- bandwidth ---------------------------------------------------------------------------------------
+def time_ms(fn, clock: StreamClock, iters: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn() on the compute stream (CUDA events; perf_counter on CPU)."""
     for _ in range(warmup):
         fn()
+    clock.sync()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        a = clock.mark()
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(1e3 * clock.seconds(a, clock.mark()))
     return statistics.median(times)
 
 
@@ -56,99 +204,222 @@ def gbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e6)
 
 
-def measure_gather(ext, name: str, num_kv_heads: int, block_size: int, head_dim: int) -> dict:
+def measure_gather(ext, name: str, num_kv_heads: int, block_size: int, head_dim: int, pool_bytes: int,
+                   transfer_bytes: int, device: torch.device) -> dict:
+    clock, cuda = StreamClock(device), device.type == "cuda"
     row_bytes = block_size * head_dim * 2
-    num_blocks = POOL_BYTES // (num_kv_heads * row_bytes)
-    n = TRANSFER_BYTES // (num_kv_heads * row_bytes)
+    num_blocks = pool_bytes // (num_kv_heads * row_bytes)
+    n = max(1, transfer_bytes // (num_kv_heads * row_bytes))
     # Pinned pages are resident from allocation; their values do not matter for timing.
-    pool = torch.empty((num_blocks, num_kv_heads, block_size, head_dim), dtype=torch.bfloat16, pin_memory=True)
-    ids = torch.randint(0, num_blocks, (num_kv_heads, n), device="cuda")
-    out = torch.empty((num_kv_heads, n, block_size, head_dim), dtype=torch.bfloat16, device="cuda")
+    pool = torch.empty((num_blocks, num_kv_heads, block_size, head_dim), dtype=torch.bfloat16, pin_memory=cuda)
+    ids = torch.randint(0, num_blocks, (num_kv_heads, n), device=device)
+    out = torch.empty((num_kv_heads, n, block_size, head_dim), dtype=torch.bfloat16, device=device)
     nbytes = out.numel() * out.element_size()
     contiguous = pool.view(-1)[: out.numel()]          # the same bytes, one pinned range
-
-    memcpy_ms = time_ms(lambda: out.view(-1).copy_(contiguous, non_blocking=True))
-    gather_ms = time_ms(lambda: ext.block_gather_out(pool, ids, out))
-    device_pool = pool.to("cuda")
-    hbm_ms = time_ms(lambda: ext.block_gather_out(device_pool, ids, out))
-    del device_pool
-    return {
-        "shape": name, "row_bytes": row_bytes, "bytes": nbytes, "blocks_per_head": n,
-        "memcpy_h2d_gbps": gbps(nbytes, memcpy_ms), "gather_host_gbps": gbps(nbytes, gather_ms),
-        "gather_hbm_gbps": gbps(nbytes, hbm_ms), "gather_vs_memcpy": memcpy_ms / gather_ms,
-    }
+    memcpy_ms = time_ms(lambda: out.view(-1).copy_(contiguous, non_blocking=True), clock)
+    gather_ms = time_ms(lambda: ext.block_gather_out(pool, ids, out), clock)
+    device_pool = pool.to(device)
+    hbm_ms = time_ms(lambda: ext.block_gather_out(device_pool, ids, out), clock)
+    return {"shape": name, "row_bytes": row_bytes, "bytes": nbytes, "blocks_per_head": n,
+            "memcpy_h2d_gbps": gbps(nbytes, memcpy_ms), "gather_host_gbps": gbps(nbytes, gather_ms),
+            "gather_hbm_gbps": gbps(nbytes, hbm_ms), "gather_vs_memcpy": memcpy_ms / gather_ms}
 
 
-def measure_copy() -> dict:
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+def measure_transfer_engine(name: str, num_kv_heads: int, block_size: int, head_dim: int, pool_bytes: int,
+                            transfer_bytes: int, device: torch.device) -> dict:
+    """The runtime's transfer engine (CUDA streams; on CPU the inline engine) moving one CopyJob of
+    `transfer_bytes` (K and V) from a head-major pinned pool view into device slots, as the
+    lookahead backend submits them (device index tensors), against a memcpy of the same bytes."""
+    from runtime.transfer import CopyJob, make_transfer_engine
+    clock, cuda = StreamClock(device), device.type == "cuda"
+    eng = make_transfer_engine("cuda" if cuda else "sync")
+    try:
+        unit = block_size * head_dim * 2                   # one (block, head) of K, bf16
+        num_blocks = pool_bytes // (2 * num_kv_heads * unit)
+        per_head = max(1, transfer_bytes // (2 * num_kv_heads * unit))
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        pool_k = torch.empty(shape, dtype=torch.bfloat16, pin_memory=cuda)
+        pool_v = torch.empty(shape, dtype=torch.bfloat16, pin_memory=cuda)
+        dst = (1, num_kv_heads, per_head, block_size, head_dim)
+        dst_k = torch.empty(dst, dtype=torch.bfloat16, device=device)
+        dst_v = torch.empty(dst, dtype=torch.bfloat16, device=device)
+        heads = torch.arange(num_kv_heads, device=device).repeat_interleave(per_head)
+        slots = torch.arange(per_head, device=device).repeat(num_kv_heads)
+        blocks = torch.randint(0, num_blocks, (heads.numel(),), device=device)
+        job = CopyJob(pool_k.transpose(0, 1), pool_v.transpose(0, 1), dst_k, dst_v, (blocks, heads),
+                      (torch.zeros_like(heads), heads, slots), tag=("kernel_check",))
+        nbytes = job.nbytes
+        engine_ms = time_ms(lambda: eng.wait(eng.submit(job)), clock)
+        flat = pool_k.view(-1)[: nbytes // 4], pool_v.view(-1)[: nbytes // 4]
+
+        def memcpy() -> None:
+            dst_k.view(-1)[: flat[0].numel()].copy_(flat[0], non_blocking=True)
+            dst_v.view(-1)[: flat[1].numel()].copy_(flat[1], non_blocking=True)
+
+        memcpy_ms = time_ms(memcpy, clock)
+        return {"shape": name, "engine": type(eng).__name__, "bytes": nbytes, "units": job.num_units,
+                "gather_kernel": getattr(eng, "gather_kernel", None), "engine_gbps": gbps(nbytes, engine_ms),
+                "memcpy_h2d_gbps": gbps(nbytes, memcpy_ms), "engine_vs_memcpy": memcpy_ms / engine_ms}
+    finally:
+        eng.close()
+
+
+def measure_copy(nbytes: int, device: torch.device) -> dict:
+    clock = StreamClock(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src))
+    ms = time_ms(lambda: dst.copy_(src), clock)
     # Bytes copied per second; the memory moves twice that (read + write).
-    return {"bytes": COPY_BYTES, "d2d_copy_gbps": gbps(COPY_BYTES, ms)}
+    return {"bytes": nbytes, "d2d_copy_gbps": gbps(nbytes, ms), "d2d_read_write_gbps": 2 * gbps(nbytes, ms)}
 
 
-def print_table(report: dict) -> None:
-    checks = report["checks"]
+# ---- the child process ---------------------------------------------------------------------------------
+def run_child(args, results: ResultFile, device: torch.device) -> int:
+    import plugins  # noqa: F401  (defines the ops; on a GPU builds (cached) and registers the kernels)
+    from plugins.cuda import numerics
+    doors = [("ext", numerics.cuda_target())] if device.type == "cuda" else targets(device)
+    return 1 if run_checks(args.child, device, results, doors) else 0
+
+
+def spawn_child(case_set: str, args, results: ResultFile) -> dict:
+    """This script as a child process running one case set; its checks land in the same JSON."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", case_set, "--out", str(args.out),
+            "--device", args.device]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, timeout=args.child_timeout)
+        rc, note = proc.returncode, ("ok" if proc.returncode == 0 else
+                                     f"exit status {proc.returncode}" if proc.returncode > 0 else
+                                     f"killed by signal {-proc.returncode}")
+    except subprocess.TimeoutExpired:
+        rc, note = 124, f"timed out after {args.child_timeout}s"
+    info = {"set": case_set, "rc": rc, "note": note, "seconds": round(time.perf_counter() - t0, 1)}
+    results.update(child=info)
+    return info
+
+
+# ---- report ----------------------------------------------------------------------------------------------
+def summarize(doc: dict) -> dict:
+    checks = doc.get("checks", [])
+    met = {"numerics": bool(checks) and all(c["ok"] for c in checks)}
+    if doc.get("gather"):
+        met["gather_vs_memcpy"] = all(g["gather_vs_memcpy"] >= GATHER_TARGET for g in doc["gather"])
+    child = doc.get("child")
+    if child:
+        met["child_" + child["set"]] = child["rc"] == 0
+    return met
+
+
+def print_table(doc: dict) -> None:
+    checks = doc.get("checks", [])
     failed = [c for c in checks if not c["ok"]]
-    print(f"\nkernel numerics: {len(checks) - len(failed)}/{len(checks)} checks passed "
-          f"(build {report['build_s']:.0f} s)")
-    by_op: dict[str, list[dict]] = {}
+    print(f"\nkernel numerics on {doc.get('device')}: {len(checks) - len(failed)}/{len(checks)} checks passed "
+          f"(build {doc.get('build_s', 0):.0f} s)")
+    by: dict[tuple, list[dict]] = {}
     for c in checks:
-        by_op.setdefault(c["op"], []).append(c)
-    print(f"  {'op':<22}{'checks':>8}{'worst |err|':>14}")
-    for op, rows in by_op.items():
+        by.setdefault((c["target"], c["op"]), []).append(c)
+    print(f"  {'door':<10}{'op':<22}{'checks':>8}{'worst |err|':>14}")
+    for (door, op), rows in by.items():
         worst = max(r["max_abs_err"] for r in rows)
-        print(f"  {op:<22}{sum(r['ok'] for r in rows):>4}/{len(rows):<3}{worst:>14.3g}")
+        print(f"  {door:<10}{op:<22}{sum(r['ok'] for r in rows):>4}/{len(rows):<3}{worst:>14.3g}")
     for c in failed:
-        print(f"  FAILED {c['op']} {c['dtype']} {c['case']}: max |err| {c['max_abs_err']:.3g} {c['detail']}")
-    print(f"\n  {'bandwidth, GB/s':<22}{'memcpy H2D':>11}{'gather host':>13}{'ratio':>8}{'gather HBM':>12}")
-    for g in report["gather"]:
-        label = f"{g['shape']} ({g['row_bytes'] // 1024} KB rows)"
-        mark = "" if g["gather_vs_memcpy"] >= GATHER_TARGET else f"  < {GATHER_TARGET:.0%} target"
-        print(f"  {label:<22}{g['memcpy_h2d_gbps']:>11.1f}{g['gather_host_gbps']:>13.1f}"
-              f"{g['gather_vs_memcpy']:>8.2f}{g['gather_hbm_gbps']:>12.1f}{mark}")
-    print(f"  {'device-to-device copy':<22}{report['copy']['d2d_copy_gbps']:>11.1f}")
+        print(f"  FAILED {c['target']} {c['op']} {c['dtype']} {c['case']}: max |err| {c['max_abs_err']:.3g} "
+              f"{c['detail']}")
+    for s in doc.get("skipped", []):
+        print(f"  not applicable: {s['target']} {s['op']} {s['case']} ({s['reason'][:90]})")
+    if doc.get("child"):
+        c = doc["child"]
+        print(f"  child process ({c['set']} cases): {c['note']} in {c['seconds']} s")
+    if doc.get("gather"):
+        print(f"\n  {'bandwidth, GB/s':<22}{'memcpy H2D':>11}{'gather host':>13}{'ratio':>8}{'gather HBM':>12}")
+        for g in doc["gather"]:
+            label = f"{g['shape']} ({g['row_bytes'] // 1024} KB rows)"
+            mark = "" if g["gather_vs_memcpy"] >= GATHER_TARGET else f"  < {GATHER_TARGET:.0%} target"
+            print(f"  {label:<22}{g['memcpy_h2d_gbps']:>11.1f}{g['gather_host_gbps']:>13.1f}"
+                  f"{g['gather_vs_memcpy']:>8.2f}{g['gather_hbm_gbps']:>12.1f}{mark}")
+    for t in doc.get("transfer", []):
+        print(f"  {t['shape'] + ' ' + t['engine']:<34}{t['engine_gbps']:>9.1f} GB/s "
+              f"= {t['engine_vs_memcpy']:.2f}x memcpy")
+    if doc.get("copy"):
+        print(f"  {'device-to-device copy':<22}{doc['copy']['d2d_copy_gbps']:>11.1f} (bytes copied per second)")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("out/gpu_kernel_check"),
-                        help="directory for kernel_check.json")
+    parser.add_argument("--out", type=Path, default=Path("out/gpu_kernel_check"), help=f"directory for {RESULTS}")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cuda (the check), or cpu (a smoke run of the same code against the torch ops)")
     parser.add_argument("--no-large", action="store_true", help="skip the >2^31-element cases (~16 GB)")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_kernel_check: no CUDA device (torch.cuda.is_available() is False); "
-              "this check runs on the GPU machine only", file=sys.stderr)
+    parser.add_argument("--child-timeout", type=int, default=90, help="seconds for the child process's cases")
+    parser.add_argument("--pool-mib", type=int, default=None,
+                        help="bandwidth: pinned pool per shape (default 1024; CPU 32)")
+    parser.add_argument("--transfer-mib", type=int, default=None,
+                        help="bandwidth: bytes per transfer (default 64; CPU 4)")
+    parser.add_argument("--child", choices=CHILD_SETS, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_kernel_check: no CUDA device (torch.cuda.is_available() is False); this check runs on the GPU "
+              "machine (use --device cpu for the smoke run)", file=sys.stderr)
         return 2
+    cuda = device.type == "cuda"
+    pool = (args.pool_mib or (1024 if cuda else 32)) << 20
+    transfer = (args.transfer_mib or (64 if cuda else 4)) << 20
+    out = args.out / RESULTS
+    if args.child:
+        return run_child(args, ResultFile(out), device)
 
+    results = ResultFile(out, fresh=True)
+    results.update(device=torch.cuda.get_device_name() if cuda else "cpu",
+                   capability=list(torch.cuda.get_device_capability()) if cuda else None,
+                   torch=torch.__version__, cuda=torch.version.cuda, gather_target=GATHER_TARGET, checks=[])
     t0 = time.perf_counter()   # importing plugins already builds and registers the kernels on a GPU
-    from plugins.cuda import loader, numerics
+    import plugins  # noqa: F401
+    from plugins.cuda import loader
+    if cuda:
+        try:
+            ext = loader.load_extension()
+            loader.register_cuda_kernels()
+        except Exception as e:  # noqa: BLE001 - the build log is the one thing worth keeping here
+            results.update(build_s=time.perf_counter() - t0, build_error=f"{type(e).__name__}: {e}"[-4000:],
+                           build_dir=str(loader.build_dir()), targets_met={"numerics": False})
+            print(f"gpu_kernel_check: the extension did not build: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+    else:
+        ext = DispatchEntryPoints()
+    registered = {op: torch._C._dispatch_has_kernel_for_dispatch_key(f"lookahead::{op}", "CUDA") for op in OPS}
+    results.update(build_s=time.perf_counter() - t0, cuda_kernels_registered=registered,
+                   build_dir=str(loader.build_dir()))
+    print(f"{'built the kernels' if cuda else 'no CUDA build on CPU; ops loaded'} in {time.perf_counter() - t0:.1f} s "
+          f"on {torch.cuda.get_device_name() if cuda else 'cpu'}; CUDA kernels registered: {registered}", flush=True)
 
-    ext = loader.load_extension()
-    loader.register_cuda_kernels()
-    build_s = time.perf_counter() - t0
-    print(f"built the kernels in {build_s:.1f} s on {torch.cuda.get_device_name()}", flush=True)
-
-    checks = []
-    for check in numerics.run_checks(large=not args.no_large):
-        checks.append(dataclasses.asdict(check))
-        print(f"  {'ok  ' if check.ok else 'FAIL'} {check.op} {check.dtype} {check.case} "
-              f"max|err|={check.max_abs_err:.3g} {check.detail}", flush=True)
-    report = {
-        "device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "build_s": build_s, "checks": checks,
-        "gather": [measure_gather(ext, name, *shape) for name, shape in GATHER_SHAPES.items()],
-        "copy": measure_copy(), "gather_target": GATHER_TARGET,
-    }
-    report["targets_met"] = {
-        "numerics": all(c["ok"] for c in checks),
-        "gather_vs_memcpy": all(g["gather_vs_memcpy"] >= GATHER_TARGET for g in report["gather"]),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kernel_check.json").write_text(json.dumps(report, indent=2))
-    print_table(report)
-    print(f"\nwrote {args.out / 'kernel_check.json'}")
-    return 0 if report["targets_met"]["numerics"] else 1
+    run_checks("small", device, results, targets(device))
+    for name, shape in GATHER_SHAPES.items():
+        try:
+            results.append("gather", measure_gather(ext, name, *shape, pool, transfer, device))
+        except Exception as e:  # noqa: BLE001
+            results.append("errors", {"part": f"gather {name}", "error": f"{type(e).__name__}: {e}"[:400]})
+        try:
+            results.append("transfer", measure_transfer_engine(name, *shape, pool, transfer, device))
+        except Exception as e:  # noqa: BLE001
+            results.append("errors", {"part": f"transfer engine {name}", "error": f"{type(e).__name__}: {e}"[:400]})
+        if cuda:
+            torch.cuda.empty_cache()
+    results.update(copy=measure_copy(pool, device))
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    if not (cuda and args.no_large):
+        spawn_child("large" if cuda else "smoke", args, results)
+    doc = results.load()
+    met = summarize(doc)
+    doc = results.update(targets_met=met)
+    print_table(doc)
+    for e in doc.get("errors", []):
+        print(f"  ERROR {e['part']}: {e['error']}")
+    print(f"\nwrote {out}")
+    return 0 if met["numerics"] and not doc.get("errors") and all(met.get(k, True) for k in met if
+                                                                   k.startswith("child_")) else 1
 
 
 if __name__ == "__main__":

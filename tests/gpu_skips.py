@@ -49,8 +49,22 @@ def trt_plugin_library_missing() -> str | None:
     return f"{trt_plugins.library_path()} missing: {why}"
 
 
-requires_nvcc = pytest.mark.skipif(nvcc() is None, reason="nvcc not found (CUDA toolkit not installed)")
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def cuda_missing() -> str | None:
+    """Why no CUDA device can run a kernel here, or None when one can: the torch build, then the
+    device's visibility."""
+    if torch.version.cuda is None:
+        return (f"torch {torch.__version__} is a CPU build (torch.version.cuda is None): the CUDA kernels run "
+                "on the GPU machine (scripts/gpu_check.sh)")
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device "
+                f"(torch.cuda.is_available() is False; CUDA_VISIBLE_DEVICES={visible!r})")
+    return None
+
+
+requires_nvcc = pytest.mark.skipif(nvcc() is None, reason="nvcc not found on PATH or at /usr/local/cuda/bin/nvcc "
+                                                          "(CUDA toolkit not installed)")
+requires_cuda = pytest.mark.skipif(cuda_missing() is not None, reason=cuda_missing() or "")
 requires_tensorrt = pytest.mark.skipif(tensorrt_runtime_missing() is not None,
                                        reason=tensorrt_runtime_missing() or "")
 requires_trt_plugins = pytest.mark.skipif(

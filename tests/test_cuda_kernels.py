@@ -1,10 +1,16 @@
-"""CUDA kernels: the nvcc compile check (needs nvcc, no GPU), numerics against the references (GPU),
-and the checks themselves, run on CPU against the torch implementations so their machinery is
-tested where no GPU exists."""
+"""CUDA kernels: the nvcc compile checks (needs nvcc, no GPU: scripts/compile_kernels.sh, and every
+source of the torch extension with the flags torch's extension builder gives them), numerics
+against the references (GPU: the extension, torch.ops and the public wrappers), and the checks
+themselves, run on CPU against the torch implementations so their machinery is tested where no
+GPU exists."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,6 +19,9 @@ import torch
 from gpu_skips import ROOT, nvcc, requires_cuda, requires_nvcc
 from plugins.cuda import numerics
 from plugins.reference import lookahead_attention_ref
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_kernel_check as gkc  # noqa: E402
 
 LAUNCHERS = {"lookahead_kv_block_gather", "lookahead_kv_block_topk", "lookahead_kv_update_summaries",
              "lookahead_kv_attention", "lookahead_kv_attention_workspace_size"}
@@ -67,6 +76,62 @@ def test_no_kernel_spills_registers(compiled):
     assert not spilling, f"register spills in {spilling}"
 
 
+# --- the torch extension's build flags (nvcc and the host compiler, no GPU) ------------------
+
+def _torch_extension_flags():
+    """What `torch.utils.cpp_extension.load` (plugins/cuda/loader.py) passes for this extension
+    with TORCH_CUDA_ARCH_LIST=9.0, as scripts/gpu_check.sh sets it: torch's common nvcc flags
+    (no implicit half/bfloat16 conversions, relaxed constexpr), the sm_90 gencode, -fPIC, the
+    extension's defines and include paths, then the loader's own flags (which come last, so its
+    -std wins over torch's default, as in the real build)."""
+    from torch.utils import cpp_extension
+    from plugins.cuda import loader
+
+    defines = [f"-DTORCH_EXTENSION_NAME={loader.EXTENSION_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    includes = [f"-I{loader.KERNEL_DIR}", *(f"-I{p}" for p in cpp_extension.include_paths()),
+                f"-I{sysconfig.get_paths()['include']}"]
+    nvcc_flags = [*defines, *includes, *cpp_extension.COMMON_NVCC_FLAGS, "-gencode=arch=compute_90,code=sm_90",
+                  "--compiler-options", "-fPIC", *loader.CUDA_FLAGS]
+    cxx_flags = [*defines, *includes, "-fPIC", "-std=c++20", "-O3", "-std=c++17"]
+    return loader, nvcc_flags, cxx_flags
+
+
+@requires_nvcc
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="a GPU is here: plugins.cuda.loader builds the extension for real (the kernels stage)")
+def test_extension_sources_build_with_the_torch_extension_flags(tmp_path):
+    """Every .cu of the extension compiles for sm_90 under the flags torch's extension builder adds,
+    and the loader's C++ bindings pass the host compiler against torch's headers (here the CPU
+    wheel's headers, with the one CUDA-build header they lack stubbed; the GPU machine's torch 2.11
+    + CUDA 13 build is the kernels stage of scripts/gpu_check.sh)."""
+    loader, nvcc_flags, cxx_flags = _torch_extension_flags()
+    homes = [os.environ.get("CUDA_HOME"), Path(nvcc()).resolve().parents[1], "/usr/local/cuda"]
+    cuda_include = next((Path(h) / "include" for h in homes
+                         if h and (Path(h) / "include" / "cuda_runtime_api.h").is_file()), None)
+    assert cuda_include, f"no CUDA headers (include/cuda_runtime_api.h) under {homes}"
+    stub = tmp_path / "stub"
+    macros = stub / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    macros.parent.mkdir(parents=True)
+    macros.write_text("#pragma once\n")          # CPU wheels omit the header a CUDA build generates
+    cxx = shutil.which("c++") or shutil.which("g++")
+    assert cxx, "no host C++ compiler"
+
+    def build(source: str) -> subprocess.CompletedProcess:
+        src = loader.KERNEL_DIR / source
+        if source.endswith(".cu"):
+            cmd = [nvcc(), *nvcc_flags, "-c", str(src), "-o", str(tmp_path / (source + ".o"))]
+        else:
+            cmd = [cxx, *cxx_flags, f"-I{stub}", f"-I{cuda_include}", "-fsyntax-only", str(src)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = dict(zip(loader.SOURCES, pool.map(build, loader.SOURCES)))
+    failed = {src: (p.stdout + p.stderr)[-2000:] for src, p in done.items() if p.returncode}
+    assert not failed, failed
+    assert {s for s in loader.SOURCES if s.endswith(".cu")} == {p.name for p in loader.KERNEL_DIR.glob("*.cu")}
+
+
 # --- numerics on a GPU ------------------------------------------------------------------------
 
 @requires_cuda
@@ -83,6 +148,19 @@ def test_kernel_matches_reference(fn, case, dtype):
 def test_kernel_large_index(fn):
     """Data past 2^31 elements (4-16 GB of GPU memory): catches 32-bit offset overflow."""
     for check in _as_list(fn(torch.bfloat16, "large")):
+        assert check.ok, check
+
+
+@requires_cuda
+@pytest.mark.parametrize("door", ["dispatch", "wrappers"])
+@pytest.mark.parametrize("fn, case", CASES, ids=CASE_IDS)
+def test_kernel_matches_reference_through_torch_ops_and_wrappers(fn, case, door):
+    """The same checks through the doors the runtime and users take: torch.ops.lookahead (the
+    loader's registered wrappers) and the validating plugins.<op> wrappers (bf16)."""
+    if (door, fn.__name__.removeprefix("check_"), case) in gkc.NOT_APPLICABLE:
+        pytest.skip(gkc.NOT_APPLICABLE[(door, fn.__name__.removeprefix("check_"), case)])
+    entry = gkc.DispatchEntryPoints() if door == "dispatch" else gkc.WrapperEntryPoints()
+    for check in _as_list(fn(torch.bfloat16, case, numerics.Target("cuda", entry))):
         assert check.ok, check
 
 
@@ -154,6 +232,22 @@ class TiesToTheHigherId(TorchEntryPoints):
         ids = torch.where(got_indices >= 0, num_blocks - 1 - got_indices, num_blocks).sort(-1).values
         indices.copy_(ids.masked_fill(ids == num_blocks, -1))
         scores.copy_(torch.flip(got_scores, [-1]))
+
+
+CPU_DOOR_CASES = [(fn, case) for fn, case in CASES if fn is not numerics.check_lookahead_attention]
+
+
+@pytest.mark.parametrize("door", ["dispatch", "wrappers"])
+@pytest.mark.parametrize("fn, case", CPU_DOOR_CASES, ids=[i for (fn, _), i in zip(CASES, CASE_IDS)
+                                                          if fn is not numerics.check_lookahead_attention])
+def test_kernel_check_doors_pass_on_cpu(fn, case, door):
+    """gpu_kernel_check's torch.ops and wrapper doors, on CPU over the torch implementations (the
+    attention checks' NaN padding is outside the torch implementation's contract: CUDA only)."""
+    import plugins  # noqa: F401
+
+    entry = gkc.DispatchEntryPoints() if door == "dispatch" else gkc.WrapperEntryPoints()
+    for check in _as_list(fn(torch.bfloat16, case, numerics.Target("cpu", entry))):
+        assert check.ok, check
 
 
 def test_checks_catch_an_unwritten_element():

@@ -262,51 +262,164 @@ def test_bench_table_has_the_floor_and_keeps_reasons_out_of_the_columns():
     assert bad.endswith("not available (x)") and len(bad) < len(head) + len("not available (x)")
 
 
-def test_gpu_decode_bench_floor_counts_what_a_step_reads():
-    """The GPU bench's floor: weights once (an untied input embedding left out), then per sequence
-    all KV at the context (dense) or working set + summaries (lookahead), + H2D bytes."""
+def _random_tiny_engine(path: Path) -> Path:
+    """The builder's `tiny` random-weights shape (the recipe path gpu_check.sh builds on the GPU)."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "scripts" / "build_engine.py"), "--random-weights", "tiny",
+                        "--tokenizer", "bytes", "--output", str(path), "--force"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return path
+
+
+def test_gpu_decode_bench_sizes_rows_and_floors_from_the_memory_plan():
+    """The GPU bench's sizing is the runtime's memory plan (summaries counted), each mode at the
+    largest batch its budget fits (lookahead also capped by the host pool), then equal batches;
+    its floor is max(device bytes / device bandwidth, H2D bytes / H2D bandwidth)."""
+    import types as _types
     import gpu_decode_bench as gdb
-    from runtime.config import LookaheadConfig
+    from runtime.config import LookaheadConfig, ModelConfig
+    from runtime.memory_plan import plan_memory
     from runtime.model import LlamaModel
-    mcfg = dataclasses.replace(gdb.model_config("smollm2", 2, 1024), vocab_size=512)
+    mcfg = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
+                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096, rope_theta=1e4,
+                       tie_word_embeddings=True)
     tied = LlamaModel(mcfg)                      # real tensors: meta ones have no addresses to compare
     params = sum(p.numel() * p.element_size() for p in tied.parameters())
     assert gdb.weight_read_bytes(tied) == params
     untied = LlamaModel(dataclasses.replace(mcfg, tie_word_embeddings=False))
     emb = untied.embed_tokens.weight.numel() * 4
     assert gdb.weight_read_bytes(untied) == sum(p.numel() * 4 for p in untied.parameters()) - emb
-    assert gdb.weight_read_bytes(untied) == params              # the LM head replaces the embedding
-    lcfg = LookaheadConfig(top_k=8)
-    kv_token = 2 * 2 * mcfg.num_kv_heads * mcfg.head_dim * 4
-    dense = gdb.floor_fields(1000, mcfg, lcfg, 4, "dense", 3, 512, 0.0, 2.0, 1.0)
-    assert dense["step_read_bytes"] == 1000 + 3 * 512 * kv_token
-    assert dense["floor_ms"] == pytest.approx(1e3 * dense["step_read_bytes"] / 1e9)
-    assert dense["x_floor"] == pytest.approx(2.0 / dense["floor_ms"])
-    sizes = gdb.sizing(mcfg, lcfg.replace(mode="lookahead"), 4, 512)
-    la = gdb.floor_fields(1000, mcfg, lcfg.replace(mode="lookahead"), 4, "resident", 3, 512, 77.0, 2.0, 1.0)
-    assert la["step_read_bytes"] == 1000 + 3 * (sizes["working_set"] + sizes["summaries"]) + 77.0
-    assert sizes["summaries"] == 2 * 2 * (512 // 16) * mcfg.num_kv_heads * mcfg.head_dim * 4
+    cfg = LookaheadConfig(top_k=8, max_model_len=1024)
+    size = gdb.sizing(mcfg, cfg, 4, "cpu")
+    one = lambda **kw: plan_memory(mcfg, cfg.replace(max_batch_size=1, **kw), None, 4, weights=False)  # noqa: E731
+    assert size.dense_device == one(mode="dense").host_kv_pool == 2 * 4 * 2 * 64 * 16 * 16 * 4
+    res = one(mode="lookahead")
+    assert size.lookahead_device["resident"] == res.per_seq_device
+    assert size.summaries == res.per_seq_device - res.per_seq_device_tier > 0
+    # every layer attends over its slots: resident holds them all; pingpong refills 2 buffers
+    assert size.attended["resident"] == res.per_seq_device_tier
+    pp = one(mode="lookahead", residency="pingpong")
+    assert size.attended["pingpong"] == pp.per_seq_device_tier // 2 * 4 > pp.per_seq_device_tier
+
+    args = _types.SimpleNamespace(host_kv_gib=3 * size.host / 2**30, max_batch=64, no_equal_batch=False,
+                                  equal_batch_modes="resident")
+    rows = gdb.plan_rows(["dense", "resident", "pingpong"], size, 2 * size.dense_device, args)
+    by = {(r["mode"], r["label"]): r for r in rows}
+    assert by["dense", "budget"]["batch"] == 2
+    fit = 2 * size.dense_device // size.lookahead_device["resident"]
+    assert by["resident", "budget"]["fit"] == fit and by["resident", "budget"]["batch"] == min(fit, 3)
+    assert by["resident", "budget"]["cap"] == ("host pool" if fit > 3 else None)
+    assert by["resident", "equal batch (dense's)"]["batch"] == 2
+    assert ("pingpong", "equal batch (dense's)") not in by              # --equal-batch-modes resident
+    assert by["dense", "equal batch (lookahead's)"]["batch"] == by["resident", "budget"]["batch"]
+
+    bw = {"device_gbps": 2.0, "h2d_gbps": 1.0}
+    kv_token = 2 * 4 * 2 * 16 * 4
+    dense = gdb.floor_fields(1000, kv_token, 512, 3, "dense", size, 0.0, 2.0, bw)
+    assert dense["device_bytes"] == 1000 + 3 * 512 * kv_token and dense["h2d_ms"] == 0
+    assert dense["floor_ms"] == pytest.approx(1e3 * dense["device_bytes"] / 2e9)
+    assert dense["x_floor"] == pytest.approx(2.0 / dense["floor_ms"]) and dense["bound"] == "device"
+    la = gdb.floor_fields(1000, kv_token, 512, 3, "resident", size, 1e6, 2.0, bw)
+    assert la["device_bytes"] == 1000 + 3 * (size.attended["resident"] + size.summaries) + 1e6
+    assert la["h2d_ms"] == pytest.approx(1.0) and la["floor_ms"] == max(la["device_ms"], la["h2d_ms"])
+
+
+def test_gpu_floor_takes_the_slower_link_and_bandwidths_are_measured_here():
+    from bench_floor import StreamClock, device_bandwidths, step_floor
+    f = step_floor(4e9, 1e9, device_gbps=4000.0, h2d_gbps=50.0)
+    assert f["device_ms"] == pytest.approx(1.0) and f["h2d_ms"] == pytest.approx(20.0)
+    assert f["floor_ms"] == f["h2d_ms"] and f["bound"] == "h2d"
+    assert step_floor(4e9, 0, 4000.0, 50.0)["bound"] == "device"
+    bw = device_bandwidths("cpu", gib=1 / 256, reps=2)
+    assert bw["device_gbps"] > 0 and bw["h2d_gbps"] > 0 and bw["timer"] == "perf_counter"
+    clock = StreamClock("cpu")
+    a = clock.mark()
+    assert clock.seconds(a, clock.mark()) >= 0 and not clock.cuda
+
+
+def test_gpu_metered_transfer_answers_copies_as_landed_when_satisfied():
+    """The bench's injected transfer engine: real copies through the runtime's engine, or, when
+    satisfied, every copy counted and answered as landed with no byte moved."""
+    import gpu_decode_bench as gdb
+    from runtime.transfer import CopyJob, SyncTransferEngine
+    src = torch.arange(4 * 2 * 1 * 3, dtype=torch.float32).view(4, 2, 1, 3)        # [blocks, KVH, bs, D]
+    dst_k, dst_v = torch.zeros(1, 2, 2, 1, 3), torch.zeros(1, 2, 2, 1, 3)          # [lanes, KVH, slots, bs, D]
+    index = (torch.tensor([3, 1]), torch.tensor([0, 1]))
+    job = CopyJob(src, src, dst_k, dst_v, index, (torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([1, 0])))
+    tr = gdb.MeteredTransfer(SyncTransferEngine())
+    tr.satisfied = True
+    t = tr.submit(job, urgent=True)
+    assert t.done() and isinstance(t, gdb.DoneTicket) and tr.h2d_bytes == job.nbytes and tr.urgent_jobs == 1
+    tr.wait(t)
+    assert not dst_k.any() and tr.inner.h2d_bytes == 0                              # nothing moved
+    tr.satisfied = False
+    tr.wait(tr.submit(job))
+    assert torch.equal(dst_k[0, 0, 1], src[3, 0]) and torch.equal(dst_v[0, 1, 0], src[1, 1])
+    assert tr.h2d_bytes == 2 * job.nbytes and tr.inner.h2d_bytes == job.nbytes and tr.jobs == 2
+    tr.inner.wait_s = 0.25
+    assert tr.wait_s == 0.25                     # the stall is the inner engine's
+    snap = gdb.snapshot(job)
+    assert snap.src_index[0] is not job.src_index[0] and torch.equal(snap.src_index[0], job.src_index[0])
+    tr.close()
+
+
+def test_gpu_results_file_keeps_each_write_and_takes_a_childs_rows(tmp_path):
+    import subprocess
+    from gpu_results import ResultFile, bench_summary, kernels_summary
+    path = tmp_path / "r.json"
+    r = ResultFile(path, fresh=True)
+    r.update(device="x")
+    r.append("checks", {"ok": True})
+    r.put("shapes", "a", {"n": 1})
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from gpu_results import ResultFile; "
+            "ResultFile(sys.argv[1]).append('checks', {'ok': False})")
+    subprocess.run([sys.executable, "-c", code, str(path), str(Path(bench.__file__).parent)], check=True)
+    doc = json.loads(path.read_text())
+    assert doc == {"device": "x", "checks": [{"ok": True}, {"ok": False}], "shapes": {"a": {"n": 1}}}
+    assert ResultFile(path).load() == doc                     # a child's open keeps the file
+    assert kernels_summary({"checks": [{"ok": True}, {"ok": False}], "build_s": 3}) == "numerics 1/2; build 3s"
+    assert bench_summary({"results": [{"error": "boom"}, {}], "comparison": [
+        {"model": "m", "mode": "lookahead/resident", "speedup": 2.5}]}) == \
+        "1/2 rows timed; m resident 2.50x dense; first error: boom"
 
 
 def test_gpu_decode_bench_cpu_smoke(tmp_path, capsys):
-    """The GPU bench's CPU smoke run (2 layers, 256 tokens) reports the floor for every mode."""
+    """The GPU bench on CPU over the builder's tiny random-weights engine: every row through the real
+    engine, the satisfied round, the copy replay and the graph path's eager half; a shape whose
+    child fails leaves an error row and the other shape's rows."""
     import gpu_decode_bench as gdb
-    rc = gdb.main(["--device", "cpu", "--context", "256", "--layers", "2", "--steps", "2", "--warmup", "1",
-                   "--prefill-chunk", "256", "--modes", "dense,resident", "--bandwidth-gib", "0.125", "--dense-batch", "8",
-                   "--out", str(tmp_path)])
-    assert rc == 0
-    doc = json.loads((tmp_path / "decode_bench.json").read_text())
-    assert doc["memory_bandwidth"]["bandwidth_gbps"] > 0 and doc["memory_bandwidth"]["device"] == "cpu"
-    rows = {r["mode"]: r for r in doc["results"]}
-    assert set(rows) == {"dense", "lookahead/resident"}
-    for r in rows.values():
+    engine = _random_tiny_engine(tmp_path / "tiny")
+    rc = gdb.main(["--device", "cpu", "--engines", f"tiny={engine},missing={tmp_path / 'nope'}", "--context", "256",
+                   "--steps", "2", "--warmup", "1", "--modes", "dense,resident", "--top-k", "2", "--recent-window",
+                   "16", "--bandwidth-gib", "0.0625", "--graph-replays", "1", "--out", str(tmp_path / "out")])
+    assert rc == 1                                            # the missing engine dir
+    doc = json.loads((tmp_path / "out" / "decode_bench.json").read_text())
+    shape = doc["shapes"]["tiny"]
+    assert shape["bandwidth"]["device_gbps"] > 0 and shape["bandwidth"]["h2d_gbps"] > 0
+    assert shape["weights"].startswith("random") and shape["context"] == 256
+    rows = {(r["model"], r["mode"], r["label"]): r for r in doc["results"]}
+    assert rows["missing", "-", "-"]["error"]
+    tiny = {k[1:]: r for k, r in rows.items() if k[0] == "tiny"}
+    assert set(tiny) == {("dense", "budget"), ("lookahead/resident", "budget"),
+                         ("lookahead/resident", "equal batch (dense's)"), ("dense", "equal batch (lookahead's)")}
+    for r in tiny.values():
         assert not r.get("error"), r
-        assert r["floor_ms"] > 0 and r["x_floor"] == pytest.approx(r["ms_per_step"] / r["floor_ms"])
-    # the two modes count different bytes: dense the KV of its 8 sequences, lookahead one
-    # sequence's working set (sink + window + K slots) and summaries
-    assert rows["lookahead/resident"]["step_read_bytes"] != rows["dense"]["step_read_bytes"]
+        assert r["tokens"] > 0 and r["ms_per_step"] > 0 and len(r["ms_per_step_each"]) == 2
+        assert r["x_floor"] == pytest.approx(r["ms_per_step"] / r["floor"]["floor_ms"])
+    dense, la = tiny["dense", "budget"], tiny["lookahead/resident", "budget"]
+    assert la["batch"] > dense["batch"] == 2 and la["resident_bytes"] <= la["kv_budget_bytes"]
+    assert la["resident_bytes_runtime"] == la["resident_bytes"] and la["prefill_replayed"] == la["batch"]
+    assert la["copies_recorded_through"] == "Engine.observe" and la["copy_alone"]["jobs"] > 0
+    assert la["satisfied"]["ms_per_step"] > 0 and la["hidden_share"] is not None
+    assert la["h2d_bytes_per_step"] > 0 and la["floor"]["h2d_bytes"] == la["h2d_bytes_per_step"]
+    assert la["cuda_graph"]["captures"] == 0 and "not captured" in la["cuda_graph"]["graph"]
+    g = dense["cuda_graph"]
+    assert g["captures"] == g["replays"] == 0 and g["eager_ms"] > 0 and "need a GPU" in g["graph"]
+    assert [c["mode"] for c in doc["comparison"]] == ["lookahead/resident"]
     out = capsys.readouterr().out
-    assert "floor ms" in out and "x floor" in out
+    assert "floor ms" in out and "x floor" in out and "equal budget" in out
 
 
 def test_bandwidth_probe_divisor_is_robust_to_a_stalled_sample():
@@ -375,15 +488,24 @@ def test_sweep_fetch_ratio_reports_each_policy_and_ratio(tiny_dir, tmp_path, sma
 @pytest.mark.timeout(180)
 def test_gpu_check_dry_run_runs_every_stage_on_cpu(tmp_path):
     """scripts/gpu_check.sh --dry-run: the GPU check's Python stages on CPU, so a Python error in
-    one fails here, not on the H200."""
+    one fails here, not on the H200. Its results files have the layout the GPU run writes."""
+    import os
     import subprocess
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), "--dry-run"], capture_output=True, text=True,
-                       timeout=170, env={**__import__("os").environ, "OUT": str(tmp_path), "PYTHON": sys.executable})
+                       timeout=170, env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    for stage in ("env", "kernels", "tests", "bench"):
+    for stage in ("env", "build", "kernels", "tests", "bench"):
         assert f"\n{stage} " in "\n" + summary and "FAIL" not in summary, summary
-    assert "3/3 modes timed" in summary
+    assert "6/6 rows timed" in summary and "smoke cases: ok" in summary, summary
+    assert "stage limits add up to 420s" in summary
+    kernels = json.loads((tmp_path / "kernel_check" / "kernel_check.json").read_text())
+    assert kernels["checks"] and all(c["ok"] for c in kernels["checks"])
+    assert {c["set"] for c in kernels["checks"]} == {"small", "smoke"} and kernels["child"]["rc"] == 0
+    assert kernels["gather"] and kernels["transfer"] and kernels["copy"]["d2d_copy_gbps"] > 0
+    bench_doc = json.loads((tmp_path / "decode_bench" / "decode_bench.json").read_text())
+    assert len(bench_doc["results"]) == 6 and not any(row.get("error") for row in bench_doc["results"])
+    assert (tmp_path / "engines" / "tiny" / "engine.yaml").is_file()
     bad = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown option" in bad.stderr
