@@ -59,7 +59,7 @@ import runtime  # noqa: E402,F401  first: its CPU threading defaults (OpenMP wai
 import torch  # noqa: E402
 
 from bench_floor import (BandwidthProbe, matmul_gflops, memory_bandwidth, step_flops,  # noqa: E402
-                         step_read_bytes, weight_bytes)
+                         step_read_bytes, stored_weight_bytes, weight_bytes)
 from bench_hf import HF_IMPLS, HF_NAMES, NotAvailable, make_hf_decoders  # noqa: E402
 from bench_lib import (ContextSeedDraft, EngineDecoder, format_table, machine_info, make_prompts, plot,  # noqa: E402
                        profile_steps, reference_hf_dir)
@@ -269,12 +269,17 @@ def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str
     tps = t.timed_tokens / t.decode_s
     ref_tps = ref.timing.timed_tokens / ref.timing.decode_s
     c = ref.model.config
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * ref.model.dtype.itemsize
+    # ours read the engine's own bytes: its weights as stored (int8 + scales in an int8 engine) and
+    # its KV in the storage dtype (kv_dtype); transformers' rows read the fp32 reference's
+    ours = d.engine if isinstance(d, EngineDecoder) else None
+    weights = stored_weight_bytes(ours.model) if ours is not None else floor["weight_bytes"]
+    kv_elem = ours.pool.k.element_size() if ours is not None else ref.model.dtype.itemsize
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * kv_elem
     device = getattr(d, "device_bytes_per_seq", None)
     h2d = getattr(d, "h2d_bytes", 0) / t.timed_steps if device is not None else None
     wait = getattr(d, "wait_s", None)
     sparse = d.sparse_read_bytes_per_seq(length) if isinstance(d, EngineDecoder) else None
-    read = step_read_bytes(floor["weight_bytes"], kv_per_token, getattr(d, "kv_tokens", length), batch,
+    read = step_read_bytes(weights, kv_per_token, getattr(d, "kv_tokens", length), batch,
                            sparse, h2d or 0.0)
     on_cpu = getattr(d, "device", "cpu") == "cpu"     # the bandwidth was measured on the CPU
     floor_ms = 1000 * read / (floor["bandwidth_gbps"] * 1e9) if on_cpu else None
@@ -301,8 +306,8 @@ def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str
             "predecode_steps": getattr(d, "predecode_steps", None),   # sequence-steps that emitted nothing
             "timed_tokens": t.timed_tokens,
             "step_read_bytes": read,
-            "step_read_parts": {"weights": floor["weight_bytes"],
-                                **({"kv": read - floor["weight_bytes"]} if sparse is None else
+            "step_read_parts": {"weights": weights,
+                                **({"kv": read - weights} if sparse is None else
                                    {"working_set": batch * sparse[0], "summaries": batch * sparse[1],
                                     "h2d": h2d})},
             "floor_ms": floor_ms, "x_floor": ms / floor_ms if floor_ms else None,

@@ -196,6 +196,13 @@ def weight_bytes(model: torch.nn.Module, input_embedding: torch.Tensor | None = 
     return total
 
 
+def stored_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of our model's weights as the engine stores them (int8 values and their scales in an
+    int8 engine), each tensor once: a tied embedding is the lm_head's weight, read whole per step."""
+    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def step_read_bytes(weights: int, kv_bytes_per_token: int, kv_tokens: int, batch: int,
                     sparse: tuple[int, int] | None = None, h2d_per_step: float = 0.0) -> float:
     """Bytes one decode step of `batch` sequences must read (the floor's numerator).

@@ -227,6 +227,17 @@ def test_bench_step_read_bytes():
     assert step_read_bytes(1000, 10, 50, 3, sparse=(200, 7), h2d_per_step=40.0) == 1000 + 3 * 207 + 40
 
 
+def test_bench_stored_weight_bytes_counts_the_engine_dtype_and_a_tied_weight_once():
+    from bench_floor import stored_weight_bytes
+    m = torch.nn.Module()
+    m.emb = torch.nn.Embedding(10, 4)
+    m.head = torch.nn.Linear(4, 10, bias=False)
+    m.head.weight = m.emb.weight                                  # tied: read once
+    m.register_buffer("qweight", torch.zeros(8, 4, dtype=torch.int8))
+    m.register_buffer("scale", torch.zeros(8))
+    assert stored_weight_bytes(m) == 10 * 4 * 4 + 8 * 4 * 1 + 8 * 4
+
+
 def test_bench_step_flops():
     # 2 FLOPs per weight per row (fp32: 4 bytes a weight) + 4 x D per (row, layer, head, key)
     assert step_flops(4000, 4, rows=3, layers=2, heads=5, head_dim=8, attended_tokens=7) == \
