@@ -103,7 +103,8 @@ def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
             report = build_report(config, source, tokenizer, verification, stages.seconds, quantization)
             (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
             write_manifest(tmp, name=config.name, model=model_cfg, dtype=config.dtype,
-                           lookahead=LookaheadConfig(max_model_len=model_cfg.max_position_embeddings),
+                           lookahead=LookaheadConfig(max_model_len=model_cfg.max_position_embeddings,
+                                                     kv_dtype=config.kv_dtype),
                            source=source.to_manifest(), versions=versions(), quantization=quantization)
     log(f"built {config.output} in {stages.total:.1f}s")
     return BuildResult(path=Path(config.output), report=report)

@@ -104,7 +104,7 @@ def build_random(config: BuildConfig, log: Log):
                       "verification": "none: random weights have no source model to compare with"}
             report = build_report_random(config, recipe, tokenizer, stages.seconds)
             (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-            lookahead = LookaheadConfig(max_model_len=min(cfg.max_position_embeddings, MAX_MODEL_LEN_CAP))
+            lookahead = LookaheadConfig(max_model_len=min(cfg.max_position_embeddings, MAX_MODEL_LEN_CAP), kv_dtype=config.kv_dtype)
             write_manifest(tmp, name=config.name, model=cfg, dtype=config.dtype, lookahead=lookahead,
                            source={"kind": "random", "shape": config.random_weights, "seed": config.seed},
                            versions=versions(), random_weights=recipe, tokenizer=tokenizer)

@@ -117,6 +117,14 @@ def test_bfloat16_engine(ckpts, tmp_path):
     assert v["passed"] and v["argmax_agreement"] >= 0.9 and v["tolerance"]["rel_logit"] == 0.15
 
 
+def test_kv_dtype_becomes_the_engines_default(ckpts, tmp_path):
+    out = tmp_path / "engine"
+    quiet_build(model=str(ckpts["llama"]), output=out, kv_dtype="float16", verify=False)
+    assert load_manifest(out).lookahead.kv_dtype == "float16"
+    quiet_build(model=str(ckpts["llama"]), output=out, force=True, verify=False)
+    assert load_manifest(out).lookahead.kv_dtype is None          # unset: the weights' dtype
+
+
 def test_tokenizer_and_special_ids(ckpt_copy, tmp_path):
     src = ckpt_copy("llama")
     (src / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 5]}))
@@ -472,7 +480,7 @@ def test_random_weights_options(tmp_path, capsys, ckpts):
 
 @pytest.mark.parametrize("field,value,match", [("dtype", "float16", "dtype"), ("model", "", "model"),
                                                ("output", "", "output"), ("force", "yes", "force"),
-                                               ("name", "a/b", "name")])
+                                               ("name", "a/b", "name"), ("kv_dtype", "fp16", "kv_dtype")])
 def test_build_config_validates(field, value, match):
     kw = {"model": "default", "output": "engines/x", field: value}
     with pytest.raises(BuildError, match=match) as e:
