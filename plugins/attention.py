@@ -45,9 +45,10 @@ def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: 
     return out.view(B, num_kv_heads, R, G, D).transpose(1, 2).reshape(B, R, H, D).to(q.dtype)
 
 
-# fp32 on CPU: plugins/cpu's C kernel (one pass over the visible keys, masked ones never read);
-# tests switch it off to check the torch path below on the same inputs
+# fp32 queries on CPU (K/V fp32, fp16 or bf16): plugins/cpu's C kernel (one pass over the visible
+# keys, masked ones never read); tests switch it off to check the torch path below on the same inputs
 USE_CPU_KERNEL = True
+KV_STORAGE_DTYPES = (torch.float16, torch.bfloat16)   # K/V stored narrower than a float32 q
 _FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -63,6 +64,8 @@ def _lookahead_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return cpu.attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale)
     if _FUSED is None or q.device.type != "cpu" or k.shape[2] == 0:
         return _attention_math(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale)
+    if k.dtype != q.dtype:          # fp16 / bf16 K/V storage under fp32 queries: fp32 math, widened copies
+        k, v = k.float(), v.float()
     B, R, H, D = q.shape
     num_kv_heads = k.shape[1]
     E = k_extra.shape[2]
@@ -111,11 +114,13 @@ def lookahead_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ma
     ----------
     q : Tensor, [B, R, H, D], float32/float16/bfloat16
         Post-RoPE queries.
-    k, v : Tensor, [B, KVH, N, D], dtype of ``q``
+    k, v : Tensor, [B, KVH, N, D], dtype of ``q``, or float16 / bfloat16 under a float32 ``q``
         Gathered keys/values, padded; must be finite everywhere (padding is weighted by zero).
+        A narrower storage dtype (the KV cache's) is widened to fp32 for the math: the result
+        is what fp32 K/V holding the same values give.
     kv_mask : Tensor, [B, KVH, N], bool
         Which gathered keys are real (shared by all rows).
-    k_extra, v_extra : Tensor, [B, KVH, E, D], dtype of ``q``
+    k_extra, v_extra : Tensor, [B, KVH, E, D], dtype of ``q`` or of ``k``
         Extra keys/values, e.g. this step's rows.
     extra_mask : Tensor, [B, R, E], bool
         Which extra keys row r sees (shared by all heads).
@@ -130,15 +135,26 @@ def lookahead_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ma
     check_tensor("q", q, 4, FLOAT_DTYPES)
     B, R, H, D = q.shape
     check_tensor("k", k, 4, FLOAT_DTYPES)
-    check_same("k", k, "q", q)
+    check_tensor("v", v, 4, FLOAT_DTYPES)
+    for arg, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            fail(arg, f"device {t.device} differs from q's {q.device}")
+    if k.dtype != v.dtype:          # name the one that is not q's dtype (v when neither is)
+        bad, other = ("k", "v") if v.dtype == q.dtype else ("v", "k")
+        fail(bad, f"dtype {(k if bad == 'k' else v).dtype} differs from {other}'s "
+                  f"{(v if bad == 'k' else k).dtype}: K and V are stored alike")
+    if k.dtype != q.dtype and not (q.dtype == torch.float32 and k.dtype in KV_STORAGE_DTYPES):
+        fail("k", f"dtype {k.dtype}: must be q's {q.dtype}, or float16 / bfloat16 storage under a float32 q")
     num_kv_heads, N = k.shape[1], k.shape[2]
     check_shape("k", k, (B, num_kv_heads, N, D), f"[B={B}, KVH, N, D={D}] to match q")
     if H % num_kv_heads:
         fail("k", f"num_kv_heads={num_kv_heads} (dim 1) does not divide q's num_heads={H}")
-    check_same("v", v, "k", k)
     check_shape("v", v, k.shape, "[B, KVH, N, D] like k")
     check_tensor("k_extra", k_extra, 4, FLOAT_DTYPES)
-    check_same("k_extra", k_extra, "q", q)
+    if k_extra.dtype not in (q.dtype, k.dtype):
+        fail("k_extra", f"dtype {k_extra.dtype} is neither q's {q.dtype} nor k's {k.dtype}")
+    if k_extra.device != q.device:
+        fail("k_extra", f"device {k_extra.device} differs from q's {q.device}")
     E = k_extra.shape[2]
     check_shape("k_extra", k_extra, (B, num_kv_heads, E, D), f"[B={B}, KVH={num_kv_heads}, E, D={D}]")
     check_same("v_extra", v_extra, "k_extra", k_extra)
@@ -151,5 +167,9 @@ def lookahead_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ma
             fail(arg, f"device {mask.device} differs from q's {q.device}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         fail("scale", f"must be a finite float > 0, got {scale!r}")
+    if q.device.type != "cpu" and (k.dtype != q.dtype or k_extra.dtype != q.dtype):
+        # the CUDA kernels (plugins/cuda) read every float input as q's dtype: widen a narrower
+        # K/V storage to it here (a copy) rather than hand them mixed dtypes
+        k, v, k_extra, v_extra = (t.to(q.dtype) for t in (k, v, k_extra, v_extra))
     return torch.ops.lookahead.lookahead_attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask,
                                                    float(scale))

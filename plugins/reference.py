@@ -61,15 +61,18 @@ def block_topk_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, vali
 
 def update_summaries_ref(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.Tensor,
                          block_ids: torch.Tensor, block_offsets: torch.Tensor) -> None:
-    """Token by token, in place: offset 0 resets the block's summary to the key, else min/max."""
+    """Token by token, in place: offset 0 resets the block's summary to the key, else min/max.
+
+    keys may be narrower than the summaries (float16 / bfloat16 keys, float32 summaries): each
+    key is widened first, which is exact, so the summaries are exact too."""
     for t in range(keys.shape[0]):
-        b = int(block_ids[t])
+        b, key = int(block_ids[t]), keys[t].to(kmin.dtype)
         if int(block_offsets[t]) == 0:
-            kmin[b] = keys[t]
-            kmax[b] = keys[t]
+            kmin[b] = key
+            kmax[b] = key
         else:
-            kmin[b] = torch.minimum(kmin[b], keys[t])
-            kmax[b] = torch.maximum(kmax[b], keys[t])
+            kmin[b] = torch.minimum(kmin[b], key)
+            kmax[b] = torch.maximum(kmax[b], key)
 
 
 def lookahead_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor,
@@ -78,6 +81,8 @@ def lookahead_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     """q [B, R, H, D], k/v [B, KVH, N, D], k_extra/v_extra [B, KVH, E, D] -> out [B, R, H, D].
 
     Per (b, r, h): collect the visible keys, softmax in fp32; no visible key -> zeros.
+    K/V (and the extras) may be stored narrower than a float32 q (float16 / bfloat16): every
+    key and value is widened to fp32 first.
     """
     B, R, H, D = q.shape
     num_kv_heads = k.shape[1]
@@ -87,8 +92,8 @@ def lookahead_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         for r in range(R):
             for h in range(H):
                 g = h // group
-                keys = torch.cat([k[b, g][kv_mask[b, g]], k_extra[b, g][extra_mask[b, r]]]).float()
-                values = torch.cat([v[b, g][kv_mask[b, g]], v_extra[b, g][extra_mask[b, r]]]).float()
+                keys = torch.cat([k[b, g][kv_mask[b, g]].float(), k_extra[b, g][extra_mask[b, r]].float()])
+                values = torch.cat([v[b, g][kv_mask[b, g]].float(), v_extra[b, g][extra_mask[b, r]].float()])
                 if keys.shape[0] == 0:
                     continue                                  # defined behaviour: zeros
                 weights = torch.softmax(keys @ q[b, r, h].float() * scale, dim=0)

@@ -12,6 +12,8 @@ def _update_summaries_impl(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.T
     T = keys.shape[0]
     if T == 0:
         return
+    if keys.dtype != kmin.dtype:     # fp16 / bf16 keys (the KV cache's storage) into fp32 summaries:
+        keys = keys.to(kmin.dtype)   # widening is exact, so min/max stay exact
     # Work on the touched blocks only: the pool may hold ~1e6 blocks, a step touches ~B.
     blocks, slot = torch.unique(block_ids, return_inverse=True)         # [U], [T]
     if blocks.numel() == T:
@@ -46,6 +48,9 @@ def _update_summaries_fake(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.T
     return None
 
 
+NARROW_KEY_DTYPES = (torch.float16, torch.bfloat16)   # keys folded into float32 summaries
+
+
 define_op("update_summaries", _update_summaries_impl, _update_summaries_fake, mutates_args=("kmin", "kmax"))
 
 
@@ -61,8 +66,9 @@ def update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.Tensor,
     ----------
     kmin, kmax : Tensor, [num_blocks, KVH, D], float32/float16/bfloat16
         One layer's summaries; modified in place for the touched blocks only.
-    keys : Tensor, [T, KVH, D], dtype of ``kmin``
-        The appended post-RoPE keys.
+    keys : Tensor, [T, KVH, D], dtype of ``kmin``, or float16 / bfloat16 into float32 summaries
+        The appended post-RoPE keys (e.g. as the KV cache stores them); narrower keys are widened
+        first, which is exact: the summaries hold exactly the stored keys' min/max.
     block_ids : Tensor, [T], int64
         Block of each key, in ``[0, num_blocks)``.
     block_offsets : Tensor, [T], int64
@@ -74,7 +80,10 @@ def update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.Tensor,
     check_same("kmax", kmax, "kmin", kmin)
     check_shape("kmax", kmax, kmin.shape, "[num_blocks, KVH, D] like kmin")
     check_tensor("keys", keys, 3, FLOAT_DTYPES)
-    check_same("keys", keys, "kmin", kmin)
+    if keys.device != kmin.device:
+        fail("keys", f"device {keys.device} differs from kmin's {kmin.device}")
+    if keys.dtype != kmin.dtype and not (kmin.dtype == torch.float32 and keys.dtype in NARROW_KEY_DTYPES):
+        fail("keys", f"dtype {keys.dtype}: must be kmin's {kmin.dtype}, or float16 / bfloat16 into float32 summaries")
     if keys.shape[1:] != kmin.shape[1:]:
         fail("keys", f"expected [T, KVH, D] with (KVH, D) = {tuple(kmin.shape[1:])}, got {tuple(keys.shape)}")
     T = keys.shape[0]
@@ -88,4 +97,6 @@ def update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.Tensor,
     if check_indices:
         check_range("block_ids", block_ids, 0, kmin.shape[0])
         check_range("block_offsets", block_offsets, 0)
+    if keys.dtype != kmin.dtype and kmin.device.type != "cpu":
+        keys = keys.to(kmin.dtype)   # the CUDA kernel reads keys as kmin's dtype: widen here (T rows)
     torch.ops.lookahead.update_summaries(kmin, kmax, keys, block_ids, block_offsets)

@@ -307,7 +307,10 @@ def test_dense_backend_batches_decode_rows_into_one_paged_call(monkeypatch):
     real = cpu.attention_paged
     monkeypatch.setattr(cpu, "attention_paged", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
     attn = DenseAttention(pool, 0.125)
-    attn.batch = batch
+    if hasattr(attn, "step"):            # one step's backend, the batch its argument
+        attn = attn.step(batch)
+    else:
+        attn.batch = batch
     out = attn.forward(1, q, k, v)
     assert calls == [[2, 20]]                                       # the two runs, one call
     for it in items:

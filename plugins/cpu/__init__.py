@@ -1,4 +1,5 @@
-"""CPU kernels (C, AVX2 + FMA) for the decode step: linear.c, attention.c, topk.c (the ops' math),
+"""CPU kernels (C, AVX2 + FMA + F16C) for the decode step: linear.c, linear_int8.c (weight-only int8),
+attention.c (fp32 / fp16 / bf16 K/V), topk.c (the ops' math),
 elementwise.c (the decoder layer's RMSNorm), all wrapped by ops.py,
 and residency.c (the lookahead runtime's slot planning and block copies, wrapped by
 bookkeeping.py); loader.py builds them on first use."""

@@ -1,14 +1,37 @@
 /* lkv_attention: lookahead_attention's math (plugins/attention.py). Per (sequence, KV head) the
  * R*G query rows of the GQA group score the visible gathered keys and the visible extra keys,
  * softmax in fp32, and sum the values; masked keys are never read. Also dense decode attention
- * (runtime/attention_dense.py: one row, every key visible, no extras). */
+ * (runtime/attention_dense.py: one row, every key visible, no extras).
+ *
+ * The gathered K/V may be stored as fp32, fp16 or bf16 (kv_dtype, KV_*): 16-bit rows are widened
+ * to fp32 as they are loaded (F16C's vcvtph2ps; bf16 by a shift), so a key costs half the bytes
+ * and the math is the fp32 math on the widened values. Queries, extra keys and the output are
+ * fp32. Each storage type is its own instantiation of the same inlined code (T a constant). */
 #include "common.h"
+
+#define KV_F32 0
+#define KV_F16 1
+#define KV_BF16 2
+
+/* eight K/V elements from element i of a row of storage type T, as fp32 */
+static inline __attribute__((always_inline)) __m256 ld_kv(const void *row, int64_t i, int T) {
+    if (T == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    if (T == KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
+    return _mm256_loadu_ps((const float *)row + i);
+}
+
+/* element i of K/V storage of type T */
+static inline __attribute__((always_inline)) const void *kv_at(const void *base, int64_t i, int T) {
+    return (const char *)base + i * (T == KV_F32 ? 4 : 2);
+}
 
 /* Scores of NR (<= 3, a constant once inlined) query rows against four key rows: twelve
  * independent FMA chains over D with the query chunks in registers and each key chunk loaded
  * once (16 ymm registers in all), then a hadd reduction per row giving its four scores. */
-static inline __attribute__((always_inline)) void qk_block(const float *q, int NR, const float *const *kr,
-                                                           int64_t D, float *s, int64_t ss) {
+static inline __attribute__((always_inline)) void qk_block(const float *q, int NR, const void *const *kr,
+                                                           int64_t D, float *s, int64_t ss, int T) {
     __m256 a[3][4];
     for (int r = 0; r < NR; r++)
         for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
@@ -16,7 +39,7 @@ static inline __attribute__((always_inline)) void qk_block(const float *q, int N
         __m256 qv[3];
         for (int r = 0; r < NR; r++) qv[r] = _mm256_loadu_ps(q + r * D + d);
         for (int j = 0; j < 4; j++) {
-            const __m256 kv = _mm256_loadu_ps(kr[j] + d);
+            const __m256 kv = ld_kv(kr[j], d, T);
             for (int r = 0; r < NR; r++) a[r][j] = _mm256_fmadd_ps(qv[r], kv, a[r][j]);
         }
     }
@@ -29,22 +52,22 @@ static inline __attribute__((always_inline)) void qk_block(const float *q, int N
 /* acc rows o[r] (r < NR <= 3) += sum_i p[r * ps + i] * v_i over tn value rows, 32 columns from d:
  * twelve accumulators in registers across the tile, three broadcasts and four loads per key. The
  * same columns of the next tile's rows vb + nvis[i] * D (i < tnn) are prefetched along the way. */
-static inline __attribute__((always_inline)) void pv_block(const float *p, int64_t ps, int NR, const float *const *vr,
+static inline __attribute__((always_inline)) void pv_block(const float *p, int64_t ps, int NR, const void *const *vr,
                                                            int tn, int64_t d, float *o, int64_t D,
-                                                           const float *vb, const int32_t *nvis, int tnn) {
+                                                           const void *vb, const int32_t *nvis, int tnn, int T) {
     __m256 x[3][4];
     for (int r = 0; r < NR; r++)
         for (int c = 0; c < 4; c++) x[r][c] = _mm256_loadu_ps(o + r * D + d + 8 * c);
     for (int i = 0; i < tn; i++) {
         __m256 w[3];
         for (int r = 0; r < NR; r++) w[r] = _mm256_broadcast_ss(p + r * ps + i);
-        const float *v = vr[i] + d;
         if (i < tnn) {                           /* one row a key, spread out: a burst would stall */
-            const char *pf = (const char *)(vb + (int64_t)nvis[i] * D + d);
-            _mm_prefetch(pf, _MM_HINT_T0); _mm_prefetch(pf + 64, _MM_HINT_T0);
+            const char *pf = (const char *)kv_at(vb, (int64_t)nvis[i] * D + d, T);
+            _mm_prefetch(pf, _MM_HINT_T0);
+            if (T == KV_F32) _mm_prefetch(pf + 64, _MM_HINT_T0);    /* 32 columns: 128 or 64 bytes */
         }
         for (int c = 0; c < 4; c++) {
-            const __m256 vv = _mm256_loadu_ps(v + 8 * c);
+            const __m256 vv = ld_kv(vr[i], d + 8 * c, T);
             for (int r = 0; r < NR; r++) x[r][c] = _mm256_fmadd_ps(w[r], vv, x[r][c]);
         }
     }
@@ -69,24 +92,25 @@ static float dot1(const float *a, const float *b, int64_t D) {
  * out rows at orow[rg]. With ml, row rg's softmax max and denominator go to ml[rg * mls] and
  * ml[rg * mls + 1] (to merge key ranges: attention_impl). Scratch: s [RG, nv8], acc [RG, D]. D is a
  * multiple of 32. */
-static void attend_one(const float *qs, int RG, int G, const float *kb, const float *vb, const int32_t *vis,
-                       int64_t nv, const float *xk, int64_t xks, const float *xv, int64_t xvs, const uint8_t *xvis, int64_t E,
-                       int64_t D, float *const *orow, float *s, int64_t nv8, float *acc, float *ml, int64_t mls) {
+static inline __attribute__((always_inline)) void attend_one(
+        const float *qs, int RG, int G, const void *kb, const void *vb, const int32_t *vis, int64_t nv, const float *xk,
+        int64_t xks, const float *xv, int64_t xvs, const uint8_t *xvis, int64_t E, int64_t D, float *const *orow,
+        float *s, int64_t nv8, float *acc, float *ml, int64_t mls, int T) {
     /* Q K^T, four keys at a time (past nv the last key repeats: its score is a real one, so the
      * padded row max is unchanged, and the padding is dropped below); the four key rows are read
      * from memory once and from L1 by the other row groups, the rows QK_PF keys on prefetched */
     for (int64_t t = 0; t < nv; t += 4) {
-        const float *kr[4];
-        for (int i = 0; i < 4; i++) kr[i] = kb + (int64_t)vis[t + i < nv ? t + i : nv - 1] * D;
+        const void *kr[4];
+        for (int i = 0; i < 4; i++) kr[i] = kv_at(kb, (int64_t)vis[t + i < nv ? t + i : nv - 1] * D, T);
         if (t + QK_PF + 4 <= nv)
             for (int i = 0; i < 4; i++) {
-                const char *pf = (const char *)(kb + (int64_t)vis[t + QK_PF + i] * D);
-                for (int64_t c = 0; c < D * 4; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+                const char *pf = (const char *)kv_at(kb, (int64_t)vis[t + QK_PF + i] * D, T);
+                for (int64_t c = 0; c < D * (T == KV_F32 ? 4 : 2); c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
             }
         int rg = 0;
-        for (; rg + 3 <= RG; rg += 3) qk_block(qs + rg * D, 3, kr, D, s + rg * nv8 + t, nv8);
-        if (RG - rg == 2) qk_block(qs + rg * D, 2, kr, D, s + rg * nv8 + t, nv8);
-        else if (RG - rg == 1) qk_block(qs + rg * D, 1, kr, D, s + rg * nv8 + t, nv8);
+        for (; rg + 3 <= RG; rg += 3) qk_block(qs + rg * D, 3, kr, D, s + rg * nv8 + t, nv8, T);
+        if (RG - rg == 2) qk_block(qs + rg * D, 2, kr, D, s + rg * nv8 + t, nv8, T);
+        else if (RG - rg == 1) qk_block(qs + rg * D, 1, kr, D, s + rg * nv8 + t, nv8, T);
     }
     const int64_t nv4 = (nv + 3) & ~(int64_t)3;
     float xp[64 * 8], inv[64];                           /* extra keys' weights, 1 / denominators */
@@ -121,8 +145,8 @@ static void attend_one(const float *qs, int RG, int G, const float *kb, const fl
     for (int64_t i = 0; i < RG * D; i++) acc[i] = 0.0f;
     for (int64_t t = 0; t < nv; t += PV_TILE) {
         const int tn = nv - t < PV_TILE ? (int)(nv - t) : PV_TILE;
-        const float *vr[PV_TILE];
-        for (int i = 0; i < tn; i++) vr[i] = vb + (int64_t)vis[t + i] * D;
+        const void *vr[PV_TILE];
+        for (int i = 0; i < tn; i++) vr[i] = kv_at(vb, (int64_t)vis[t + i] * D, T);
         /* the next tile's rows, prefetched by the first row group's passes */
         const int64_t left = nv - t - PV_TILE;
         const int tnn = left < 0 ? 0 : left < PV_TILE ? (int)left : PV_TILE;
@@ -130,10 +154,10 @@ static void attend_one(const float *qs, int RG, int G, const float *kb, const fl
         int rg = 0;
         for (; rg + 3 <= RG; rg += 3)
             for (int64_t d = 0; d < D; d += 32)
-                pv_block(s + rg * nv8 + t, nv8, 3, vr, tn, d, acc + rg * D, D, vb, nvis, rg == 0 ? tnn : 0);
+                pv_block(s + rg * nv8 + t, nv8, 3, vr, tn, d, acc + rg * D, D, vb, nvis, rg == 0 ? tnn : 0, T);
         for (int64_t d = 0; d < D; d += 32) {
-            if (RG - rg == 2) pv_block(s + rg * nv8 + t, nv8, 2, vr, tn, d, acc + rg * D, D, vb, nvis, rg == 0 ? tnn : 0);
-            else if (RG - rg == 1) pv_block(s + rg * nv8 + t, nv8, 1, vr, tn, d, acc + rg * D, D, vb, nvis, rg == 0 ? tnn : 0);
+            if (RG - rg == 2) pv_block(s + rg * nv8 + t, nv8, 2, vr, tn, d, acc + rg * D, D, vb, nvis, rg == 0 ? tnn : 0, T);
+            else if (RG - rg == 1) pv_block(s + rg * nv8 + t, nv8, 1, vr, tn, d, acc + rg * D, D, vb, nvis, rg == 0 ? tnn : 0, T);
         }
     }
     for (int rg = 0; rg < RG; rg++) {
@@ -145,6 +169,17 @@ static void attend_one(const float *qs, int RG, int G, const float *kb, const fl
         for (int64_t d = 0; d < D; d++) o[d] = a[d] * inv[rg];
     }
 }
+
+/* attend_one per K/V storage type: one copy of the loops each, the loads and prefetches their own */
+#define ATTEND_ARGS const float *qs, int RG, int G, const void *kb, const void *vb, const int32_t *vis, int64_t nv, \
+    const float *xk, int64_t xks, const float *xv, int64_t xvs, const uint8_t *xvis, int64_t E, int64_t D,          \
+    float *const *orow, float *s, int64_t nv8, float *acc, float *ml, int64_t mls
+#define ATTEND_CALL(T) attend_one(qs, RG, G, kb, vb, vis, nv, xk, xks, xv, xvs, xvis, E, D, orow, s, nv8, acc, ml, mls, T)
+static void attend_f32(ATTEND_ARGS) { ATTEND_CALL(KV_F32); }
+static void attend_f16(ATTEND_ARGS) { ATTEND_CALL(KV_F16); }
+static void attend_bf16(ATTEND_ARGS) { ATTEND_CALL(KV_BF16); }
+#undef ATTEND_ARGS
+#undef ATTEND_CALL
 
 /* The visible key ids of one mask row; 32 bytes at a time, a run of all-visible bytes (the usual
  * case) written as consecutive ids without a per-key branch. Returns their number. */
@@ -182,7 +217,7 @@ static int64_t key_splits(int64_t units, int64_t N, int nthreads) {
  * when boff is given, else b * ksb. With C > 1 key ranges, each (unit, range) is attended on its
  * own (the extra keys go with range 0) into part [units * C, RG, 2 + D] = (max, denominator,
  * normalised row), and the ranges are merged: out = sum_c l_c e^(m_c - M) o_c / sum_c l_c e^(m_c - M). */
-static int attention_impl(const float *q, const float *k, const float *v, const int64_t *boff, int64_t ksb,
+static int attention_impl(const float *q, const void *k, const void *v, int kv_dtype, const int64_t *boff, int64_t ksb,
                           int64_t ksh, const uint8_t *kv_mask, const float *kx, int64_t xksb, int64_t xksh,
                           int64_t xkse, const float *vx, int64_t xvsb, int64_t xvsh, int64_t xvse,
                           const uint8_t *extra_mask, float *out, int64_t B, int64_t R, int64_t H, int64_t KVH,
@@ -214,9 +249,13 @@ static int attention_impl(const float *q, const float *k, const float *v, const 
                     orow[rg] = ml ? ml + rg * mls + 2 : out + ((b * R + r) * H + h * G + g) * D;
                 }
                 const int64_t kofs = (boff ? boff[b] : b * ksb) + h * ksh + n0 * D;
-                attend_one(qs, RG, G, k + kofs, v + kofs, vis, nv,
-                           kx + b * xksb + h * xksh, xkse, vx + b * xvsb + h * xvsh, xvse, extra_mask + b * R * E,
-                           c == 0 ? E : 0, D, orow, s, nv8, qs + RG * D, ml, mls);
+                void (*attend)(const float *, int, int, const void *, const void *, const int32_t *, int64_t,
+                               const float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, int64_t,
+                               float *const *, float *, int64_t, float *, float *, int64_t) =
+                    kv_dtype == KV_F16 ? attend_f16 : kv_dtype == KV_BF16 ? attend_bf16 : attend_f32;
+                attend(qs, RG, G, kv_at(k, kofs, kv_dtype), kv_at(v, kofs, kv_dtype), vis, nv,
+                       kx + b * xksb + h * xksh, xkse, vx + b * xvsb + h * xvsh, xvse, extra_mask + b * R * E,
+                       c == 0 ? E : 0, D, orow, s, nv8, qs + RG * D, ml, mls);
             }
             if (C > 1) {
 #pragma omp for schedule(static)
@@ -250,25 +289,30 @@ static int attention_impl(const float *q, const float *k, const float *v, const 
     return failed ? -1 : 0;
 }
 
-/* q, out [B, R, H, D] contiguous; k, v rows of D floats at k + b*ksb + h*ksh + n*D (same strides
- * for v); kv_mask [B, KVH, N] bytes; k_extra rows at kx + b*xksb + h*xksh + e*xkse (v_extra
- * likewise with its own strides);
- * extra_mask [B, R, E] bytes (E <= 8). Returns 0, or -1 when scratch memory ran out. */
-int lkv_attention(const float *q, const float *k, const float *v, int64_t ksb, int64_t ksh,
+/* q, out [B, R, H, D] contiguous fp32; k, v rows of D elements of type kv_dtype (KV_F32, KV_F16,
+ * KV_BF16) at k + b*ksb + h*ksh + n*D (same strides for v, in elements); kv_mask [B, KVH, N]
+ * bytes; k_extra rows (fp32) at kx + b*xksb + h*xksh + e*xkse (v_extra likewise with its own
+ * strides); extra_mask [B, R, E] bytes (E <= 8). Returns 0, -1 when scratch memory ran out, -2
+ * for an unknown kv_dtype. */
+int lkv_attention(const float *q, const void *k, const void *v, int64_t ksb, int64_t ksh,
                   const uint8_t *kv_mask, const float *kx, int64_t xksb, int64_t xksh, int64_t xkse,
                   const float *vx, int64_t xvsb, int64_t xvsh, int64_t xvse, const uint8_t *extra_mask, float *out, int64_t B, int64_t R, int64_t H,
-                  int64_t KVH, int64_t N, int64_t E, int64_t D, float scale, int nthreads) {
-    return attention_impl(q, k, v, NULL, ksb, ksh, kv_mask, kx, xksb, xksh, xkse, vx, xvsb, xvsh, xvse,
+                  int64_t KVH, int64_t N, int64_t E, int64_t D, float scale, int nthreads, int kv_dtype) {
+    if (kv_dtype < KV_F32 || kv_dtype > KV_BF16) return -2;
+    return attention_impl(q, k, v, kv_dtype, NULL, ksb, ksh, kv_mask, kx, xksb, xksh, xkse, vx, xvsb, xvsh, xvse,
                           extra_mask, out, B, R, H, KVH, N, E, D, scale, nthreads);
 }
 
 /* Dense decode attention of B sequences in one call (runtime/attention_dense.py): q, out [B, H, D]
- * contiguous, one row each; sequence b's keys at k + boff[b] + h*ksh + n*D (v alike), visible
- * where kv_mask [B, KVH, N] says (its first lens[b] keys); no extra keys. Returns 0 or -1. */
-int lkv_attention_paged(const float *q, const float *k, const float *v, const int64_t *boff, int64_t ksh,
+ * contiguous fp32, one row each; sequence b's keys (kv_dtype, as lkv_attention) at k + boff[b] +
+ * h*ksh + n*D elements (v alike), visible where kv_mask [B, KVH, N] says (its first lens[b]
+ * keys); no extra keys. Returns 0, -1 or -2 (as lkv_attention). */
+int lkv_attention_paged(const float *q, const void *k, const void *v, const int64_t *boff, int64_t ksh,
                         const uint8_t *kv_mask, float *out, int64_t B, int64_t H, int64_t KVH, int64_t N,
-                        int64_t D, float scale, int nthreads) {
+                        int64_t D, float scale, int nthreads, int kv_dtype) {
     static const uint8_t no_extra[1] = {0};
-    return attention_impl(q, k, v, boff, 0, ksh, kv_mask, k, 0, 0, 0, v, 0, 0, 0, no_extra, out, B, 1, H, KVH,
-                          N, 0, D, scale, nthreads);
+    static const float no_key[1] = {0.0f};
+    if (kv_dtype < KV_F32 || kv_dtype > KV_BF16) return -2;
+    return attention_impl(q, k, v, kv_dtype, boff, 0, ksh, kv_mask, no_key, 0, 0, 0, no_key, 0, 0, 0, no_extra, out,
+                          B, 1, H, KVH, N, 0, D, scale, nthreads);
 }

@@ -1,7 +1,7 @@
-/* Shared by the CPU kernels (the .c files of plugins/cpu): AVX2 + FMA, fp32. Each kernel is built by
- * plugins/cpu/loader.py on first use with the machine's compiler and called through ctypes with
- * raw pointers, which the Python side checks (dtype, contiguity, strides); nthreads > 1 splits a
- * kernel's outer loop with OpenMP. */
+/* Shared by the CPU kernels (the .c files of plugins/cpu): AVX2 + FMA (+ F16C for 16-bit K/V), fp32
+ * math. Each kernel is built by plugins/cpu/loader.py on first use with the machine's compiler and
+ * called through ctypes with raw pointers, which the Python side checks (dtype, contiguity,
+ * strides); nthreads > 1 splits a kernel's outer loop with OpenMP. */
 #ifndef LKV_COMMON_H
 #define LKV_COMMON_H
 #include <immintrin.h>

@@ -1,8 +1,8 @@
 """Build plugins/cpu/*.c with the machine's C compiler on first use and bind it with ctypes.
 
 The library lands in build/cpu/ (git-ignored), named by a hash of the source and flags, so an
-edited kernel is rebuilt and a stale one never loaded. It needs AVX2 and FMA (x86-64 since
-2013); without them, a compiler, or with LOOKAHEAD_CPU_KERNELS=0 in the environment, `library()`
+edited kernel is rebuilt and a stale one never loaded. It needs AVX2, FMA and F16C (x86-64
+since 2013); without them, a compiler, or with LOOKAHEAD_CPU_KERNELS=0 in the environment, `library()`
 returns None with the reason in `unavailable_reason()` and callers use the torch paths.
 """
 from __future__ import annotations
@@ -21,10 +21,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("linear.c", "attention.c", "topk.c", "residency.c", "elementwise.c")]
+           for name in ("linear.c", "linear_int8.c", "attention.c", "topk.c", "residency.c", "elementwise.c")]
 HEADERS = [Path(__file__).with_name("common.h")]
 BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cpu"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
 ENV_SWITCH = "LOOKAHEAD_CPU_KERNELS"
 
 _lock = threading.Lock()
@@ -33,10 +33,11 @@ _state: dict[str, object] = {}
 _i64, _p, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {       # (restype, argtypes) of each kernel; see the C sources for the arguments
     "lkv_linear_packed": (None, [_p, _i64, _i64, _p, _i64, _p, _p, _int]),
+    "lkv_linear_int8": (None, [_p, _i64, _i64, _p, _i64, _p, _p, _p, _int]),
     "lkv_block_topk": (_int, [_p, _p, _p, _i64, _p] + [_i64] * 9 + [_int, _p, _p, _int]),
     "lkv_attention": (_int, [_p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _p]
-                      + [_i64] * 7 + [ctypes.c_float, _int]),
-    "lkv_attention_paged": (_int, [_p, _p, _p, _p, _i64, _p, _p] + [_i64] * 5 + [ctypes.c_float, _int]),
+                      + [_i64] * 7 + [ctypes.c_float, _int, _int]),
+    "lkv_attention_paged": (_int, [_p, _p, _p, _p, _i64, _p, _p] + [_i64] * 5 + [ctypes.c_float, _int, _int]),
     "lkv_rmsnorm": (None, [_p, _i64, _p, ctypes.c_float, _p, _i64, _i64, _i64]),
     "lkv_plan": (_i64, [_p] * 4 + [_i64] * 5 + [_p, _p] + [_i64] * 3 + [_p] * 4),
     "lkv_copy_blocks": (_int, [_p] * 2 + [_i64] * 2 + [_p] * 2 + [_i64] * 3 + [_p] * 5 + [_i64] * 6),
@@ -59,7 +60,7 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError(f"disabled by {ENV_SWITCH}=0")
     if platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"the kernels are x86-64 AVX2 code; this machine is {platform.machine()}")
-    missing = {"avx2", "fma"} - _cpu_flags()
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
     if missing:
         raise RuntimeError(f"the CPU lacks {', '.join(sorted(missing))}")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

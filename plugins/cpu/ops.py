@@ -1,6 +1,8 @@
-"""torch-facing wrappers of linear.c, attention.c and topk.c: each checks what its kernel assumes.
+"""torch-facing wrappers of linear.c, linear_int8.c, attention.c and topk.c: each checks what its
+kernel assumes.
 
-`linear` falls back to `F.linear` itself; `attention` and `block_topk` are called by the ops
+`linear` falls back to `F.linear` itself, `linear_int8` to a chunked dequantization into it;
+`attention` and `block_topk` are called by the ops
 (plugins/attention.py, plugins/topk.py) only where `*_supported` says yes, else the ops run
 their torch paths. All follow torch's intra-op thread count.
 """
@@ -15,6 +17,8 @@ from torch._C._autograd import _profiler_enabled
 from .loader import library
 
 MAX_LINEAR_ROWS = 16       # above this BLAS's own GEMM is as good (scripts/bench_kernels.py)
+MAX_INT8_ROWS = 16         # linear_int8: the C kernel up to here, chunked dequantization + BLAS above
+DEQUANT_CHUNK_BYTES = 1 << 20   # fp32 bytes of weight dequantized at a time by linear_int8's torch path
 MAX_EXTRA_KEYS = 8         # attention.c keeps an extra key's score on the stack
 MAX_GROUP_ROWS = 64        # R * H / KVH query rows per KV head, likewise
 
@@ -66,28 +70,75 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
+def _linear_int8_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """linear_int8 in torch: the weight dequantized to x's dtype, DEQUANT_CHUNK_BYTES of it at a
+    time, each chunk through F.linear (BLAS's GEMM: what many rows, a prefill, want), so a big
+    weight (the tied LM head) never has a full fp32 copy."""
+    N, K = qweight.shape
+    chunk = max(8, DEQUANT_CHUNK_BYTES // (4 * max(K, 1)))
+    if N <= chunk or (torch.is_grad_enabled() and x.requires_grad):
+        return F.linear(x, qweight.to(x.dtype) * scale[:, None].to(x.dtype), bias)
+    out = x.new_empty(*x.shape[:-1], N)
+    buf = x.new_empty(chunk, K)
+    s = scale.to(x.dtype)[:, None]
+    for n0 in range(0, N, chunk):
+        n1 = min(N, n0 + chunk)
+        w = buf[:n1 - n0].copy_(qweight[n0:n1]).mul_(s[n0:n1])        # ~1.5x torch.mul(q, s, out=)
+        out[..., n0:n1] = F.linear(x, w, None if bias is None else bias[n0:n1])
+    return out
+
+
 def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """Weight-only int8 linear (contract: `plugins.reference.linear_int8_ref`): x [M, K] fp32,
-    qweight [N, K] int8, scale [N] fp32 per output channel, bias [N] | None -> [M, N] fp32.
-    Placeholder until the C kernel lands: dequantize, then F.linear."""
-    return F.linear(x, qweight.to(x.dtype) * scale[:, None].to(x.dtype), bias)
+    qweight [N, K] int8, scale [N] fp32 per output channel, bias [N] | None -> [M, N] fp32
+    = (x @ qweight.T) * scale + bias.
+
+    At most MAX_INT8_ROWS rows of fp32 CPU x: one C call (plugins/cpu/linear_int8.c) that reads
+    the int8 weight where it lies (row-major [N, K], no packed copy; a non-contiguous one is
+    copied first). Anything else (more rows, other dtypes or devices, autograd): the weight
+    dequantized in chunks, through F.linear."""
+    lib = library()
+    if (lib is None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_INT8_ROWS or x.dtype != torch.float32
+            or qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.shape[1] != x.shape[1]
+            or scale.dtype != torch.float32 or scale.shape != (qweight.shape[0],)
+            or x.device.type != "cpu" or qweight.device.type != "cpu" or scale.device.type != "cpu"
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (qweight.shape[0],)
+                                      or bias.device.type != "cpu"))
+            or (torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad
+                                             or (bias is not None and bias.requires_grad)))):
+        return _linear_int8_torch(x, qweight, scale, bias)       # including torch's own shape errors
+    x, qweight, scale = x.contiguous(), qweight.contiguous(), scale.contiguous()
+    (M, K), N = x.shape, qweight.shape[0]
+    y = torch.empty(M, N, dtype=torch.float32)
+    with traced("linear_int8"):
+        lib.lkv_linear_int8(x.data_ptr(), M, K, qweight.data_ptr(), N, scale.data_ptr(),
+                            bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(),
+                            torch.get_num_threads())
+    return y
+
+
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # attention.c's kv_dtype codes (KV_*)
 
 
 def attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_extra: torch.Tensor,
                         v_extra: torch.Tensor, kv_mask: torch.Tensor | None = None,
                         extra_mask: torch.Tensor | None = None) -> bool:
-    """Whether `attention` runs these arguments: fp32 on CPU, D a multiple of 32, K/V rows
-    contiguous with one stride pattern for K and V, extra rows contiguous, few extra keys and rows,
-    and every shape consistent (the raw `torch.ops.lookahead` entry does not validate: anything
-    else goes to the torch path, which raises its own errors, never to a kernel reading out of
-    bounds). The masks, when given, must be bool of shape [B, KVH, N] and [B, R, E]."""
+    """Whether `attention` runs these arguments: on CPU, q fp32, K/V stored as fp32, fp16 or bf16
+    (one dtype for both), the extra keys fp32 or K's dtype, D a multiple of 32, K/V rows contiguous
+    with one stride pattern for K and V, extra rows contiguous, few extra keys and rows, and every
+    shape consistent (the raw `torch.ops.lookahead` entry does not validate: anything else goes to
+    the torch path, which raises its own errors, never to a kernel reading out of bounds). The
+    masks, when given, must be bool of shape [B, KVH, N] and [B, R, E]."""
     if q.dim() != 4 or k.dim() != 4 or k_extra.dim() != 4:
         return False
     B, R, H, D = q.shape
     kvh, N, E = k.shape[1], k.shape[2], k_extra.shape[2]
     return (library() is not None and q.device.type == "cpu" and kvh > 0 and H % kvh == 0
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v, k_extra, v_extra))
+            and q.dtype == torch.float32 and k.dtype in KV_DTYPES and v.dtype == k.dtype
+            and all(t.dtype in (torch.float32, k.dtype) for t in (k_extra, v_extra))
+            and all(t.device.type == "cpu" for t in (k, v, k_extra, v_extra))
             and k.shape == v.shape == (B, kvh, N, D) and k_extra.shape == v_extra.shape == (B, kvh, E, D)
             and (kv_mask is None or (kv_mask.dtype == torch.bool and kv_mask.shape == (B, kvh, N)))
             and (extra_mask is None or (extra_mask.dtype == torch.bool and extra_mask.shape == (B, R, E)))
@@ -99,17 +150,23 @@ def attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ext
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor, k_extra: torch.Tensor,
               v_extra: torch.Tensor, extra_mask: torch.Tensor, scale: float) -> torch.Tensor:
     """lookahead_attention's math in one C call (shapes as in plugins.attention; the caller has
-    checked them and `attention_supported`)."""
+    checked them and `attention_supported`). fp16 / bf16 K/V are read as they are stored and
+    widened in the kernel; 16-bit extra keys (a few rows) are widened here. -> fp32."""
     B, R, H, D = q.shape
     kvh, N, E = k.shape[1], k.shape[2], k_extra.shape[2]
     q = q.contiguous()
     kv_mask, extra_mask = kv_mask.contiguous(), extra_mask.contiguous()
+    if k_extra.dtype != torch.float32:
+        k_extra = k_extra.float()
+    if v_extra.dtype != torch.float32:
+        v_extra = v_extra.float()
     out = torch.empty(B, R, H, D, dtype=torch.float32)
     with traced("attention"):
         rc = library().lkv_attention(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), kv_mask.data_ptr(),
             k_extra.data_ptr(), *k_extra.stride()[:3], v_extra.data_ptr(), *v_extra.stride()[:3],
-            extra_mask.data_ptr(), out.data_ptr(), B, R, H, kvh, N, E, D, float(scale), torch.get_num_threads())
+            extra_mask.data_ptr(), out.data_ptr(), B, R, H, kvh, N, E, D, float(scale), torch.get_num_threads(),
+            KV_DTYPES[k.dtype])
     if rc != 0:
         raise MemoryError("lookahead_attention (CPU kernel): scratch allocation failed")
     return out
@@ -127,15 +184,17 @@ def attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: l
     """Dense decode attention of B sequences in one C call, over their K/V where they lie in one
     layer of the KV pool: q [B, H, D] (one row each), k, v [KVH, num_blocks, block_size, D]
     (contiguous), sequence b's keys the `lens[b]` tokens from block `starts[b]` on (one run of
-    blocks). `mask`: `paged_mask(lens, KVH)`, when the caller keeps it across layers. -> [B, H, D],
-    or None where the kernel does not take these arguments (the caller's per-sequence path runs)."""
+    blocks). q fp32; the pool fp32, fp16 or bf16 (read as stored, widened in the kernel). `mask`:
+    `paged_mask(lens, KVH)`, when the caller keeps it across layers. -> [B, H, D] fp32, or None
+    where the kernel does not take these arguments (the caller's per-sequence path runs)."""
     if q.dim() != 3 or k.dim() != 4 or library() is None:
         return None
     B, H, D = q.shape
     kvh, nb, bs, _ = k.shape
     if not (len(starts) == len(lens) == B > 0 and kvh > 0 and H % kvh == 0 and H // kvh <= MAX_GROUP_ROWS
             and D % 32 == 0 and k.shape[3] == D and v.shape == k.shape
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+            and q.dtype == torch.float32 and k.dtype in KV_DTYPES and v.dtype == k.dtype
+            and all(t.device.type == "cpu" for t in (q, k, v))
             and k.is_contiguous() and v.is_contiguous()
             and all(0 <= s and 0 < n and s * bs + n <= nb * bs for s, n in zip(starts, lens))):
         return None
@@ -150,7 +209,7 @@ def attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: l
     with traced("attention_paged"):
         rc = library().lkv_attention_paged(q.data_ptr(), k.data_ptr(), v.data_ptr(), base.data_ptr(), nb * bs * D,
                                            mask.data_ptr(), out.data_ptr(), B, H, kvh, mask.shape[2], D,
-                                           float(scale), torch.get_num_threads())
+                                           float(scale), torch.get_num_threads(), KV_DTYPES[k.dtype])
     if rc != 0:
         raise MemoryError("attention_paged (CPU kernel): scratch allocation failed")
     return out
