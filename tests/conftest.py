@@ -10,6 +10,16 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ENGINE = Path(os.environ.get("LOOKAHEAD_TEST_ENGINE", ROOT / "engines" / "default"))
 
 
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    """Tests set torch's thread count (the CPU kernels split their work by it); the suite's comes back after."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_config():
     from runtime.config import ModelConfig

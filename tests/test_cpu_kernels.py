@@ -23,14 +23,6 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.fixture(autouse=True)
-def restore_threads():
-    """Tests set torch's thread count (the kernels split their work by it); the suite's comes back after."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 16])
 @pytest.mark.parametrize("n_out,n_in", [(960, 576), (577, 100), (1, 8), (6, 3), (32, 1536), (40, 70), (8, 33)])
 @pytest.mark.parametrize("threads", [1, 2])

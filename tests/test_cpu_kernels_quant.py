@@ -29,13 +29,6 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.fixture(autouse=True)
-def restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def _int8_inputs(g, M, N, K):
     x = torch.randn(M, K, generator=g)
     q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)      # -128 included
