@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
+from .device import HOST_SYNCS, to_host
 
 
 class KVPool:
@@ -29,6 +30,7 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self.v = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self._staged: list[tuple] = []      # write_layers(..., blocking=False) not landed yet (settle)
         self.num_kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
 
     @property
@@ -41,10 +43,42 @@ class KVPool:
         return self.k.dtype
 
     def _here(self, k: torch.Tensor, v: torch.Tensor, *index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rows written from the device tier into a host pool: one blocking copy each, the K/V rows
-        rounded into the storage dtype on the way (both no-ops when they already match)."""
-        to = dict(device=self.k.device, dtype=self.k.dtype)
-        return (k.to(**to), v.to(**to), *(t.to(self.k.device) for t in index))
+        """Rows written from the device tier into a host pool: rounded into the storage dtype where
+        they are, then one blocking copy each, through runtime.device's seam (both no-ops when
+        they already match)."""
+        self.settle()
+        here = self.k.device
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if t.device == here:
+                return t
+            return to_host(t, "store (blocking)") if here.type == "cpu" else t.to(here)
+        return (move(k.to(self.k.dtype)), move(v.to(self.k.dtype)), *(move(t) for t in index))
+
+    def _stage(self, layers: slice, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor,
+               offsets: torch.Tensor) -> None:
+        """`write_layers` without a host sync: rows on a GPU are rounded there, copied down into
+        pinned memory asynchronously on the current stream, and scattered into the pool by
+        `settle`, after the copy's event (the indices are host tensors already)."""
+        rows = []
+        for t in (k, v):
+            host = torch.empty(t.shape, dtype=self.k.dtype, pin_memory=True)
+            host.copy_(t.to(self.k.dtype), non_blocking=True)
+            rows.append(host)
+        done = torch.cuda.Event()
+        done.record()
+        self.__dict__.setdefault("_staged", []).append((done, layers, rows[0], rows[1], block_ids, offsets))
+
+    def settle(self) -> None:
+        """Land every staged write (`write_layers(..., blocking=False)`) in the pool. Each waits for
+        its copy's event; a wait that would block is a host sync, counted as one."""
+        staged, self._staged = getattr(self, "_staged", []), []
+        for done, layers, k, v, block_ids, offsets in staged:
+            if not done.query():
+                HOST_SYNCS.note("store (staged rows still landing)")
+                done.synchronize()
+            self.k[layers, :, block_ids, offsets] = k.permute(0, 2, 1, 3)
+            self.v[layers, :, block_ids, offsets] = v.permute(0, 2, 1, 3)
 
     @property
     def block_bytes(self) -> int:
@@ -60,8 +94,14 @@ class KVPool:
         self.v[layer_idx, :, block_ids, offsets] = v.transpose(0, 1)
 
     def write_layers(self, layers: slice, k: torch.Tensor, v: torch.Tensor,
-                     block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
-        """Several layers in one copy: k, v [L', T, KVH, D] for layers `layers` (a slice)."""
+                     block_ids: torch.Tensor, offsets: torch.Tensor, blocking: bool = True) -> None:
+        """Several layers in one copy: k, v [L', T, KVH, D] for layers `layers` (a slice).
+        blocking=False: rows from a GPU into a host pool land at `settle` (no host sync here);
+        the index tensors must then be host tensors."""
+        if not blocking and k.is_cuda and self.k.device.type == "cpu":
+            assert block_ids.device.type == "cpu" and offsets.device.type == "cpu", "staged writes take host indices"
+            self._stage(layers, k, v, block_ids, offsets)
+            return
         k, v, block_ids, offsets = self._here(k, v, block_ids, offsets)
         self.k[layers, :, block_ids, offsets] = k.permute(0, 2, 1, 3)
         self.v[layers, :, block_ids, offsets] = v.permute(0, 2, 1, 3)
@@ -82,6 +122,7 @@ class KVPool:
 
         A contiguous run of block ids is a view (no copy); otherwise blocks are gathered once.
         """
+        self.settle()
         n = -(-length // self.block_size)
         ids = block_table[:n]
         kl, vl = self.k[layer_idx], self.v[layer_idx]

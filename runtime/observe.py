@@ -43,7 +43,10 @@ class Observer:
     def on_copy(self, job, urgent: bool) -> None:
         """Lookahead mode: a `CopyJob` (host pool -> device tier) handed to the transfer engine,
         just before `submit`. `urgent`: the step waits for it (a miss fetched before attention).
-        `job.tag` is (step, layer) or (step, layer, "fixed") for ping-pong's sink/window refill."""
+        `job.tag` is (step, layer) or (step, layer, "fixed") for ping-pong's sink/window refill.
+        `job.valid`: None (every entry is copied), or the mask of a fixed-capacity list's real
+        entries (lists made on the device without reading their length: count `valid`, not the
+        entries)."""
 
     def on_step_end(self, logits: dict[int, torch.Tensor]) -> None:
         """After the forward pass, before sampling: {seq_id: logits [vocab]} of the sequences that

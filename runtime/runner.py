@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .attention_dense import DenseAttention
+from .device import to_device
 from .kv_pool import KVPool
 from .model import LlamaModel
 from .observe import Observers
@@ -62,7 +63,8 @@ class DenseRunner:
             seq.num_cached += n
         out = {}
         if sampling:
-            last_rows = torch.tensor([it.row_start + it.num_tokens - 1 for _, it in sampling], device=hidden.device)
+            last_rows = to_device(hidden.device, torch.tensor([it.row_start + it.num_tokens - 1
+                                                               for _, it in sampling]))[0]   # no synchronous upload
             logits = self.model.logits(hidden[last_rows])                         # [S, vocab]
             out = {seq.seq_id: logits[i] for i, (seq, _) in enumerate(sampling)}
         if rec:

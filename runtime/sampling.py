@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .device import host_list, to_device
 from .errors import RequestError
 
 _M64 = (1 << 64) - 1
@@ -68,9 +69,13 @@ def _mix(seed: int, position: int) -> int:
 def position_noise(seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Gumbel(0, 1) noise [vocab_size] float64, the same for every call with (seed, position), on
     every device: drawn by a CPU generator (a CUDA one draws other numbers), then moved."""
+    return to_device(torch.device(device), _host_noise(seed, position, vocab_size))[0]
+
+
+def _host_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(_mix(seed, position))
     u = torch.rand(vocab_size, generator=gen, dtype=torch.float64)
-    return (-torch.log(-torch.log(u))).to(device, non_blocking=True)   # u = 0 gives -inf: never drawn
+    return -torch.log(-torch.log(u))                                    # u = 0 gives -inf: never drawn
 
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -95,17 +100,21 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: in
 
 def sample_rows(logits: torch.Tensor, draws: list[tuple[SamplingParams, int, int]]) -> list[int]:
     """One token per row of logits [N, vocab] (any device), row i drawn as `draws[i]` = (params,
-    seed, position) say; the draws run where the logits are, and the N ids come back to the host
-    in one copy."""
+    seed, position) say; the draws run where the logits are (the sampled rows' noise, drawn on
+    the host, goes there in one copy), and the N ids come back to the host in one copy: the
+    step's one read of the device (runtime/device.py, `to_host`)."""
     if not draws:
         return []
     tokens = torch.argmax(logits, dim=-1)                                  # [N]: the greedy rows
     sampled = [i for i, (params, _, _) in enumerate(draws) if not params.greedy]
-    for i in sampled:
-        params, seed, position = draws[i]
-        z = filtered_logits(logits[i], params)
-        tokens[i] = torch.argmax(z + position_noise(seed, position, z.shape[-1], z.device))
-    return tokens.tolist()
+    if sampled:
+        vocab = logits.shape[-1]
+        noise = to_device(logits.device, torch.stack([_host_noise(draws[i][1], draws[i][2], vocab)
+                                                      for i in sampled]))[0]
+        for row, i in enumerate(sampled):
+            z = filtered_logits(logits[i], draws[i][0])
+            tokens[i] = torch.argmax(z + noise[row])
+    return host_list(tokens, "sampled token ids")
 
 
 @dataclass

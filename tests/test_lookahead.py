@@ -90,7 +90,12 @@ class QuestReference:
     def __init__(self, pool, scale, top_k, sink, window_blocks, group_score="sum"):
         self.pool, self.scale, self.k, self.s, self.wb = pool, scale, top_k, sink, window_blocks
         self.group_score = group_score      # the GQA group's heads (dim 1 of sc): summed or their max
-        self.batch = None            # set by DenseRunner before each forward
+        self.batch = None            # the step's, from DenseRunner (`step`)
+
+    def step(self, batch):
+        """DenseRunner's per-step backend: this reference, with the step's batch."""
+        self.batch = batch
+        return self
 
     def forward(self, layer, q, k, v):
         b, bs = self.batch, self.pool.block_size
@@ -185,8 +190,11 @@ class CountingTransfer(SyncTransferEngine):
 
     def submit(self, job, urgent=False):
         ticket = self._account(job, urgent)
+        valid = job.valid.tolist() if job.valid is not None else [True] * job.num_units
         for src, dst in ((job.src_k, job.dst_k), (job.src_v, job.dst_v)):
-            for b, h, lane, h2, slot in zip(*(t.tolist() for t in (*job.src_index, *job.dst_index))):
+            for b, h, lane, h2, slot, ok in zip(*(t.tolist() for t in (*job.src_index, *job.dst_index)), valid):
+                if not ok:              # a fixed-capacity list's skipped entry
+                    continue
                 dst[lane, h2, slot].copy_(src[b, h])
                 self.copied_bytes += src[b, h].numel() * src.element_size()
         ticket._done.set()
@@ -206,10 +214,13 @@ def test_random_draft_under_drop_never_corrupts_the_cache(tiny_dir):
     assert transfer.urgent_jobs == len(urgent.steps)   # every job the transfer engine got was observed
 
 
+@pytest.mark.parametrize("plan_path", ["cpu_kernel", "torch"])
+@pytest.mark.parametrize("top_k", [5, 40])          # 40: more slots than candidates, padded copy lists
 @pytest.mark.parametrize("residency", ["resident", "pingpong"])
-def test_h2d_bytes_equal_the_bytes_copied(tiny_dir, residency):
+def test_h2d_bytes_equal_the_bytes_copied(tiny_dir, residency, top_k, plan_path):
     transfer = CountingTransfer()
-    eng = Engine.from_dir(tiny_dir, **CHECKED, top_k=5, residency=residency, transfer=transfer)
+    eng = Engine.from_dir(tiny_dir, **CHECKED, top_k=top_k, residency=residency, transfer=transfer)
+    eng.runner.attn.residency.slots.use_kernel = plan_path == "cpu_kernel"
     run(eng, prompts(140, 75, seed=7))               # check_integrity: the copies landed where told
     unit = 2 * 4 * 16 * 4                            # K+V of one (block, head): 2 * bs * D * fp32
     st = eng.stats()

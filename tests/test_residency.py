@@ -55,7 +55,13 @@ def test_plan_matches_the_rule_and_keeps_the_inverse_map_true(path, monkeypatch)
         prio = torch.randint(0, 4, want.shape).float()            # ties on purpose
         cap = rng.randint(1, K)
         adm = table.plan(buf, torch.tensor(lanes), want, prio, cap, step)
-        got = sorted(zip(adm.lanes.tolist(), adm.heads.tolist(), adm.slots.tolist(), adm.blocks.tolist()))
+        entries = list(zip(adm.lanes.tolist(), adm.heads.tolist(), adm.slots.tolist(), adm.blocks.tolist()))
+        if adm.valid is not None:       # plan_torch: a fixed-capacity list, B x KVH x min(cap, K') entries
+            assert table.use_kernel is False and len(adm) == len(lanes) * KVH * min(cap, kw)
+            assert len({e[:3] for e in entries}) == len(entries)            # distinct destinations
+            assert all(0 <= b < NB and 0 <= s < K for _, _, s, b in entries)  # skipped ones are in range
+            entries = [e for e, ok in zip(entries, adm.valid.tolist()) if ok]
+        got = sorted(entries)
         exp = []
         for i, lane in enumerate(lanes):
             for h in range(KVH):
@@ -66,6 +72,8 @@ def test_plan_matches_the_rule_and_keeps_the_inverse_map_true(path, monkeypatch)
         assert got == sorted(exp), step
         total += len(exp)
         assert table.block.tolist() == held and table.last_used.tolist() == last
+        # the host's bound: every selected slot at or past high is empty, in every lane
+        assert (table.block[buf, :, :, table.high[buf]:] < 0).all()
         # the inverse map agrees with the table, and resident() is set membership
         for bf in range(bufs):
             for lane in range(B):

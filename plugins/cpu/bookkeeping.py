@@ -40,9 +40,12 @@ def plan(block: torch.Tensor, last_used: torch.Tensor, slot_of: torch.Tensor, la
 
 
 def copy_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
-                src_index: tuple[torch.Tensor, ...], dst_index: tuple[torch.Tensor, ...]) -> bool:
+                src_index: tuple[torch.Tensor, ...], dst_index: tuple[torch.Tensor, ...],
+                valid: torch.Tensor | None = None) -> bool:
     """dst[lanes, heads, slots] = src[blocks, heads] for K and V (CopyJob's layouts: src [NB, KVH,
-    bs, D], dst [lanes, KVH, slots, bs, D]); False when the C path does not apply (nothing done)."""
+    bs, D], dst [lanes, KVH, slots, bs, D]); False when the C path does not apply (nothing done).
+    valid: bool [n], the entries to copy of a fixed-capacity list (host memory, like every
+    tensor of this path: selecting them reads no device)."""
     lib = library()
     unit = src_k.shape[2] * src_k.shape[3]
     if (lib is None or src_k.dtype != torch.float32 or src_k.device.type != "cpu"
@@ -52,6 +55,10 @@ def copy_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, d
             or src_k.stride()[2:] != (src_k.shape[3], 1) or dst_k.stride()[3:] != (dst_k.shape[4], 1)
             or dst_k.shape[3:] != src_k.shape[2:]):
         return False
+    if valid is not None:
+        if valid.device.type != "cpu" or any(t.device.type != "cpu" for t in (*src_index, *dst_index)):
+            return False
+        src_index, dst_index = (tuple(t[valid] for t in ix) for ix in (src_index, dst_index))
     sb, sh = (t.to(torch.int64).contiguous() for t in src_index)
     dl, dh, ds = (t.to(torch.int64).contiguous() for t in dst_index)
     if any(t.dim() != 1 or t.numel() != sb.numel() for t in (sh, dl, dh, ds)):

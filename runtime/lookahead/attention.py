@@ -95,6 +95,10 @@ class LookaheadAttention:
         self.residency.attach(lane, block_table)
 
     def begin_step(self, plan: StepPlan) -> None:
+        # the last step's stored rows land in the host pool before anything of this step reads it
+        # (on a GPU they were copied down asynchronously; the step's token read-back has waited for
+        # that copy already, so this finds it done)
+        self.pool.settle()
         self.plan = plan
         self.step_idx += 1
         self._pending = []
@@ -108,7 +112,8 @@ class LookaheadAttention:
         pending, self._pending = self._pending, []
         if pending and pending[0][0].shape[0]:      # a step of pre-decoding lanes only stores nothing
             ks, vs = zip(*pending)
-            self._store(slice(0, len(pending)), torch.stack(ks), torch.stack(vs))
+            # no host sync: the host pool gets the rows asynchronously (KVPool.settle, next step)
+            self._store(slice(0, len(pending)), torch.stack(ks), torch.stack(vs), blocking=False)
         d = self.plan.decode
         self.metrics.end_step(d.lane_ix if d is not None else None)
 
@@ -157,7 +162,7 @@ class LookaheadAttention:
         if self.observers:
             self.observers.scores(layer, ("seed",), [lane], idx[:, None], scores[:, None])
         lanes = part.seed_lane
-        self.residency.seed(layer, lane, lanes, idx[lanes], scores[lanes])
+        self.residency.seed(layer, lane, lanes, idx[lanes], scores[lanes], context_len=part.item.context_len + 1)
 
     # ---- decode -------------------------------------------------------------------------------------
     def _decode(self, layer: int, q, k, v, out, d: DecodePart) -> None:
@@ -205,11 +210,13 @@ class LookaheadAttention:
         return self.ops.lookahead_attention(qd, kb, vb, mask, kx, vx, d.extra_mask, self.scale)
 
     # ---- storing ------------------------------------------------------------------------------------
-    def _store(self, layers: slice, ks: torch.Tensor, vs: torch.Tensor) -> None:
+    def _store(self, layers: slice, ks: torch.Tensor, vs: torch.Tensor, blocking: bool = True) -> None:
         """The step's real rows of `layers`, ks/vs [L', T_real, KVH, D]: into the host pool, the
-        block summaries and (as the residency policy says) the device sink/window slots."""
+        block summaries and (as the residency policy says) the device sink/window slots.
+        blocking: the host pool holds them on return (prefill: later chunks read them at once);
+        else they land by `KVPool.settle` (a decode step's rows: nothing reads them this step)."""
         p = self.plan
-        self.pool.write_layers(layers, ks, vs, p.pool_blocks, p.pool_offsets)
+        self.pool.write_layers(layers, ks, vs, p.pool_blocks, p.pool_offsets, blocking=blocking)
         self.summaries.update(layers, ks, p.real_lanes, p.real_logical, p.batch.slot_offsets)
         self.residency.policy.store(self.tier, layers, ks, vs, p)
 

@@ -1,6 +1,7 @@
 """The debug check (`debug_checks=True`): before every decode attention, every device slot the
-attention is about to read holds what the tables say. A wrong draft may cost transfers, never
-the cache's contents: the tests run with this check on."""
+attention is about to read holds what the tables say, and none past the host's bound is used.
+A wrong draft may cost transfers, never the cache's contents: the tests run with this check on.
+It reads the device on the host freely: a debug check, off the hot path."""
 from __future__ import annotations
 
 import torch
@@ -17,6 +18,10 @@ def check_integrity(tier: DeviceTier, residency: ResidencyManager, pool: KVPool,
     lay, buf = tier.layout, residency.buffer_of(layer)
     bs = lay.block_size
     held = residency.slots.block[buf, d.lanes]                                 # [B, KVH, K]
+    # the host's bound on the occupied selected slots, which attention trusts without looking
+    high = residency.slots.high[buf]
+    assert (residency.slots.block[buf, :, :, high:] < 0).all(), \
+        f"layer {layer}: a selected slot at or past SlotTable.high = {high} holds a block"
     b_i, h_i, j_i = (held >= 0).nonzero(as_tuple=True)
     host = residency.lane_blocks[d.lanes[b_i], held[b_i, h_i, j_i]]
     for dev, src in zip((tier.k, tier.v), pool.by_block(layer)):

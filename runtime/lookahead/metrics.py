@@ -1,22 +1,25 @@
 """Lookahead metrics: prediction agreement per layer, prefetch hits, urgent fetches, bytes, stalls."""
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import torch
+
+from ..device import host_list, to_device
 
 
 @dataclass
 class LookaheadMetrics:
     """Engine-wide tallies, plus per-lane tallies that become a request's metrics when it ends.
 
-    Tallies stay tensors, so recording a layer costs a few small ops and no host round trip.
+    Tallies stay tensors where they are counted, so recording a layer or a step costs a few small
+    ops and no host round trip; they are read (through runtime.device's seam) only when asked for:
+    `summary`, `per_layer_agreement`, `take_lane` (a request's metrics, when it ends).
     """
 
     num_layers: int
     num_lanes: int = 1
-    urgent_blocks: int = 0
-    prefetched_blocks: int = 0
     device: torch.device = torch.device("cpu")     # where the tallies live: beside what they count
 
     def __post_init__(self) -> None:
@@ -28,8 +31,27 @@ class LookaheadMetrics:
         self.blocks = torch.zeros(2, **f64)
         # per lane: true blocks, hits, agreement sum, agreement count, urgent, prefetched
         self.lane = torch.zeros(self.num_lanes, 6, **f64)
-        self._counts: list[tuple[int, torch.Tensor]] = []     # count_blocks calls not yet added
+        self._counts: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []   # count_blocks calls not yet added
         self._layers: list[tuple] = []                          # this step's note_layer calls
+        # blocks admitted for copying, (urgent, prefetched): exact counts on the host, plus those
+        # of fixed-capacity lists, counted where the lists are
+        self._blocks_host = [0, 0]
+        self._blocks_dev: torch.Tensor | None = None
+
+    @property
+    def urgent_blocks(self) -> int:
+        return self._block_totals()[0]
+
+    @property
+    def prefetched_blocks(self) -> int:
+        return self._block_totals()[1]
+
+    def _block_totals(self) -> list[int]:
+        if self._blocks_dev is not None:
+            for i, n in enumerate(host_list(self._blocks_dev, "metrics (urgent/prefetched blocks)")):
+                self._blocks_host[i] += n
+            self._blocks_dev = None
+        return list(self._blocks_host)
 
     # ---- one step: layers noted as they run, tallied once at the end ---------------------------
     def begin_step(self) -> None:
@@ -50,34 +72,41 @@ class LookaheadMetrics:
             self.record_step(list(layers), lanes, torch.stack(pred), torch.stack(has), torch.stack(true),
                              torch.stack(res))
 
-    def add_blocks(self, urgent: bool, lanes: torch.Tensor) -> None:
-        """Blocks admitted for copying, one per entry of `lanes`: fetched urgently or prefetched."""
-        if urgent:
-            self.urgent_blocks += lanes.numel()
+    def add_blocks(self, urgent: bool, lanes: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Blocks admitted for copying, one per entry of `lanes` (where `valid`, for a fixed-capacity
+        list): fetched urgently or prefetched."""
+        column = 0 if urgent else 1
+        if valid is None:
+            self._blocks_host[column] += lanes.numel()
         else:
-            self.prefetched_blocks += lanes.numel()
-        self.count_blocks(4 if urgent else 5, lanes)
+            counted = torch.zeros(2, dtype=torch.long, device=valid.device)
+            counted[column] = valid.sum()
+            self._blocks_dev = counted if self._blocks_dev is None else self._blocks_dev + counted
+        self.count_blocks(4 if urgent else 5, lanes, valid)
 
-    def count_blocks(self, column: int, lanes: torch.Tensor) -> None:
-        """Add one per entry of `lanes` to a per-lane column (4: urgent, 5: prefetched). Added at
-        `flush` (the end of a step, or before a lane is read): one bincount per step, not per layer."""
-        self._counts.append((column, lanes))
+    def count_blocks(self, column: int, lanes: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Add one per entry of `lanes` (where `valid`) to a per-lane column (4: urgent, 5:
+        prefetched). Added at `flush` (the end of a step, or before a lane is read): one
+        accumulation per column and step, not per layer."""
+        self._counts.append((column, lanes, valid))
 
     def flush(self) -> None:
         counts, self._counts = self._counts, []
         for column in (4, 5):
-            lanes = [ln for c, ln in counts if c == column]
-            if lanes:
-                self.lane[:, column] += torch.bincount(torch.cat(lanes), minlength=self.num_lanes).double()
+            rec = [(ln, v) for c, ln, v in counts if c == column]
+            if rec:
+                lanes = torch.cat([ln for ln, _ in rec])
+                ones = torch.cat([torch.ones_like(ln, dtype=self.lane.dtype) if v is None else v.to(self.lane.dtype)
+                                  for ln, v in rec])
+                self.lane.index_put_((lanes, torch.full_like(lanes, column)), ones, accumulate=True)
 
-    def take_lane(self, lane: int) -> dict:
-        """A finished request's metrics; resets the lane for its next sequence."""
+    def take_lane(self, lane: int) -> "RequestMetrics":
+        """A finished request's metrics (read from the device when first looked at); resets the
+        lane for its next sequence."""
         self.flush()
-        true, hit, a_sum, a_cnt, urgent, pre = self.lane[lane].tolist()
+        row = self.lane[lane].clone()
         self.lane[lane] = 0
-        return {"prefetch_hit_rate": hit / true if true else None,
-                "agreement_mean": a_sum / a_cnt if a_cnt else None,
-                "urgent_blocks": int(urgent), "prefetched_blocks": int(pre)}
+        return RequestMetrics(row)
 
     def record_step(self, layers: list[int], lanes, pred: torch.Tensor, has_pred: torch.Tensor,
                     true: torch.Tensor, resident: torch.Tensor) -> None:
@@ -89,22 +118,25 @@ class LookaheadMetrics:
         hits = (resident & valid).sum(-1).double()
         self.blocks += torch.stack([n_true.sum(), hits.sum()])
         self.lane[lanes, :2] += torch.stack([n_true.sum((0, 2)), hits.sum((0, 2))], -1)
-        # membership through a per-(layer, lane, head) bitmap of the predicted blocks (column 0 = "-1")
-        width = int(torch.maximum(true.max(), pred.max())) + 2
-        in_pred = torch.zeros(*pred.shape[:-1], width, dtype=torch.bool, device=pred.device).scatter_(-1, pred + 1, True)
-        in_pred[..., 0] = False
-        both = in_pred.gather(-1, true + 1) & valid
+        # membership by binary search in the sorted prediction (fixed shapes, no host read)
+        ranked = pred.sort(-1).values
+        at = torch.searchsorted(ranked, true.contiguous()).clamp(max=ranked.shape[-1] - 1)
+        both = (ranked.gather(-1, at) == true) & valid
         rows = (n_true > 0) & has_pred[:, None, None]
         frac = torch.where(rows, both.sum(-1).double() / n_true.clamp(min=1), 0.0)   # [L, B, KVH]
-        self.layer[layers] += torch.stack([frac.sum((1, 2)), rows.sum((1, 2)).double()], -1)
+        # the layers as a slice (a decode step notes them all, in order) or a tensor where the
+        # tallies are: a Python list would index a device tensor through a synchronous upload
+        at = (slice(layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1))
+              else to_device(self.layer.device, torch.tensor(layers, dtype=torch.long))[0])
+        self.layer[at] += torch.stack([frac.sum((1, 2)), rows.sum((1, 2)).double()], -1)
         self.lane[lanes, 2:4] += torch.stack([frac.sum((0, 2)), rows.sum((0, 2)).double()], -1)
 
     def per_layer_agreement(self) -> list[float | None]:
-        return [s / c if c else None for s, c in self.layer.tolist()]
+        return [s / c if c else None for s, c in host_list(self.layer, "metrics (agreement per layer)")]
 
     def summary(self) -> dict:
         per = [a for a in self.per_layer_agreement() if a is not None]
-        true, hit = self.blocks.tolist()
+        true, hit = host_list(self.blocks, "metrics (hits)")
         return {
             "agreement_mean": sum(per) / len(per) if per else None,
             "agreement_per_layer": self.per_layer_agreement(),
@@ -112,3 +144,41 @@ class LookaheadMetrics:
             "urgent_blocks": self.urgent_blocks,
             "prefetched_blocks": self.prefetched_blocks,
         }
+
+
+class RequestMetrics(MutableMapping):
+    """A finished request's metrics: its lane's tallies, kept where they were counted and read
+    (through runtime.device's seam) the first time they are looked at, not when the request
+    ends. Keys: prefetch_hit_rate, agreement_mean, urgent_blocks, prefetched_blocks, plus what
+    is set on it (the draft chain's counts)."""
+
+    def __init__(self, row: torch.Tensor):
+        self._row: torch.Tensor | None = row      # [6]: true, hits, agreement sum and count, urgent, prefetched
+        self._items: dict = {}
+
+    def _read(self) -> dict:
+        if self._row is not None:
+            true, hit, a_sum, a_cnt, urgent, pre = host_list(self._row, "metrics (a request's, when read)")
+            self._row = None
+            self._items = {"prefetch_hit_rate": hit / true if true else None,
+                           "agreement_mean": a_sum / a_cnt if a_cnt else None,
+                           "urgent_blocks": round(urgent), "prefetched_blocks": round(pre), **self._items}
+        return self._items
+
+    def __getitem__(self, key):
+        return self._read()[key]
+
+    def __setitem__(self, key, value) -> None:
+        self._items[key] = value               # kept over the lane's values when they are read
+
+    def __delitem__(self, key) -> None:
+        del self._read()[key]
+
+    def __iter__(self):
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def __repr__(self) -> str:
+        return repr(self._read())

@@ -42,7 +42,7 @@ class ResidentPolicy:
 
     def on_predict(self, mgr, layer: int, lanes, idx: torch.Tensor, scores: torch.Tensor, cap: int) -> None:
         prio = scores.gather(-1, idx.clamp(min=0))
-        adm = mgr.slots.plan(layer, lanes, idx, prio, cap, mgr.step_idx)
+        adm = mgr.slots.plan(layer, lanes, idx, prio, cap, mgr.step_idx, most=mgr.most)
         if len(adm):
             mgr.tickets.setdefault(layer, []).append(mgr.submit(layer, layer, adm))
 
@@ -85,18 +85,14 @@ class PingPongPolicy:
     @staticmethod
     def _fixed_units(mgr, d: DecodePart) -> tuple[torch.Tensor, torch.Tensor]:
         """(lanes, heads, slots, logical blocks) [4, n] of every lane's sink and window blocks, and
-        their host blocks: the same for every layer of the step."""
-        lay, kvh = mgr.tier.layout, mgr.tier.kvh
-        lanes, heads, slots, blocks = [], [], [], []
-        for lane, c in zip(d.lane_list, d.context_lens):
-            # the host holds c - 1 tokens of this layer; this step's token is written through later
-            last = (c - 2) // lay.block_size
-            fixed = list(range(min(lay.num_sink, last + 1))) + list(range(lay.window_start(c), last + 1))
-            for b in dict.fromkeys(fixed):
-                for h in range(kvh):
-                    lanes.append(lane), heads.append(h), slots.append(lay.device_slot(b)), blocks.append(b)
-        ix = torch.tensor([lanes, heads, slots, blocks], dtype=torch.long).to(mgr.lane_blocks.device,
-                                                                              non_blocking=True)
+        their host blocks: the same for every layer of the step. From the plan's `fixed` (one entry
+        per (lane, block), built on the host with the plan), one per KV head here, on the device."""
+        kvh = mgr.tier.kvh
+        lanes, slots, blocks = d.fixed.unbind(0)
+        n = lanes.shape[0]
+        heads = torch.arange(kvh, device=d.fixed.device).repeat(n)
+        per_head = [t[:, None].expand(n, kvh).reshape(-1) for t in (lanes, slots, blocks)]
+        ix = torch.stack([per_head[0], heads, per_head[1], per_head[2]])
         return ix, mgr.lane_blocks[ix[0], ix[3]]                         # logical -> host block ids
 
     def refill(self, mgr, layer: int, d: DecodePart) -> None:
@@ -108,6 +104,12 @@ class PingPongPolicy:
         mgr.tickets[layer] = [mgr.send(fixed_job)]
         want = mgr.pred[layer, d.lanes]                                  # [B, KVH, K]
         mgr.slots.assign(buf, d.lanes, want, mgr.step_idx)
-        b_i, h_i, j_i = (want >= 0).nonzero(as_tuple=True)
-        adm = Admission(d.lanes[b_i], h_i, j_i, want[b_i, h_i, j_i])
+        # the whole set as a fixed-capacity list: entry (b, h, j) is slot j, valid where it holds
+        # a block (no host read of how many do)
+        shape = want.shape
+        dev = want.device
+        adm = Admission(d.lanes[:, None, None].expand(shape).reshape(-1),
+                        torch.arange(shape[1], device=dev)[None, :, None].expand(shape).reshape(-1),
+                        torch.arange(shape[2], device=dev)[None, None, :].expand(shape).reshape(-1),
+                        want.clamp(min=0).reshape(-1), (want >= 0).reshape(-1))
         mgr.tickets[layer].append(mgr.submit(layer, buf, adm))

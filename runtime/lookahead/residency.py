@@ -13,6 +13,12 @@ holds (small int tensors, no KV bytes). Shapes: `[num_buffers, lanes, KVH, K]`; 
 layer (resident) or a ping-pong buffer. The tables live on the engine's device, beside the slots
 they describe. An inverse map (logical block -> slot) makes membership a gather instead of a
 K x K' compare.
+
+Nothing here reads the device on the host (runtime/device.py, `to_host`). What the host decides
+with it keeps itself: which (layer, lane) still has the seed's prediction (`seeded_host`), a
+bound on the occupied selected slots (`SlotTable.high`), and the plan's own host values. Off
+the CPU kernel, admissions are fixed-capacity lists (B x KVH x cap entries, a validity mask)
+that the copy job and the transfer engines skip where invalid.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import torch
 from plugins.cpu import bookkeeping
 
 from ..config import LookaheadConfig
+from ..device import to_device
 from ..kv_pool import KVPool
 from ..observe import Observers
 from ..transfer import CopyJob, Ticket, TransferEngine
@@ -33,15 +40,22 @@ from .step_plan import DecodePart
 
 @dataclass
 class Admission:
-    """Blocks to copy in: slot `slots[i]` of (lanes[i], heads[i]) receives logical block `blocks[i]`."""
+    """Blocks to copy in: slot `slots[i]` of (lanes[i], heads[i]) receives logical block `blocks[i]`.
+
+    valid None: every entry is an admission (the CPU kernel's exact lists). Otherwise a fixed-
+    capacity list: only entries with valid[i] are admissions; the others name a real block (0) and
+    a (lane, head, slot) no valid entry of the list names, and are skipped by the copy.
+    """
 
     lanes: torch.Tensor
     heads: torch.Tensor
     slots: torch.Tensor
     blocks: torch.Tensor
+    valid: torch.Tensor | None = None
 
     def __len__(self) -> int:
-        return int(self.lanes.numel())
+        """Entries listed (an upper bound of the admissions when `valid` is set): a shape, not a read."""
+        return self.lanes.numel()
 
 
 class SlotTable:
@@ -57,7 +71,11 @@ class SlotTable:
                                   device=device)
         self.use_kernel = True          # tests compare the C plan with plan_torch
         # per buffer: every selected slot at or past high[buf] is empty in every lane (a bound that
-        # only grows: attention leaves those slots out without looking at the table)
+        # only grows: attention leaves those slots out without looking at the table). It is kept
+        # on the host from what the host knows, never read from the table: slots fill from the
+        # lowest empty one (empty slots are the first victims, in slot order), so a plan that
+        # admits at most `cap` blocks per (lane, head) raises every lane's occupancy by at most
+        # `cap`, and no lane holds more distinct blocks than were ever candidates (`most`)
         self.high = [0] * num_buffers
 
     def reset_lane(self, lane: int) -> None:
@@ -84,14 +102,17 @@ class SlotTable:
         self.slot_of[buf, lanes] = inv
 
     def plan(self, buf: int, lanes: torch.Tensor, want: torch.Tensor, priority: torch.Tensor,
-             cap: int, step: int) -> Admission:
+             cap: int, step: int, most: int | None = None) -> Admission:
         """Admit up to `cap` missing wanted blocks per (lane, head), best `priority` first, each
         into the slot of a least-recently-selected block that is not wanted (empty slots first).
         `lanes`: a tensor of lane ids, or a slice of consecutive lanes (start set, step 1).
+        `most`: at most this many distinct blocks were ever candidates of these lanes (bounds
+        `high`; default K).
 
         want, priority: [B, KVH, K'] (want -1 = padding, K' <= K). Updates the table in place.
-        On CPU this runs as one C call (plugins/cpu/residency.c); `plan_torch` is the same rule
-        in torch ops, its reference in the tests.
+        On CPU this runs as one C call (plugins/cpu/residency.c, exact lists); elsewhere
+        `plan_torch`, the same rule in torch ops with fixed-capacity output (its reference in the
+        tests).
         """
         adm = None
         if self.use_kernel:
@@ -104,12 +125,15 @@ class SlotTable:
         if adm is None:
             adm = self.plan_torch(buf, lanes, want, priority, cap, step)
         if len(adm):
-            self.high[buf] = max(self.high[buf], int(adm.slots.max()) + 1)
+            per_head = min(cap, want.shape[-1], self.top_k)
+            self.high[buf] = max(self.high[buf], min(self.top_k, self.high[buf] + per_head,
+                                                     self.top_k if most is None else most))
         return adm
 
     def plan_torch(self, buf: int, lanes: torch.Tensor, want: torch.Tensor, priority: torch.Tensor,
                    cap: int, step: int) -> Admission:
-        """`plan` in torch ops."""
+        """`plan` in torch ops, with no host read: the admissions as a fixed-capacity list of
+        B x KVH x min(cap, K') entries in (lane, head, rank) order, `valid` marking the real ones."""
         held = self.block[buf, lanes]                                           # [B, KVH, K]
         last = self.last_used[buf, lanes]
         inv = self.slot_of[buf, lanes]
@@ -124,27 +148,31 @@ class SlotTable:
         victims = torch.argsort(torch.where(slot_wanted, torch.iinfo(torch.long).max, last), dim=-1,
                                 stable=True)
         order = torch.argsort(torch.where(missing, -priority, float("inf")), dim=-1, stable=True)
-        if not bool(missing.any()):           # nothing to admit: only the recency update
-            self.last_used[buf, lanes] = last
-            empty = torch.zeros(0, dtype=torch.long, device=self.device)
-            return Admission(empty, empty, empty, empty)
+        kc = max(0, min(cap, want.shape[-1], self.top_k))                       # entries per (lane, head)
         n_admit = missing.sum(-1).clamp(max=cap)                                # [B, KVH]
-        take = torch.arange(want.shape[-1], device=self.device) < n_admit[..., None]                # [B, KVH, K']
-        b_idx, h_idx, j_idx = take.nonzero(as_tuple=True)
-        slots = victims[b_idx, h_idx, j_idx]
-        blocks = want.gather(-1, order)[b_idx, h_idx, j_idx]
-        evicted = held[b_idx, h_idx, slots]
-        inv[b_idx, h_idx, self._col(evicted)] = -1
-        inv[b_idx, h_idx, blocks] = slots
+        take = torch.arange(kc, device=self.device) < n_admit[..., None]        # [B, KVH, kc]
+        # rank j goes into victim j: distinct slots per (lane, head), so the untaken entries name
+        # slots no admission writes (the copy skips them)
+        slots = victims[..., :kc]
+        blocks = torch.where(take, want.gather(-1, order[..., :kc]), 0)
+        evicted = held.gather(-1, slots)
+        no_block = torch.full_like(slots, self.max_blocks)                      # the spare column
+        inv.scatter_(-1, torch.where(take, self._col(evicted), no_block), -1)
+        inv.scatter_(-1, torch.where(take, blocks, no_block), torch.where(take, slots, -1))
         inv[..., self.max_blocks] = -1
-        held[b_idx, h_idx, slots] = blocks
-        last[b_idx, h_idx, slots] = step
+        held.scatter_(-1, slots, torch.where(take, blocks, evicted))
+        last.scatter_(-1, slots, torch.where(take, step, last.gather(-1, slots)))
         self.last_used[buf, lanes] = last
         if not isinstance(lanes, slice):     # a slice indexes views: held and inv were updated in place
             self.block[buf, lanes] = held
             self.slot_of[buf, lanes] = inv
-        lane_ids = b_idx + lanes.start if isinstance(lanes, slice) else lanes[b_idx]
-        return Admission(lane_ids, h_idx, slots, blocks)
+        B, kvh = want.shape[0], want.shape[1]
+        lane_ids = (torch.arange(lanes.start, lanes.start + B, device=self.device) if isinstance(lanes, slice)
+                    else lanes)
+        shape = (B, kvh, kc)
+        return Admission(lane_ids[:, None, None].expand(shape).reshape(-1),
+                         torch.arange(kvh, device=self.device)[None, :, None].expand(shape).reshape(-1),
+                         slots.reshape(-1), blocks.reshape(-1), take.reshape(-1))
 
 
 class ResidencyManager:
@@ -159,20 +187,29 @@ class ResidencyManager:
         self.pred = torch.full((num_layers, num_lanes, num_kv_heads, cfg.top_k), -1, **long)  # next step's sets
         self.has_pred = torch.zeros(num_layers, num_lanes, **bool_)
         self.seeded = torch.zeros(num_layers, num_lanes, **bool_)        # pred is the seed's
+        self.seeded_host = [[False] * num_lanes for _ in range(num_layers)]   # the same, kept by the host
         self.lane_blocks = torch.full((num_lanes, max_blocks), -1, **long)  # logical -> host block
         self.tickets: dict[int, list[Ticket]] = {}                        # layer -> copies it must wait for
         self.pool_views = [pool.by_block(layer) for layer in range(num_layers)]   # copy-job sources
         self.step_idx = 0
+        self.layout = tier.layout
+        self.most = 0          # the most candidate blocks any lane has had (bounds SlotTable.high)
 
     def attach(self, lane: int, block_table: list[int]) -> None:
         """A new sequence on `lane`: its block table, an empty working set, no prediction."""
-        self.lane_blocks[lane] = -1
-        self.lane_blocks[lane, : len(block_table)] = torch.tensor(block_table[: self.max_blocks],
-                                                                  device=self.lane_blocks.device)
+        table = torch.full((self.max_blocks,), -1, dtype=torch.long)
+        table[: len(block_table)] = torch.tensor(block_table[: self.max_blocks], dtype=torch.long)
+        self.lane_blocks[lane] = to_device(self.lane_blocks.device, table)[0]     # built on the host, moved once
         self.slots.reset_lane(lane)
         self.pred[:, lane] = -1
         self.has_pred[:, lane] = False
         self.seeded[:, lane] = False
+        for row in self.seeded_host:
+            row[lane] = False
+
+    def note_context(self, context_len: int) -> None:
+        """A query at `context_len` tokens picks among its candidates: raise the bound `most`."""
+        self.most = max(self.most, min(self.slots.top_k, self.layout.num_candidates(context_len)))
 
     def buffer_of(self, layer: int) -> int:
         return self.policy.buffer_of(layer)
@@ -180,6 +217,7 @@ class ResidencyManager:
     def begin_step(self, step_idx: int, d: DecodePart | None) -> None:
         self.step_idx = step_idx
         if d is not None:
+            self.note_context(max(d.context_lens) + 1)      # the draft row's context, the largest
             self.policy.begin_step(self, d)
 
     def take_tickets(self, layer: int) -> list[Ticket]:
@@ -197,17 +235,21 @@ class ResidencyManager:
         self.metrics.note_layer(layer, self.pred[layer, L].clone(), has, t_idx, resident)  # pred is replaced below
         if self.cfg.miss_policy == "urgent":
             self.fetch_urgent(layer, buf, L, t_idx, true_scores[L])
-        elif (first := self.seeded[layer, L] | d.predecode[L]).any():
+        elif any(self.seeded_host[layer][lane] or pre for lane, pre in zip(d.lane_list, d.predecode_list)):
             # drop tolerates a draft's misses, but a lane's first decode step was predicted by the
             # seed (the last prompt token's query), and a pre-decoding step by a draft known to be
-            # wrong: fetch those steps' misses (the next step's real row is then served exactly)
-            self.fetch_urgent(layer, buf, d.lanes[first], t_idx[first], true_scores[L][first])
+            # wrong: fetch those steps' misses (the next step's real row is then served exactly).
+            # The host decides whether to (its own flags); the device masks which lanes.
+            first = self.seeded[layer, L] | d.predecode[L]
+            self.fetch_urgent(layer, buf, L, torch.where(first[:, None, None], t_idx, -1), true_scores[L])
             self.seeded[layer, L] = False
+            for lane in d.lane_list:
+                self.seeded_host[layer][lane] = False
 
     def fetch_urgent(self, layer: int, buf: int, lanes, want: torch.Tensor, scores: torch.Tensor) -> None:
         """Copy the blocks of `want` [lanes, KVH, K] missing from `buf` on the urgent queue, and wait."""
         prio = scores.gather(-1, want.clamp(min=0))
-        adm = self.slots.plan(buf, lanes, want, prio, self.cfg.top_k, self.step_idx)
+        adm = self.slots.plan(buf, lanes, want, prio, self.cfg.top_k, self.step_idx, most=self.most)
         if len(adm):
             self.transfer.wait(self.submit(layer, buf, adm, urgent=True))
 
@@ -218,20 +260,31 @@ class ResidencyManager:
         self.has_pred[layer, lanes] = True
         self.policy.on_predict(self, layer, lanes, idx, scores, cap)
 
-    def seed(self, layer: int, lane: int, lanes: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor) -> None:
-        """A completed prompt's first working set, predicted by its last token's query (uncapped)."""
+    def seed(self, layer: int, lane: int, lanes: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor,
+             context_len: int | None = None) -> None:
+        """A completed prompt's first working set, predicted by its last token's query (uncapped);
+        `context_len`: that query's (its candidates bound the slots it fills)."""
+        if context_len is not None:
+            self.note_context(context_len)
+        else:
+            self.most = self.slots.top_k
         self.predict(layer, lanes, idx, scores, cap=self.cfg.top_k)
         self.seeded[layer, lane] = True
+        self.seeded_host[layer][lane] = True
 
     def after_layer(self, layer: int, d: DecodePart) -> None:
         self.policy.after_layer(self, layer, d)
 
     def submit(self, layer: int, buf: int, adm: Admission, urgent: bool = False) -> Ticket:
-        """Admitted blocks -> one copy job (host pool of `layer` -> selected slots of `buf`)."""
-        self.metrics.add_blocks(urgent, adm.lanes)
-        host = self.lane_blocks[adm.lanes, adm.blocks]
-        job = CopyJob(*self.pool_views[layer], *self.tier.views[buf], (host, adm.heads),
-                      (adm.lanes, adm.heads, adm.slots + self.tier.layout.selected_start), tag=(self.step_idx, layer))
+        """Admitted blocks -> one copy job (host pool of `layer` -> selected slots of `buf`); a
+        fixed-capacity admission's invalid entries travel as the job's `valid` mask."""
+        self.metrics.add_blocks(urgent, adm.lanes, adm.valid)
+        host, src_heads = self.lane_blocks[adm.lanes, adm.blocks], adm.heads
+        if adm.valid is not None:       # an untaken entry names one row, (block 0, head 0), and is not copied
+            host, src_heads = torch.where(adm.valid, host, 0), torch.where(adm.valid, adm.heads, 0)
+        job = CopyJob(*self.pool_views[layer], *self.tier.views[buf], (host, src_heads),
+                      (adm.lanes, adm.heads, adm.slots + self.tier.layout.selected_start), tag=(self.step_idx, layer),
+                      valid=adm.valid)
         return self.send(job, urgent)
 
     def send(self, job: CopyJob, urgent: bool = False) -> Ticket:

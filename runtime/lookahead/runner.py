@@ -122,7 +122,9 @@ class LookaheadRunner:
                 emit_rows.append(row), emit_seqs.append(seq)
         if not emit_rows and not r.dec_draft:
             return {}
-        logits = self.model.logits(hidden[torch.tensor(emit_rows + r.dec_draft, dtype=torch.long, device=hidden.device)])
+        # the plan's index of these rows (built on the host with the rest of the plan, moved once)
+        assert plan.sample_rows.shape[0] == len(emit_rows) + len(r.dec_draft)
+        logits = self.model.logits(hidden[plan.sample_rows])
         if r.dec_draft:     # drawn by the engine with the emitted rows: one copy of ids per step
             seqs = r.dec_seqs
             self._draws = PendingDraws(logits[len(emit_rows):], self.chain.draws(seqs, r.dec_pre),

@@ -2,12 +2,14 @@
 every layer.
 
 The runner lays out the step's rows as lists (`StepRows`); `build_plan` turns them into tensors on
-the host and moves them to the engine's device in one go (`to_device`): no layer makes, moves or
-changes metadata of its own.
+the host and moves them to the engine's device in one go (`to_device`: one pinned buffer, one
+asynchronous copy per step): no layer makes, moves or changes metadata of its own, and nothing
+of the plan is read back from the device (what the host decides with, it keeps as plain values:
+`context_lens`, `lane_list`, `predecode_list`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -55,7 +57,12 @@ class DecodePart:
     extra_mask: torch.Tensor       # [num_lanes, rows, rows] bool: which of this step's own rows
                                    # each row sees (real: itself; draft: real and itself)
     predecode: torch.Tensor        # [num_lanes] bool: the lane pre-decodes this step
-    lane_list: tuple[int, ...]     # `lanes` on the host (the ping-pong refill's lists)
+    lane_list: tuple[int, ...]     # `lanes` on the host
+    predecode_list: tuple[bool, ...]   # `predecode` per decoding sequence, on the host
+    # every lane's sink and window blocks that the host pool holds (its first c - 1 tokens), as
+    # [3, n] (lane, device slot, logical block): the ping-pong refill's fixed copies, the same in
+    # every layer of the step
+    fixed: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -68,14 +75,17 @@ class StepPlan:
     real_rows: torch.Tensor        # [T_real] rows stored in the cache (prefill tokens + real decode rows)
     real_lanes: torch.Tensor       # [T_real] lane of each stored row
     real_logical: torch.Tensor     # [T_real] logical block of each stored row
-    write_through: torch.Tensor | slice  # [T_real] bool: row's block is a sink or ends in the
-                                   # window; a prefill that wraps the ring writes each (slot, offset)
-                                   # once. slice(None) when every row does (decode steps)
+    write_through: torch.Tensor | slice  # [T_w] int64: the stored rows whose block is a sink or
+                                   # ends in the window; a prefill that wraps the ring writes each
+                                   # (slot, offset) once. slice(None) when every row is (decode steps)
     prefill: tuple[PrefillPart, ...]
     decode: DecodePart | None
     real_ix: slice | torch.Tensor  # real_rows, as a slice when the decode is packed
     pool_blocks: torch.Tensor      # batch.slot_blocks / slot_offsets on the host
     pool_offsets: torch.Tensor     # (the host pool's write indices)
+    sample_rows: torch.Tensor | None = None   # [E + D] the rows whose logits the step draws: the
+                                   # emitting rows (completed prompts' last tokens, then the real
+                                   # rows that do not pre-decode), then the draft rows
 
     @property
     def store_only(self) -> bool:
@@ -121,29 +131,60 @@ def build_plan(r: StepRows, layout: SlotLayout, max_blocks: int, device: torch.d
     rows = torch.tensor([r.tokens, r.positions], dtype=torch.long)                       # [2, T]
     stored = torch.tensor([r.stored, r.stored_lanes, r.blocks, r.offsets,
                            [r.positions[i] // layout.block_size for i in r.stored]], dtype=torch.long)  # [5, T_real]
-    keep = None if all(r.keep) else torch.tensor(r.keep, dtype=torch.bool)
-    rows_d, stored_d, *keep_d = to_device(device, rows, stored, *([keep] if keep is not None else []))
-    s_rows, s_lanes, s_blocks, s_offsets, s_logical = stored_d.unbind(0)
-    batch = StepBatch(r.items, *rows_d.unbind(0), s_blocks, s_offsets, store_only=store_only)
-    decode = (build_decode_part(layout, r.dec_lanes, r.dec_real, r.dec_draft, r.dec_ctx, max_blocks,
-                                only_decode=not r.prefill, predecode=r.dec_pre, device=device)
+    # the written-through rows as indices (made on the host: a bool mask would be a nonzero on the device)
+    keep = None if all(r.keep) else torch.tensor([i for i, k in enumerate(r.keep) if k], dtype=torch.long)
+    s_rows, s_lanes, s_blocks, s_offsets, s_logical = stored.unbind(0)
+    batch = StepBatch(r.items, *rows.unbind(0), s_blocks, s_offsets, store_only=store_only)
+    decode = (_decode_part(layout, r.dec_lanes, r.dec_real, r.dec_draft, r.dec_ctx, max_blocks,
+                           only_decode=not r.prefill, predecode=r.dec_pre)
               if r.dec_lanes else None)
     # a packed decode step stores every real row: a slice of them is a view, not a copy
     real_ix = decode.real_ix if decode is not None and decode.packed and not any(r.dec_pre) else s_rows
-    prefill = tuple(prefill_part(layout, it, lane, done, max_blocks, device) for it, lane, done in r.prefill)
-    return StepPlan(batch, s_rows, s_lanes, s_logical, keep_d[0] if keep_d else slice(None), prefill, decode,
-                    real_ix, pool_blocks=stored[2], pool_offsets=stored[3])
+    prefill = tuple(_prefill_part(layout, it, lane, done, max_blocks) for it, lane, done in r.prefill)
+    emit = ([it.row_start + it.num_tokens - 1 for it, _, done in r.prefill if done]
+            + [row for row, pre in zip(r.dec_real, r.dec_pre) if not pre])
+    sample = torch.tensor(emit + r.dec_draft, dtype=torch.long)
+    plan = StepPlan(batch, s_rows, s_lanes, s_logical, keep if keep is not None else slice(None), prefill, decode,
+                    real_ix, pool_blocks=stored[2], pool_offsets=stored[3], sample_rows=sample)
+    return _moved(plan, device)
 
 
-def prefill_part(layout: SlotLayout, item: StepItem, lane: int, completes: bool, max_blocks: int,
-                 device: torch.device) -> PrefillPart:
-    """A prefill chunk; the one that completes the prompt carries its seed's candidate mask."""
+# the plan's fields that stay on the host: the host pool's write indices
+HOST_FIELDS = frozenset({"pool_blocks", "pool_offsets"})
+MOVE = to_device        # how the plan is moved (tests put a packing copy here to run it on CPU)
+
+
+def _moved(plan: StepPlan, device: torch.device) -> StepPlan:
+    """`plan` with every tensor a layer reads on `device`, all moved in one `to_device` call."""
+    if device.type == "cpu" and MOVE is to_device:
+        return plan
+    parts = [plan.batch, plan.decode, *plan.prefill, plan]
+    found: dict[int, torch.Tensor] = {}
+    for part in parts:
+        for f in fields(part) if part is not None else ():
+            v = getattr(part, f.name)
+            if isinstance(v, torch.Tensor) and f.name not in HOST_FIELDS:
+                found.setdefault(id(v), v)
+    moved = dict(zip(found, MOVE(device, *found.values())))
+
+    def swap(part):
+        if part is None:
+            return None
+        return replace(part, **{f.name: moved[id(v)] for f in fields(part)
+                                if isinstance(v := getattr(part, f.name), torch.Tensor) and id(v) in moved
+                                and f.name not in HOST_FIELDS})
+    return replace(swap(plan), batch=swap(plan.batch), decode=swap(plan.decode),
+                   prefill=tuple(swap(p) for p in plan.prefill))
+
+
+def _prefill_part(layout: SlotLayout, item: StepItem, lane: int, completes: bool, max_blocks: int) -> PrefillPart:
+    """A prefill chunk (host tensors); the one that completes the prompt carries its seed's
+    candidate mask."""
     if not completes:
         return PrefillPart(item, lane, False)
     valid = torch.zeros(lane + 1, max_blocks, dtype=torch.bool)
     valid[lane] = candidate_mask(layout, item.context_len + 1, max_blocks)
-    seed_lane, valid = to_device(device, torch.tensor([lane]), valid)
-    return PrefillPart(item, lane, True, valid, seed_lane)
+    return PrefillPart(item, lane, True, valid, torch.tensor([lane]))
 
 
 def window_mask(layout: SlotLayout, context_len: int, visible: int | None = None) -> torch.Tensor:
@@ -174,32 +215,52 @@ def build_decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int]
                       predecode: list[bool] | None = None,
                       device: torch.device = torch.device("cpu")) -> DecodePart:
     """`predecode[i]`: lane i pre-decodes (its draft row is at the real row's position). The
-    tensors are built on the host and moved to `device` once."""
+    tensors are built on the host and moved to `device` once (`build_plan` moves them with the
+    rest of the plan)."""
+    part = _decode_part(layout, lanes, real_rows, draft_rows, context_lens, max_blocks, only_decode, predecode)
+    if device.type == "cpu":
+        return part
+    names = [f.name for f in fields(part) if isinstance(getattr(part, f.name), torch.Tensor)]
+    found = {id(getattr(part, n)): getattr(part, n) for n in names}
+    moved = dict(zip(found, to_device(device, *found.values())))
+    return replace(part, **{n: moved[id(getattr(part, n))] for n in names})
+
+
+def _decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int], draft_rows: list[int],
+                 context_lens: list[int], max_blocks: int, only_decode: bool,
+                 predecode: list[bool] | None = None) -> DecodePart:
+    """`build_decode_part` on the host."""
     n = max(lanes) + 1
     predecode = predecode or [False] * len(lanes)
     base = torch.zeros(n, layout.selected_start * layout.block_size, dtype=torch.bool)
     cand = torch.zeros(n, 2, max_blocks, dtype=torch.bool)
     active = torch.zeros(n, dtype=torch.bool)
     pre = torch.zeros(n, dtype=torch.bool)
+    fixed: list[tuple[int, int, int]] = []
     for lane, c, p in zip(lanes, context_lens, predecode):
         base[lane] = window_mask(layout, c, visible=c - 1)
         cand[lane, 0] = candidate_mask(layout, c, max_blocks)
         cand[lane, 1] = candidate_mask(layout, c if p else c + 1, max_blocks)
         active[lane] = True
         pre[lane] = p
+        # the host holds c - 1 tokens of the lane; this step's token is stored at the end of the step
+        last = (c - 2) // layout.block_size
+        held = list(range(min(layout.num_sink, last + 1))) + list(range(layout.window_start(c), last + 1))
+        fixed += [(lane, layout.device_slot(b), b) for b in dict.fromkeys(held)]
     rows = 2 if draft_rows else 1
     extra = torch.tensor([[True, False], [True, True]])[:rows, :rows].expand(n, rows, rows)
     if any(predecode):  # a pre-decoding row sees only itself: the real row is the same token
         extra = extra.clone()
         extra[pre, 1, 0] = False
     ids = torch.tensor([lanes, real_rows, draft_rows or real_rows], dtype=torch.long)   # [3, B]
-    ids, base, active, cand, pre, extra = to_device(device, ids, base, active, cand[:, :rows], pre, extra)
+    fixed_t = torch.tensor(fixed, dtype=torch.long).view(-1, 3).t().contiguous()       # [3, n_fixed]
     t_lanes, t_real, t_draft = ids.unbind(0)
     # the index forms: slices (views) when the lanes are 0..n-1 and the rows interleave
     consecutive = lanes == list(range(n))
     packed = (consecutive and only_decode and real_rows == list(range(0, rows * n, rows))
               and (rows == 1 or draft_rows == list(range(1, rows * n, rows))))
-    return DecodePart(t_lanes, t_real, t_draft if draft_rows else t_draft[:0], n, base, active, cand,
+    return DecodePart(t_lanes, t_real, t_draft if draft_rows else t_draft[:0], n, base, active, cand[:, :rows],
                       tuple(context_lens), lane_ix=slice(0, n) if consecutive else t_lanes,
                       real_ix=slice(0, rows * n, rows) if packed else t_real, packed=packed, rows=rows,
-                      extra_mask=extra, predecode=pre, lane_list=tuple(lanes))
+                      extra_mask=extra, predecode=pre, lane_list=tuple(lanes),
+                      predecode_list=tuple(predecode), fixed=fixed_t)

@@ -11,6 +11,8 @@ import torch
 
 from plugins.cpu import bookkeeping
 
+from ..device import host_list
+
 
 @dataclass
 class CopyJob:
@@ -19,6 +21,9 @@ class CopyJob:
     src_*: host pool of one layer as `[num_blocks, KVH, bs, D]` (a view of the head-major pool),
            src_index = (block_ids [n], heads [n]);
     dst_*: a device buffer `[lanes, KVH, slots, bs, D]`, dst_index = (lanes [n], heads [n], slots [n]).
+    valid: None (all n entries are copied), or bool [n]: a fixed-capacity list made on the device
+           without reading how many entries are real; the others are skipped. Such a list's
+           destinations are distinct, and its skipped entries still name in-range indices.
     """
 
     src_k: torch.Tensor
@@ -28,22 +33,40 @@ class CopyJob:
     src_index: tuple[torch.Tensor, ...]
     dst_index: tuple[torch.Tensor, ...]
     tag: tuple = ()                      # (step, layer, kind) for tracing
+    valid: torch.Tensor | None = None
 
     @property
     def num_units(self) -> int:
-        return int(self.src_index[0].numel())
+        """Entries listed: the units copied, or at most that many when `valid` is set (a shape)."""
+        return self.src_index[0].numel()
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one (block, head) unit, K and V."""
+        return 2 * self.src_k.shape[2] * self.src_k.shape[3] * self.src_k.element_size()
 
     @property
     def nbytes(self) -> int:
-        unit = self.src_k.shape[2] * self.src_k.shape[3] * self.src_k.element_size()   # one (block, head) of K
-        return 2 * unit * self.num_units
+        """Bytes of the entries listed (an upper bound of those moved when `valid` is set)."""
+        return self.unit_bytes * self.num_units
+
+    def units_moved(self) -> int | torch.Tensor:
+        """The units this job copies: an int, or (a fixed-capacity list) a 0-dim tensor where the
+        list is, counted there without a host read."""
+        return self.num_units if self.valid is None else self.valid.sum()
 
     def execute(self) -> None:
-        """One memcpy per unit on CPU (plugins/cpu/residency.c, no gathered temporary), else indexing."""
-        if self.num_units and not bookkeeping.copy_blocks(self.src_k, self.src_v, self.dst_k, self.dst_v,
-                                                          self.src_index, self.dst_index):
-            self.dst_k[self.dst_index] = self.src_k[self.src_index]
-            self.dst_v[self.dst_index] = self.src_v[self.src_index]
+        """One memcpy per unit on CPU (plugins/cpu/residency.c, no gathered temporary), else indexing;
+        a fixed-capacity list's skipped entries keep their destination's contents."""
+        if not self.num_units or bookkeeping.copy_blocks(self.src_k, self.src_v, self.dst_k, self.dst_v,
+                                                         self.src_index, self.dst_index, self.valid):
+            return
+        for src, dst in ((self.src_k, self.dst_k), (self.src_v, self.dst_v)):
+            rows = src[self.src_index]
+            if self.valid is not None:
+                rows = torch.where(self.valid.view(-1, *[1] * (rows.dim() - 1)), rows.to(dst.device),
+                                   dst[self.dst_index])
+            dst[self.dst_index] = rows
 
 
 @dataclass
@@ -66,6 +89,21 @@ class TransferEngine(abc.ABC):
         self.urgent_jobs = 0
         self.wait_s = 0.0
 
+    # h2d_bytes: counted at submit. A fixed-capacity job's count stays where its list is (a
+    # device tensor), added up there and read only when h2d_bytes is (through runtime.device's
+    # seam, not per step).
+    @property
+    def h2d_bytes(self) -> int:
+        pending = getattr(self, "_h2d_pending", None)
+        if pending is not None:
+            self._h2d_host += host_list(pending, "transfer accounting (h2d_bytes)")
+            self._h2d_pending = None
+        return self._h2d_host
+
+    @h2d_bytes.setter
+    def h2d_bytes(self, value: int) -> None:
+        self._h2d_host, self._h2d_pending = value, None
+
     @abc.abstractmethod
     def submit(self, job: CopyJob, urgent: bool = False) -> Ticket:
         """Queue a copy; returns at once. Urgent copies run before any queued background copy."""
@@ -83,9 +121,17 @@ class TransferEngine(abc.ABC):
             raise ticket.error
 
     def _account(self, job: CopyJob, urgent: bool) -> Ticket:
-        self.h2d_bytes += job.nbytes
+        """Count a submitted job; its ticket's `job_bytes` are the bytes it lists (an upper bound
+        of those moved for a fixed-capacity list)."""
+        units = job.units_moved()
+        if isinstance(units, int):
+            self._h2d_host += units * job.unit_bytes
+        else:
+            moved = units * job.unit_bytes
+            self._h2d_pending = moved if self._h2d_pending is None else self._h2d_pending + moved.to(
+                self._h2d_pending.device)
         self.jobs += 1
-        self.urgent_jobs += int(urgent)
+        self.urgent_jobs += urgent
         return Ticket(job.nbytes, urgent)
 
     def close(self) -> None:

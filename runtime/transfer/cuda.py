@@ -29,7 +29,14 @@ memory. Allocate the pool pinned (`KVPool(..., pin_memory=True)`), or page-lock 
 place with `pin_pool(pool)` (`cudaHostRegister`: no copy, no power-of-two rounding of torch's
 pinned allocator, views stay valid).
 
-Accounting. `h2d_bytes`, `jobs` and `urgent_jobs` are counted at submit, as by every engine. With
+Fixed-capacity jobs (`CopyJob.valid`, lists made on the GPU without reading their length): every
+entry is gathered, and a skipped entry writes its destination's own contents back (the list's
+destinations are distinct), so nothing is read on the host to skip it. The cost: a skipped entry
+still reads one unit over PCIe (the residency manager points all of them at the pool's (block 0,
+head 0)); a `block_gather` kernel that skipped negative ids would remove that traffic.
+
+Accounting. `h2d_bytes`, `jobs` and `urgent_jobs` are counted at submit, as by every engine (a
+fixed-capacity job's bytes on the GPU, read when `h2d_bytes` is). With
 `timing=True` (the default) two more numbers come from CUDA timing events: `wait_s`, the time the
 compute stream stood still at `wait` calls (the stall), and `transfer_s`, the time the copy
 streams spent copying. They are folded in when read, and reading them waits for the events
@@ -411,7 +418,7 @@ class CudaTransferEngine(TransferEngine):
     def _copy(self, job: CopyJob) -> None:
         """`dst[dst_index] = src[src_index]` for K and V, on the current (copy) stream."""
         stream = torch.cuda.current_stream(self.device)
-        for t in (*job.src_index, *job.dst_index):
+        for t in (*job.src_index, *job.dst_index, *([job.valid] if job.valid is not None else [])):
             if t.is_cuda:        # made on the compute stream: keep its memory until this stream is done
                 t.record_stream(stream)
         if job.src_k.is_cuda:
@@ -425,6 +432,10 @@ class CudaTransferEngine(TransferEngine):
         rows_k, rows_v, row_ids = _host_rows(job.src_k, job.src_v, blocks, heads)
         ids = row_ids.to(self.device, non_blocking=True).view(1, -1)
         dst_index = tuple(t.to(self.device, non_blocking=True) for t in job.dst_index)
+        valid = job.valid.to(self.device, non_blocking=True).view(-1, 1, 1) if job.valid is not None else None
         # mixed-device call (host pool, ids on the GPU): the CUDA kernel reads pinned memory directly
-        job.dst_k[dst_index] = torch.ops.lookahead.block_gather(rows_k, ids)[0]
-        job.dst_v[dst_index] = torch.ops.lookahead.block_gather(rows_v, ids)[0]
+        for rows, dst in ((rows_k, job.dst_k), (rows_v, job.dst_v)):
+            got = torch.ops.lookahead.block_gather(rows, ids)[0]
+            if valid is not None:        # a fixed-capacity list: skipped entries keep their slot
+                got = torch.where(valid, got, dst[dst_index])      # (distinct destinations: no race)
+            dst[dst_index] = got
