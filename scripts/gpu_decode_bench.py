@@ -284,7 +284,8 @@ def copy_time_alone(jobs: list[tuple[Any, bool]], transfer: MeteredTransfer, clo
     `transfer_s`; CPU: each job's own perf_counter time), `wall_s` the compute stream's time from
     the first submit to the last landing (host submission included)."""
     inner = transfer.inner
-    total_bytes = sum(j.nbytes for j, _ in jobs)
+    # the bytes moved, not a fixed-capacity list's capacity (`units_moved`: read once, after the round)
+    total_bytes = sum(int(j.units_moved()) * j.unit_bytes for j, _ in jobs)
     if not jobs:
         return {"jobs": 0, "bytes": 0, "busy_s": 0.0, "wall_s": 0.0}
     clock.sync()
