@@ -195,25 +195,34 @@ def test_disabled_by_environment_names_the_switch():
     assert out.startswith("True") and f"{loader.ENV_SWITCH}=0" in out
 
 
-def test_copy_blocks_matches_indexing_and_checks_bounds():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_copy_blocks_matches_indexing_and_checks_bounds(dtype):
     from plugins.cpu import bookkeeping
     from runtime.transfer import CopyJob
     g = _gen(4)
     L, KVH, NB, bs, D, lanes, slots, n = 2, 3, 50, 16, 64, 4, 9, 30
-    pool_k, pool_v = torch.randn(2, L, KVH, NB, bs, D, generator=g)     # head-major, as KVPool
+    pool_k, pool_v = torch.randn(2, L, KVH, NB, bs, D, generator=g).to(dtype)     # head-major, as KVPool
     src_k, src_v = pool_k[1].transpose(0, 1), pool_v[1].transpose(0, 1)  # KVPool.by_block's views
-    dst_k, dst_v = torch.zeros(2, lanes, KVH, slots, bs, D)
+    dst_k, dst_v = torch.zeros(2, lanes, KVH, slots, bs, D, dtype=dtype)
     src_index = (torch.randint(0, NB, (n,), generator=g), torch.randint(0, KVH, (n,), generator=g))
     flat = torch.randperm(lanes * slots, generator=g)[:n]                 # distinct destinations
     dst_index = (flat // slots, src_index[1], flat % slots)
-    CopyJob(src_k, src_v, dst_k, dst_v, src_index, dst_index).execute()
+    assert bookkeeping.copy_blocks(src_k, src_v, dst_k, dst_v, src_index, dst_index)     # the C path ran
     ek, ev = torch.zeros_like(dst_k), torch.zeros_like(dst_v)
     ek[dst_index], ev[dst_index] = src_k[src_index], src_v[src_index]
+    assert torch.equal(dst_k, ek) and torch.equal(dst_v, ev)
+    dst_k.zero_(), dst_v.zero_()
+    CopyJob(src_k, src_v, dst_k, dst_v, src_index, dst_index).execute()
     assert torch.equal(dst_k, ek) and torch.equal(dst_v, ev)
     bad = (dst_index[0], dst_index[1], dst_index[2] + slots)
     with pytest.raises(IndexError, match="copy_blocks"):
         bookkeeping.copy_blocks(src_k, src_v, dst_k, dst_v, src_index, bad)
-    assert not bookkeeping.copy_blocks(src_k.half(), src_v.half(), dst_k.half(), dst_v.half(), src_index, dst_index)
+    other = torch.float32 if dtype != torch.float32 else torch.float16      # mixed dtypes: torch's path
+    assert not bookkeeping.copy_blocks(src_k, src_v, dst_k.to(other), dst_v.to(other), src_index, dst_index)
+    if dtype != torch.float32:           # an odd unit of 16-bit elements is not whole 4-byte words
+        odd_k, odd_v = (t[:, :, :1, :33] for t in (src_k, src_v))
+        assert not bookkeeping.copy_blocks(odd_k.contiguous(), odd_v.contiguous(), dst_k[..., :1, :33].contiguous(),
+                                           dst_v[..., :1, :33].contiguous(), src_index, dst_index)
     short = (dst_index[0][:-1], dst_index[1][:-1], dst_index[2][:-1])
     assert not bookkeeping.copy_blocks(src_k, src_v, dst_k, dst_v, src_index, short)  # left to torch's error
 

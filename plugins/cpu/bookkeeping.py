@@ -47,13 +47,18 @@ def copy_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, d
     valid: bool [n], the entries to copy of a fixed-capacity list (host memory, like every
     tensor of this path: selecting them reads no device)."""
     lib = library()
+    # residency.c copies bytes (memcpy) in 4-byte words: a 16-bit pool is addressed as pairs of
+    # elements, which every unit (bs x D, D even) and every stride of these layouts is
+    words = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 2}.get(src_k.dtype)
     unit = src_k.shape[2] * src_k.shape[3]
-    if (lib is None or src_k.dtype != torch.float32 or src_k.device.type != "cpu"
-            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (src_v, dst_k, dst_v))
+    strides = (*src_k.stride()[:2], *dst_k.stride()[:3])
+    if (lib is None or words is None or src_k.device.type != "cpu"
+            or any(t.dtype != src_k.dtype or t.device.type != "cpu" for t in (src_v, dst_k, dst_v))
             or src_k.shape != src_v.shape or dst_k.shape != dst_v.shape
             or src_k.stride() != src_v.stride() or dst_k.stride() != dst_v.stride()
             or src_k.stride()[2:] != (src_k.shape[3], 1) or dst_k.stride()[3:] != (dst_k.shape[4], 1)
-            or dst_k.shape[3:] != src_k.shape[2:]):
+            or dst_k.shape[3:] != src_k.shape[2:] or unit % words or any(st % words for st in strides)
+            or any(t.data_ptr() % 4 for t in (src_k, src_v, dst_k, dst_v))):
         return False
     if valid is not None:
         if valid.device.type != "cpu" or any(t.device.type != "cpu" for t in (*src_index, *dst_index)):
@@ -64,10 +69,11 @@ def copy_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, d
     if any(t.dim() != 1 or t.numel() != sb.numel() for t in (sh, dl, dh, ds)):
         return False                    # indexing raises its own error for mismatched indices
     with traced("copy_blocks"):
-        rc = lib.lkv_copy_blocks(src_k.data_ptr(), src_v.data_ptr(), src_k.stride(0), src_k.stride(1),
-                                 dst_k.data_ptr(), dst_v.data_ptr(), dst_k.stride(0), dst_k.stride(1), dst_k.stride(2),
+        s_blk, s_head, d_lane, d_head, d_slot = (st // words for st in strides)
+        rc = lib.lkv_copy_blocks(src_k.data_ptr(), src_v.data_ptr(), s_blk, s_head,
+                                 dst_k.data_ptr(), dst_v.data_ptr(), d_lane, d_head, d_slot,
                                  sb.data_ptr(), sh.data_ptr(), dl.data_ptr(), dh.data_ptr(), ds.data_ptr(), sb.numel(),
-                                 unit, src_k.shape[0], src_k.shape[1], dst_k.shape[0], dst_k.shape[2])
+                                 unit // words, src_k.shape[0], src_k.shape[1], dst_k.shape[0], dst_k.shape[2])
     if rc != 0:
         raise IndexError(f"copy_blocks: an index outside src [{src_k.shape[0]}, {src_k.shape[1]}] or dst "
                          f"[{dst_k.shape[0]}, {dst_k.shape[1]}, {dst_k.shape[2]}]")
