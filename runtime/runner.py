@@ -43,7 +43,7 @@ class DenseRunner:
             token_ids.extend(seq.token_at(p) for p in range(start, start + n))
             row += n
         cache = self.prefill_cache
-        replay = cache.replay(self.model, work, items) if cache is not None else None
+        replay = cache.replay(self.model, work, items, self.attn.pool.dtype) if cache is not None else None
         batch = StepBatch.build(items, token_ids, self.block_size, self.attn.pool.device,
                                 store_only=replay is not None)
         if self.observers:
@@ -54,7 +54,7 @@ class DenseRunner:
                 seq.num_cached += n
             return out
         step = self.attn.step(batch)        # this step's backend: the batch is its argument
-        rec = cache.record(self.model, work, items) if cache is not None else None
+        rec = cache.record(self.model, work, items, self.attn.pool.dtype) if cache is not None else None
         backend = rec.wrap(step, len(self.model.layers)) if rec else step
         hidden = self.model(batch.tokens, batch.positions, backend)               # [T, hidden]
         sampling = [(seq, it) for (seq, n), it in zip(work, items)

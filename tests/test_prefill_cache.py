@@ -83,3 +83,21 @@ def test_other_model_objects_and_evicted_prompts_miss(tiny_dir):
     assert cache.hits == 1
     with pytest.raises(ValueError, match="max_prompts"):
         PrefillCache(0)
+
+
+@pytest.mark.parametrize("mode", ["dense", "resident-urgent"])
+def test_another_kv_dtype_misses_and_decodes_like_its_own_prefill(tiny_dir, mode):
+    """An fp16-KV engine attends over rounded keys in its prefill: it must not replay an fp32
+    engine's recorded prefill (whose logits it would emit), and the reverse."""
+    ps = prompts(40, seed=17)
+    base = Engine.from_dir(tiny_dir)
+    cache = PrefillCache(max_prompts=2)
+    run(sibling(base, cache, **MODES[mode]), ps, SP)                              # fp32 records
+    half = sibling(base, cache, **MODES[mode], kv_dtype="float16")
+    got, got_logits = run(half, ps, SP)
+    assert cache.hits == 0 and cache.misses == 2
+    ref, ref_logits = run(sibling(base, None, **MODES[mode], kv_dtype="float16"), ps, SP)
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    assert all(torch.equal(a, b) for a, b in zip(got_logits, ref_logits))
+    run(sibling(base, cache, **MODES[mode], kv_dtype="float16"), ps, SP)          # fp16 now replays fp16's
+    assert cache.hits == 1

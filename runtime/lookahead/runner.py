@@ -60,7 +60,7 @@ class LookaheadRunner:
         work = sorted(work, key=lambda w: self.lanes[w[0].seq_id])
         rows = self._rows(work)
         cache, num_layers = self.prefill_cache, len(self.model.layers)
-        replay = cache.replay(self.model, work, rows.items) if cache is not None else None
+        replay = cache.replay(self.model, work, rows.items, self.attn.pool.dtype) if cache is not None else None
         plan = build_plan(rows, self.attn.layout, self.attn.max_blocks, self.attn.device,
                           store_only=replay is not None)
         if self.observers:
@@ -72,7 +72,7 @@ class LookaheadRunner:
             self.attn.end_step()
             self._advance(work, rows)
             return out
-        rec = cache.record(self.model, work, rows.items) if cache is not None else None
+        rec = cache.record(self.model, work, rows.items, self.attn.pool.dtype) if cache is not None else None
         hidden = self.model(plan.batch.tokens, plan.batch.positions,
                             rec.wrap(self.attn, num_layers) if rec else self.attn)
         self.attn.end_step()
