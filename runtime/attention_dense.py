@@ -68,7 +68,8 @@ class DenseAttention:
 
 
 class DenseStep:
-    """One step's dense attention: stores each layer's rows where `batch` says, then attends."""
+    """One step's dense attention: stores each layer's rows where `batch` says, then attends.
+    `fused_runs` says whether the runner may run the step as one fused C call instead."""
 
     def __init__(self, pool: KVPool, scale: float, batch: StepBatch):
         self.pool, self.scale, self.batch = pool, scale, batch
@@ -91,6 +92,23 @@ class DenseStep:
                         cpu.paged_mask(lens, self.pool.num_kv_heads), frozenset(rows)) if rows
                        else (None, [], [], None, frozenset()))
         return self._paged
+
+    def fused_runs(self) -> tuple[list[int], list[int]] | None:
+        """(each item's first pool block, its context length) when the fused decode step
+        (plugins/cpu/fused.py) can run this step in place of the layers' `forward` calls: every
+        item one token, item i at row i, its blocks one run of the pool (what `_paged_decode`
+        sends to one kernel call, for every item); else None."""
+        if self.batch.store_only or not self.batch.items:
+            return None
+        starts, lens = [], []
+        for i, it in enumerate(self.batch.items):
+            if it.num_tokens != 1 or it.row_start != i:
+                return None
+            first = self.pool.run_start(it.block_table, it.context_len)
+            if first is None:
+                return None
+            starts.append(first), lens.append(it.context_len)
+        return starts, lens
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch

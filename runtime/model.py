@@ -16,19 +16,25 @@ weights.safetensors, or, for a `random_weights:` recipe, generated on `device` t
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.cpu import rms_norm
+from plugins.cpu import linear as cpu_linear, rms_norm
 
 from .config import ModelConfig
 from .engine_dir import WEIGHTS, Manifest, expected_shapes
 from .ops import Ops, select_ops
 from .rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from plugins.cpu.fused import FusedDecoder
+
+FUSED_ENV = "LOOKAHEAD_FUSED_DECODE"      # "0": dense decode steps keep the Python path
 
 
 class AttentionBackend(Protocol):
@@ -153,6 +159,7 @@ class LlamaModel(nn.Module):
         if q and (dtype != torch.float32 or not empty):
             raise ValueError("an int8 model computes in float32 and is built empty (load_weights fills it)")
         self.quantized = q
+        self.weights_version = 0           # load_weights counts here (runner.DenseRunner re-binds its fused step)
         self.ops = ops or select_ops(torch.device(device), dtype, quantized=bool(q))
         # empty=True: parameters on the meta device (no init cost); load_weights assigns real ones
         with torch.device("meta" if empty else device):
@@ -182,10 +189,48 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
+    def fused_decoder(self, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float,
+                      silu: str = "auto") -> tuple["FusedDecoder | None", str | None]:
+        """(the fused dense decode step over this model and a KV pool's K/V, None) when this model
+        takes it, else (None, why). The fused step (plugins/cpu/fused.py: one C call a step) runs
+        what `forward` runs over `attention_dense.DenseStep` on a decode step, for an fp32 CPU model
+        whose projections are fp32 or int8 and whose ops are the engine's default CPU ops (a test's
+        own or checked ops keep the Python path, so every call still goes through them).
+        LOOKAHEAD_FUSED_DECODE=0 in the environment turns it off."""
+        from plugins.cpu import fused
+
+        if os.environ.get(FUSED_ENV, "1") == "0":
+            return None, f"{FUSED_ENV}=0"
+        c, ops = self.cfg, self.ops
+        default_linear = (getattr(ops.linear, "__qualname__", "") == "quantized_linear[linear_int8]"
+                          if self.quantized else ops.linear is cpu_linear)
+        if self.device.type != "cpu" or ops.name != "direct/cpu" or not default_linear:
+            return None, f"ops {ops.name or 'custom'} on {self.device.type}"
+        if not (type(self.norm) is RMSNorm and type(self.embed_tokens) in (nn.Embedding, Int8Embedding)
+                and all(type(layer) is DecoderLayer for layer in self.layers)):
+            return None, "modules other than the model's own"
+        if getattr(self.embed_tokens, "max_norm", None) is not None:
+            return None, "embedding max_norm"
+
+        def weight(m: nn.Module):
+            w = m.weight
+            return w if isinstance(w, torch.Tensor) else (w.qweight, w.scale)
+        layers = [fused.LayerWeights(layer.attn_norm.weight, layer.mlp_norm.weight, weight(layer.wqkv), layer.wqkv.bias,
+                                     weight(layer.wo), weight(layer.w13), weight(layer.w2)) for layer in self.layers]
+        eps = {m.eps for m in self.modules() if isinstance(m, RMSNorm)}
+        if len(eps) != 1:
+            return None, "RMSNorm eps differ"
+        dims = fused.Dims(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                          c.vocab_size, eps.pop(), scale)
+        args = (dims, weight(self.embed_tokens), layers, self.norm.weight, self.rope.cos, self.rope.sin, pool_k, pool_v)
+        why = fused.unsupported(*args)
+        return (None, why) if why is not None else (fused.FusedDecoder(*args, silu=silu), None)
+
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load runtime-layout tensors (see engine_dir.WEIGHT_LAYOUT); strict on names and shapes.
         The parameters take the tensors' device (load them where the model runs)."""
         self.load_state_dict(tensors, strict=True, assign=True)
+        self.weights_version += 1          # new tensors: a fused decoder bound to the old ones re-binds
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> "LlamaModel":

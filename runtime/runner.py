@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention_dense import DenseAttention
+from .attention_dense import DenseAttention, DenseStep
 from .device import to_device
 from .kv_pool import KVPool
 from .model import LlamaModel
@@ -14,13 +14,25 @@ from .step import StepBatch, StepItem
 
 
 class DenseRunner:
-    """Dense mode: every row attends to its sequence's full cached context."""
+    """Dense mode: every row attends to its sequence's full cached context.
+
+    A decode step whose items are one token each, each sequence's blocks one run of the pool
+    (`DenseStep.fused_runs`), runs as one C call (`fused`: plugins/cpu/fused.py, chosen once here
+    by `LlamaModel.fused_decoder`; None, with `fused_reason`, where the model or the pool do not
+    take it, or with LOOKAHEAD_FUSED_DECODE=0). Every other step, and a step the C path refuses,
+    runs the Python path (the model's layers over `DenseStep`), which is the reference."""
 
     def __init__(self, model: LlamaModel, attn: DenseAttention, block_size: int,
                  prefill_cache: PrefillCache | None = None, observers: Observers | None = None):
         self.model, self.attn, self.block_size = model, attn, block_size
         self.prefill_cache = prefill_cache
         self.observers = observers if observers is not None else Observers()
+        self._bind_fused()
+
+    def _bind_fused(self) -> None:
+        pool = self.attn.pool
+        self.fused, self.fused_reason = self.model.fused_decoder(pool.k, pool.v, self.attn.scale)
+        self._fused_pool, self._fused_weights = pool, self.model.weights_version
 
     def release(self, seq: Sequence) -> None:
         """Nothing per sequence to free beyond its blocks (the scheduler frees those)."""
@@ -55,8 +67,10 @@ class DenseRunner:
             return out
         step = self.attn.step(batch)        # this step's backend: the batch is its argument
         rec = cache.record(self.model, work, items, self.attn.pool.dtype) if cache is not None else None
-        backend = rec.wrap(step, len(self.model.layers)) if rec else step
-        hidden = self.model(batch.tokens, batch.positions, backend)               # [T, hidden]
+        hidden = self._fused_step(step, batch) if rec is None else None          # [T, hidden] or None
+        if hidden is None:
+            backend = rec.wrap(step, len(self.model.layers)) if rec else step
+            hidden = self.model(batch.tokens, batch.positions, backend)           # [T, hidden]
         sampling = [(seq, it) for (seq, n), it in zip(work, items)
                     if it.context_len >= len(seq.prompt_ids)]                     # prompt done
         for seq, n in work:
@@ -70,6 +84,17 @@ class DenseRunner:
         if rec:
             rec.finish(out)
         return out
+
+    def _fused_step(self, step, batch: StepBatch) -> torch.Tensor | None:
+        """The step's hidden states from the fused C step, or None (the Python path runs)."""
+        if self._fused_weights != self.model.weights_version:       # load_weights replaced the tensors
+            self._bind_fused()
+        if self.fused is None or not isinstance(step, DenseStep) or step.pool is not self._fused_pool:
+            return None
+        runs = step.fused_runs()
+        if runs is None:
+            return None
+        return self.fused.run(batch.tokens, batch.positions, batch.slot_blocks, batch.slot_offsets, *runs)
 
 
 class StoreRows:

@@ -21,7 +21,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("linear.c", "linear_int8.c", "attention.c", "topk.c", "residency.c", "elementwise.c")]
+           for name in ("linear.c", "linear_int8.c", "attention.c", "topk.c", "residency.c", "elementwise.c",
+                        "decode.c")]
 HEADERS = [Path(__file__).with_name("common.h")]
 BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cpu"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
@@ -41,6 +42,8 @@ SIGNATURES = {       # (restype, argtypes) of each kernel; see the C sources for
     "lkv_rmsnorm": (None, [_p, _i64, _p, ctypes.c_float, _p, _i64, _i64, _i64]),
     "lkv_plan": (_i64, [_p] * 4 + [_i64] * 5 + [_p, _p] + [_i64] * 3 + [_p] * 4),
     "lkv_copy_blocks": (_int, [_p] * 2 + [_i64] * 2 + [_p] * 2 + [_i64] * 3 + [_p] * 5 + [_i64] * 6),
+    "lkv_decode": (_int, [_p, _p, _p, _i64, _i64, _int]),       # the fused decode step (fused.py)
+    "lkv_silu_mul": (None, [_p, _p, _i64, _i64, _p, _i64]),
 }
 
 

@@ -1,0 +1,277 @@
+/* lkv_decode: a dense decode step of the whole model in one C call (plugins/cpu/fused.py), the
+ * CPU analogue of a captured CUDA graph: the step's ~200 kernel calls and ~3,000 torch ops of the
+ * Python path (runtime/model.py's DecoderLayer over runtime/attention_dense.DenseStep) become one.
+ *
+ * It covers the common step: B <= 16 items of one token each, every sequence's blocks one run in
+ * the pool (fp32, fp16 or bf16), fp32 activations, each projection fp32 (packed, ops.packed_weight)
+ * or weight-only int8. Per layer, the stages of the Python path in its order:
+ *
+ *   rmsnorm -> wqkv (+ bias) -> RoPE of q and k -> K/V rows rounded into the pool's dtype and
+ *   stored at their slots -> paged attention over each sequence's run -> wo, + residual ->
+ *   rmsnorm -> w13 -> SiLU(gate) * up -> w2, + residual
+ *
+ * then the final rmsnorm. The big stages call the same exported kernels the Python path calls
+ * (lkv_rmsnorm, lkv_linear_packed / lkv_linear_int8, lkv_attention_paged) with the same
+ * arguments and thread count, and the small ones (embedding, RoPE, the K/V rounding, residual
+ * adds) round each operation the way torch's elementwise ops do (one rounding per op, no FMA
+ * contraction: see the attribute below), so each of them is bit-identical to the Python path.
+ * SiLU is too where fused.py hands over torch's own vector exp (silu_mul); otherwise it uses
+ * common.h's exp, within a few ulp. A step can also stop before each layer's SiLU and resume
+ * after it (the stage ranges below): fused.py's silu="torch" runs torch's SiLU in between.
+ *
+ * The kernels it calls open their own OpenMP regions (nthreads > 1), as they do on the Python
+ * path; the small stages run on the calling thread (a few thousand elements a layer).
+ *
+ * Stages of a step are numbered: 0 = embedding (and the step's key mask), then for layer l:
+ * 1 + 3l = attention half up to w13 (output `gu`), 2 + 3l = SiLU * mul (`gu` -> `act`),
+ * 3 + 3l = w2 + residual; 1 + 3L = the final norm (-> `out`). lkv_decode runs [s0, s1). */
+#include "common.h"
+
+#define KV_F32 0 /* attention.c's kv_dtype codes */
+#define KV_F16 1
+#define KV_BF16 2
+
+/* elementwise helpers that must round like torch's separate ops: no a*b+c contraction */
+#define NOFMA __attribute__((optimize("fp-contract=off")))
+
+typedef struct {
+    const void *w;         /* fp32: packed [N/8, K, 8] (ops.packed_weight); int8: [N, K] row-major */
+    const float *scale;    /* int8: [N] per output channel; fp32: NULL */
+    const float *bias;     /* [N] or NULL */
+    int64_t n, k, int8;
+} LkvLinear;
+
+typedef struct {
+    const float *attn_norm, *mlp_norm;   /* [hidden] */
+    LkvLinear wqkv, wo, w13, w2;
+    void *k, *v;                         /* this layer's pool K/V: [KVH, num_blocks, block_size, D] */
+} LkvLayer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, vocab;
+    int64_t num_blocks, block_size, max_pos, kv_dtype;
+    float eps, scale;                    /* RMSNorm eps, attention scale (as the Python path's floats) */
+    const float *cos, *sin;              /* RoPE tables [max_pos, head_dim] */
+    const void *embed;                   /* [vocab, hidden]: fp32, or int8 with embed_scale [vocab] */
+    const float *embed_scale;
+    const float *norm;                   /* the final norm [hidden] */
+    const LkvLayer *layers;              /* [num_layers] */
+    const void *exp8;                    /* torch's vector exp for SiLU (see silu_mul), or NULL */
+    int64_t silu_chunk;
+} LkvModel;
+
+typedef struct {
+    int64_t B, N;                        /* items (rows), N = max(lens): the key mask's width */
+    const int64_t *tokens, *positions;   /* [B] */
+    const int64_t *slot_blocks, *slot_offsets;   /* [B] where each row's K/V go */
+    const int64_t *run_starts, *lens;    /* [B] each sequence's first block, its keys (position + 1) */
+} LkvStep;
+
+typedef struct {   /* fp32 scratch, rows of B: x [hidden] (the residual stream), h [hidden], */
+    float *x, *h, *qkv, *q, *o, *t, *gu, *act, *out;   /* qkv [q+2kv], q/o [H*D], t [hidden], */
+    uint8_t *mask;                                     /* gu [2I], act [I], out [hidden]; mask [B, KVH, N] */
+    int64_t *boff;                                     /* [B] each sequence's first key (elements) */
+} LkvWork;
+
+#define MAX_ROWS 16      /* ops.MAX_LINEAR_ROWS / MAX_INT8_ROWS: the C linears of the Python path */
+#define MAX_KV_ROW 4096  /* KVH * D of a row's keys */
+
+static void linear(const LkvLinear *L, const float *x, int64_t M, float *y, int nthreads) {
+    if (L->int8) lkv_linear_int8(x, M, L->k, (const int8_t *)L->w, L->n, L->scale, L->bias, y, nthreads);
+    else lkv_linear_packed(x, M, L->k, (const float *)L->w, L->n, L->bias, y, nthreads);
+}
+
+/* Everything the step reads is in bounds and consistent with a dense decode step (each row's new
+ * token at the end of its sequence's run): 0, or -3 and nothing written. */
+static int check_step(const LkvModel *m, const LkvStep *st) {
+    const int64_t B = st->B, bs = m->block_size;
+    int64_t N = 0;
+    if (B < 1 || B > MAX_ROWS) return -3;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t p = st->positions[b], n = st->lens[b], r = st->run_starts[b];
+        const int64_t nblk = (n + bs - 1) / bs;
+        if (st->tokens[b] < 0 || st->tokens[b] >= m->vocab || p < 0 || p >= m->max_pos || n != p + 1) return -3;
+        if (r < 0 || r + nblk > m->num_blocks) return -3;
+        if (st->slot_blocks[b] != r + p / bs || st->slot_offsets[b] != p % bs) return -3;
+        N = n > N ? n : N;
+    }
+    return N == st->N ? 0 : -3;
+}
+
+static void embed(const LkvModel *m, const LkvStep *st, float *x) {
+    const int64_t E = m->hidden;
+    for (int64_t b = 0; b < st->B; b++) {
+        const int64_t t = st->tokens[b];
+        if (m->embed_scale) {       /* Int8Embedding: qweight[t].float() * scale[t], one rounding */
+            const int8_t *q = (const int8_t *)m->embed + t * E;
+            const float s = m->embed_scale[t];
+            for (int64_t j = 0; j < E; j++) x[b * E + j] = (float)q[j] * s;
+        } else {
+            memcpy(x + b * E, (const float *)m->embed + t * E, sizeof(float) * E);
+        }
+    }
+}
+
+/* RoPE (rope.py: x * cos + rotate_half(x) * sin, each product rounded, then the sum) of `nh`
+ * heads of D at src, into dst; cos/sin the position's rows */
+static NOFMA void rope_heads(const float *src, float *dst, int64_t nh, int64_t D, const float *c, const float *s) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < nh; h++) {
+        const float *x = src + h * D;
+        float *y = dst + h * D;
+        for (int64_t d = 0; d < half; d++) {
+            const float a = x[d] * c[d], r = -x[d + half] * s[d];
+            y[d] = a + r;
+        }
+        for (int64_t d = half; d < D; d++) {
+            const float a = x[d] * c[d], r = x[d - half] * s[d];
+            y[d] = a + r;
+        }
+    }
+}
+
+/* one row of D fp32 values into the pool's storage type, rounded to nearest even (torch's .to) */
+static void store_row(const float *src, void *dst, int64_t D, int64_t kv_dtype) {
+    if (kv_dtype == KV_F32) {
+        memcpy(dst, src, sizeof(float) * D);
+    } else if (kv_dtype == KV_F16) {
+        for (int64_t d = 0; d < D; d += 8)
+            _mm_storeu_si128((__m128i *)((uint16_t *)dst + d),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+    } else {
+        uint16_t *o = (uint16_t *)dst;
+        for (int64_t d = 0; d < D; d++) {
+            uint32_t u;
+            memcpy(&u, src + d, 4);
+            o[d] = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+    }
+}
+
+static NOFMA void add_rows(float *x, const float *t, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] + t[i];
+}
+
+typedef __m256 (*exp8_fn)(__m256);
+
+/* act = silu(gate) * up, gate/up the halves of each gu row.
+ *
+ * With exp8 (torch's own vector exp, which fused.py finds in libtorch and checks against F.silu
+ * at bind time): torch's silu, x / (1 + exp(-x)), over each row's first I - I % chunk elements
+ * (its vector loop, `chunk` = two of its vectors), the rest with libm's expf (its scalar loop), then
+ * the product: bit-identical to `F.silu(gate) * up`.
+ * Without: silu(g) = g / (1 + e^-g), written as g * e / (1 + e), e = e^g, for g < 0 (common.h's
+ * exp_neg takes x <= 0): within a few ulp of torch's. */
+static void silu_mul(const float *gu, float *act, int64_t B, int64_t I, const void *exp8, int64_t chunk) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    if (exp8 && chunk > 0 && chunk % 8 == 0) {
+        const exp8_fn ex = (exp8_fn)exp8;
+        const int64_t nv = I - I % chunk;
+        for (int64_t b = 0; b < B; b++) {
+            const float *g = gu + b * 2 * I, *u = g + I;
+            float *a = act + b * I;
+            for (int64_t i = 0; i < nv; i += 8) {
+                const __m256 x = _mm256_loadu_ps(g + i);
+                const __m256 y = _mm256_div_ps(x, _mm256_add_ps(one, ex(_mm256_xor_ps(x, sign))));
+                _mm256_storeu_ps(a + i, _mm256_mul_ps(y, _mm256_loadu_ps(u + i)));
+            }
+            for (int64_t i = nv; i < I; i++) {
+                const float y = g[i] / (1.0f + expf(-g[i]));
+                a[i] = y * u[i];
+            }
+        }
+        return;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        const float *g = gu + b * 2 * I, *u = g + I;
+        float *a = act + b * I;
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 e = exp_neg(_mm256_or_ps(x, sign));                        /* e^-|x| */
+            const __m256 neg = _mm256_cmp_ps(x, zero, _CMP_LT_OQ);
+            const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), neg);
+            const __m256 y = _mm256_div_ps(num, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(y, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) {
+            const float x = g[i], e = expf(-fabsf(x));
+            a[i] = (x < 0.0f ? x * e : x) / (1.0f + e) * u[i];
+        }
+    }
+}
+
+/* layer l up to w13: x (residual) updated by attention, gu = w13(rmsnorm(x)) */
+static int attention_half(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, int nthreads) {
+    const LkvLayer *L = m->layers + l;
+    const int64_t B = st->B, E = m->hidden, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
+    const int64_t nq = H * D, nkv = KVH * D, nqkv = nq + 2 * nkv, bs = m->block_size;
+    const int64_t es = m->kv_dtype == KV_F32 ? 4 : 2, hs = m->num_blocks * bs * D;   /* head stride */
+    lkv_rmsnorm(w->x, E, L->attn_norm, m->eps, w->h, E, B, E);
+    linear(&L->wqkv, w->h, B, w->qkv, nthreads);
+    float krot[MAX_KV_ROW];                        /* one row's rotated keys */
+    for (int64_t b = 0; b < B; b++) {
+        const float *row = w->qkv + b * nqkv, *c = m->cos + st->positions[b] * D, *s = m->sin + st->positions[b] * D;
+        rope_heads(row, w->q + b * nq, H, D, c, s);
+        rope_heads(row + nq, krot, KVH, D, c, s);
+        const int64_t slot = st->slot_blocks[b] * bs * D + st->slot_offsets[b] * D;
+        for (int64_t h = 0; h < KVH; h++) {
+            const int64_t at = (h * hs + slot) * es;
+            store_row(krot + h * D, (char *)L->k + at, D, m->kv_dtype);
+            store_row(row + nq + nkv + h * D, (char *)L->v + at, D, m->kv_dtype);
+        }
+    }
+    const int rc = lkv_attention_paged(w->q, L->k, L->v, w->boff, hs, w->mask, w->o, B, H, KVH, st->N, D, m->scale,
+                                       nthreads, (int)m->kv_dtype);
+    if (rc != 0) return rc;
+    linear(&L->wo, w->o, B, w->t, nthreads);
+    add_rows(w->x, w->t, B * E);
+    lkv_rmsnorm(w->x, E, L->mlp_norm, m->eps, w->h, E, B, E);
+    linear(&L->w13, w->h, B, w->gu, nthreads);
+    return 0;
+}
+
+/* Stages [s0, s1) of the step (numbered above). Returns 0; -3 (s0 == 0 only: the step is not one
+ * this path takes, nothing written: the caller runs the Python path); -1 (attention scratch) or
+ * -2 (kv_dtype) from lkv_attention_paged. */
+int lkv_decode(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t s0, int64_t s1, int nthreads) {
+    const int64_t L = m->num_layers, B = st->B, KVH = m->kv_heads, N = st->N;
+    if (m->kv_dtype < KV_F32 || m->kv_dtype > KV_BF16) return -2;
+    if (m->head_dim % 32 || m->kv_heads * m->head_dim > MAX_KV_ROW || m->heads % m->kv_heads) return -3;
+    if (s0 == 0) {
+        const int rc = check_step(m, st);
+        if (rc != 0) return rc;
+    }
+    for (int64_t s = s0; s < s1 && s <= 3 * L + 1; s++) {
+        if (s == 0) {
+            embed(m, st, w->x);
+            for (int64_t b = 0; b < B; b++) {     /* ops.paged_mask: each sequence's first lens[b] keys */
+                w->boff[b] = st->run_starts[b] * m->block_size * m->head_dim;
+                for (int64_t h = 0; h < KVH; h++) {
+                    uint8_t *row = w->mask + (b * KVH + h) * N;
+                    memset(row, 1, st->lens[b]);
+                    memset(row + st->lens[b], 0, N - st->lens[b]);
+                }
+            }
+        } else if (s == 3 * L + 1) {
+            lkv_rmsnorm(w->x, m->hidden, m->norm, m->eps, w->out, m->hidden, B, m->hidden);
+        } else {
+            const int64_t l = (s - 1) / 3, part = (s - 1) % 3;
+            if (part == 0) {
+                const int rc = attention_half(m, st, w, l, nthreads);
+                if (rc != 0) return rc;
+            } else if (part == 1) {
+                silu_mul(w->gu, w->act, B, m->inter, m->exp8, m->silu_chunk);
+            } else {
+                linear(&m->layers[l].w2, w->act, B, w->t, nthreads);
+                add_rows(w->x, w->t, B * m->hidden);
+            }
+        }
+    }
+    return 0;
+}
+
+/* silu_mul alone, for fused.py's bind-time check against torch's F.silu(gate) * up */
+void lkv_silu_mul(const float *gu, float *act, int64_t B, int64_t I, const void *exp8, int64_t chunk) {
+    silu_mul(gu, act, B, I, exp8, chunk);
+}

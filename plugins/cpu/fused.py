@@ -1,0 +1,312 @@
+"""The fused dense decode step (plugins/cpu/decode.c): one C call runs a decode step through every
+layer, where the Python path makes ~200 kernel calls and ~3,000 torch ops.
+
+    dec = FusedDecoder(dims, embed, layers, final_norm, cos, sin, pool_k, pool_v)   # once, at load
+    hidden = dec.run(tokens, positions, slot_blocks, slot_offsets, run_starts, lens)  # per step
+
+`FusedDecoder` collects, once, the pointers of every layer's weights (fp32 ones through the packed
+copies `ops.packed_weight` keeps for `plugins.cpu.linear`, int8 ones as stored), the pool's K/V of
+each layer and the RoPE tables, into C structs; a step then only passes its metadata. The tensors
+stay referenced here; their version counters are checked every step, and a weight changed in place
+is re-bound (re-packed) before the step runs. `run` returns None where the step is not one the C
+path takes (checked in C before anything is written): the caller runs its Python path.
+
+Every stage is bit-identical to the Python path's (the same kernels in the same order, the small
+ops rounded as torch rounds them), SiLU included where torch's own exp can be used:
+- `silu="auto"` (the default): one call a step. SiLU uses torch's vector exp (Sleef's, exported by
+  libtorch_cpu) with torch's loop split, where `silu_binding` finds that this reproduces
+  `F.silu(gate) * up` bit for bit on a probe (`exact`); else common.h's exp (within a few ulp);
+- `silu="own"`: common.h's exp always (what "auto" falls back to);
+- `silu="torch"`: each layer's SiLU * up by torch between two C calls (two calls a layer; tests).
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from operator import attrgetter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .loader import library
+from .ops import KV_DTYPES, MAX_INT8_ROWS, MAX_LINEAR_ROWS, MAX_GROUP_ROWS, packed_weight, traced
+
+MAX_ROWS = min(MAX_LINEAR_ROWS, MAX_INT8_ROWS)      # decode.c's MAX_ROWS: the Python path's C linears
+MAX_KV_ROW = 4096                                   # decode.c's MAX_KV_ROW
+_i64, _p, _f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_version = attrgetter("_version")
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("w", _p), ("scale", _p), ("bias", _p), ("n", _i64), ("k", _i64), ("int8", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", _p), ("mlp_norm", _p), ("wqkv", _Linear), ("wo", _Linear), ("w13", _Linear),
+                ("w2", _Linear), ("k", _p), ("v", _p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(n, _i64) for n in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab",
+                                    "num_blocks", "block_size", "max_pos", "kv_dtype")] + \
+               [("eps", _f), ("scale", _f), ("cos", _p), ("sin", _p), ("embed", _p), ("embed_scale", _p),
+                ("norm", _p), ("layers", ctypes.POINTER(_Layer)), ("exp8", _p), ("silu_chunk", _i64)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("B", _i64), ("N", _i64)] + [(n, _p) for n in ("tokens", "positions", "slot_blocks", "slot_offsets",
+                                                               "run_starts", "lens")]
+
+
+class _Work(ctypes.Structure):
+    _fields_ = [(n, _p) for n in ("x", "h", "qkv", "q", "o", "t", "gu", "act", "out", "mask", "boff")]
+
+
+@dataclass(frozen=True)
+class Dims:
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    vocab: int
+    eps: float
+    scale: float
+
+
+Weight = torch.Tensor | tuple[torch.Tensor, torch.Tensor]   # fp32 [N, K], or (qweight int8 [N, K], scale [N])
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's tensors: each projection an fp32 [N, K] tensor or (qweight, scale)."""
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    wqkv: Weight
+    wqkv_bias: torch.Tensor | None
+    wo: Weight
+    w13: Weight
+    w2: Weight
+
+
+def unsupported(dims: Dims, embed, layers: list[LayerWeights], final_norm: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor) -> str | None:
+    """Why these tensors cannot take the fused step (None: they can): the conditions under which
+    the Python path calls exactly the C kernels decode.c calls (fp32 CPU tensors, packable fp32 or
+    int8 projections, D % 32 == 0, the pool contiguous in a kernel dtype, ...)."""
+    if library() is None:
+        return "no CPU kernels"
+    d = dims
+    qkv_n = (d.heads + 2 * d.kv_heads) * d.head_dim
+    if d.hidden % 8 or d.head_dim % 32 or d.kv_heads < 1 or d.heads % d.kv_heads \
+            or d.heads // d.kv_heads > MAX_GROUP_ROWS or d.kv_heads * d.head_dim > MAX_KV_ROW:
+        return f"shapes (hidden {d.hidden}, heads {d.heads}/{d.kv_heads}, head_dim {d.head_dim})"
+    if len(layers) != d.num_layers:
+        return "layer count"
+
+    def fp32(t, shape) -> bool:
+        return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
+                and tuple(t.shape) == shape)
+
+    def weight_ok(w, n, k) -> bool:
+        if isinstance(w, torch.Tensor):
+            return fp32(w, (n, k)) and n % 8 == 0
+        q, s = w
+        return (q.dtype == torch.int8 and q.device.type == "cpu" and tuple(q.shape) == (n, k)
+                and fp32(s, (n,)))
+
+    if isinstance(embed, torch.Tensor):
+        if not (fp32(embed, (d.vocab, d.hidden)) and embed.is_contiguous()):
+            return "embedding"
+    elif not (embed[0].dtype == torch.int8 and tuple(embed[0].shape) == (d.vocab, d.hidden)
+              and embed[0].is_contiguous() and fp32(embed[1], (d.vocab,)) and embed[1].is_contiguous()):
+        return "embedding"
+    for i, lw in enumerate(layers):
+        shapes = {"wqkv": (qkv_n, d.hidden), "wo": (d.hidden, d.heads * d.head_dim),
+                  "w13": (2 * d.inter, d.hidden), "w2": (d.hidden, d.inter)}
+        for name, (n, k) in shapes.items():
+            if not weight_ok(getattr(lw, name), n, k):
+                return f"layers.{i}.{name}"
+        if lw.wqkv_bias is not None and not (fp32(lw.wqkv_bias, (qkv_n,)) and lw.wqkv_bias.is_contiguous()):
+            return f"layers.{i}.wqkv.bias"
+        if not all(fp32(t, (d.hidden,)) and t.is_contiguous() for t in (lw.attn_norm, lw.mlp_norm)):
+            return f"layers.{i} norms"
+    if not (fp32(final_norm, (d.hidden,)) and final_norm.is_contiguous()):
+        return "final norm"
+    if not all(t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 2 and t.shape[1] == d.head_dim
+               and t.device.type == "cpu" for t in (cos, sin)) or cos.shape != sin.shape:
+        return "rope tables"
+    if (pool_k.dtype not in KV_DTYPES or pool_v.dtype != pool_k.dtype or pool_k.shape != pool_v.shape
+            or pool_k.device.type != "cpu" or pool_v.device.type != "cpu"
+            or not pool_k.is_contiguous() or not pool_v.is_contiguous() or pool_k.dim() != 5
+            or tuple(pool_k.shape[i] for i in (0, 1, 4)) != (d.num_layers, d.kv_heads, d.head_dim)):
+        return f"KV pool ({pool_k.dtype}, {tuple(pool_k.shape)})"
+    return None
+
+
+def torch_vector_exp() -> int | None:
+    """The address of torch's own 8-wide exp (Sleef's, exported by libtorch_cpu), or None."""
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        return ctypes.cast(lib.Sleef_expf8_u10avx2, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+_silu_bindings: dict[int, tuple[int | None, int]] = {}
+
+
+def silu_binding(inter: int) -> tuple[int | None, int]:
+    """(exp, chunk) with which decode.c's SiLU * up equals torch's `F.silu(gate) * up` bit for bit,
+    found by trying torch's vector exp with its vector loop's two widths (AVX-512: 32 elements,
+    AVX2: 16) on a probe of rows of `inter` and of 48 (where the widths' scalar tails differ) over
+    the range SiLU sees; (None, 0) when none matches (decode.c then uses common.h's exp)."""
+    if inter not in _silu_bindings:
+        found: tuple[int | None, int] = (None, 0)
+        exp8, lib = torch_vector_exp(), library()
+        if exp8 is not None and lib is not None:
+            g = torch.Generator().manual_seed(0)
+            special = torch.tensor([0.0, -0.0, 88.0, -88.0, 100.0, -100.0, 1e-30, -1e-30, 1e-40, -1e-40,
+                                    0.5, -0.5, 20.0, -20.0, 87.5, -103.9])
+            probes = []
+            for rows, n in ((16, inter), (64, 48)):
+                gu = torch.randn(rows, 2 * n, generator=g) * torch.tensor([0.01, 0.3, 1.0, 4.0, 30.0])[
+                    torch.randint(0, 5, (rows, 2 * n), generator=g)]
+                gu.view(-1)[: special.numel()] = special
+                with torch.no_grad():
+                    probes.append((gu, torch.mul(F.silu(gu[:, :n]), gu[:, n:])))
+            for chunk in (32, 16):
+                ok = True
+                for gu, want in probes:
+                    act = torch.empty_like(want)
+                    lib.lkv_silu_mul(gu.data_ptr(), act.data_ptr(), gu.shape[0], want.shape[1], exp8, chunk)
+                    ok = ok and torch.equal(act, want)
+                if ok:
+                    found = (exp8, chunk)
+                    break
+        _silu_bindings[inter] = found
+    return _silu_bindings[inter]
+
+
+class FusedDecoder:
+    """A model's dense decode step in C, bound once to its weights, RoPE tables and KV pool.
+    `steps` counts the steps it ran; `exact`: its steps are bit-identical to the Python path's."""
+
+    def __init__(self, dims: Dims, embed, layers: list[LayerWeights], final_norm: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, silu: str = "auto"):
+        why = unsupported(dims, embed, layers, final_norm, cos, sin, pool_k, pool_v)
+        if why is not None:
+            raise ValueError(f"the fused decode step does not take these tensors: {why}")
+        if silu not in ("auto", "own", "torch"):
+            raise ValueError(f"silu: 'auto', 'own' or 'torch', got {silu!r}")
+        self.dims, self.silu = dims, silu
+        # "auto": torch's exp where it reproduces F.silu bit for bit here, else common.h's ("own")
+        self._exp8, self._silu_chunk = silu_binding(dims.inter) if silu == "auto" else (None, 0)
+        self.exact = silu == "torch" or self._exp8 is not None      # bit-identical to the Python path
+        self._src = (embed, layers, final_norm, cos, sin, pool_k, pool_v)
+        self.steps = 0
+        self._rows, self._mask = 0, torch.empty(0, dtype=torch.uint8)
+        self._bind()
+
+    def _watched(self) -> list[torch.Tensor]:
+        embed, layers, final_norm, cos, sin, pool_k, pool_v = self._src
+        out = [final_norm, cos, sin, pool_k, pool_v, *((embed,) if isinstance(embed, torch.Tensor) else embed)]
+        for lw in layers:
+            out += [lw.attn_norm, lw.mlp_norm, *(() if lw.wqkv_bias is None else (lw.wqkv_bias,))]
+            for w in (lw.wqkv, lw.wo, lw.w13, lw.w2):
+                out += [w] if isinstance(w, torch.Tensor) else list(w)
+        return out
+
+    def _bind(self) -> None:
+        """The C structs over the tensors as they are now (fp32 weights re-packed if they changed)."""
+        d = self.dims
+        embed, layers, final_norm, cos, sin, pool_k, pool_v = self._src
+        keep: list[torch.Tensor] = []        # what the structs point into
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            keep.append(t)
+            return t.data_ptr()
+
+        def lin(w, bias=None) -> _Linear:
+            if isinstance(w, torch.Tensor):
+                return _Linear(ptr(packed_weight(w)), None, ptr(bias), w.shape[0], w.shape[1], 0)
+            q, s = w[0].contiguous(), w[1].contiguous()
+            return _Linear(ptr(q), ptr(s), ptr(bias), q.shape[0], q.shape[1], 1)
+
+        arr = (_Layer * d.num_layers)()
+        for i, lw in enumerate(layers):
+            arr[i] = _Layer(ptr(lw.attn_norm), ptr(lw.mlp_norm), lin(lw.wqkv, lw.wqkv_bias), lin(lw.wo), lin(lw.w13),
+                            lin(lw.w2), ptr(pool_k[i]), ptr(pool_v[i]))
+        q8 = not isinstance(embed, torch.Tensor)
+        self._model = _Model(d.num_layers, d.hidden, d.heads, d.kv_heads, d.head_dim, d.inter, d.vocab,
+                             pool_k.shape[2], pool_k.shape[3], cos.shape[0], KV_DTYPES[pool_k.dtype],
+                             float(d.eps), float(d.scale), ptr(cos), ptr(sin), ptr(embed[0] if q8 else embed),
+                             ptr(embed[1]) if q8 else None, ptr(final_norm), arr, self._exp8, self._silu_chunk)
+        self._layers, self._keep = arr, keep
+        self._watch = self._watched()
+        self._versions = list(map(_version, self._watch))
+
+    def _workspace(self, B: int, N: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Scratch for B rows (kept while B stays) and a key mask of B x KVH x N bytes (grown)."""
+        if self._rows != B:
+            d = self.dims
+            nq, nqkv = d.heads * d.head_dim, (d.heads + 2 * d.kv_heads) * d.head_dim
+            sizes = {"x": d.hidden, "h": d.hidden, "qkv": nqkv, "q": nq, "o": nq, "t": d.hidden,
+                     "gu": 2 * d.inter, "act": d.inter}
+            flat = torch.empty(B * sum(sizes.values()), dtype=torch.float32)
+            self._views, at = {}, 0
+            for name, n in sizes.items():
+                self._views[name] = flat[at: at + B * n].view(B, n)
+                at += B * n
+            self._boff, self._rows = torch.empty(B, dtype=torch.int64), B
+        need = B * self.dims.kv_heads * N
+        if self._mask.numel() < need:
+            self._mask = torch.empty(max(need, 2 * self._mask.numel()), dtype=torch.uint8)
+        return self._views, self._mask, self._boff
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slot_blocks: torch.Tensor,
+            slot_offsets: torch.Tensor, run_starts: list[int], lens: list[int]) -> torch.Tensor | None:
+        """The step's hidden states after the final norm, [B, hidden] fp32, for B items of one token
+        each (row b: tokens[b] at positions[b], stored at (slot_blocks[b], slot_offsets[b]),
+        attending to the lens[b] keys from block run_starts[b] on); the int64 tensors [B] on CPU,
+        contiguous. None when the C path does not take the step (nothing was written), or with
+        autograd on (Engine.step runs in inference mode)."""
+        B = len(lens)
+        if not 0 < B <= MAX_ROWS or torch.is_grad_enabled():     # (with autograd the Python path runs)
+            return None
+        if list(map(_version, self._watch)) != self._versions:      # a weight changed in place: re-bind
+            self._bind()
+        N = max(lens)
+        views, mask, boff = self._workspace(B, N)
+        meta = (ctypes.c_int64 * (2 * B))(*run_starts, *lens)
+        step = _Step(B, N, tokens.data_ptr(), positions.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
+                     ctypes.addressof(meta), ctypes.addressof(meta) + 8 * B)
+        out = torch.empty(B, self.dims.hidden, dtype=torch.float32)
+        work = _Work(*(views[n].data_ptr() for n in ("x", "h", "qkv", "q", "o", "t", "gu", "act")), out.data_ptr(),
+                     mask.data_ptr(), boff.data_ptr())
+        lib, L, nt = library(), self.dims.num_layers, torch.get_num_threads()
+        m, s, w = ctypes.byref(self._model), ctypes.byref(step), ctypes.byref(work)
+        with traced("decode_step"):
+            if self.silu != "torch":
+                rc = lib.lkv_decode(m, s, w, 0, 3 * L + 2, nt)
+            else:       # [E, A_0], torch's SiLU, [M_0, A_1], ..., [M_{L-1}, F]
+                gu, act, I = views["gu"], views["act"], self.dims.inter
+                rc, s0 = 0, 0
+                for layer in range(L + 1):
+                    s1 = 3 * layer + 2
+                    rc = lib.lkv_decode(m, s, w, s0, s1, nt)
+                    if rc != 0 or layer == L:
+                        break
+                    torch.mul(F.silu(gu[:, :I]), gu[:, I:], out=act)
+                    s0 = s1 + 1
+        if rc == -3:
+            return None
+        if rc != 0:
+            raise MemoryError("the fused decode step (CPU kernel): scratch allocation failed") if rc == -1 else \
+                RuntimeError(f"the fused decode step (CPU kernel) failed: {rc}")
+        self.steps += 1
+        return out
