@@ -179,10 +179,12 @@ class Engine:
         config = clamp_top_k(config, min(config.max_model_len, manifest.model.max_position_embeddings))
         # refuse what the host cannot hold before the weights are read (engine.yaml, CLI and
         # server overrides all come through here)
-        # (an int8 engine has no packed fp32 copies; its weights are counted at fp32, an overestimate)
+        # (an int8 engine has no packed fp32 copies, and its quantized roles take their stored bytes)
+        q = manifest.quantization or {}
+        saving = q.get("quantized_bytes", {}).get("float32", 0) - q.get("quantized_bytes", {}).get("int8", 0)
         check_memory(plan_memory(manifest.model, config, num_host_blocks, DTYPE_BYTES[manifest.dtype],
                                  packed_weights=False if manifest.quantization else None,
-                                 device_type=device.type))
+                                 device_type=device.type, weight_saving=max(0, saving)))
         dtype = DTYPES[manifest.dtype]
         ops = ops or select_ops(device, dtype, checked=debug_checks, quantized=manifest.quantization is not None)
         # weights.safetensors read onto `device`, or a random_weights recipe generated there

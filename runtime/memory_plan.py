@@ -63,6 +63,7 @@ class PlanInputs:
     weights: bool
     packed_weights: bool
     device_type: str = "cpu"       # where the engine runs: on "cuda" only the host's share is checked
+    weight_saving: int = 0         # bytes a quantized engine's weights take fewer than at dtype_bytes
 
 
 # What lives in device memory when the engine runs on a GPU (Engine places it): everything but the
@@ -132,7 +133,8 @@ def _blocks(tokens: int, block_size: int) -> int:
 
 def plan_memory(mcfg: ModelConfig, cfg: LookaheadConfig, num_host_blocks: int | None, dtype_bytes: int,
                 max_model_len: int | None = None, *, weights: bool = True,
-                packed_weights: bool | None = None, device_type: str = "cpu") -> MemoryPlan:
+                packed_weights: bool | None = None, device_type: str = "cpu",
+                weight_saving: int = 0) -> MemoryPlan:
     """The bytes an Engine over (mcfg, cfg) allocates, without allocating.
 
     num_host_blocks / max_model_len: as Engine gets them; None derives them as Engine does (then
@@ -140,10 +142,12 @@ def plan_memory(mcfg: ModelConfig, cfg: LookaheadConfig, num_host_blocks: int | 
     weights=False: the model is already loaded (Engine.sibling), count only the engine's own
     parts. packed_weights: count plugins.cpu's packed copies (default: when the dtype is fp32,
     the only dtype the C linear kernel takes). `cfg` is the effective config (top_k already
-    clamped, if the caller clamps it). device_type: where the engine runs ("cpu", "cuda"), which
+    clamped, if the caller clamps it). weight_saving: what a quantized engine's stored weights
+    save against `dtype_bytes` per parameter (engine.yaml quantization.quantized_bytes). device_type: where the engine runs ("cpu", "cuda"), which
     decides what check_memory holds against host memory (`host_components`)."""
     packed = (dtype_bytes == 4 and device_type == "cpu") if packed_weights is None else packed_weights
-    inputs = PlanInputs(mcfg, cfg, dtype_bytes, num_host_blocks, max_model_len, weights, packed, device_type)
+    inputs = PlanInputs(mcfg, cfg, dtype_bytes, num_host_blocks, max_model_len, weights, packed, device_type,
+                        weight_saving)
     return _plan(inputs)
 
 
@@ -155,6 +159,7 @@ def _plan(p: PlanInputs) -> MemoryPlan:
     max_blocks = _blocks(max_len, bs)
     n_blocks = p.num_host_blocks or c.max_batch_size * max_blocks
     w, packed = _weight_bytes(m, b) if p.weights else (0, 0)
+    w = max(0, w - p.weight_saving) if p.weights else 0      # int8 roles: their stored bytes
     rope = 2 * m.max_position_embeddings * d * b if p.weights else 0
     pool = 2 * L * kvh * n_blocks * bs * d * kv
     tier = summ = books = lane_tier = lane_summ = 0

@@ -284,3 +284,19 @@ def test_fp32_dirs_keep_format_version_1(tmp_path):
     doc = yaml.safe_load((d / "engine.yaml").read_text())
     assert doc["format_version"] == FORMAT_VERSION == 1 and "quantization" not in doc
     assert load_manifest(d).quantization is None
+
+
+@pytest.mark.parametrize("name", ["tied", "untied"])
+def test_the_memory_plan_counts_int8_weights_as_stored(int8_engines, name):
+    """The check made before the weights are read counts the bytes the loaded model holds (not
+    4 bytes a parameter: that refused int8 engines a host could hold)."""
+    from runtime.memory_plan import plan_memory
+
+    out, _ = int8_engines[name]
+    m = load_manifest(out)
+    eng = Engine.from_dir(out)
+    held = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in eng.model.state_dict().values()}.values())
+    b = m.quantization["quantized_bytes"]
+    plan = plan_memory(m.model, eng.config, None, 4, weight_saving=b["float32"] - b["int8"])
+    fp32 = plan_memory(m.model, eng.config, None, 4)
+    assert plan.weights == held < 0.5 * fp32.weights
