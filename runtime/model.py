@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.cpu import linear as cpu_linear, rms_norm
+from plugins.cpu import linear as cpu_linear, linear_int8 as cpu_linear_int8, rms_norm
 
 from .config import ModelConfig
 from .engine_dir import WEIGHTS, Manifest, expected_shapes
@@ -202,7 +202,7 @@ class LlamaModel(nn.Module):
         if os.environ.get(FUSED_ENV, "1") == "0":
             return None, f"{FUSED_ENV}=0"
         c, ops = self.cfg, self.ops
-        default_linear = (getattr(ops.linear, "__qualname__", "") == "quantized_linear[linear_int8]"
+        default_linear = (getattr(ops.linear, "parts", None) == (cpu_linear, cpu_linear_int8)
                           if self.quantized else ops.linear is cpu_linear)
         if self.device.type != "cpu" or ops.name != "direct/cpu" or not default_linear:
             return None, f"ops {ops.name or 'custom'} on {self.device.type}"

@@ -60,6 +60,7 @@ def quantized_linear(dense: Callable, int8: Callable) -> Callable:
         return int8(x, weight.qweight, weight.scale, bias)
 
     linear.__qualname__ = linear.__name__ = f"quantized_linear[{getattr(int8, '__name__', 'int8')}]"
+    linear.parts = (dense, int8)       # what it dispatches to (the fused step checks them by identity)
     return linear
 
 
