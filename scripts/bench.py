@@ -20,6 +20,8 @@ makes the row "not available (...)" and is not retried at later points), `offloa
 Ours (`--modes`): dense (default), lookahead-resident, lookahead-pingpong, lookahead-drop (resident,
 miss policy drop), sparse-ondemand (top-K sparse attention without look-ahead: the real query's
 blocks fetched on demand), or all (a mode the engine refuses is reported as 'not available').
+`<mode>+python` is the mode with its model layers on the Python path instead of the fused C step
+(plugins/cpu/fused.py), timed beside it: what the fused step saves, side by side.
 
 Columns beyond speed: stall ms/step (time our decode step waited for KV copies, transfer_wait_s /
 timed steps) and the memory-bandwidth floor: the bytes a step must read (bench_floor.step_read_bytes:
@@ -84,12 +86,16 @@ PEERS = ("llama.cpp",)
 # draft is the current token, never re-seeded: bench_lib.ContextSeedDraft), timed beside the
 # current chain in the same process
 CONTEXT_SEED = "+context-seed"
+# `<mode>+python`: the mode with its model layers run by the Python path (no fused C step:
+# runner.fused None, what LOOKAHEAD_FUSED_DECODE=0 gives), timed beside the fused one
+PYTHON_LAYERS = "+python"
 
 
 def mode_spec(mode: str) -> tuple[str, bool, dict[str, Any]]:
     """'NAME[+context-seed][@FIELD=VALUE,...]' -> (NAME, old chain?, LookaheadConfig overrides),
     e.g. 'lookahead-drop@fetch_ratio=0.2'."""
     base, _, extra = mode.partition("@")
+    base = base.removesuffix(PYTHON_LAYERS)
     fields = {}
     for item in filter(None, extra.split(",")):
         name, _, value = item.partition("=")
@@ -141,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.modes if mode_spec(m)[0] not in MODES
                or (mode_spec(m)[1] and not m.startswith("lookahead-"))]
     if unknown:
-        p.error(f"--modes: unknown {unknown[0]!r}; known: {', '.join(MODES)}, and lookahead-*{CONTEXT_SEED}")
+        p.error(f"--modes: unknown {unknown[0]!r}; known: {', '.join(MODES)}, and lookahead-*{CONTEXT_SEED}, any mode{PYTHON_LAYERS}")
     args.hf_impls = (list(HF_IMPLS) if args.hf_impls == "all"
                      else list(dict.fromkeys(m.strip() for m in args.hf_impls.split(",") if m.strip())))
     unknown = [m for m in args.hf_impls if m not in HF_IMPLS]
@@ -182,6 +188,8 @@ def load_engines(args: argparse.Namespace) -> dict[str, Engine | str]:
                                                    **({"resync_after": 0} if old_chain else {})})
             if old_chain:
                 engines[mode].runner.chain.source = ContextSeedDraft()
+            if mode.partition("@")[0].endswith(PYTHON_LAYERS):
+                engines[mode].runner.fused = None
         except Exception as e:  # noqa: BLE001 - any refusal means "not available" here
             engines[mode] = f"not available ({e.__class__.__name__}: {str(e).splitlines()[0][:80]})"
         else:

@@ -275,3 +275,57 @@ int lkv_decode(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t s
 void lkv_silu_mul(const float *gu, float *act, int64_t B, int64_t I, const void *exp8, int64_t chunk) {
     silu_mul(gu, act, B, I, exp8, chunk);
 }
+
+/* ---- the same layers around an attention backend outside C (fused.py's run_layers) ----------
+ *
+ * A lookahead decode step (runtime/lookahead: a real and a draft row per sequence, sparse
+ * attention over the device tier) keeps its attention in Python, where the residency manager,
+ * the transfer engine and the metrics live; everything else of each layer runs here, in the
+ * Python path's order and rounding (the stages above, split at attention):
+ *
+ *   lkv_ext_begin: embedding of the B rows -> x;
+ *   per layer l:   lkv_ext_qkv  rmsnorm -> wqkv (+ bias) -> RoPE of q and k -> q [B, H, D],
+ *                               k [B, KVH, D] (rotated), v [B, KVH, D], fp32, into the caller's;
+ *                  (the backend's attention of q, k, v -> o [B, H, D])
+ *                  lkv_ext_rest wo(o), + residual -> rmsnorm -> w13 -> SiLU(gate) * up -> w2, + residual;
+ *   lkv_ext_end:   the final rmsnorm -> out.
+ * Nothing here reads or writes the KV pool: storing the rows is the backend's. */
+int lkv_ext_begin(const LkvModel *m, const LkvStep *st, const LkvWork *w) {
+    if (st->B < 1 || st->B > MAX_ROWS) return -3;
+    for (int64_t b = 0; b < st->B; b++)
+        if (st->tokens[b] < 0 || st->tokens[b] >= m->vocab || st->positions[b] < 0 || st->positions[b] >= m->max_pos)
+            return -3;
+    embed(m, st, w->x);
+    return 0;
+}
+
+void lkv_ext_qkv(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, float *q, float *k, float *v,
+                 int nthreads) {
+    const LkvLayer *L = m->layers + l;
+    const int64_t B = st->B, E = m->hidden, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
+    const int64_t nq = H * D, nkv = KVH * D, nqkv = nq + 2 * nkv;
+    lkv_rmsnorm(w->x, E, L->attn_norm, m->eps, w->h, E, B, E);
+    linear(&L->wqkv, w->h, B, w->qkv, nthreads);
+    for (int64_t b = 0; b < B; b++) {
+        const float *row = w->qkv + b * nqkv, *c = m->cos + st->positions[b] * D, *s = m->sin + st->positions[b] * D;
+        rope_heads(row, q + b * nq, H, D, c, s);
+        rope_heads(row + nq, k + b * nkv, KVH, D, c, s);
+        memcpy(v + b * nkv, row + nq + nkv, sizeof(float) * nkv);
+    }
+}
+
+void lkv_ext_rest(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, const float *o, int nthreads) {
+    const LkvLayer *L = m->layers + l;
+    const int64_t B = st->B, E = m->hidden;
+    linear(&L->wo, o, B, w->t, nthreads);
+    add_rows(w->x, w->t, B * E);
+    lkv_rmsnorm(w->x, E, L->mlp_norm, m->eps, w->h, E, B, E);
+    linear(&L->w13, w->h, B, w->gu, nthreads);
+    silu_mul(w->gu, w->act, B, m->inter, m->exp8, m->silu_chunk);
+    linear(&L->w2, w->act, B, w->t, nthreads);
+    add_rows(w->x, w->t, B * E);
+}
+
+void lkv_ext_end(const LkvModel *m, const LkvStep *st, const LkvWork *w) {
+    lkv_rmsnorm(w->x, m->hidden, m->norm, m->eps, w->out, m->hidden, st->B, m->hidden);
+}

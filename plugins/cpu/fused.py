@@ -310,3 +310,42 @@ class FusedDecoder:
                 RuntimeError(f"the fused decode step (CPU kernel) failed: {rc}")
         self.steps += 1
         return out
+
+    def run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor | None:
+        """A step whose attention is another backend's (a lookahead decode step): every layer's
+        other stages in C (decode.c's lkv_ext_*: the same kernels, order and rounding as the Python
+        path), `attend(layer, q, k, v) -> o` in between, with q [B, H, D], k and v [B, KVH, D] fp32
+        (k rotated; fresh tensors of this step, which the backend may keep) and o [B, H, D].
+        Returns the hidden states after the final norm [B, hidden], or None where the C path does
+        not take the step (nothing was run: the caller runs the model's Python path)."""
+        B = tokens.numel()
+        if not 0 < B <= MAX_ROWS or torch.is_grad_enabled() or self.silu == "torch":
+            return None
+        if list(map(_version, self._watch)) != self._versions:
+            self._bind()
+        d = self.dims
+        views, _, boff = self._workspace(B, 1)
+        step = _Step(B, 0, tokens.data_ptr(), positions.data_ptr(), None, None, None, None)
+        out = torch.empty(B, d.hidden, dtype=torch.float32)
+        work = _Work(*(views[n].data_ptr() for n in ("x", "h", "qkv", "q", "o", "t", "gu", "act")), out.data_ptr(),
+                     None, boff.data_ptr())
+        lib, nt = library(), torch.get_num_threads()
+        m, s, w = ctypes.byref(self._model), ctypes.byref(step), ctypes.byref(work)
+        if lib.lkv_ext_begin(m, s, w) != 0:
+            return None
+        L, H, KVH, D = d.num_layers, d.heads, d.kv_heads, d.head_dim
+        q = torch.empty(L, B, H, D, dtype=torch.float32)
+        k = torch.empty(L, B, KVH, D, dtype=torch.float32)
+        v = torch.empty(L, B, KVH, D, dtype=torch.float32)
+        with traced("decode_layers"):
+            for layer in range(L):
+                lib.lkv_ext_qkv(m, s, w, layer, q[layer].data_ptr(), k[layer].data_ptr(), v[layer].data_ptr(), nt)
+                o = attend(layer, q[layer], k[layer], v[layer])
+                if o.dtype != torch.float32 or o.device.type != "cpu" or o.shape != (B, H, D):
+                    raise ValueError(f"attend: expected o [{B}, {H}, {D}] float32 on CPU, "
+                                     f"got {tuple(o.shape)} {o.dtype} on {o.device}")
+                o = o.contiguous()
+                lib.lkv_ext_rest(m, s, w, layer, o.data_ptr(), nt)
+            lib.lkv_ext_end(m, s, w)
+        self.steps += 1
+        return out

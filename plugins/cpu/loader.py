@@ -44,6 +44,10 @@ SIGNATURES = {       # (restype, argtypes) of each kernel; see the C sources for
     "lkv_copy_blocks": (_int, [_p] * 2 + [_i64] * 2 + [_p] * 2 + [_i64] * 3 + [_p] * 5 + [_i64] * 6),
     "lkv_decode": (_int, [_p, _p, _p, _i64, _i64, _int]),       # the fused decode step (fused.py)
     "lkv_silu_mul": (None, [_p, _p, _i64, _i64, _p, _i64]),
+    "lkv_ext_begin": (_int, [_p, _p, _p]),                      # the layers around an outside attention
+    "lkv_ext_qkv": (None, [_p, _p, _p, _i64, _p, _p, _p, _int]),
+    "lkv_ext_rest": (None, [_p, _p, _p, _i64, _p, _int]),
+    "lkv_ext_end": (None, [_p, _p, _p]),
 }
 
 

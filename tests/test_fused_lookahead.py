@@ -1,0 +1,162 @@
+"""The fused layers around the lookahead backend (plugins/cpu/fused.py `run_layers`, decode.c's
+lkv_ext_*, issue 18 item 4): a lookahead decode step runs each layer's non-attention stages in C,
+one call each side of the backend's (Python) attention, in place of the model's Python layers,
+which stay the reference.
+
+Checked on fresh random tiny models (fp32, and weight-only int8 with a qkv bias), at 1 and 3
+sequences, for every residency and miss policy and for sparse attention without look-ahead
+(`draft none`), with fp32 and fp16 KV, at 1 and 2 threads:
+- every emitted logit and token, every byte of the host pool, the device tier, the slot tables and
+  the summaries, and the look-ahead metrics equal the Python path's (LOOKAHEAD_FUSED_DECODE=0),
+  bit for bit, where the fused SiLU is exact (`runner.fused.exact`);
+- the path ran: `runner.fused.steps` equals the decode-only steps, and prefill steps ran the
+  Python path;
+- the comparison can fail: a decoder whose attention output is perturbed gives other logits.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plugins import cpu
+from runtime.engine import Engine
+from runtime.model import FUSED_ENV
+from runtime.observe import Observer
+from runtime.sampling import SamplingParams
+from test_fused_decode import SHAPE, make_int8_engine
+from tiny_engine import SMALL_LOOKAHEAD, make_tiny_engine, random_prompts
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no CPU kernels")
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+MODES = {
+    "resident-urgent": dict(residency="resident", miss_policy="urgent"),
+    "resident-drop": dict(residency="resident", miss_policy="drop"),
+    "pingpong": dict(residency="pingpong", miss_policy="urgent"),
+    "sparse-ondemand": dict(residency="resident", miss_policy="urgent", draft="none"),
+}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused_la")
+    return {"fp32": make_tiny_engine(root / "fp32", seed=31, **SHAPE),
+            "int8": make_int8_engine(root / "int8", seed=32, attention_bias=True)}
+
+
+class Record(Observer):
+    """Each step's emitted logits, and how many steps were decode-only (the fused path's)."""
+
+    def __init__(self):
+        self.logits, self.decode_only = [], 0
+
+    def on_plan(self, plan):
+        self.decode_only += not plan.prefill and plan.decode is not None and not plan.batch.store_only
+
+    def on_step_end(self, logits):
+        self.logits.append({k: v.clone() for k, v in logits.items()})
+
+
+def engine(d, monkeypatch, fused: bool, **kw) -> Engine:
+    monkeypatch.setenv(FUSED_ENV, "1" if fused else "0")
+    eng = Engine.from_dir(d, mode="lookahead", **kw)
+    assert (eng.runner.fused is not None) == fused, eng.runner.fused_reason
+    return eng
+
+
+def run(eng: Engine, prompts):
+    rec = eng.observe(Record())
+    try:
+        out = eng.generate(prompts, GREEDY)
+    finally:
+        eng.observers.remove(rec)
+    return [c.token_ids for c in out], rec
+
+
+def state(eng: Engine) -> dict[str, torch.Tensor]:
+    """Every tensor the lookahead step writes: host pool, device tier, slot tables, summaries."""
+    a = eng.runner.attn
+    return {"pool.k": eng.pool.k, "pool.v": eng.pool.v, "tier.k": a.dev_k, "tier.v": a.dev_v,
+            "slots.block": a.slots.block, "slots.last_used": a.slots.last_used, "slots.slot_of": a.slots.slot_of,
+            "kmin": a.kmin, "kmax": a.kmax, "pred": a.residency.pred}
+
+
+def check_equal(eng, ref_eng, got, ref, tokens, ref_tokens):
+    assert tokens == ref_tokens
+    assert eng.runner.fused.steps == got.decode_only > 0
+    assert len(got.logits) == len(ref.logits)
+    for a, b in zip(got.logits, ref.logits):
+        assert a.keys() == b.keys()
+        for sid in a:
+            if eng.runner.fused.exact:
+                assert torch.equal(a[sid], b[sid]), float((a[sid] - b[sid]).abs().max())
+            else:           # SiLU by common.h's exp: a few ulp (test_fused_decode.LOGIT_TOL)
+                torch.testing.assert_close(a[sid], b[sid], rtol=0, atol=3e-4)
+    if not eng.runner.fused.exact:
+        return
+    for name, t in state(eng).items():
+        assert torch.equal(t, state(ref_eng)[name]), name
+    m, r = eng.runner.stats(), ref_eng.runner.stats()
+    for key in ("h2d_bytes", "urgent_blocks", "prefetched_blocks", "prefetch_hit_rate", "agreement_mean"):
+        assert m[key] == r[key], key
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("model", ["fp32", "int8"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_layers_equal_python_path(dirs, monkeypatch, mode, model, kv_dtype, batch):
+    torch.set_num_threads(1)
+    prompts = random_prompts(*([70] if batch == 1 else [70, 23, 51]), seed=batch)
+    kw = dict(SMALL_LOOKAHEAD, top_k=4, kv_dtype=kv_dtype, max_batch_size=4, **MODES[mode])
+    kw.pop("mode")
+    ref_eng = engine(dirs[model], monkeypatch, False, **kw)
+    ref_tokens, ref = run(ref_eng, prompts)
+    eng = engine(dirs[model], monkeypatch, True, **kw)
+    tokens, got = run(eng, prompts)
+    check_equal(eng, ref_eng, got, ref, tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("mode", ["resident-drop", "sparse-ondemand"])
+def test_bit_equal_at_two_threads(dirs, monkeypatch, mode):
+    torch.set_num_threads(2)
+    prompts = random_prompts(300, 41, seed=7)
+    kw = dict(SMALL_LOOKAHEAD, top_k=8, kv_dtype="float16", max_batch_size=2, **MODES[mode])
+    kw.pop("mode")
+    ref_eng = engine(dirs["int8"], monkeypatch, False, **kw)
+    ref_tokens, ref = run(ref_eng, prompts)
+    eng = engine(dirs["int8"], monkeypatch, True, **kw)
+    tokens, got = run(eng, prompts)
+    check_equal(eng, ref_eng, got, ref, tokens, ref_tokens)
+
+
+def test_a_perturbed_attention_is_caught(dirs, monkeypatch):
+    """The comparison is sensitive: one ulp-scale change to one layer's attention output of the
+    fused path changes the logits."""
+    torch.set_num_threads(1)
+    prompts = random_prompts(40, seed=11)
+    kw = dict(SMALL_LOOKAHEAD, top_k=4, max_batch_size=2)
+    kw.pop("mode")
+    ref_eng = engine(dirs["fp32"], monkeypatch, False, **kw)
+    _, ref = run(ref_eng, prompts)
+    eng = engine(dirs["fp32"], monkeypatch, True, **kw)
+    fused, forward = eng.runner.fused, eng.runner.attn.forward
+
+    def nudged(layer, q, k, v):
+        o = forward(layer, q, k, v)
+        return o * (1 + 2 ** -20) if layer == 1 else o
+    real = fused.run_layers
+    monkeypatch.setattr(fused, "run_layers", lambda t, p, attend: real(t, p, nudged))
+    _, got = run(eng, prompts)
+    assert fused.steps > 0
+    assert any(not torch.equal(a[s], b[s]) for a, b in zip(got.logits, ref.logits) for s in a)
+
+
+def test_a_bad_attention_output_is_a_clear_error(dirs, monkeypatch):
+    torch.set_num_threads(1)
+    kw = dict(SMALL_LOOKAHEAD, top_k=4)
+    kw.pop("mode")
+    eng = engine(dirs["fp32"], monkeypatch, True, **kw)
+    t = torch.tensor([1, 2], dtype=torch.long)
+    with torch.inference_mode(), pytest.raises(ValueError, match="attend: expected o"):
+        eng.runner.fused.run_layers(t, t, lambda layer, q, k, v: q[:, :1])
