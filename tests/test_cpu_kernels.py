@@ -195,12 +195,15 @@ def test_disabled_by_environment_names_the_switch():
     assert out.startswith("True") and f"{loader.ENV_SWITCH}=0" in out
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [30, 300])          # 300 units: split over the calling thread's team
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_copy_blocks_matches_indexing_and_checks_bounds(dtype):
+def test_copy_blocks_matches_indexing_and_checks_bounds(dtype, n, threads):
     from plugins.cpu import bookkeeping
     from runtime.transfer import CopyJob
+    torch.set_num_threads(threads)
     g = _gen(4)
-    L, KVH, NB, bs, D, lanes, slots, n = 2, 3, 50, 16, 64, 4, 9, 30
+    L, KVH, NB, bs, D, lanes, slots = 2, 3, 50, 16, 64, 4, 80
     pool_k, pool_v = torch.randn(2, L, KVH, NB, bs, D, generator=g).to(dtype)     # head-major, as KVPool
     src_k, src_v = pool_k[1].transpose(0, 1), pool_v[1].transpose(0, 1)  # KVPool.by_block's views
     dst_k, dst_v = torch.zeros(2, lanes, KVH, slots, bs, D, dtype=dtype)

@@ -113,6 +113,10 @@ int lkv_copy_blocks(const float *src_k, const float *src_v, int64_t s_blk, int64
     for (int64_t i = 0; i < n; i++)
         if (sb[i] < 0 || sb[i] >= NB || sh[i] < 0 || sh[i] >= KVH || dl[i] < 0 || dl[i] >= NL || dh[i] < 0
             || dh[i] >= KVH || ds[i] < 0 || ds[i] >= NS) return -1;
+    /* split over the calling thread's OpenMP team (its torch thread count: the compute thread's
+     * for an urgent copy, one for the CPU transfer engine's background worker); a few units stay
+     * on the caller. The units of one list never overlap in dst, so any order gives the same bytes. */
+#pragma omp parallel for schedule(static) if (n * unit >= (1 << 16))
     for (int64_t i = 0; i < n; i++) {
         const int64_t so = sb[i] * s_blk + sh[i] * s_head, dof = dl[i] * d_lane + dh[i] * d_head + ds[i] * d_slot;
         memcpy(dst_k + dof, src_k + so, unit * sizeof(float));
