@@ -84,6 +84,7 @@ def state(eng: Engine) -> dict[str, torch.Tensor]:
 def check_equal(eng, ref_eng, got, ref, tokens, ref_tokens):
     assert tokens == ref_tokens
     assert eng.runner.fused.steps == got.decode_only > 0
+    assert eng.runner.fused.binds == 1          # the pool's writes do not re-bind the weights
     assert len(got.logits) == len(ref.logits)
     for a, b in zip(got.logits, ref.logits):
         assert a.keys() == b.keys()

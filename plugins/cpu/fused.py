@@ -212,7 +212,8 @@ class FusedDecoder:
 
     def _watched(self) -> list[torch.Tensor]:
         embed, layers, final_norm, cos, sin, pool_k, pool_v = self._src
-        out = [final_norm, cos, sin, pool_k, pool_v, *((embed,) if isinstance(embed, torch.Tensor) else embed)]
+        # not the pool: its contents change every step (read where they lie), its storage never
+        out = [final_norm, cos, sin, *((embed,) if isinstance(embed, torch.Tensor) else embed)]
         for lw in layers:
             out += [lw.attn_norm, lw.mlp_norm, *(() if lw.wqkv_bias is None else (lw.wqkv_bias,))]
             for w in (lw.wqkv, lw.wo, lw.w13, lw.w2):
@@ -247,6 +248,7 @@ class FusedDecoder:
                              float(d.eps), float(d.scale), ptr(cos), ptr(sin), ptr(embed[0] if q8 else embed),
                              ptr(embed[1]) if q8 else None, ptr(final_norm), arr, self._exp8, self._silu_chunk)
         self._layers, self._keep = arr, keep
+        self.binds = getattr(self, "binds", 0) + 1          # once, unless a weight changed in place
         self._watch = self._watched()
         self._versions = list(map(_version, self._watch))
 
