@@ -54,10 +54,12 @@ engine: model
 
 # Optional: the CPU engine, weight-only int8 (a quarter of the fp32 weight bytes) with fp16 KV, verified against the fp32
 # source as it is built (|Δlogit|, greedy agreement, perplexity: build_report.json). Run with ENGINE=engines/int8.
+# --group-size 64 (the builder's default, spelled out): an fp32 scale per 64 inputs, Q8_0's bytes; 0: per output channel.
+# An engine dir built before (per-channel scales) is kept as it is and still runs; rebuild with --force for groups.
 .PHONY: engine-int8
 ENGINE_INT8 ?= engines/int8
 engine-int8: model
-	@test -f $(ENGINE_INT8)/engine.yaml || $(VPY) scripts/build_engine.py --model default --quantize int8 --kv-dtype float16 --output $(ENGINE_INT8)
+	@test -f $(ENGINE_INT8)/engine.yaml || $(VPY) scripts/build_engine.py --model default --quantize int8 --group-size 64 --kv-dtype float16 --output $(ENGINE_INT8)
 
 # The main job: one ~5K-token needle-in-a-haystack question served from Triton in dense mode, then in
 # lookahead mode, both answers and their numbers side by side (device KV per sequence, H2D bytes,

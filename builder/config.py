@@ -7,6 +7,7 @@ from pathlib import Path
 from runtime.config import KV_DTYPES
 
 from .errors import BuildError
+from .quantize import DEFAULT_GROUP_SIZE, check_group_size
 
 DEFAULT_MODEL = "default"
 ENGINE_DTYPES = ("float32", "bfloat16")
@@ -33,10 +34,14 @@ class BuildConfig:
     name: str | None = field(default=None, metadata={"help": "engine name in engine.yaml (default: the "
                                                              "output dir's name)"})
     quantize: str | None = field(default=None, metadata={
-        "help": "weight-only quantization: int8 (symmetric per-output-channel fp32 scales for every "
-                "projection and the embedding/lm_head; norms and biases stay float32; float32 "
+        "help": "weight-only quantization: int8 (symmetric fp32 scales, one per --group-size inputs, for "
+                "every projection and the embedding/lm_head; norms and biases stay float32; float32 "
                 "activations, so --dtype float32), verified against the fp32 source "
                 "(|Δlogit|, greedy agreement, perplexity)", "metavar": "SCHEME"})
+    group_size: int = field(default=DEFAULT_GROUP_SIZE, metadata={
+        "help": "with --quantize int8: one scale per G consecutive inputs of each output channel (a multiple "
+                "of 8 dividing every quantized weight's inputs; 64 costs the bytes of llama.cpp's Q8_0); 0: "
+                "one scale per output channel (as engines built before groups)", "metavar": "G"})
     random_weights: str | None = field(default=None, metadata={
         "help": "instead of --model: an engine of random weights in a real model's shape (see "
                 "builder/random_weights.py: SHAPES), for timing; no weights file is written, the "
@@ -75,6 +80,7 @@ class BuildConfig:
         for flag in ("force", "verify"):
             if not isinstance(getattr(self, flag), bool):
                 raise BuildError("must be True or False", field=flag, value=repr(getattr(self, flag)))
+        check_group_size(self.group_size)
         if self.quantize is not None:
             if self.quantize not in QUANTIZE:
                 raise BuildError("is not a supported quantization", field="quantize", value=self.quantize,

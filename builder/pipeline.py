@@ -78,10 +78,11 @@ def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
             del tensors
             note(f"{sum(w.numel() for w in weights.values()) / 1e6:.1f}M parameters, {config.dtype}")
             if config.quantize is not None:
-                weights, quantization = quantize_weights(weights, model_cfg, config.quantize)
-                b = quantization["quantized_bytes"]
-                note(f"-> {config.quantize} ({', '.join(quantization['quantized'])}: "
-                     f"{b['float32'] / 2**20:.0f} MiB -> {b['int8'] / 2**20:.0f} MiB; norms and biases float32)")
+                weights, quantization = quantize_weights(weights, model_cfg, config.quantize, config.group_size)
+                b, g = quantization["quantized_bytes"], quantization["group_size"]
+                note(f"-> {config.quantize}, {f'a scale per {g} inputs' if g else 'a scale per output channel'} "
+                     f"({', '.join(quantization['quantized'])}: {b['float32'] / 2**20:.0f} MiB -> "
+                     f"{b['int8'] / 2**20:.0f} MiB; norms and biases float32)")
         with stages("write") as note, _disk_errors(config.output):
             save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
             del weights

@@ -103,9 +103,13 @@ def lookahead_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
 
 def linear_int8_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Weight-only int8 linear: x [M, K] fp32, qweight [N, K] int8, scale [N] fp32 (per output
-    channel), bias [N] | None -> [M, N] fp32 = x @ (qweight * scale[:, None]).T + bias."""
-    w = qweight.to(torch.float64) * scale.to(torch.float64)[:, None]
+    """Weight-only int8 linear: x [M, K] fp32, qweight [N, K] int8, scale fp32 [N] (per output
+    channel) or [N, K // G] (per group of G consecutive inputs), bias [N] | None -> [M, N] fp32
+    = x @ W.T + bias, W[n, k] = qweight[n, k] * scale[n, k // G] (G = K per output channel)."""
+    N, K = qweight.shape
+    s = scale.to(torch.float64).reshape(N, -1)                             # [N, K // G]
+    assert K % s.shape[1] == 0, f"scale {list(scale.shape)} does not divide K = {K} into groups"
+    w = qweight.to(torch.float64) * s.repeat_interleave(K // s.shape[1], dim=1)
     y = x.to(torch.float64) @ w.T
     if bias is not None:
         y = y + bias.to(torch.float64)

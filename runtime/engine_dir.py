@@ -14,7 +14,8 @@ and the weights' safetensors header must describe exactly the model's tensors be
 Two optional sections (format_version 2; a dir without them is written as version 1, as before):
 
     quantization:     weight-only int8 (QUANT_SCHEME): the roles it names hold `qweight` int8
-                      [N, K] + `scale` fp32 [N] (symmetric, per output channel) instead of `weight`
+                      [N, K] + `scale` fp32 instead of `weight` (symmetric; `granularity`
+                      per_output_channel: scale [N]; per_group: scale [N, K // group_size])
     random_weights:   a recipe (shape, seed, dtype, init) instead of weights.safetensors: the
                       runtime generates the weights on the target device at load (model.py)
 """
@@ -43,10 +44,13 @@ REPORT = "build_report.json"
 DTYPES = ("float32", "bfloat16", "float16")
 SAFETENSORS_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "int8": ("I8", 1)}
 # Weight-only int8: the only scheme this runtime implements, and what each of its fields must say.
-QUANT_SCHEME = {"scheme": "int8", "granularity": "per_output_channel", "symmetric": True,
-                "scale_dtype": "float32"}
+QUANT_SCHEME = {"scheme": "int8", "symmetric": True, "scale_dtype": "float32"}
+# Its scale layouts (`granularity`): one scale per output channel (scale [N]; `group_size` 0, or
+# absent as in engines built before groups), or one per `group_size` consecutive inputs of each
+# output channel (scale [N, K // group_size]; group_size divides every quantized K).
+GRANULARITIES = ("per_output_channel", "per_group")
 # Weights that may be quantized, by role: the four projections of every layer, the embedding
-# (tied: its per-row scale serves the lookup and the logits) and an untied lm_head.
+# (tied: its scales serve the lookup and the logits) and an untied lm_head.
 QUANTIZABLE = ("embed_tokens", "wqkv", "wo", "w13", "w2", "lm_head")
 RANDOM_INITS = ("normal_fan_in",)   # weights ~ N(0, 1/fan_in); norms ~ 1 + 0.1 N(0, 1)
 MAX_HEADER_BYTES = 100 << 20     # the safetensors library's own limit on a header
@@ -68,8 +72,9 @@ norm.weight                      [hidden_size]
 lm_head.weight                   [vocab_size, hidden_size]             only if not tie_word_embeddings
 
 Quantized (engine.yaml `quantization.quantized` lists the roles): `<role>.weight` [N, K] is stored
-as `<role>.qweight` [N, K] int8 and `<role>.scale` [N] float32, W ~= qweight * scale[:, None];
-norms and biases stay in the engine's dtype (float32).
+as `<role>.qweight` [N, K] int8 and `<role>.scale` float32, [N] per output channel or [N, K // G]
+per group of G = `quantization.group_size` inputs: W[n, k] ~= qweight[n, k] * scale[n, k // G]
+(G = K per output channel); norms and biases stay in the engine's dtype (float32).
 """
 
 
@@ -97,17 +102,24 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def expected_tensors(cfg: ModelConfig, dtype: str,
                      quantization: dict[str, Any] | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every tensor of the weights file: name -> (shape, dtype name), with the quantized roles'
-    weights as qweight (int8) + scale (float32)."""
+    weights as qweight (int8) + scale (float32: [N], or [N, K // G] for quantization.group_size G)."""
     roles = set(quantization["quantized"]) if quantization else set()
+    G = group_size(quantization) if quantization else 0
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     for name, shape in expected_shapes(cfg).items():
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and module.rsplit(".", 1)[-1] in roles:
             out[module + ".qweight"] = (shape, "int8")
-            out[module + ".scale"] = ((shape[0],), QUANT_SCHEME["scale_dtype"])
+            out[module + ".scale"] = ((shape[0], shape[1] // G) if G else (shape[0],), QUANT_SCHEME["scale_dtype"])
         else:
             out[name] = (shape, dtype)
     return out
+
+
+def group_size(quantization: dict[str, Any]) -> int:
+    """The inputs per scale of a `quantization:` section: its group_size for per_group, else 0 (one
+    scale per output channel)."""
+    return int(quantization.get("group_size") or 0) if quantization.get("granularity") == "per_group" else 0
 
 
 def contained_path(d: Path, rel: Any, mpath: Path) -> Path:
@@ -152,7 +164,7 @@ class Manifest:
     source: dict[str, Any]
     versions: dict[str, str]
     name: str = "engine"
-    quantization: dict[str, Any] | None = None     # QUANT_SCHEME + `quantized` roles (+ build info)
+    quantization: dict[str, Any] | None = None     # QUANT_SCHEME, granularity, group_size, `quantized` roles, ...
     random_weights: dict[str, Any] | None = None   # shape, seed, dtype, init: no weights file
     tokenizer: dict[str, Any] | None = None        # informational (random weights: token_ids)
 
@@ -241,7 +253,8 @@ def load_manifest(engine_dir: str | Path, *, verify_checksums: bool = True) -> M
 
 
 def _quantization(q: Any, mpath: Path, model: ModelConfig, dtype: str) -> dict[str, Any] | None:
-    """engine.yaml's `quantization:` section: the one scheme this runtime runs, on roles it knows."""
+    """engine.yaml's `quantization:` section: the one scheme this runtime runs, in a scale layout it
+    knows (GRANULARITIES: a group size dividing every quantized weight's inputs), on roles it knows."""
     if q is None:
         return None
     if not isinstance(q, dict):
@@ -249,14 +262,27 @@ def _quantization(q: Any, mpath: Path, model: ModelConfig, dtype: str) -> dict[s
     for key, want in QUANT_SCHEME.items():
         if q.get(key) != want:
             raise EngineDirError(f"{mpath}: quantization.{key} is {_short(q.get(key))}, this runtime runs only "
-                                 f"{key}: {want!r} (weight-only int8, symmetric per-output-channel fp32 scales); "
-                                 "rebuild the engine")
+                                 f"{key}: {want!r} (weight-only int8, symmetric fp32 scales); rebuild the engine")
+    if q.get("granularity") not in GRANULARITIES:
+        raise EngineDirError(f"{mpath}: quantization.granularity is {_short(q.get('granularity'))}, this runtime "
+                             f"runs {' or '.join(GRANULARITIES)}; rebuild the engine")
+    G = q.get("group_size", 0)
+    per_group = q["granularity"] == "per_group"
+    if not isinstance(G, int) or isinstance(G, bool) or G < 0 or (G > 0) != per_group:
+        raise EngineDirError(f"{mpath}: quantization.group_size is {_short(G)}, but granularity {q['granularity']} "
+                             f"takes {'a positive number of inputs per scale' if per_group else '0 (or none)'}; "
+                             "rebuild the engine")
     roles = q.get("quantized")
     allowed = [r for r in QUANTIZABLE if r != "lm_head" or not model.tie_word_embeddings]
     if (not isinstance(roles, list) or not roles or not all(isinstance(r, str) for r in roles)
             or len(set(roles)) != len(roles) or not set(roles) <= set(allowed)):
         raise EngineDirError(f"{mpath}: quantization.quantized must list weights among {allowed}, got "
                              f"{_short(roles)}; rebuild the engine")
+    for name, shape in expected_shapes(model).items() if G else ():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module.rsplit(".", 1)[-1] in roles and shape[1] % G:
+            raise EngineDirError(f"{mpath}: quantization.group_size {G} does not divide the {shape[1]} inputs of "
+                                 f"{module}.qweight {list(shape)}; rebuild the engine")
     if dtype != "float32":
         raise EngineDirError(f"{mpath}: int8 weights run with float32 activations, but dtype is {dtype}; "
                              "rebuild the engine")

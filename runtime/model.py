@@ -6,8 +6,9 @@ Attention is delegated: every layer calls `attn.forward(layer_idx, q, k, v)` on 
 
 Weight-only int8 (an engine.yaml `quantization:` section): the quantized roles' modules are
 `Int8Linear` / `Int8Embedding`, whose `.weight` is an `Int8Weight` (qweight int8 [N, K], scale
-fp32 [N]) instead of a tensor; the projections pass it to `ops.linear` like any weight, and the
-quantized engine's ops (`select_ops(..., quantized=True)`) send it to `plugins.cpu.linear_int8`.
+fp32 [N] or [N, K // G]) instead of a tensor; the projections pass it to `ops.linear` like any
+weight, and the quantized engine's ops (`select_ops(..., quantized=True)`) send it to
+`plugins.cpu.linear_int8`.
 The fp32 modules and their path are unchanged.
 
 `load_model(manifest, device, ops)` builds the model an engine dir describes: weights read from
@@ -25,9 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugins.cpu import linear as cpu_linear, linear_int8 as cpu_linear_int8, rms_norm
+from plugins.cpu.ops import dequantize_int8, int8_group_size
 
 from .config import ModelConfig
 from .engine_dir import WEIGHTS, Manifest, expected_shapes
+from .errors import EngineDirError
 from .ops import Ops, select_ops
 from .rope import RotaryEmbedding
 
@@ -58,11 +61,13 @@ class RMSNorm(nn.Module):
 
 
 class Int8Weight(NamedTuple):
-    """A weight-only int8 matrix: W ~= qweight * scale[:, None] (symmetric, per output channel).
-    What a quantized module's `.weight` is; `ops.linear` of a quantized engine takes it."""
+    """A weight-only int8 matrix: W[n, k] ~= qweight[n, k] * scale[n, k // G] (symmetric), with G
+    the inputs per scale: K (one per output channel, scale [N]) or a group of G (scale [N, K // G]),
+    read from the scale's shape. What a quantized module's `.weight` is; `ops.linear` of a quantized
+    engine takes it."""
 
     qweight: torch.Tensor      # [N, K] int8
-    scale: torch.Tensor        # [N] float32
+    scale: torch.Tensor        # [N] or [N, K // G] float32
 
     @property
     def shape(self) -> torch.Size:
@@ -72,40 +77,64 @@ class Int8Weight(NamedTuple):
     def device(self) -> torch.device:
         return self.qweight.device
 
+    @property
+    def group_size(self) -> int:
+        return int8_group_size(self.qweight, self.scale)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]
+        return dequantize_int8(self.qweight, self.scale, dtype)
 
 
-class Int8Linear(nn.Module):
+class _Int8Buffers(nn.Module):
+    """The buffers of a quantized weight: `qweight` [N, K] int8 and `scale` fp32, whose layout ([N],
+    or [N, K // G]) is the loaded state dict's: its scale is checked against qweight's shape and
+    taken as it is (G = K // scale.shape[-1])."""
+
+    def __init__(self, n: int, k: int):
+        super().__init__()
+        self.register_buffer("qweight", torch.empty(n, k, dtype=torch.int8))
+        self.register_buffer("scale", torch.empty(n, dtype=torch.float32))
+
+    @property
+    def weight(self) -> Int8Weight:
+        return Int8Weight(self.qweight, self.scale)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        scale = state_dict.get(prefix + "scale")
+        if isinstance(scale, torch.Tensor) and scale.shape != self.scale.shape:
+            try:
+                int8_group_size(self.qweight, scale)
+            except ValueError:
+                raise EngineDirError(
+                    f"{prefix}scale has shape {list(scale.shape)}, but {prefix}qweight {list(self.qweight.shape)} "
+                    "needs [N] (per output channel) or [N, K // G] with G dividing K: rebuild the engine") from None
+            self.scale = torch.empty(scale.shape, dtype=self.scale.dtype, device=self.scale.device)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class Int8Linear(_Int8Buffers):
     """nn.Linear's place for a quantized projection: buffers `qweight` [out, in] int8 and `scale`
-    [out] fp32 (the state dict's `<name>.qweight`, `<name>.scale`), an fp32 `bias` or None."""
+    [out] or [out, in // G] fp32 (the state dict's `<name>.qweight`, `<name>.scale`), an fp32
+    `bias` or None."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
-        super().__init__()
-        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scale", torch.empty(out_features, dtype=torch.float32))
+        super().__init__(out_features, in_features)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    @property
-    def weight(self) -> Int8Weight:
-        return Int8Weight(self.qweight, self.scale)
 
-
-class Int8Embedding(nn.Module):
-    """nn.Embedding's place for a quantized table: a lookup dequantizes only the rows it reads.
-    Tied, its `.weight` (the same qweight and per-row scale) is also the logits' projection."""
+class Int8Embedding(_Int8Buffers):
+    """nn.Embedding's place for a quantized table: a lookup dequantizes only the rows it reads
+    (scale [vocab] or [vocab, dim // G]). Tied, its `.weight` (the same qweight and scales) is
+    also the logits' projection."""
 
     def __init__(self, num_embeddings: int, dim: int):
-        super().__init__()
-        self.register_buffer("qweight", torch.empty(num_embeddings, dim, dtype=torch.int8))
-        self.register_buffer("scale", torch.empty(num_embeddings, dtype=torch.float32))
-
-    @property
-    def weight(self) -> Int8Weight:
-        return Int8Weight(self.qweight, self.scale)
+        super().__init__(num_embeddings, dim)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.qweight[tokens].to(torch.float32) * self.scale[tokens].unsqueeze(-1)
+        rows, s = self.qweight[tokens].to(torch.float32), self.scale[tokens]     # [*, dim], [*] | [*, dim // G]
+        if self.scale.dim() == 1:
+            return rows * s.unsqueeze(-1)
+        return (rows.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
 
 
 def _linear(cfg_quantized: frozenset[str], role: str, in_f: int, out_f: int, bias: bool = False) -> nn.Module:

@@ -48,7 +48,7 @@ class Ops:
 def linear_int8_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """linear_int8's contract off the CPU: dequantize on the tensors' device, then F.linear."""
-    return F.linear(x, qweight.to(x.dtype) * scale.to(x.dtype)[:, None], bias)
+    return F.linear(x, cpu.ops.dequantize_int8(qweight, scale, x.dtype), bias)
 
 
 def quantized_linear(dense: Callable, int8: Callable) -> Callable:

@@ -1,7 +1,8 @@
 """plugins/cpu's reduced-precision paths against the references on fresh random inputs: the
-weight-only int8 linear (linear_int8.c and its chunked-dequantization fallback), attention over
-fp16 / bf16 K/V (attention.c, both entries, and the torch paths of plugins/attention.py), and
-fp16 / bf16 keys folded into fp32 block summaries."""
+weight-only int8 linear (linear_int8.c, with a scale per output channel or per group of inputs,
+and its chunked-dequantization fallback), attention over fp16 / bf16 K/V (attention.c, both
+entries, and the torch paths of plugins/attention.py), and fp16 / bf16 keys folded into fp32
+block summaries."""
 from __future__ import annotations
 
 import pytest
@@ -113,6 +114,86 @@ def test_linear_int8_falls_back_where_the_kernel_does_not_apply():
     torch.testing.assert_close(xg.grad, (q.float() * scale[:, None]).sum(0).expand(2, -1), **INT8_TOL)
     with pytest.raises(RuntimeError):
         cpu.linear_int8(torch.randn(2, 23), q, scale)                                   # torch's shape error
+
+
+# ---------------------------------------------------------------- int8 x fp32 linear, a scale per group
+
+def _grouped_inputs(g, M, N, K, G):
+    x, q, _, bias = _int8_inputs(g, M, N, K)
+    scale = (torch.rand(N, K // G, generator=g) + 0.5) / 127 * torch.rand(N, 1, generator=g).add(0.1) * 4
+    return x, q, scale, bias
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize("n_out,n_in,group", [(576, 576, 64), (960, 576, 32), (577, 1536, 64), (13, 64, 32),
+                                              (1, 64, 8), (6, 128, 64), (40, 96, 32), (49, 1536, 1536),
+                                              (3072, 576, 576)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_int8_grouped_kernel_matches_reference(rows, n_out, n_in, group, threads, monkeypatch):
+    g = _gen(rows * 1000 + n_out + n_in + group)
+    x, q, scale, bias = _grouped_inputs(g, rows, n_out, n_in, group)
+    torch.set_num_threads(threads)
+    _no_torch_path(monkeypatch)
+    for b in (None, bias):
+        y = cpu.linear_int8(x, q, scale, b)
+        assert y.shape == (rows, n_out) and y.dtype == torch.float32
+        torch.testing.assert_close(y, ref.linear_int8_ref(x, q, scale, b), **INT8_TOL)
+
+
+def test_linear_int8_one_group_of_k_is_the_per_channel_kernel(monkeypatch):
+    # scale [N, 1] (G = K) runs the per-channel code path: the same bits as scale [N]
+    g = _gen(3)
+    x, q, scale, bias = _int8_inputs(g, 5, 70, 100)                 # K % 8 != 0: the tail too
+    _no_torch_path(monkeypatch)
+    assert torch.equal(cpu.linear_int8(x, q, scale[:, None], bias), cpu.linear_int8(x, q, scale, bias))
+
+
+def test_linear_int8_grouped_rows_do_not_depend_on_the_batch_or_threads(monkeypatch):
+    g = _gen(17)
+    x, q, scale, bias = _grouped_inputs(g, 16, 203, 256, 64)
+    _no_torch_path(monkeypatch)
+    torch.set_num_threads(1)
+    alone = torch.cat([cpu.linear_int8(x[i:i + 1], q, scale, bias) for i in range(16)])
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        for m in (2, 3, 4, 5, 9, 16):
+            assert torch.equal(cpu.linear_int8(x[:m], q, scale, bias), alone[:m]), (threads, m)
+
+
+def test_linear_int8_grouped_large_output_index(monkeypatch):
+    # the tied LM head's shape: offsets n * K and n * (K / G) past 2^24 elements
+    g = _gen(23)
+    x, q, scale, _ = _grouped_inputs(g, 2, 49152, 576, 64)
+    _no_torch_path(monkeypatch)
+    y = cpu.linear_int8(x, q, scale)
+    tail = slice(49152 - 300, 49152)
+    torch.testing.assert_close(y[:, tail], ref.linear_int8_ref(x, q[tail], scale[tail]), **INT8_TOL)
+    torch.testing.assert_close(y[:, :300], ref.linear_int8_ref(x, q[:300], scale[:300]), **INT8_TOL)
+
+
+@pytest.mark.parametrize("rows", [3, 17, 40])
+@pytest.mark.parametrize("n_out,n_in,group", [(50, 48, 16), (3072, 576, 64), (7, 36, 12), (9, 36, 4)])
+def test_linear_int8_grouped_many_rows_and_odd_groups(rows, n_out, n_in, group, monkeypatch):
+    # above MAX_INT8_ROWS: the torch path (chunks of 16 rows here); and at any row count for a
+    # group the kernel does not take (not a multiple of 8: eight weights would straddle groups)
+    g = _gen(rows + n_out + group)
+    x, q, scale, bias = _grouped_inputs(g, rows, n_out, n_in, group)
+    monkeypatch.setattr(ops, "DEQUANT_CHUNK_BYTES", 4 * n_in * 16)
+    if group % 8:
+        assert ops.int8_kernel_group(q, scale) is None
+    for b in (None, bias):
+        torch.testing.assert_close(cpu.linear_int8(x, q, scale, b), ref.linear_int8_ref(x, q, scale, b), **INT8_TOL)
+    torch.testing.assert_close(ops.dequantize_int8(q, scale), q.float() * scale.repeat_interleave(group, 1), rtol=0,
+                               atol=0)
+
+
+def test_linear_int8_refuses_a_scale_of_no_layout():
+    g = _gen(31)
+    x, q, _, _ = _int8_inputs(g, 2, 40, 96)
+    for bad in ((40, 5), (40, 192), (39,), (39, 3), (40, 3, 32), (40, 0)):
+        for m in (2, 20):                                  # the kernel's rows and the torch path's
+            with pytest.raises(ValueError, match=r"^scale: expected \[N\] or \[N, K // G\]"):
+                cpu.linear_int8(torch.randn(m, 96, generator=g), q, torch.ones(bad))
 
 
 # ---------------------------------------------------------------- fp16 / bf16 K/V attention

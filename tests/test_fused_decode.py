@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from builder.quantize import quantize_weights
+from builder.quantize import DEFAULT_GROUP_SIZE, quantize_weights
 from plugins import cpu
 from runtime.config import LookaheadConfig, ModelConfig
 from runtime.engine import Engine
@@ -44,10 +44,12 @@ SHAPE = dict(head_dim=32)          # D % 32 == 0: the Python path runs the paged
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-def make_int8_engine(path: Path, seed: int = 0, **overrides) -> Path:
-    """A tiny random engine dir with weight-only int8 projections and embedding (builder.quantize)."""
+def make_int8_engine(path: Path, seed: int = 0, group_size: int = DEFAULT_GROUP_SIZE, **overrides) -> Path:
+    """A tiny random engine dir with weight-only int8 projections and embedding (builder.quantize),
+    a scale per `group_size` inputs (0: per output channel)."""
     cfg = ModelConfig(**{**TINY, **SHAPE, **overrides})
-    qstate, section = quantize_weights(dict(LlamaModel.random(cfg, seed=seed).state_dict()), cfg)
+    qstate, section = quantize_weights(dict(LlamaModel.random(cfg, seed=seed).state_dict()), cfg,
+                                       group_size=group_size)
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in qstate.items()}, str(path / WEIGHTS))
     (path / TOKENIZER_DIR).mkdir(exist_ok=True)
@@ -60,8 +62,11 @@ def make_int8_engine(path: Path, seed: int = 0, **overrides) -> Path:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fused")
+    # int8: a scale per 64 inputs (the default; wo has 192), int8g16: per 16, int8pc: per output channel
     return {"fp32": make_tiny_engine(root / "fp32", seed=21, **SHAPE),
-            "int8": make_int8_engine(root / "int8", seed=22, attention_bias=True)}
+            "int8": make_int8_engine(root / "int8", seed=22, attention_bias=True),
+            "int8g16": make_int8_engine(root / "int8g16", seed=23, group_size=16, attention_bias=True),
+            "int8pc": make_int8_engine(root / "int8pc", seed=24, group_size=0)}
 
 
 @pytest.fixture(autouse=True)
@@ -118,7 +123,7 @@ def run(eng: Engine, prompts, params=GREEDY):
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("model", ["fp32", "int8"])
+@pytest.mark.parametrize("model", ["fp32", "int8", "int8g16", "int8pc"])
 @pytest.mark.parametrize("batch,context,block_size", [(1, 1, 4), (1, 37, 4), (3, 64, 16), (3, 300, 4)])
 def test_fused_step_equals_python_path(dirs, monkeypatch, model, kv_dtype, batch, context, block_size):
     prompts = random_prompts(*([context] if batch == 1 else [context, max(1, context // 3), context - 5]),
@@ -143,7 +148,7 @@ def test_fused_step_equals_python_path(dirs, monkeypatch, model, kv_dtype, batch
             assert torch.equal(eng.pool.k, ref_eng.pool.k) and torch.equal(eng.pool.v, ref_eng.pool.v)
 
 
-@pytest.mark.parametrize("model", ["fp32", "int8"])
+@pytest.mark.parametrize("model", ["fp32", "int8", "int8g16"])
 def test_bit_equal_at_two_threads(dirs, monkeypatch, model):
     torch.set_num_threads(2)
     prompts = random_prompts(600, 41, seed=5)       # 600 keys: the attention kernel splits key ranges
@@ -193,6 +198,22 @@ def test_models_and_ops_it_does_not_take(dirs, tmp_path, monkeypatch):
     monkeypatch.setenv(FUSED_ENV, "0")
     eng = Engine.from_dir(dirs["fp32"])
     assert eng.runner.fused is None and eng.runner.fused_reason == f"{FUSED_ENV}=0"
+
+
+def test_groups_the_kernel_does_not_take_run_the_python_path(tmp_path, monkeypatch):
+    """Scales per 4 inputs (valid in an engine dir; the builder asks for multiples of 8): the C
+    kernel reads eight weights of one group at a time, so the fused step refuses the first such
+    projection and the Python path (linear_int8's torch dequantization) decodes."""
+    from builder import quantize as quantize_mod
+
+    monkeypatch.setattr(quantize_mod, "GROUP_MULTIPLE", 4)
+    d = make_int8_engine(tmp_path / "g4", seed=25, group_size=4)
+    monkeypatch.setenv(FUSED_ENV, "1")
+    eng = Engine.from_dir(d)
+    assert eng.runner.fused is None and "layers.0.wqkv" in eng.runner.fused_reason
+    assert eng.model.layers[0].wqkv.weight.group_size == 4
+    tokens, rec = run(eng, random_prompts(21, 9, seed=2))
+    assert [len(t) for t in tokens] == [GREEDY.max_tokens] * 2 and rec.eligible > 0
 
 
 def test_a_wrong_binding_is_caught(dirs, monkeypatch):

@@ -40,7 +40,7 @@ void lkv_rmsnorm(const float *x, int64_t xs, const float *w, float eps, float *y
 void lkv_linear_packed(const float *x, int64_t M, int64_t K, const float *Wp, int64_t N, const float *bias,
                        float *y, int nthreads);
 void lkv_linear_int8(const float *x, int64_t M, int64_t K, const int8_t *W, int64_t N, const float *scale,
-                     const float *bias, float *y, int nthreads);
+                     int64_t group, const float *bias, float *y, int nthreads);
 int lkv_attention_paged(const float *q, const void *k, const void *v, const int64_t *boff, int64_t ksh,
                         const uint8_t *kv_mask, float *out, int64_t B, int64_t H, int64_t KVH, int64_t N,
                         int64_t D, float scale, int nthreads, int kv_dtype);

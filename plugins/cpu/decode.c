@@ -36,9 +36,10 @@
 
 typedef struct {
     const void *w;         /* fp32: packed [N/8, K, 8] (ops.packed_weight); int8: [N, K] row-major */
-    const float *scale;    /* int8: [N] per output channel; fp32: NULL */
+    const float *scale;    /* int8: [N, K / group] (group == K: [N], per output channel); fp32: NULL */
     const float *bias;     /* [N] or NULL */
     int64_t n, k, int8;
+    int64_t group;         /* int8: inputs per scale (lkv_linear_int8's `group`); fp32: 0 */
 } LkvLinear;
 
 typedef struct {
@@ -52,12 +53,13 @@ typedef struct {
     int64_t num_blocks, block_size, max_pos, kv_dtype;
     float eps, scale;                    /* RMSNorm eps, attention scale (as the Python path's floats) */
     const float *cos, *sin;              /* RoPE tables [max_pos, head_dim] */
-    const void *embed;                   /* [vocab, hidden]: fp32, or int8 with embed_scale [vocab] */
-    const float *embed_scale;
+    const void *embed;                   /* [vocab, hidden]: fp32, or int8 with embed_scale */
+    const float *embed_scale;            /* [vocab, hidden / embed_group] */
     const float *norm;                   /* the final norm [hidden] */
     const LkvLayer *layers;              /* [num_layers] */
     const void *exp8;                    /* torch's vector exp for SiLU (see silu_mul), or NULL */
     int64_t silu_chunk;
+    int64_t embed_group;                 /* int8 embed: hidden elements per scale (hidden: one a row) */
 } LkvModel;
 
 typedef struct {
@@ -77,7 +79,7 @@ typedef struct {   /* fp32 scratch, rows of B: x [hidden] (the residual stream),
 #define MAX_KV_ROW 4096  /* KVH * D of a row's keys */
 
 static void linear(const LkvLinear *L, const float *x, int64_t M, float *y, int nthreads) {
-    if (L->int8) lkv_linear_int8(x, M, L->k, (const int8_t *)L->w, L->n, L->scale, L->bias, y, nthreads);
+    if (L->int8) lkv_linear_int8(x, M, L->k, (const int8_t *)L->w, L->n, L->scale, L->group, L->bias, y, nthreads);
     else lkv_linear_packed(x, M, L->k, (const float *)L->w, L->n, L->bias, y, nthreads);
 }
 
@@ -102,10 +104,11 @@ static void embed(const LkvModel *m, const LkvStep *st, float *x) {
     const int64_t E = m->hidden;
     for (int64_t b = 0; b < st->B; b++) {
         const int64_t t = st->tokens[b];
-        if (m->embed_scale) {       /* Int8Embedding: qweight[t].float() * scale[t], one rounding */
+        if (m->embed_scale) {       /* Int8Embedding: qweight[t].float() * scale[t, j / G], one rounding */
+            const int64_t G = m->embed_group > 0 ? m->embed_group : E, ng = E / G;
             const int8_t *q = (const int8_t *)m->embed + t * E;
-            const float s = m->embed_scale[t];
-            for (int64_t j = 0; j < E; j++) x[b * E + j] = (float)q[j] * s;
+            const float *s = m->embed_scale + t * ng;
+            for (int64_t j = 0; j < E; j++) x[b * E + j] = (float)q[j] * s[j / G];
         } else {
             memcpy(x + b * E, (const float *)m->embed + t * E, sizeof(float) * E);
         }

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from .loader import library
-from .ops import KV_DTYPES, MAX_INT8_ROWS, MAX_LINEAR_ROWS, MAX_GROUP_ROWS, packed_weight, traced
+from .ops import (KV_DTYPES, MAX_INT8_ROWS, MAX_LINEAR_ROWS, MAX_GROUP_ROWS, int8_group_size, int8_kernel_group,
+                  packed_weight, traced)
 
 MAX_ROWS = min(MAX_LINEAR_ROWS, MAX_INT8_ROWS)      # decode.c's MAX_ROWS: the Python path's C linears
 MAX_KV_ROW = 4096                                   # decode.c's MAX_KV_ROW
@@ -39,7 +40,7 @@ _version = attrgetter("_version")
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("w", _p), ("scale", _p), ("bias", _p), ("n", _i64), ("k", _i64), ("int8", _i64)]
+    _fields_ = [("w", _p), ("scale", _p), ("bias", _p), ("n", _i64), ("k", _i64), ("int8", _i64), ("group", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -51,7 +52,8 @@ class _Model(ctypes.Structure):
     _fields_ = [(n, _i64) for n in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab",
                                     "num_blocks", "block_size", "max_pos", "kv_dtype")] + \
                [("eps", _f), ("scale", _f), ("cos", _p), ("sin", _p), ("embed", _p), ("embed_scale", _p),
-                ("norm", _p), ("layers", ctypes.POINTER(_Layer)), ("exp8", _p), ("silu_chunk", _i64)]
+                ("norm", _p), ("layers", ctypes.POINTER(_Layer)), ("exp8", _p), ("silu_chunk", _i64),
+                ("embed_group", _i64)]
 
 
 class _Step(ctypes.Structure):
@@ -76,7 +78,8 @@ class Dims:
     scale: float
 
 
-Weight = torch.Tensor | tuple[torch.Tensor, torch.Tensor]   # fp32 [N, K], or (qweight int8 [N, K], scale [N])
+# fp32 [N, K], or (qweight int8 [N, K], scale fp32 [N] or [N, K // G]: ops.int8_group_size)
+Weight = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -110,18 +113,26 @@ def unsupported(dims: Dims, embed, layers: list[LayerWeights], final_norm: torch
         return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
                 and tuple(t.shape) == shape)
 
+    def int8_ok(q, s, n, k) -> bool:       # s: [n] or [n, k // G] (ops.int8_group_size)
+        if not (q.dtype == torch.int8 and q.device.type == "cpu" and tuple(q.shape) == (n, k)
+                and fp32(s, tuple(s.shape))):
+            return False
+        try:
+            return int8_group_size(q, s) > 0
+        except ValueError:
+            return False
+
     def weight_ok(w, n, k) -> bool:
         if isinstance(w, torch.Tensor):
             return fp32(w, (n, k)) and n % 8 == 0
         q, s = w
-        return (q.dtype == torch.int8 and q.device.type == "cpu" and tuple(q.shape) == (n, k)
-                and fp32(s, (n,)))
+        return int8_ok(q, s, n, k) and int8_kernel_group(q, s) is not None
 
     if isinstance(embed, torch.Tensor):
         if not (fp32(embed, (d.vocab, d.hidden)) and embed.is_contiguous()):
             return "embedding"
-    elif not (embed[0].dtype == torch.int8 and tuple(embed[0].shape) == (d.vocab, d.hidden)
-              and embed[0].is_contiguous() and fp32(embed[1], (d.vocab,)) and embed[1].is_contiguous()):
+    elif not (int8_ok(embed[0], embed[1], d.vocab, d.hidden) and embed[0].is_contiguous()
+              and embed[1].is_contiguous()):
         return "embedding"
     for i, lw in enumerate(layers):
         shapes = {"wqkv": (qkv_n, d.hidden), "wo": (d.hidden, d.heads * d.head_dim),
@@ -236,7 +247,7 @@ class FusedDecoder:
             if isinstance(w, torch.Tensor):
                 return _Linear(ptr(packed_weight(w)), None, ptr(bias), w.shape[0], w.shape[1], 0)
             q, s = w[0].contiguous(), w[1].contiguous()
-            return _Linear(ptr(q), ptr(s), ptr(bias), q.shape[0], q.shape[1], 1)
+            return _Linear(ptr(q), ptr(s), ptr(bias), q.shape[0], q.shape[1], 1, int8_kernel_group(q, s))
 
         arr = (_Layer * d.num_layers)()
         for i, lw in enumerate(layers):
@@ -246,7 +257,8 @@ class FusedDecoder:
         self._model = _Model(d.num_layers, d.hidden, d.heads, d.kv_heads, d.head_dim, d.inter, d.vocab,
                              pool_k.shape[2], pool_k.shape[3], cos.shape[0], KV_DTYPES[pool_k.dtype],
                              float(d.eps), float(d.scale), ptr(cos), ptr(sin), ptr(embed[0] if q8 else embed),
-                             ptr(embed[1]) if q8 else None, ptr(final_norm), arr, self._exp8, self._silu_chunk)
+                             ptr(embed[1]) if q8 else None, ptr(final_norm), arr, self._exp8, self._silu_chunk,
+                             int8_group_size(*embed) if q8 else 0)
         self._layers, self._keep = arr, keep
         self.binds = getattr(self, "binds", 0) + 1          # once, unless a weight changed in place
         self._watch = self._watched()

@@ -34,7 +34,7 @@ _state: dict[str, object] = {}
 _i64, _p, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {       # (restype, argtypes) of each kernel; see the C sources for the arguments
     "lkv_linear_packed": (None, [_p, _i64, _i64, _p, _i64, _p, _p, _int]),
-    "lkv_linear_int8": (None, [_p, _i64, _i64, _p, _i64, _p, _p, _p, _int]),
+    "lkv_linear_int8": (None, [_p, _i64, _i64, _p, _i64, _p, _i64, _p, _p, _int]),
     "lkv_block_topk": (_int, [_p, _p, _p, _i64, _p] + [_i64] * 9 + [_int, _p, _p, _int]),
     "lkv_attention": (_int, [_p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _p]
                       + [_i64] * 7 + [ctypes.c_float, _int, _int]),

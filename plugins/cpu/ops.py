@@ -70,39 +70,76 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
+def int8_group_size(qweight: torch.Tensor, scale: torch.Tensor) -> int:
+    """G, the inputs per scale of a weight-only int8 matrix: qweight [N, K] with scale [N] (one per
+    output channel: G = K) or [N, K // G] (one per group of G consecutive inputs; [N, 1]: G = K).
+    ValueError naming `scale` when its shape fits neither."""
+    if qweight.dim() != 2:
+        raise ValueError(f"qweight: expected [N, K], got shape {list(qweight.shape)}")
+    N, K = qweight.shape
+    if scale.dim() == 1 and scale.shape[0] == N:
+        return K
+    if scale.dim() == 2 and scale.shape[0] == N and scale.shape[1] > 0 and K % scale.shape[1] == 0:
+        return K // scale.shape[1]
+    raise ValueError(f"scale: expected [N] or [N, K // G] with G dividing K for qweight [N, K] = {[N, K]}, "
+                     f"got shape {list(scale.shape)}")
+
+
+def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W [N, K] in `dtype`: W[n, k] = qweight[n, k] * scale[n, k // G] (one rounding; scale as in
+    `int8_group_size`). What the torch paths and the int8 modules compute with."""
+    G = int8_group_size(qweight, scale)
+    w, s = qweight.to(dtype), scale.to(dtype)
+    if s.dim() == 1:
+        return w * s[:, None]
+    return (w.unflatten(1, (s.shape[1], G)) * s[:, :, None]).flatten(1)
+
+
 def _linear_int8_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor:
     """linear_int8 in torch: the weight dequantized to x's dtype, DEQUANT_CHUNK_BYTES of it at a
     time, each chunk through F.linear (BLAS's GEMM: what many rows, a prefill, want), so a big
     weight (the tied LM head) never has a full fp32 copy."""
     N, K = qweight.shape
+    G = int8_group_size(qweight, scale)
     chunk = max(8, DEQUANT_CHUNK_BYTES // (4 * max(K, 1)))
     if N <= chunk or (torch.is_grad_enabled() and x.requires_grad):
-        return F.linear(x, qweight.to(x.dtype) * scale[:, None].to(x.dtype), bias)
+        return F.linear(x, dequantize_int8(qweight, scale, x.dtype), bias)
     out = x.new_empty(*x.shape[:-1], N)
     buf = x.new_empty(chunk, K)
-    s = scale.to(x.dtype)[:, None]
+    s = scale.to(x.dtype)
+    s = s[:, None] if s.dim() == 1 else s[:, :, None]                 # [N, 1] or [N, K // G, 1]
     for n0 in range(0, N, chunk):
         n1 = min(N, n0 + chunk)
-        w = buf[:n1 - n0].copy_(qweight[n0:n1]).mul_(s[n0:n1])        # ~1.5x torch.mul(q, s, out=)
+        w = buf[:n1 - n0].copy_(qweight[n0:n1])                       # ~1.5x torch.mul(q, s, out=)
+        (w if scale.dim() == 1 else w.view(n1 - n0, K // G, G)).mul_(s[n0:n1])
         out[..., n0:n1] = F.linear(x, w, None if bias is None else bias[n0:n1])
     return out
+
+
+def int8_kernel_group(qweight: torch.Tensor, scale: torch.Tensor) -> int | None:
+    """lkv_linear_int8's `group` for these (G; K per output channel), or None where G is not a
+    multiple of 8 (the torch path runs); ValueError as `int8_group_size`."""
+    G = int8_group_size(qweight, scale)
+    return G if G == qweight.shape[1] or G % 8 == 0 else None
 
 
 def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """Weight-only int8 linear (contract: `plugins.reference.linear_int8_ref`): x [M, K] fp32,
-    qweight [N, K] int8, scale [N] fp32 per output channel, bias [N] | None -> [M, N] fp32
-    = (x @ qweight.T) * scale + bias.
+    qweight [N, K] int8, scale fp32 [N] (per output channel) or [N, K // G] (per group of G inputs),
+    bias [N] | None -> [M, N] fp32 = x @ dequantize_int8(qweight, scale).T + bias.
 
-    At most MAX_INT8_ROWS rows of fp32 CPU x: one C call (plugins/cpu/linear_int8.c) that reads
-    the int8 weight where it lies (row-major [N, K], no packed copy; a non-contiguous one is
-    copied first). Anything else (more rows, other dtypes or devices, autograd): the weight
-    dequantized in chunks, through F.linear."""
+    At most MAX_INT8_ROWS rows of fp32 CPU x (and G = K or a multiple of 8): one C call
+    (plugins/cpu/linear_int8.c) that reads the int8 weight where it lies (row-major [N, K], no
+    packed copy; a non-contiguous one is copied first). Anything else (more rows, other dtypes or
+    devices, autograd): the weight dequantized in chunks, through F.linear. A scale whose shape
+    fits neither layout: ValueError."""
     lib = library()
+    group = int8_kernel_group(qweight, scale) if qweight.dim() == 2 else None
     if (lib is None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_INT8_ROWS or x.dtype != torch.float32
             or qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.shape[1] != x.shape[1]
-            or scale.dtype != torch.float32 or scale.shape != (qweight.shape[0],)
+            or scale.dtype != torch.float32 or group is None
             or x.device.type != "cpu" or qweight.device.type != "cpu" or scale.device.type != "cpu"
             or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (qweight.shape[0],)
                                       or bias.device.type != "cpu"))
@@ -113,7 +150,7 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     (M, K), N = x.shape, qweight.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)
     with traced("linear_int8"):
-        lib.lkv_linear_int8(x.data_ptr(), M, K, qweight.data_ptr(), N, scale.data_ptr(),
+        lib.lkv_linear_int8(x.data_ptr(), M, K, qweight.data_ptr(), N, scale.data_ptr(), group,
                             bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(),
                             torch.get_num_threads())
     return y
