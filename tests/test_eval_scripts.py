@@ -520,3 +520,24 @@ def test_gpu_check_dry_run_runs_every_stage_on_cpu(tmp_path):
     assert (tmp_path / "engines" / "tiny" / "engine.yaml").is_file()
     bad = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown option" in bad.stderr
+
+
+def test_bench_python_layers_suffix_names_a_mode():
+    assert bench.mode_spec("sparse-ondemand+python") == ("sparse-ondemand", False, {})
+    assert bench.mode_spec("lookahead-drop+context-seed+python@fetch_ratio=0.1") == \
+        ("lookahead-drop", True, {"fetch_ratio": 0.1})
+
+
+def test_attention_sparsity_runs_and_writes_json(tmp_path, capsys):
+    import attention_sparsity
+    from plugins import cpu
+    if not cpu.available():
+        pytest.skip("no CPU kernels")
+    d = make_tiny_engine(tmp_path / "e", seed=3, head_dim=32)
+    out = tmp_path / "a.json"
+    assert attention_sparsity.main(["--engine", str(d), "--context", "256", "--batch", "2", "--threads", "1",
+                                    "--rounds", "2", "--calls", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kernel"].split(" (")[0] for r in rows] == ["dense attention", "sparse attention in place", "block_topk"]
+    assert all(r["ms_per_step"] > 0 for r in rows)
+    assert "visible keys" in capsys.readouterr().out
