@@ -12,7 +12,7 @@ for. `checked=True` gives the argument-checking wrappers (`plugins.<op>`) on the
 for tests. A test may pass an `Ops` of its own (e.g. one that records or checks every argument).
 
 A weight-only int8 engine (`quantized=True`) gets a `linear` that also takes an `Int8Weight`
-(runtime/model.py: qweight int8 [N, K], scale fp32 [N]) and sends it to `plugins.cpu.linear_int8`
+(runtime/model.py: qweight int8 [N, K], scale fp32 [N, K // G] or [N]) and sends it to `plugins.cpu.linear_int8`
 (on CPU; a dequantizing torch path elsewhere); its fp32 tensors take the fp32 path as before.
 An fp32 engine's `linear` is exactly what it was, with no extra check per call.
 """
