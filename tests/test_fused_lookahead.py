@@ -74,8 +74,12 @@ def run(eng: Engine, prompts):
 
 
 def state(eng: Engine) -> dict[str, torch.Tensor]:
-    """Every tensor the lookahead step writes: host pool, device tier, slot tables, summaries."""
+    """Every tensor the lookahead step writes: host pool, device tier, slot tables, summaries
+    (after the last step's prefetch copies, still in flight on the transfer thread, have landed)."""
     a = eng.runner.attn
+    for tickets in a.residency.tickets.values():
+        for t in tickets:
+            a.transfer.wait(t)
     return {"pool.k": eng.pool.k, "pool.v": eng.pool.v, "tier.k": a.dev_k, "tier.v": a.dev_v,
             "slots.block": a.slots.block, "slots.last_used": a.slots.last_used, "slots.slot_of": a.slots.slot_of,
             "kmin": a.kmin, "kmax": a.kmax, "pred": a.residency.pred}
