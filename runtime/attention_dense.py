@@ -1,10 +1,13 @@
-"""Dense paged attention: every step attends to the whole cached context of each sequence.
+"""Dense paged attention: every step attends to the whole cached context of each sequence (in
+sparse mode, a decode row to the keys its `BlockSelection` selects, read in place: runtime/sparse.py).
 
 K/V come from the KV pool in its storage dtype (`kv_dtype`). Where that differs from the
 queries' dtype (a float16/bfloat16 cache under an fp32 model), attention upcasts the stored
 values and computes in fp32; at equal dtypes (the fp32 default) nothing is cast.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,11 +17,16 @@ from plugins import cpu
 from .kv_pool import KVPool
 from .step import StepBatch
 
+if TYPE_CHECKING:
+    from .sparse import BlockSelection
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
     """One query row per head without repeating K/V across the GQA group.
 
-    q: [H, D]; k, v: [KVH, L, D] -> [H, D] in q's dtype. fp32 on CPU: plugins/cpu's C kernel (one
+    q: [H, D]; k, v: [KVH, L, D] -> [H, D] in q's dtype. mask: bool [KVH, L], the keys each KV
+    head's queries see (sparse mode's selection; None: all; at least one per head). fp32 on CPU: plugins/cpu's C kernel (one
     pass over K and V, ~2x torch's matmuls here) where it builds and takes the layout. K/V stored
     in another dtype than q's (a half-precision cache) are read in fp32.
     """
@@ -27,13 +35,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         q4, k4, v4 = q[None, None], k.unsqueeze(0), v.unsqueeze(0)
         none = k4[:, :, :0]                                       # no extra keys
         if cpu.attention_supported(q4, k4, v4, none, none):
-            every = torch.ones(1, kvh, k.shape[1], dtype=torch.bool)
+            every = torch.ones(1, kvh, k.shape[1], dtype=torch.bool) if mask is None else mask[None]
             out = cpu.attention(q4, k4, v4, every, none, none, torch.zeros(1, 1, 0, dtype=torch.bool), scale)
             return out[0, 0].to(q.dtype)
     if k.dtype != q.dtype or v.dtype != q.dtype:            # the stored values, upcast: fp32 math
-        return decode_attention(q.float(), k.float(), v.float(), scale).to(q.dtype)
+        return decode_attention(q.float(), k.float(), v.float(), scale, mask).to(q.dtype)
     qg = q.view(kvh, -1, q.shape[-1])                       # [KVH, G, D]
-    probs = torch.softmax((qg @ k.transpose(1, 2)).float() * scale, dim=-1).to(v.dtype)
+    logits = (qg @ k.transpose(1, 2)).float() * scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).to(v.dtype)
     return (probs @ v).view(q.shape)                         # [KVH, G, D] -> [H, D]
 
 
@@ -58,21 +69,22 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 
 class DenseAttention:
     """Dense mode's attention over a KVPool. `step(batch)` gives one step's AttentionBackend; the
-    batch is an argument, never state set from outside."""
+    batch is an argument, never state set from outside. `selection`: sparse mode's
+    (runtime/sparse.py): decode rows attend to their selected keys only, in place."""
 
-    def __init__(self, pool: KVPool, scale: float):
-        self.pool, self.scale = pool, scale
+    def __init__(self, pool: KVPool, scale: float, selection: "BlockSelection | None" = None):
+        self.pool, self.scale, self.selection = pool, scale, selection
 
     def step(self, batch: StepBatch) -> "DenseStep":
-        return DenseStep(self.pool, self.scale, batch)
+        return DenseStep(self.pool, self.scale, batch, self.selection)
 
 
 class DenseStep:
     """One step's dense attention: stores each layer's rows where `batch` says, then attends.
     `fused_runs` says whether the runner may run the step as one fused C call instead."""
 
-    def __init__(self, pool: KVPool, scale: float, batch: StepBatch):
-        self.pool, self.scale, self.batch = pool, scale, batch
+    def __init__(self, pool: KVPool, scale: float, batch: StepBatch, selection: "BlockSelection | None" = None):
+        self.pool, self.scale, self.batch, self.selection = pool, scale, batch, selection
         self._paged: tuple | None = None     # the step's batched decode items, see _paged_decode
 
     def _paged_decode(self) -> tuple:
@@ -115,7 +127,10 @@ class DenseStep:
         self.pool.write(layer_idx, k, v, b.slot_blocks, b.slot_offsets)
         out = torch.empty_like(q)
         rows, starts, lens, mask, done = self._paged_decode()
+        sel = self.selection
         if rows is not None:
+            if sel is not None:         # the step's summaries: every selected block is a full one
+                mask = sel.mask(layer_idx, q[rows], starts, lens)
             o = cpu.attention_paged(q[rows], self.pool.k[layer_idx], self.pool.v[layer_idx], starts, lens,
                                     self.scale, mask)
             if o is None:
@@ -132,7 +147,8 @@ class DenseStep:
             else:
                 kc, vc = self.pool.read(layer_idx, it.block_table, it.context_len)
             if it.num_tokens == 1:
-                out[own] = decode_attention(q[own][0], kc, vc, self.scale).unsqueeze(0)
+                m = None if sel is None else sel.mask_for(layer_idx, q[own][0], it.block_table, it.context_len)
+                out[own] = decode_attention(q[own][0], kc, vc, self.scale, m).unsqueeze(0)
             else:
                 out[own] = prefill_attention(q[own], kc, vc)
         return out

@@ -120,7 +120,7 @@ RESIDENCY = ("resident", "pingpong")
 MISS_POLICIES = ("urgent", "drop")
 DRAFTS = ("dual_token", "prompt_lookup", "none")
 GROUP_SCORES = ("sum", "max")   # none: sparse attention without look-ahead
-MODES = ("dense", "lookahead")
+MODES = ("dense", "lookahead", "sparse")   # sparse: top-K attention in place (runtime/sparse.py)
 KV_DTYPES = ("float32", "float16", "bfloat16")   # KV storage: host pool, device tier, dense pool
 
 
@@ -131,7 +131,7 @@ class LookaheadConfig:
     step, layer and head, and with the draft chain in sync (prediction ~0.99 right at 8K) that cap,
     not the prediction, held the prefetch hit rate to 0.87; 0.2 gives ~0.96 (docs/RESULTS.md)."""
 
-    mode: str = "dense"
+    mode: str = "dense"            # dense | lookahead (device tier + look-ahead) | sparse (top-K in place)
     block_size: int = 16
     top_k: int = 128               # selected blocks per layer and KV head
     fetch_ratio: float = 0.2       # capped eviction: admit at most ceil(ratio * top_k) blocks/step

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 
 from .attention_dense import DenseAttention
+from .sparse import BlockSelection
 from .block_manager import BlockAllocator, blocks_needed
 from .config import LookaheadConfig
 from .device import resolve_device
@@ -117,14 +118,15 @@ class Engine:
         """Dense: the whole cache on the device. Lookahead: the host tier (pinned for a GPU); the
         device tier follows its dtype. `dtype`: `kv_dtype`, whatever the weights' dtype."""
         mcfg, bs = self.manifest.model, self.config.block_size
-        if self.config.mode == "dense":
+        if self.config.mode in ("dense", "sparse"):
             return KVPool(mcfg, num_blocks, bs, dtype=dtype, device=self.device)
         return KVPool(mcfg, num_blocks, bs, dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def _make_runner(self, transfer: str | TransferEngine | None):
         mcfg, cfg = self.manifest.model, self.config
-        if cfg.mode == "dense":
-            return DenseRunner(self.model, DenseAttention(self.pool, mcfg.head_dim ** -0.5), cfg.block_size,
+        if cfg.mode in ("dense", "sparse"):
+            selection = BlockSelection(mcfg, cfg, self.pool, self.ops) if cfg.mode == "sparse" else None
+            return DenseRunner(self.model, DenseAttention(self.pool, mcfg.head_dim ** -0.5, selection), cfg.block_size,
                                self.prefill_cache, self.observers)
         from .draft import DraftChain, make_draft
         from .lookahead.attention import LookaheadAttention

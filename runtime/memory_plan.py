@@ -13,6 +13,7 @@ constructors allocate:
     device_tier     LookaheadAttention's dev_k/dev_v [buffers, lanes, KVH, slots, block_size, D],
                     in kv_dtype (the device tier follows the host pool)
     summaries       its kmin/kmax [L, lanes * max_blocks, KVH, D], fp32 whatever the kv_dtype
+                    (sparse mode: one per pool block, [L, num_host_blocks, KVH, D], beside the pool)
     bookkeeping     its SlotTable, pred, masks, lane_blocks and metrics tensors
     allocator       estimate: BlockAllocator's Python free list (ints, not tensors)
     step_buffers    estimate: one step's transient peak (activations, logits, attention's
@@ -102,7 +103,7 @@ class MemoryPlan:
         the host (the lookahead host pool, the allocator)."""
         if self.inputs.device_type == "cpu":
             return self.components()
-        device = ON_DEVICE | ({"host_kv_pool"} if self.inputs.cfg.mode == "dense" else set())
+        device = ON_DEVICE | ({"host_kv_pool"} if self.inputs.cfg.mode in ("dense", "sparse") else set())
         return {k: v for k, v in self.components().items() if k not in device}
 
     @property
@@ -177,6 +178,8 @@ def _plan(p: PlanInputs) -> MemoryPlan:
                  + 2 * L * lanes                                             # has_pred, seeded (bool)
                  + 8 * lanes * max_blocks                                    # lane_blocks
                  + 8 * (2 * L + 2 + 6 * lanes))                              # metrics (float64)
+    if c.mode == "sparse":      # runtime/sparse.py: fp32 min/max of every pool block, with the pool
+        summ = 2 * L * n_blocks * kvh * d * SUMMARY_BYTES
     return MemoryPlan(weights=w, packed_weights=packed if p.packed_weights else 0, rope=rope,
                       host_kv_pool=pool, device_tier=tier, summaries=summ, bookkeeping=books,
                       allocator=ALLOCATOR_BYTES_PER_BLOCK * n_blocks, step_buffers=_step_bytes(m, c, b, max_len),

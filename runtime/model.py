@@ -219,7 +219,7 @@ class LlamaModel(nn.Module):
         return self.norm.weight.device
 
     def fused_decoder(self, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float,
-                      silu: str = "auto") -> tuple["FusedDecoder | None", str | None]:
+                      silu: str = "auto", selection=None) -> tuple["FusedDecoder | None", str | None]:
         """(the fused dense decode step over this model and a KV pool's K/V, None) when this model
         takes it, else (None, why). The fused step (plugins/cpu/fused.py: one C call a step) runs
         what `forward` runs over `attention_dense.DenseStep` on a decode step, for an fp32 CPU model
@@ -252,8 +252,8 @@ class LlamaModel(nn.Module):
         dims = fused.Dims(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                           c.vocab_size, eps.pop(), scale)
         args = (dims, weight(self.embed_tokens), layers, self.norm.weight, self.rope.cos, self.rope.sin, pool_k, pool_v)
-        why = fused.unsupported(*args)
-        return (None, why) if why is not None else (fused.FusedDecoder(*args, silu=silu), None)
+        why = fused.unsupported(*args) or fused.selection_unsupported(selection, dims, pool_k)
+        return (None, why) if why is not None else (fused.FusedDecoder(*args, silu=silu, selection=selection), None)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load runtime-layout tensors (see engine_dir.WEIGHT_LAYOUT); strict on names and shapes.

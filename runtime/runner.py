@@ -20,18 +20,24 @@ class DenseRunner:
     (`DenseStep.fused_runs`), runs as one C call (`fused`: plugins/cpu/fused.py, chosen once here
     by `LlamaModel.fused_decoder`; None, with `fused_reason`, where the model or the pool do not
     take it, or with LOOKAHEAD_FUSED_DECODE=0). Every other step, and a step the C path refuses,
-    runs the Python path (the model's layers over `DenseStep`), which is the reference."""
+    runs the Python path (the model's layers over `DenseStep`), which is the reference.
+
+    Sparse mode (`attn.selection`, runtime/sparse.py) is the same runner: its decode rows attend to
+    their top-K selection in place (the fused step does the selection in C too), and after every
+    step the rows it stored fold into their blocks' summaries."""
 
     def __init__(self, model: LlamaModel, attn: DenseAttention, block_size: int,
                  prefill_cache: PrefillCache | None = None, observers: Observers | None = None):
         self.model, self.attn, self.block_size = model, attn, block_size
+        self.selection = attn.selection           # sparse mode's (runtime/sparse.py), or None
         self.prefill_cache = prefill_cache
         self.observers = observers if observers is not None else Observers()
         self._bind_fused()
 
     def _bind_fused(self) -> None:
         pool = self.attn.pool
-        self.fused, self.fused_reason = self.model.fused_decoder(pool.k, pool.v, self.attn.scale)
+        self.fused, self.fused_reason = self.model.fused_decoder(pool.k, pool.v, self.attn.scale,
+                                                                 selection=self.selection)
         self._fused_pool, self._fused_weights = pool, self.model.weights_version
 
     def release(self, seq: Sequence) -> None:
@@ -62,6 +68,8 @@ class DenseRunner:
             self.observers.batch(batch)
         if replay is not None:
             out = replay.run(StoreRows(self.attn.pool, batch), len(self.model.layers))
+            if self.selection is not None:
+                self.selection.update(batch)
             for seq, n in work:
                 seq.num_cached += n
             return out
@@ -71,6 +79,8 @@ class DenseRunner:
         if hidden is None:
             backend = rec.wrap(step, len(self.model.layers)) if rec else step
             hidden = self.model(batch.tokens, batch.positions, backend)           # [T, hidden]
+        if self.selection is not None:            # the step's rows, for the next steps' selection
+            self.selection.update(batch)
         sampling = [(seq, it) for (seq, n), it in zip(work, items)
                     if it.context_len >= len(seq.prompt_ids)]                     # prompt done
         for seq, n in work:

@@ -19,7 +19,8 @@ makes the row "not available (...)" and is not retried at later points), `offloa
 (DynamicCache(offloading=True); CUDA only, so on a CPU machine the row says "not available").
 Ours (`--modes`): dense (default), lookahead-resident, lookahead-pingpong, lookahead-drop (resident,
 miss policy drop), sparse-ondemand (top-K sparse attention without look-ahead: the real query's
-blocks fetched on demand), or all (a mode the engine refuses is reported as 'not available').
+blocks fetched on demand into the device tier), sparse (the same selection attended where the cache
+lies, no device tier: mode sparse, runtime/sparse.py), or all (a mode the engine refuses is reported as 'not available').
 `<mode>+python` is the mode with its model layers on the Python path instead of the fused C step
 (plugins/cpu/fused.py), timed beside it: what the fused step saves, side by side.
 
@@ -77,6 +78,8 @@ MODES = {"dense": {"mode": "dense"},
          # the same as lookahead-resident, but a draft's misses are attended without (no urgent
          # fetch): the miss policy that kept 8K accuracy (docs/RESULTS.md)
          "lookahead-drop": {"mode": "lookahead", "residency": "resident", "miss_policy": "drop"},
+         # top-K sparse attention over the cache where it lies (no device tier: runtime/sparse.py)
+         "sparse": {"mode": "sparse"},
          # sparse attention without look-ahead: one row per sequence, its top-K fetched on demand
          "sparse-ondemand": {"mode": "lookahead", "residency": "resident", "miss_policy": "urgent",
                              "draft": "none"}}
@@ -193,7 +196,7 @@ def load_engines(args: argparse.Namespace) -> dict[str, Engine | str]:
         except Exception as e:  # noqa: BLE001 - any refusal means "not available" here
             engines[mode] = f"not available ({e.__class__.__name__}: {str(e).splitlines()[0][:80]})"
         else:
-            if mode != "dense" and type(engines[mode].runner).__name__ == "DenseRunner":
+            if MODES[name]["mode"] == "lookahead" and type(engines[mode].runner).__name__ == "DenseRunner":
                 engines[mode] = "not available (the engine runs dense for mode=lookahead)"
     return engines
 

@@ -182,7 +182,16 @@ class EngineDecoder:
     def sparse_read_bytes_per_seq(self, context: int) -> tuple[int, int] | None:
         """(device working set of all layers, block summaries scored) that one sequence's decode step
         reads; None in dense mode. The attention op reads every slot of a layer's working set (a
-        mask hides the empty ones); pingpong holds 2 layers' buffers but reads each layer's once."""
+        mask hides the empty ones); pingpong holds 2 layers' buffers but reads each layer's once.
+        Sparse mode (no working set): the selected keys of every layer, read in place."""
+        if self.engine.config.mode == "sparse":
+            sel, pool = self.engine.runner.attn.selection, self.engine.pool
+            lay, bs = sel.layout, sel.block_size
+            nb = -(-context // bs)
+            w0 = lay.window_start(context)
+            blocks = min(nb, lay.num_sink + min(sel.top_k, max(0, w0 - lay.num_sink)) + (nb - w0))
+            per_token = 2 * pool.k.shape[0] * pool.num_kv_heads * pool.head_dim * pool.k.element_size()
+            return min(context, blocks * bs) * per_token, 2 * sel.kmin.shape[0] * nb * sel.kmin[0, 0].numel() * 4
         if self.device_bytes_per_seq is None:
             return None
         attn = self.engine.runner.attn

@@ -2,7 +2,7 @@
 # Start, stop or query tritonserver serving an engine dir through triton_model_repo/lookahead_llm.
 #
 #   scripts/serve.sh start [--engine DIR] [--device cpu|cuda|cuda:N] [--http-port N] [--grpc-port N]
-#                          [--metrics-port N] [--mode dense|lookahead] [--instances N] [--max-queue N]
+#                          [--metrics-port N] [--mode dense|lookahead|sparse] [--instances N] [--max-queue N]
 #                          [--timeout S] [--watch] [--max-body-bytes N] [--run-dir DIR]
 #   scripts/serve.sh stop [--run-dir DIR]       # seconds, even when the python stub died
 #   scripts/serve.sh status [--run-dir DIR]     # runs a one-token request: 0 serving, 1 not, 3 not running
@@ -115,7 +115,7 @@ start() {
   local pid
   if pid="$(alive_pid "$SUP_PID_FILE" serving.supervisor)"; then die "already running (supervisor pid $pid, see $STATE); run: scripts/serve.sh stop${RUN_DIR:+ --run-dir \"$RUN_DIR\"}"; fi
   if pid="$(alive_pid "$PID_FILE" tritonserver)"; then die "a tritonserver of $RUN_DIR still runs (pid $pid) without its supervisor; run: scripts/serve.sh stop --run-dir \"$RUN_DIR\""; fi
-  case "$MODE" in ""|dense|lookahead) ;; *) die "--mode must be dense or lookahead, got '$MODE'" ;; esac
+  case "$MODE" in ""|dense|lookahead|sparse) ;; *) die "--mode must be dense, lookahead or sparse, got '$MODE'" ;; esac
   case "$MAX_BODY" in ''|*[!0-9]*) die "--max-body-bytes must be a number of bytes, got '$MAX_BODY'" ;; esac
   [ "$MAX_BODY" -ge 1 ] && [ "$MAX_BODY" -le 3900000 ] \
     || die "--max-body-bytes must be in 1..3900000 (tritonserver 2.51 crashes on HTTP bodies over ~4 MB), got $MAX_BODY"

@@ -215,7 +215,7 @@ def test_bench_args():
     assert bench.MODES["sparse-ondemand"]["draft"] == "none"
     assert args.hf_impls == ["default", "static-compile", "offloaded"]
     assert bench.parse_args(["--hf-impls", "default"]).hf_impls == ["default"]
-    for bad in (["--hf-impls", "static-compile"], ["--hf-impls", "default,eager"], ["--modes", "sparse"]):
+    for bad in (["--hf-impls", "static-compile"], ["--hf-impls", "default,eager"], ["--modes", "sparse-inplace"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 

@@ -81,7 +81,7 @@ def test_write_model_repo_checks_engine_dir_and_overrides(tiny_dir, tmp_path):
     with pytest.raises(EngineDirError, match="does not exist"):
         ct.write_model_repo(tmp_path / "r", tmp_path / "missing")
     with pytest.raises(ConfigError, match="mode"):
-        ct.write_model_repo(tmp_path / "r", tiny_dir, lookahead_overrides={"mode": "sparse"})
+        ct.write_model_repo(tmp_path / "r", tiny_dir, lookahead_overrides={"mode": "sparse-inplace"})
 
 
 def test_cli_writes_a_repo_and_reports_errors_in_one_line(tiny_dir, tmp_path, capsys):

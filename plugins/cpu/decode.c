@@ -60,6 +60,11 @@ typedef struct {
     const void *exp8;                    /* torch's vector exp for SiLU (see silu_mul), or NULL */
     int64_t silu_chunk;
     int64_t embed_group;                 /* int8 embed: hidden elements per scale (hidden: one a row) */
+    /* sparse mode (runtime/sparse.py BlockSelection): each pool block's min/max key summaries
+     * [L, num_blocks, KVH, D] fp32, or NULL (dense: every key visible); the selection's top_k,
+     * sink blocks, window blocks (SlotLayout.num_window) and group score (1: max, 0: sum) */
+    const float *sel_kmin, *sel_kmax;
+    int64_t sel_top_k, sel_sink, sel_window, sel_group_max;
 } LkvModel;
 
 typedef struct {
@@ -73,6 +78,9 @@ typedef struct {   /* fp32 scratch, rows of B: x [hidden] (the residual stream),
     float *x, *h, *qkv, *q, *o, *t, *gu, *act, *out;   /* qkv [q+2kv], q/o [H*D], t [hidden], */
     uint8_t *mask;                                     /* gu [2I], act [I], out [hidden]; mask [B, KVH, N] */
     int64_t *boff;                                     /* [B] each sequence's first key (elements) */
+    float *sel_scores;                                 /* sparse: [KVH, max blocks] block scores, */
+    int64_t *sel_idx;                                  /* [KVH, top_k] the selection, */
+    uint8_t *sel_valid;                                /* [max blocks] its candidates */
 } LkvWork;
 
 #define MAX_ROWS 16      /* ops.MAX_LINEAR_ROWS / MAX_INT8_ROWS: the C linears of the Python path */
@@ -204,6 +212,41 @@ static void silu_mul(const float *gu, float *act, int64_t B, int64_t I, const vo
     }
 }
 
+/* Sparse mode: layer l's key mask of every row, as runtime/sparse.py BlockSelection.mask builds
+ * it: the sink blocks' and the window's keys, and the keys of the top_k candidate blocks (the
+ * full blocks between them) that the row's query scores highest against the summaries, by the
+ * same block_topk call per sequence (one row, the run's blocks in logical order). Candidate
+ * blocks are full and before the window: the step's own rows never change the selection. */
+static int select_keys(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, int nthreads) {
+    const int64_t KVH = m->kv_heads, D = m->head_dim, H = m->heads, bs = m->block_size, N = st->N;
+    const int64_t layer_at = l * m->num_blocks * KVH * D;
+    for (int64_t b = 0; b < st->B; b++) {
+        const int64_t n = st->lens[b], nb = (n + bs - 1) / bs, last = (n - 1) / bs;
+        const int64_t w0 = last - m->sel_window + 1 > m->sel_sink ? last - m->sel_window + 1 : m->sel_sink;
+        const int64_t sink_keys = m->sel_sink * bs < n ? m->sel_sink * bs : n;
+        uint8_t *rows = w->mask + b * KVH * N;
+        memset(rows, 0, KVH * N);
+        for (int64_t h = 0; h < KVH; h++) {
+            memset(rows + h * N, 1, sink_keys);
+            if (w0 * bs < n) memset(rows + h * N + w0 * bs, 1, n - w0 * bs);
+        }
+        if (w0 <= m->sel_sink) continue;          /* no candidates */
+        memset(w->sel_valid, 0, nb);
+        memset(w->sel_valid + m->sel_sink, 1, w0 - m->sel_sink);
+        const int64_t k = m->sel_top_k < nb ? m->sel_top_k : nb, at = layer_at + st->run_starts[b] * KVH * D;
+        const int rc = lkv_block_topk(w->q + b * H * D, m->sel_kmin + at, m->sel_kmax + at, nb * KVH * D, w->sel_valid,
+                                      nb, nb, 1, 1, H, KVH, nb, D, k, (int)m->sel_group_max, w->sel_scores, w->sel_idx,
+                                      nthreads);
+        if (rc != 0) return rc;
+        for (int64_t h = 0; h < KVH; h++)
+            for (int64_t j = 0; j < k; j++) {
+                const int64_t id = w->sel_idx[h * k + j];
+                if (id >= 0) memset(rows + h * N + id * bs, 1, bs);
+            }
+    }
+    return 0;
+}
+
 /* layer l up to w13: x (residual) updated by attention, gu = w13(rmsnorm(x)) */
 static int attention_half(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, int nthreads) {
     const LkvLayer *L = m->layers + l;
@@ -223,6 +266,10 @@ static int attention_half(const LkvModel *m, const LkvStep *st, const LkvWork *w
             store_row(krot + h * D, (char *)L->k + at, D, m->kv_dtype);
             store_row(row + nq + nkv + h * D, (char *)L->v + at, D, m->kv_dtype);
         }
+    }
+    if (m->sel_kmin) {
+        const int rc = select_keys(m, st, w, l, nthreads);
+        if (rc != 0) return rc;
     }
     const int rc = lkv_attention_paged(w->q, L->k, L->v, w->boff, hs, w->mask, w->o, B, H, KVH, st->N, D, m->scale,
                                        nthreads, (int)m->kv_dtype);

@@ -53,7 +53,8 @@ class _Model(ctypes.Structure):
                                     "num_blocks", "block_size", "max_pos", "kv_dtype")] + \
                [("eps", _f), ("scale", _f), ("cos", _p), ("sin", _p), ("embed", _p), ("embed_scale", _p),
                 ("norm", _p), ("layers", ctypes.POINTER(_Layer)), ("exp8", _p), ("silu_chunk", _i64),
-                ("embed_group", _i64)]
+                ("embed_group", _i64), ("sel_kmin", _p), ("sel_kmax", _p)] + \
+               [(n, _i64) for n in ("sel_top_k", "sel_sink", "sel_window", "sel_group_max")]
 
 
 class _Step(ctypes.Structure):
@@ -62,7 +63,8 @@ class _Step(ctypes.Structure):
 
 
 class _Work(ctypes.Structure):
-    _fields_ = [(n, _p) for n in ("x", "h", "qkv", "q", "o", "t", "gu", "act", "out", "mask", "boff")]
+    _fields_ = [(n, _p) for n in ("x", "h", "qkv", "q", "o", "t", "gu", "act", "out", "mask", "boff",
+                                  "sel_scores", "sel_idx", "sel_valid")]
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,19 @@ def unsupported(dims: Dims, embed, layers: list[LayerWeights], final_norm: torch
     return None
 
 
+def selection_unsupported(sel, dims: Dims, pool_k: torch.Tensor) -> str | None:
+    """Why sparse mode's selection cannot run in the fused step (None: it can, or there is none)."""
+    if sel is None:
+        return None
+    shape = (dims.num_layers, pool_k.shape[2], dims.kv_heads, dims.head_dim)
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == shape
+               for t in (sel.kmin, sel.kmax)):
+        return f"selection summaries (expected fp32 {shape} on CPU, contiguous)"
+    if sel.block_size != pool_k.shape[3] or sel.top_k < 1:
+        return "selection geometry"
+    return None
+
+
 def torch_vector_exp() -> int | None:
     """The address of torch's own 8-wide exp (Sleef's, exported by libtorch_cpu), or None."""
     try:
@@ -206,8 +221,12 @@ class FusedDecoder:
     `steps` counts the steps it ran; `exact`: its steps are bit-identical to the Python path's."""
 
     def __init__(self, dims: Dims, embed, layers: list[LayerWeights], final_norm: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, silu: str = "auto"):
-        why = unsupported(dims, embed, layers, final_norm, cos, sin, pool_k, pool_v)
+                 cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, silu: str = "auto",
+                 selection=None):
+        """selection: sparse mode's `runtime.sparse.BlockSelection` (its summaries over this pool's
+        blocks): each layer's attention sees the keys it selects (decode.c select_keys)."""
+        why = unsupported(dims, embed, layers, final_norm, cos, sin, pool_k, pool_v) or \
+            selection_unsupported(selection, dims, pool_k)
         if why is not None:
             raise ValueError(f"the fused decode step does not take these tensors: {why}")
         if silu not in ("auto", "own", "torch"):
@@ -217,8 +236,10 @@ class FusedDecoder:
         self._exp8, self._silu_chunk = silu_binding(dims.inter) if silu == "auto" else (None, 0)
         self.exact = silu == "torch" or self._exp8 is not None      # bit-identical to the Python path
         self._src = (embed, layers, final_norm, cos, sin, pool_k, pool_v)
+        self.selection = selection
         self.steps = 0
         self._rows, self._mask = 0, torch.empty(0, dtype=torch.uint8)
+        self._sel_nb, self._sel = 0, None           # sparse mode's scratch, for up to _sel_nb blocks
         self._bind()
 
     def _watched(self) -> list[torch.Tensor]:
@@ -258,11 +279,31 @@ class FusedDecoder:
                              pool_k.shape[2], pool_k.shape[3], cos.shape[0], KV_DTYPES[pool_k.dtype],
                              float(d.eps), float(d.scale), ptr(cos), ptr(sin), ptr(embed[0] if q8 else embed),
                              ptr(embed[1]) if q8 else None, ptr(final_norm), arr, self._exp8, self._silu_chunk,
-                             int8_group_size(*embed) if q8 else 0)
+                             int8_group_size(*embed) if q8 else 0, *self._selection_fields(ptr))
         self._layers, self._keep = arr, keep
         self.binds = getattr(self, "binds", 0) + 1          # once, unless a weight changed in place
         self._watch = self._watched()
         self._versions = list(map(_version, self._watch))
+
+    def _selection_fields(self, ptr) -> tuple:
+        sel = self.selection
+        if sel is None:
+            return (None, None, 0, 0, 0, 0)
+        return (ptr(sel.kmin), ptr(sel.kmax), sel.top_k, sel.layout.num_sink, sel.layout.num_window,
+                int(sel.group_score == "max"))
+
+    def _selection_scratch(self, N: int) -> tuple:
+        """Sparse mode's scratch for a sequence of up to N keys: block scores, top-K ids, candidates."""
+        sel = self.selection
+        if sel is None:
+            return (None, None, None)
+        nb = -(-N // sel.block_size)
+        if nb > self._sel_nb:
+            kvh = self.dims.kv_heads
+            self._sel = (torch.empty(kvh * nb, dtype=torch.float32), torch.empty(kvh * sel.top_k, dtype=torch.int64),
+                         torch.empty(nb, dtype=torch.uint8))
+            self._sel_nb = nb
+        return tuple(t.data_ptr() for t in self._sel)
 
     def _workspace(self, B: int, N: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """Scratch for B rows (kept while B stays) and a key mask of B x KVH x N bytes (grown)."""
@@ -301,7 +342,7 @@ class FusedDecoder:
                      ctypes.addressof(meta), ctypes.addressof(meta) + 8 * B)
         out = torch.empty(B, self.dims.hidden, dtype=torch.float32)
         work = _Work(*(views[n].data_ptr() for n in ("x", "h", "qkv", "q", "o", "t", "gu", "act")), out.data_ptr(),
-                     mask.data_ptr(), boff.data_ptr())
+                     mask.data_ptr(), boff.data_ptr(), *self._selection_scratch(N))
         lib, L, nt = library(), self.dims.num_layers, torch.get_num_threads()
         m, s, w = ctypes.byref(self._model), ctypes.byref(step), ctypes.byref(work)
         with traced("decode_step"):
