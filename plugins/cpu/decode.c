@@ -78,9 +78,9 @@ typedef struct {   /* fp32 scratch, rows of B: x [hidden] (the residual stream),
     float *x, *h, *qkv, *q, *o, *t, *gu, *act, *out;   /* qkv [q+2kv], q/o [H*D], t [hidden], */
     uint8_t *mask;                                     /* gu [2I], act [I], out [hidden]; mask [B, KVH, N] */
     int64_t *boff;                                     /* [B] each sequence's first key (elements) */
-    float *sel_scores;                                 /* sparse: [KVH, max blocks] block scores, */
-    int64_t *sel_idx;                                  /* [KVH, top_k] the selection, */
-    uint8_t *sel_valid;                                /* [max blocks] its candidates */
+    float *sel_scores;                                 /* sparse, per row b: [KVH, NBm] block scores, */
+    int64_t *sel_idx;                                  /* [KVH, top_k] the selection, [NBm] its */
+    uint8_t *sel_valid;                                /* candidates; NBm = blocks of N keys */
 } LkvWork;
 
 #define MAX_ROWS 16      /* ops.MAX_LINEAR_ROWS / MAX_INT8_ROWS: the C linears of the Python path */
@@ -219,8 +219,16 @@ static void silu_mul(const float *gu, float *act, int64_t B, int64_t I, const vo
  * blocks are full and before the window: the step's own rows never change the selection. */
 static int select_keys(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, int nthreads) {
     const int64_t KVH = m->kv_heads, D = m->head_dim, H = m->heads, bs = m->block_size, N = st->N;
-    const int64_t layer_at = l * m->num_blocks * KVH * D;
+    const int64_t layer_at = l * m->num_blocks * KVH * D, NBm = (N + bs - 1) / bs;
+    int failed = 0;
+    /* the sequences over the threads, each block_topk call on one (a call's threads split its
+     * sequences, so one sequence's result does not depend on the count: the Python path's) */
+#pragma omp parallel for schedule(static) num_threads(nthreads > 1 ? nthreads : 1) \
+    if (nthreads > 1 && st->B > 1) reduction(| : failed)
     for (int64_t b = 0; b < st->B; b++) {
+        float *scores = w->sel_scores + b * KVH * NBm;
+        int64_t *sidx = w->sel_idx + b * KVH * m->sel_top_k;
+        uint8_t *valid = w->sel_valid + b * NBm;
         const int64_t n = st->lens[b], nb = (n + bs - 1) / bs, last = (n - 1) / bs;
         const int64_t w0 = last - m->sel_window + 1 > m->sel_sink ? last - m->sel_window + 1 : m->sel_sink;
         const int64_t sink_keys = m->sel_sink * bs < n ? m->sel_sink * bs : n;
@@ -231,20 +239,21 @@ static int select_keys(const LkvModel *m, const LkvStep *st, const LkvWork *w, i
             if (w0 * bs < n) memset(rows + h * N + w0 * bs, 1, n - w0 * bs);
         }
         if (w0 <= m->sel_sink) continue;          /* no candidates */
-        memset(w->sel_valid, 0, nb);
-        memset(w->sel_valid + m->sel_sink, 1, w0 - m->sel_sink);
+        memset(valid, 0, nb);
+        memset(valid + m->sel_sink, 1, w0 - m->sel_sink);
         const int64_t k = m->sel_top_k < nb ? m->sel_top_k : nb, at = layer_at + st->run_starts[b] * KVH * D;
-        const int rc = lkv_block_topk(w->q + b * H * D, m->sel_kmin + at, m->sel_kmax + at, nb * KVH * D, w->sel_valid,
-                                      nb, nb, 1, 1, H, KVH, nb, D, k, (int)m->sel_group_max, w->sel_scores, w->sel_idx,
-                                      nthreads);
-        if (rc != 0) return rc;
+        if (lkv_block_topk(w->q + b * H * D, m->sel_kmin + at, m->sel_kmax + at, nb * KVH * D, valid, nb, nb, 1, 1, H,
+                           KVH, nb, D, k, (int)m->sel_group_max, scores, sidx, 1) != 0) {
+            failed = 1;
+            continue;
+        }
         for (int64_t h = 0; h < KVH; h++)
             for (int64_t j = 0; j < k; j++) {
-                const int64_t id = w->sel_idx[h * k + j];
+                const int64_t id = sidx[h * k + j];
                 if (id >= 0) memset(rows + h * N + id * bs, 1, bs);
             }
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* layer l up to w13: x (residual) updated by attention, gu = w13(rmsnorm(x)) */

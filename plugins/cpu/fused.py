@@ -239,7 +239,7 @@ class FusedDecoder:
         self.selection = selection
         self.steps = 0
         self._rows, self._mask = 0, torch.empty(0, dtype=torch.uint8)
-        self._sel_nb, self._sel = 0, None           # sparse mode's scratch, for up to _sel_nb blocks
+        self._sel_nb, self._sel = (0, 0), None      # sparse mode's scratch, for (rows, blocks)
         self._bind()
 
     def _watched(self) -> list[torch.Tensor]:
@@ -292,17 +292,18 @@ class FusedDecoder:
         return (ptr(sel.kmin), ptr(sel.kmax), sel.top_k, sel.layout.num_sink, sel.layout.num_window,
                 int(sel.group_score == "max"))
 
-    def _selection_scratch(self, N: int) -> tuple:
-        """Sparse mode's scratch for a sequence of up to N keys: block scores, top-K ids, candidates."""
+    def _selection_scratch(self, B: int, N: int) -> tuple:
+        """Sparse mode's scratch, per row of B, for up to N keys (decode.c: NBm blocks of N keys):
+        block scores, top-K ids, candidates."""
         sel = self.selection
         if sel is None:
             return (None, None, None)
         nb = -(-N // sel.block_size)
-        if nb > self._sel_nb:
+        if (B, nb) != self._sel_nb:
             kvh = self.dims.kv_heads
-            self._sel = (torch.empty(kvh * nb, dtype=torch.float32), torch.empty(kvh * sel.top_k, dtype=torch.int64),
-                         torch.empty(nb, dtype=torch.uint8))
-            self._sel_nb = nb
+            self._sel = (torch.empty(B * kvh * nb, dtype=torch.float32),
+                         torch.empty(B * kvh * sel.top_k, dtype=torch.int64), torch.empty(B * nb, dtype=torch.uint8))
+            self._sel_nb = (B, nb)
         return tuple(t.data_ptr() for t in self._sel)
 
     def _workspace(self, B: int, N: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -342,7 +343,7 @@ class FusedDecoder:
                      ctypes.addressof(meta), ctypes.addressof(meta) + 8 * B)
         out = torch.empty(B, self.dims.hidden, dtype=torch.float32)
         work = _Work(*(views[n].data_ptr() for n in ("x", "h", "qkv", "q", "o", "t", "gu", "act")), out.data_ptr(),
-                     mask.data_ptr(), boff.data_ptr(), *self._selection_scratch(N))
+                     mask.data_ptr(), boff.data_ptr(), *self._selection_scratch(B, N))
         lib, L, nt = library(), self.dims.num_layers, torch.get_num_threads()
         m, s, w = ctypes.byref(self._model), ctypes.byref(step), ctypes.byref(work)
         with traced("decode_step"):
