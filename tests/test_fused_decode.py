@@ -59,6 +59,12 @@ def make_int8_engine(path: Path, seed: int = 0, group_size: int = DEFAULT_GROUP_
     return path
 
 
+def fp32_and_int8_dirs(root: Path, seed: int) -> dict[str, Path]:
+    """A tiny random fp32 engine and an int8 one (with a qkv bias), head_dim 32: the C kernels' shapes."""
+    return {"fp32": make_tiny_engine(root / "fp32", seed=seed, **SHAPE),
+            "int8": make_int8_engine(root / "int8", seed=seed + 1, attention_bias=True)}
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fused")

@@ -23,8 +23,8 @@ from runtime.engine import Engine
 from runtime.model import FUSED_ENV
 from runtime.observe import Observer
 from runtime.sampling import SamplingParams
-from test_fused_decode import SHAPE, make_int8_engine
-from tiny_engine import SMALL_LOOKAHEAD, make_tiny_engine, random_prompts
+from test_fused_decode import fp32_and_int8_dirs
+from tiny_engine import SMALL_LOOKAHEAD, random_prompts
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no CPU kernels")
 
@@ -39,9 +39,7 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fused_la")
-    return {"fp32": make_tiny_engine(root / "fp32", seed=31, **SHAPE),
-            "int8": make_int8_engine(root / "int8", seed=32, attention_bias=True)}
+    return fp32_and_int8_dirs(tmp_path_factory.mktemp("fused_la"), seed=31)
 
 
 class Record(Observer):

@@ -22,12 +22,12 @@ from runtime.config import LookaheadConfig
 from runtime.engine import Engine
 from runtime.lookahead.layout import SlotLayout
 from runtime.model import FUSED_ENV
-from runtime.observe import Observer
 from runtime.ops import select_ops
 from runtime.sampling import SamplingParams
 from runtime.sparse import BlockSelection
-from test_fused_decode import SHAPE, make_int8_engine
-from tiny_engine import make_tiny_engine, random_prompts
+from test_fused_decode import fp32_and_int8_dirs
+from test_fused_lookahead import Record
+from tiny_engine import random_prompts
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no CPU kernels")
 
@@ -37,17 +37,7 @@ GEOMETRY = dict(block_size=4, recent_window=8, num_sink_blocks=1, max_batch_size
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sparse")
-    return {"fp32": make_tiny_engine(root / "fp32", seed=41, **SHAPE),
-            "int8": make_int8_engine(root / "int8", seed=42, attention_bias=True)}
-
-
-class Record(Observer):
-    def __init__(self):
-        self.logits = []
-
-    def on_step_end(self, logits):
-        self.logits.append({k: v.clone() for k, v in logits.items()})
+    return fp32_and_int8_dirs(tmp_path_factory.mktemp("sparse"), seed=41)
 
 
 def run(eng: Engine, prompts):
