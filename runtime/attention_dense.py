@@ -26,9 +26,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """One query row per head without repeating K/V across the GQA group.
 
     q: [H, D]; k, v: [KVH, L, D] -> [H, D] in q's dtype. mask: bool [KVH, L], the keys each KV
-    head's queries see (sparse mode's selection; None: all; at least one per head). fp32 on CPU: plugins/cpu's C kernel (one
-    pass over K and V, ~2x torch's matmuls here) where it builds and takes the layout. K/V stored
-    in another dtype than q's (a half-precision cache) are read in fp32.
+    head's queries see (sparse mode's selection; None: all; at least one per head). fp32 on CPU:
+    plugins/cpu's C kernel (one pass over K and V, ~2x torch's matmuls here) where it builds and
+    takes the layout. K/V stored in another dtype than q's (a half-precision cache) are read in fp32.
     """
     kvh = k.shape[0]
     if q.device.type == "cpu" and cpu.available():
