@@ -4,9 +4,11 @@
     .venv/bin/python scripts/attention_sparsity.py --engine engines/int8 --context 8192 --batch 4 --threads 2 \\
         --json build/attention_sparsity.json
 
-Times, per layer and per step (x the engine's layers), the kernels a sparse step could run in
-place of the device tier's copies, over one layer of a KV pool shaped like the engine's (its KV
-heads, head_dim, block size, kv_dtype; random K/V: the values do not change the kernels' work):
+Times, per step and per layer, the kernels a sparse step could run in place of the device tier's
+copies, over a KV pool shaped like the engine's: every layer its own K/V and summaries (its KV
+heads, head_dim, block size, kv_dtype; random values, which do not change the kernels' work), one
+step = one call per layer, so that each layer's bytes come from memory as in a real step (one
+layer called again and again would be served from the cache):
 - `attention_paged` (the dense step's kernel) with every key visible;
 - the same kernel with the keys of a top-K selection visible (sink + `top_k` blocks + the recent
   window, the engine's lookahead geometry): masked keys are never read, so this is the attention
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4, help="sequences (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (default: %(default)s)")
-    p.add_argument("--calls", type=int, default=30, help="kernel calls per round (default: %(default)s)")
+    p.add_argument("--calls", type=int, default=5, help="steps (a call per layer each) per round (default: %(default)s)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if not cpu.available():
@@ -54,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     B, KVH, H, D, bs, N = args.batch, m.num_kv_heads, m.num_heads, m.head_dim, la.block_size, args.context
     nb = -(-N // bs)
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(KVH, B * nb, bs, D, generator=g).to(kv_dtype)
-    v = torch.randn(KVH, B * nb, bs, D, generator=g).to(kv_dtype)
+    L = m.num_layers
+    k = [torch.randn(KVH, B * nb, bs, D, generator=g).to(kv_dtype) for _ in range(L)]
+    v = [torch.randn(KVH, B * nb, bs, D, generator=g).to(kv_dtype) for _ in range(L)]
     q = torch.randn(B, H, D, generator=g)
     starts, lens = [b * nb for b in range(B)], [N] * B
     full = ops.paged_mask(lens, KVH)
@@ -69,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             blocks[w0:] = True
             blocks[lay.num_sink + torch.randperm(cands, generator=g)[:top_k]] = True
             sparse[b, h] = blocks.repeat_interleave(bs)[:N]
-    kmin = torch.randn(B, nb, KVH, D, generator=g)
-    kmax = kmin + torch.rand(B, nb, KVH, D, generator=g)
+    kmin = [torch.randn(B, nb, KVH, D, generator=g) for _ in range(L)]
+    kmax = [t + torch.rand(B, nb, KVH, D, generator=g) for t in kmin]
     valid = torch.zeros(B, 1, nb, dtype=torch.bool)
     valid[:, :, lay.num_sink:w0] = True
 
@@ -81,21 +84,24 @@ def main(argv: list[str] | None = None) -> int:
             fn()
         return (time.perf_counter() - t0) / args.calls * 1e3
 
-    cases = {"dense attention (every key)": lambda: ops.attention_paged(q, k, v, starts, lens, D ** -0.5, full),
+    def step(fn):
+        return lambda: [fn(layer) for layer in range(L)]
+    cases = {"dense attention (every key)":
+             step(lambda i: ops.attention_paged(q, k[i], v[i], starts, lens, D ** -0.5, full)),
              f"sparse attention in place (sink + {top_k} blocks + window)":
-                 lambda: ops.attention_paged(q, k, v, starts, lens, D ** -0.5, sparse),
-             "block_topk (the selection)": lambda: ops.block_topk(q[:, None], kmin, kmax, valid, top_k,
-                                                                   la.group_score)}
-    if ops.attention_paged(q, k, v, starts, lens, D ** -0.5, full) is None:
+             step(lambda i: ops.attention_paged(q, k[i], v[i], starts, lens, D ** -0.5, sparse)),
+             "block_topk (the selection)":
+             step(lambda i: ops.block_topk(q[:, None], kmin[i], kmax[i], valid, top_k, la.group_score))}
+    if ops.attention_paged(q, k[0], v[0], starts, lens, D ** -0.5, full) is None:
         p.error(f"the paged attention kernel does not take this engine's shapes (head_dim {D}, heads {H}/{KVH})")
     times: dict[str, list[float]] = {c: [] for c in cases}
     for r in range(args.rounds):
         for name in (list(cases) if r % 2 == 0 else list(cases)[::-1]):
             times[name].append(timed(cases[name]))
     visible = float(sparse.float().mean())
-    rows = [{"kernel": c, "ms_per_layer": statistics.median(t), "ms_per_step": statistics.median(t) * m.num_layers,
-             "rounds_ms": [round(x, 4) for x in t]} for c, t in times.items()]
-    print(f"{args.engine}: {m.num_layers} layers, {H}/{KVH} heads, head_dim {D}, block {bs}, {kv_dtype}; "
+    rows = [{"kernel": c, "ms_per_step": statistics.median(t), "ms_per_layer": statistics.median(t) / L,
+             "rounds_ms_per_step": [round(x, 4) for x in t]} for c, t in times.items()]
+    print(f"{args.engine}: {L} layers, {H}/{KVH} heads, head_dim {D}, block {bs}, {kv_dtype}; "
           f"context {N} x batch {B}, {args.threads} threads; visible keys in the sparse mask {visible:.1%}")
     print(f"{'kernel':<58} {'ms/layer':>9} {'ms/step':>9}")
     for r in rows:

@@ -85,8 +85,9 @@ static float dot1(const float *a, const float *b, int64_t D) {
  * and the FMA work keeps demand loads from running ahead, so from DRAM the reads would not overlap
  * the arithmetic without them. */
 #define QK_PF 64     /* keys ahead in Q K^T: 4 blocks of 16, for a sparse mask's scattered blocks (16
-                      * was one block ahead, shorter than a DRAM miss; at 8K x 4, 2 threads, dense
-                      * 17.1 -> 15.3 ms a step, top-K masked 5.2 -> 4.9: scripts/attention_sparsity.py) */
+                      * was one block ahead, shorter than a DRAM miss; at 8K x 4, 2 threads, every
+                      * layer's K/V from memory: dense 19.8-23.0 -> 17.7 ms a step, top-K masked
+                      * 10.9-11.2 -> 9.5: scripts/attention_sparsity.py) */
 #define PV_TILE 32   /* keys per P @ V tile, which stays in L1 while the next one is prefetched */
 
 /* One (sequence, KV head), or one key range of it. qs [RG, D] (scaled), keys/values at kb/vb with
