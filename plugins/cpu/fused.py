@@ -4,6 +4,10 @@ layer, where the Python path makes ~200 kernel calls and ~3,000 torch ops.
     dec = FusedDecoder(dims, embed, layers, final_norm, cos, sin, pool_k, pool_v)   # once, at load
     hidden = dec.run(tokens, positions, slot_blocks, slot_offsets, run_starts, lens)  # per step
 
+Sparse mode binds its `BlockSelection` too (`selection=`): `run` then attends each row to the keys
+it selects (decode.c select_keys). A lookahead step keeps its own attention: `run_layers(tokens,
+positions, attend)` runs every layer's other stages in C, two calls a layer around `attend`.
+
 `FusedDecoder` collects, once, the pointers of every layer's weights (fp32 ones through the packed
 copies `ops.packed_weight` keeps for `plugins.cpu.linear`, int8 ones as stored), the pool's K/V of
 each layer and the RoPE tables, into C structs; a step then only passes its metadata. The tensors
