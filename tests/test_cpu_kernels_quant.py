@@ -53,12 +53,16 @@ def _no_torch_path(monkeypatch):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_linear_int8_kernel_matches_reference(rows, n_out, n_in, threads, monkeypatch):
     g = _gen(rows * 1000 + n_out + n_in)
-    x, q, scale, bias = _int8_inputs(g, rows, n_out, n_in)
+    _check_kernel_against_reference(*_int8_inputs(g, rows, n_out, n_in), threads, monkeypatch)
+
+
+def _check_kernel_against_reference(x, q, scale, bias, threads, monkeypatch):
+    """The C kernel (the torch path barred), with and without a bias, against linear_int8_ref."""
     torch.set_num_threads(threads)
     _no_torch_path(monkeypatch)
     for b in (None, bias):
         y = cpu.linear_int8(x, q, scale, b)
-        assert y.shape == (rows, n_out) and y.dtype == torch.float32
+        assert y.shape == (x.shape[0], q.shape[0]) and y.dtype == torch.float32
         torch.testing.assert_close(y, ref.linear_int8_ref(x, q, scale, b), **INT8_TOL)
 
 
@@ -131,13 +135,7 @@ def _grouped_inputs(g, M, N, K, G):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_linear_int8_grouped_kernel_matches_reference(rows, n_out, n_in, group, threads, monkeypatch):
     g = _gen(rows * 1000 + n_out + n_in + group)
-    x, q, scale, bias = _grouped_inputs(g, rows, n_out, n_in, group)
-    torch.set_num_threads(threads)
-    _no_torch_path(monkeypatch)
-    for b in (None, bias):
-        y = cpu.linear_int8(x, q, scale, b)
-        assert y.shape == (rows, n_out) and y.dtype == torch.float32
-        torch.testing.assert_close(y, ref.linear_int8_ref(x, q, scale, b), **INT8_TOL)
+    _check_kernel_against_reference(*_grouped_inputs(g, rows, n_out, n_in, group), threads, monkeypatch)
 
 
 def test_linear_int8_one_group_of_k_is_the_per_channel_kernel(monkeypatch):

@@ -62,10 +62,10 @@ def engine(d, monkeypatch, fused: bool, **kw) -> Engine:
     return eng
 
 
-def run(eng: Engine, prompts):
+def run(eng: Engine, prompts, params: SamplingParams = GREEDY):
     rec = eng.observe(Record())
     try:
-        out = eng.generate(prompts, GREEDY)
+        out = eng.generate(prompts, params)
     finally:
         eng.observers.remove(rec)
     return [c.token_ids for c in out], rec

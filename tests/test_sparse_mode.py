@@ -26,7 +26,7 @@ from runtime.ops import select_ops
 from runtime.sampling import SamplingParams
 from runtime.sparse import BlockSelection
 from test_fused_decode import fp32_and_int8_dirs
-from test_fused_lookahead import Record
+from test_fused_lookahead import run as run_recorded
 from tiny_engine import random_prompts
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no CPU kernels")
@@ -41,12 +41,9 @@ def dirs(tmp_path_factory):
 
 
 def run(eng: Engine, prompts):
-    rec = eng.observe(Record())
-    try:
-        out = eng.generate(prompts, GREEDY)
-    finally:
-        eng.observers.remove(rec)
-    return [c.token_ids for c in out], [step[s] for step in rec.logits for s in sorted(step)]
+    """(greedy tokens per prompt, every emitted logit row in step and sequence order)."""
+    tokens, rec = run_recorded(eng, prompts, GREEDY)
+    return tokens, [step[s] for step in rec.logits for s in sorted(step)]
 
 
 def engine(d, monkeypatch, fused: bool, **kw) -> Engine:
