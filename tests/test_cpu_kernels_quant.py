@@ -69,8 +69,11 @@ def _check_kernel_against_reference(x, q, scale, bias, threads, monkeypatch):
 def test_linear_int8_kernel_rows_do_not_depend_on_the_batch_or_threads(monkeypatch):
     # every output's sum runs in one order whatever M, the tile shape or the thread split
     # (linear_int8.c): a row alone gives the same bits as in any batch
-    g = _gen(7)
-    x, q, scale, bias = _int8_inputs(g, 16, 203, 200)
+    _check_rows_independent(*_int8_inputs(_gen(7), 16, 203, 200), monkeypatch)
+
+
+def _check_rows_independent(x, q, scale, bias, monkeypatch):
+    """Each of x's 16 rows alone gives the bits it gives in the first m rows, at 1-3 threads."""
     _no_torch_path(monkeypatch)
     torch.set_num_threads(1)
     alone = torch.cat([cpu.linear_int8(x[i:i + 1], q, scale, bias) for i in range(16)])
@@ -147,15 +150,7 @@ def test_linear_int8_one_group_of_k_is_the_per_channel_kernel(monkeypatch):
 
 
 def test_linear_int8_grouped_rows_do_not_depend_on_the_batch_or_threads(monkeypatch):
-    g = _gen(17)
-    x, q, scale, bias = _grouped_inputs(g, 16, 203, 256, 64)
-    _no_torch_path(monkeypatch)
-    torch.set_num_threads(1)
-    alone = torch.cat([cpu.linear_int8(x[i:i + 1], q, scale, bias) for i in range(16)])
-    for threads in (1, 2, 3):
-        torch.set_num_threads(threads)
-        for m in (2, 3, 4, 5, 9, 16):
-            assert torch.equal(cpu.linear_int8(x[:m], q, scale, bias), alone[:m]), (threads, m)
+    _check_rows_independent(*_grouped_inputs(_gen(17), 16, 203, 256, 64), monkeypatch)
 
 
 def test_linear_int8_grouped_large_output_index(monkeypatch):
