@@ -22,7 +22,8 @@ miss policy drop), sparse-ondemand (top-K sparse attention without look-ahead: t
 blocks fetched on demand into the device tier), sparse (the same selection attended where the cache
 lies, no device tier: mode sparse, runtime/sparse.py), or all (a mode the engine refuses is reported as 'not available').
 `<mode>+python` is the mode with its model layers on the Python path instead of the fused C step
-(plugins/cpu/fused.py), timed beside it: what the fused step saves, side by side.
+(plugins/cpu/fused.py) and, in lookahead mode, the backend's Python layer instead of its C one
+(runtime/lookahead/fused_layer.py), timed beside it: what the fused steps save, side by side.
 
 Columns beyond speed: stall ms/step (time our decode step waited for KV copies, transfer_wait_s /
 timed steps) and the memory-bandwidth floor: the bytes a step must read (bench_floor.step_read_bytes:
@@ -90,7 +91,7 @@ PEERS = ("llama.cpp",)
 # current chain in the same process
 CONTEXT_SEED = "+context-seed"
 # `<mode>+python`: the mode with its model layers run by the Python path (no fused C step:
-# runner.fused None, what LOOKAHEAD_FUSED_DECODE=0 gives), timed beside the fused one
+# runner.fused and attn.fused_layer None, what LOOKAHEAD_FUSED_DECODE=0 gives), timed beside the fused one
 PYTHON_LAYERS = "+python"
 
 
@@ -193,6 +194,8 @@ def load_engines(args: argparse.Namespace) -> dict[str, Engine | str]:
                 engines[mode].runner.chain.source = ContextSeedDraft()
             if mode.partition("@")[0].endswith(PYTHON_LAYERS):
                 engines[mode].runner.fused = None
+                if hasattr(engines[mode].runner, "attn"):       # the lookahead backend's own C layer
+                    engines[mode].runner.attn.fused_layer = None
         except Exception as e:  # noqa: BLE001 - any refusal means "not available" here
             engines[mode] = f"not available ({e.__class__.__name__}: {str(e).splitlines()[0][:80]})"
         else:

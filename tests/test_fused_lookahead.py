@@ -10,7 +10,9 @@ sequences, for every residency and miss policy and for sparse attention without 
   the summaries, and the look-ahead metrics equal the Python path's (LOOKAHEAD_FUSED_DECODE=0),
   bit for bit, where the fused SiLU is exact (`runner.fused.exact`);
 - the path ran: `runner.fused.steps` equals the decode-only steps, and prefill steps ran the
-  Python path;
+  Python path; for sparse-ondemand, every layer of every decode-only step was one C call
+  (plugins/cpu/ondemand.c: scoring, admission, copy and attention), and an observer of scores
+  or copies, or debug checks, keep the Python layer (with the same results);
 - the comparison can fail: a decoder whose attention output is perturbed gives other logits.
 """
 from __future__ import annotations
@@ -87,6 +89,16 @@ def check_equal(eng, ref_eng, got, ref, tokens, ref_tokens):
     assert tokens == ref_tokens
     assert eng.runner.fused.steps == got.decode_only > 0
     assert eng.runner.fused.binds == 1          # the pool's writes do not re-bind the weights
+    assert ref_eng.runner.attn.fused_layer is None
+    fl = eng.runner.attn.fused_layer
+    if eng.runner.attn.cfg.residency == "resident":     # its decode layers in one C call each
+        assert fl is not None, eng.runner.attn.fused_layer_reason
+        assert fl.layer.calls == fl.steps * len(eng.model.layers)
+        assert 0 < fl.steps <= got.decode_only
+        if eng.runner.attn.cfg.draft == "none":     # every decode-only step is packed
+            assert fl.steps == got.decode_only
+    else:
+        assert fl is None
     assert len(got.logits) == len(ref.logits)
     for a, b in zip(got.logits, ref.logits):
         assert a.keys() == b.keys()
@@ -131,6 +143,64 @@ def test_bit_equal_at_two_threads(dirs, monkeypatch, mode):
     eng = engine(dirs["int8"], monkeypatch, True, **kw)
     tokens, got = run(eng, prompts)
     check_equal(eng, ref_eng, got, ref, tokens, ref_tokens)
+
+
+class ScoreTap(Observer):
+    """Keeps the real rows' top-K of every decode layer (an observer of scores)."""
+
+    def __init__(self):
+        self.idx = []
+
+    def on_scores(self, layer, rows, lanes, idx, scores):
+        if rows == ("real",):
+            self.idx.append(idx.clone())
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_ondemand_layer_yields_to_observers_and_debug_checks(dirs, monkeypatch, kv_dtype):
+    """An observer of scores, or debug checks, keep sparse-ondemand's Python layer: the tokens
+    and the state are those of the C layer, which did not run (its observers saw every layer)."""
+    torch.set_num_threads(1)
+    prompts = random_prompts(90, 37, seed=5)
+    kw = dict(SMALL_LOOKAHEAD, top_k=4, kv_dtype=kv_dtype, max_batch_size=2, **MODES["sparse-ondemand"])
+    kw.pop("mode")
+    eng = engine(dirs["int8"], monkeypatch, True, **kw)
+    tokens, _ = run(eng, prompts)
+    assert eng.runner.attn.fused_layer.layer.calls > 0
+    tapped = engine(dirs["int8"], monkeypatch, True, **kw)
+    tap = tapped.observe(ScoreTap())
+    tapped_tokens, _ = run(tapped, prompts)
+    assert tapped_tokens == tokens and tap.idx
+    assert tapped.runner.attn.fused_layer.layer.calls == 0
+    for name, t in state(tapped).items():
+        assert torch.equal(t, state(eng)[name]), name
+    checked = Engine.from_dir(dirs["int8"], mode="lookahead", debug_checks=True, **kw)   # checked ops: no fused layers
+    assert run(checked, prompts)[0] == tokens
+    assert checked.runner.attn.fused_layer.layer.calls == 0
+
+
+def test_a_perturbed_ondemand_layer_is_caught(dirs, monkeypatch):
+    """The on-demand comparison can fail: one layer's C attention output nudged by 2^-20 gives
+    other logits than the Python layer."""
+    torch.set_num_threads(1)
+    prompts = random_prompts(120, seed=9)
+    kw = dict(SMALL_LOOKAHEAD, top_k=4, max_batch_size=1, **MODES["sparse-ondemand"])
+    kw.pop("mode")
+    ref_eng = engine(dirs["fp32"], monkeypatch, False, **kw)
+    _, ref = run(ref_eng, prompts)
+    eng = engine(dirs["fp32"], monkeypatch, True, **kw)
+    od = eng.runner.attn.fused_layer
+    real = od.layer.run
+
+    def nudged(layer, buf, q, k, v, out, *rest):
+        r = real(layer, buf, q, k, v, out, *rest)
+        if layer == 1:
+            out.mul_(1 + 2 ** -20)
+        return r
+    monkeypatch.setattr(od.layer, "run", nudged)
+    _, got = run(eng, prompts)
+    assert od.layer.calls > 0
+    assert any(not torch.equal(a[s], b[s]) for a, b in zip(got.logits, ref.logits) for s in a)
 
 
 def test_a_perturbed_attention_is_caught(dirs, monkeypatch):

@@ -34,7 +34,7 @@ static inline __m256 exp_neg(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-/* The kernels that plugins/cpu/decode.c (the fused decode step) calls across files; declared here
+/* The kernels that plugins/cpu/decode.c (the fused decode step) and ondemand.c call across files; declared here
  * so that each definition is checked against the one signature. */
 void lkv_rmsnorm(const float *x, int64_t xs, const float *w, float eps, float *y, int64_t ys, int64_t M, int64_t N);
 void lkv_linear_packed(const float *x, int64_t M, int64_t K, const float *Wp, int64_t N, const float *bias,
@@ -47,5 +47,18 @@ int lkv_attention_paged(const float *q, const void *k, const void *v, const int6
 int lkv_block_topk(const float *q, const float *kmin, const float *kmax, int64_t ksb, const uint8_t *valid,
                    int64_t vsb, int64_t vsr, int64_t B, int64_t R, int64_t H, int64_t KVH, int64_t NB,
                    int64_t D, int64_t k, int group_max, float *scores, int64_t *idx, int nthreads);
+int lkv_attention(const float *q, const void *k, const void *v, int64_t ksb, int64_t ksh,
+                  const uint8_t *kv_mask, const float *kx, int64_t xksb, int64_t xksh, int64_t xkse,
+                  const float *vx, int64_t xvsb, int64_t xvsh, int64_t xvse, const uint8_t *extra_mask, float *out,
+                  int64_t B, int64_t R, int64_t H, int64_t KVH, int64_t N, int64_t E, int64_t D, float scale,
+                  int nthreads, int kv_dtype);
+int64_t lkv_plan(int64_t *held_t, int64_t *last_t, int64_t *inv_t, const int64_t *lanes, int64_t L, int64_t B,
+                 int64_t KVH, int64_t K, int64_t MB, const int64_t *want, const float *prio, int64_t KW,
+                 int64_t cap, int64_t step, int64_t *out_lane, int64_t *out_head, int64_t *out_slot,
+                 int64_t *out_block);
+int lkv_copy_blocks(const float *src_k, const float *src_v, int64_t s_blk, int64_t s_head, float *dst_k,
+                    float *dst_v, int64_t d_lane, int64_t d_head, int64_t d_slot, const int64_t *sb,
+                    const int64_t *sh, const int64_t *dl, const int64_t *dh, const int64_t *ds, int64_t n,
+                    int64_t unit, int64_t NB, int64_t KVH, int64_t NL, int64_t NS);
 
 #endif

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("linear.c", "linear_int8.c", "attention.c", "topk.c", "residency.c", "elementwise.c",
-                        "decode.c")]
+                        "decode.c", "lookahead_layer.c")]
 HEADERS = [Path(__file__).with_name("common.h")]
 BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cpu"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
@@ -48,6 +48,7 @@ SIGNATURES = {       # (restype, argtypes) of each kernel; see the C sources for
     "lkv_ext_qkv": (None, [_p, _p, _p, _i64, _p, _p, _p, _int]),
     "lkv_ext_rest": (None, [_p, _p, _p, _i64, _p, _int]),
     "lkv_ext_end": (None, [_p, _p, _p]),
+    "lkv_lookahead_layer": (_int, [_p, _p]),                   # a lookahead decode layer (lookahead_layer.py)
 }
 
 

@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"     /* the declarations ondemand.c calls these by */
+
 typedef struct { int64_t key; int64_t idx; } keyed_t;
 typedef struct { float key; int64_t idx; } fkeyed_t;
 

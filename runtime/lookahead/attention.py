@@ -33,6 +33,7 @@ from ..observe import Observers
 from ..ops import Ops
 from ..transfer import TransferEngine
 from .device_tier import DeviceTier
+from .fused_layer import FusedLayer
 from .integrity import check_integrity
 from .layout import SlotLayout
 from .metrics import LookaheadMetrics
@@ -56,6 +57,7 @@ class LookaheadAttention:
         self.observers = observers if observers is not None else Observers()
         self.layout = SlotLayout.from_config(cfg)
         self.num_layers, self.kvh, self.hd = mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim
+        self.num_heads = mcfg.num_heads
         self.scale = mcfg.head_dim ** -0.5
         self.max_blocks, self.debug_checks = max_blocks, debug_checks
         policy = make_policy(cfg, mcfg.num_layers)
@@ -68,6 +70,9 @@ class LookaheadAttention:
         self.step_idx = 0
         self.plan: StepPlan | None = None       # the current step's (read only)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # decode rows, stored at end_step
+        # a decode layer in one C call where it applies (fused_layer.py), decided per step
+        self.fused_layer, self.fused_layer_reason = FusedLayer.make(self)
+        self._fused: FusedLayer | None = None
 
     # ---- the parts' tensors and sizes (tests, the memory plan, the bench) ------------------------
     dev_k = property(lambda self: self.tier.k)
@@ -106,6 +111,10 @@ class LookaheadAttention:
         if plan.decode is not None:
             self.tier.set_window_mask(plan.decode)
         self.residency.begin_step(self.step_idx, plan.decode)     # pingpong: the first refills
+        fl = self.fused_layer
+        self._fused = fl if fl is not None and plan.decode is not None and fl.takes(plan.decode) else None
+        if self._fused is not None:
+            self._fused.begin_step(plan.decode)
 
     def end_step(self) -> None:
         """After the last layer: store a decode step's K/V and tally its metrics, all layers at once."""
@@ -115,6 +124,8 @@ class LookaheadAttention:
             # no host sync: the host pool gets the rows asynchronously (KVPool.settle, next step)
             self._store(slice(0, len(pending)), torch.stack(ks), torch.stack(vs), blocking=False)
         d = self.plan.decode
+        if self._fused is not None:
+            self._fused.end_step()
         self.metrics.end_step(d.lane_ix if d is not None else None)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -171,6 +182,10 @@ class LookaheadAttention:
         buf = res.buffer_of(layer)
         for ticket in res.take_tickets(layer):
             self.transfer.wait(ticket)
+        if self._fused is not None:                 # the steps below in one C call (fused_layer.py)
+            self._fused.decode(layer, buf, q, k, v, out, d)
+            res.after_layer(layer, d)
+            return
         qd = lane_rows(q, d)                                                  # [n, R, H, D]
         # One read of the summaries scores both rows: the real query's true top-K (for `urgent`,
         # and for the agreement metric) and the draft's prediction for the next step (used below).

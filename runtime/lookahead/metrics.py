@@ -84,6 +84,13 @@ class LookaheadMetrics:
             self._blocks_dev = counted if self._blocks_dev is None else self._blocks_dev + counted
         self.count_blocks(4 if urgent else 5, lanes, valid)
 
+    def add_urgent(self, per_lane: torch.Tensor, total: int) -> None:
+        """A step's urgent blocks counted by the fused layer (runtime/lookahead/fused_layer.py):
+        per_lane [n] for lanes 0..n-1, `total` their sum (what `add_blocks` gives its copies)."""
+        self._blocks_host[0] += total
+        if total:
+            self.lane[: per_lane.shape[0], 4] += per_lane.to(self.lane.dtype)
+
     def count_blocks(self, column: int, lanes: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Add one per entry of `lanes` (where `valid`) to a per-lane column (4: urgent, 5:
         prefetched). Added at `flush` (the end of a step, or before a lane is read): one

@@ -120,6 +120,15 @@ class TransferEngine(abc.ABC):
         if ticket.error:
             raise ticket.error
 
+    def account_inline(self, units: int, urgent: bool, seconds: float, unit_bytes: int) -> None:
+        """A copy the caller made itself, inline (a fused CPU kernel: runtime/lookahead/fused_layer.py):
+        counted as one submitted job of `units` units, and, when urgent, its `seconds` as stall."""
+        self._h2d_host += units * unit_bytes
+        self.jobs += 1
+        self.urgent_jobs += urgent
+        if urgent:
+            self.wait_s += seconds
+
     def _account(self, job: CopyJob, urgent: bool) -> Ticket:
         """Count a submitted job; its ticket's `job_bytes` are the bytes it lists (an upper bound
         of those moved for a fixed-capacity list)."""

@@ -1,0 +1,170 @@
+/* One decode layer of the lookahead backend in one call (plugins/cpu/lookahead_layer.py, issue 18).
+ *
+ * What runtime/lookahead/attention.py `_decode` runs under the resident policy, on a packed step
+ * (lanes 0..n-1; R rows each: the real row, and with look-ahead the draft row), where the Python
+ * path makes ~40-60 torch ops around five to seven kernel calls:
+ *   1. score every row against layer l's block summaries, top-K (lkv_block_topk, one read);
+ *   2. the real row's true set and which of it is held (the metrics' inputs);
+ *   3. admit the misses of the lanes the miss policy fetches into the layer's selected slots
+ *      (lkv_plan: capped eviction, cap K) and copy them host pool -> device tier
+ *      (lkv_copy_blocks), timed (the step's stall);
+ *   4. the key mask (the tier's sink/window rows, each occupied selected slot whole) and the
+ *      attention of every row over the buffer plus the step's own rows (lkv_attention);
+ *   5. R = 2: the draft row's top-K is the layer's prediction for the next step: recorded, and
+ *      admitted (lkv_plan, cap `predict_cap`); the caller queues its copies in the background.
+ * The same kernels in the same order, with the same arguments: the Python path's bytes, bit for
+ * bit (tests/test_fused_lookahead.py). */
+#include <time.h>
+
+#include "common.h"
+
+typedef struct {
+    const float *kmin, *kmax;          /* summaries [L, lanes * MB, KVH, D] fp32 */
+    const void *pool_k, *pool_v;       /* host pool [L, KVH, NB, bs, D] */
+    void *tier_k, *tier_v;             /* device tier [buffers, lanes, KVH, slots, bs, D] */
+    uint8_t *tier_mask;                /* [lanes, KVH, slots, bs] */
+    int64_t *block, *last_used;        /* slot tables [buffers, lanes, KVH, K] */
+    int64_t *slot_of;                  /* [buffers, lanes, KVH, MB + 1] */
+    const int64_t *lane_blocks;        /* [lanes, MB]: logical -> host block */
+    int64_t *pred;                     /* predictions [L, lanes, KVH, K] */
+    uint8_t *has_pred;                 /* [L, lanes] */
+    int64_t layers, lanes, kv_heads, heads, head_dim, block_size, max_blocks, top_k, sel_start, slots,
+        pool_blocks, elem_bytes, kv_dtype, group_max;
+    /* scratch, sized for every lane and two rows: scores [lanes, 2, KVH, MB], idx [lanes, 2, KVH,
+     * K], want/prio [lanes, KVH, K], adm [4, lanes * KVH * K], copy lists [2, lanes * KVH * K],
+     * mask [lanes, KVH, slots * bs], lane ids 0..lanes-1 */
+    float *scores, *prio;
+    int64_t *idx, *want, *adm, *lists, *lane_ids;
+    uint8_t *mask;
+} LkvLayerTensors;
+
+typedef struct {
+    int64_t layer, buf, n, rows, nb, k_sel, step, used_none, used_adm, nthreads;
+    const float *q;                    /* [n, R, H, D] contiguous (R = rows: real, draft) */
+    const float *kx, *vx;              /* the step's own rows (fp32) as extra keys, strides below */
+    int64_t xksb, xksh, xkse, xvsb, xvsh, xvse;
+    const uint8_t *cand;               /* candidates [n, R, MB] at cand + b*cand_sb + r*cand_sr */
+    int64_t cand_sb, cand_sr;
+    const uint8_t *extra_mask;         /* [n, R, R] */
+    const uint8_t *fetch;              /* [n]: lanes whose real-row misses are fetched (urgent) */
+    float scale;
+    float *out;                        /* [n, R, H, D] */
+    int64_t *true_idx;                 /* out [n, KVH, K]: the real row's top-K (-1 padded) */
+    uint8_t *resident;                 /* out [n, KVH, K]: of those, held before any fetch */
+    int64_t *urgent;                   /* [n], added to: blocks fetched per lane */
+    int64_t predict_cap;               /* R = 2: admit at most this many predicted blocks per head */
+    int64_t *pred_adm;                 /* out [4, n * KVH * K]: the prediction's admissions */
+    double copy_s;                     /* out: seconds in the urgent copy */
+    int64_t admitted, used, predicted; /* out: urgent blocks copied, selected slots read, admissions */
+} LkvLayerCall;
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+/* Returns 0; -1 scratch memory ran out (in a kernel); -2 a kernel refused its arguments; -3 a
+ * copy index was out of range (nothing copied); -4 the call's sizes are outside the bound ones. */
+int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
+    const int64_t n = c->n, R = c->rows, KVH = m->kv_heads, H = m->heads, D = m->head_dim, K = m->top_k,
+                  MB = m->max_blocks, bs = m->block_size, S = m->sel_start, NS = m->slots, nb = c->nb, ks = c->k_sel;
+    if (n < 1 || n > m->lanes || R < 1 || R > 2 || c->layer < 0 || c->layer >= m->layers || c->buf < 0
+        || c->buf >= m->layers || nb < 1 || nb > MB || ks < 1 || ks > nb || ks > K || c->used_none < 0
+        || c->used_adm > K || c->used_none > c->used_adm || (R == 2 && (c->predict_cap < 0 || c->predict_cap > K)))
+        return -4;
+    const int64_t rows = n * KVH;
+    /* 1. top-K of every row, in one read of the summaries (BlockSummaries.score) */
+    const int64_t sum_at = c->layer * m->lanes * MB * KVH * D;
+    int rc = lkv_block_topk(c->q, m->kmin + sum_at, m->kmax + sum_at, MB * KVH * D, c->cand, c->cand_sb, c->cand_sr,
+                            n, R, H, KVH, nb, D, ks, (int)m->group_max, m->scores, m->idx, (int)c->nthreads);
+    if (rc != 0) return rc == -1 ? -1 : -2;
+    /* 2. the real row's top-K padded to K with -1 (the metrics' true set), which of it is held,
+     * and what the miss policy fetches (its lanes' true set), with its priorities */
+    const int64_t tab = c->buf * m->lanes * KVH;         /* this buffer's first (lane, head) row */
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t b = r / KVH, h = r % KVH, sel = (b * R * KVH + h);    /* [b, 0, h] */
+        const int64_t *inv = m->slot_of + (tab + r) * (MB + 1);
+        int64_t *t = c->true_idx + r * K, *w = m->want + r * K;
+        uint8_t *held = c->resident + r * K;
+        float *p = m->prio + r * K;
+        const float *sc = m->scores + sel * nb;
+        const int fetch = c->fetch[b] != 0;
+        for (int64_t j = 0; j < K; j++) {
+            const int64_t id = j < ks ? m->idx[sel * ks + j] : -1;
+            t[j] = id;
+            held[j] = id >= 0 && inv[id] >= 0;
+            w[j] = fetch ? id : -1;
+            p[j] = sc[id >= 0 && fetch ? id : 0];
+        }
+    }
+    int64_t *out_lane = m->adm, *out_head = m->adm + rows * K, *out_slot = m->adm + 2 * rows * K,
+            *out_block = m->adm + 3 * rows * K;
+    const int64_t words = 4 / m->elem_bytes, unit = bs * D / words;  /* residency.c copies 4-byte words */
+    const int64_t layer_at = c->layer * KVH * m->pool_blocks * bs * D * m->elem_bytes;
+    const int64_t buf_at = c->buf * m->lanes * KVH * NS * bs * D * m->elem_bytes;
+    /* 3. admit the fetched misses (cap K), then copy them */
+    const int64_t na = lkv_plan(m->block + tab * K, m->last_used + tab * K, m->slot_of + tab * (MB + 1), m->lane_ids,
+                                m->lanes, n, KVH, K, MB, m->want, m->prio, K, K, c->step, out_lane, out_head,
+                                out_slot, out_block);
+    if (na == -2) return -2;
+    if (na < 0) return -1;
+    c->admitted = na;
+    c->copy_s = 0.0;
+    if (na > 0) {
+        int64_t *sb = m->lists, *ds = m->lists + rows * K;
+        for (int64_t i = 0; i < na; i++) {
+            sb[i] = m->lane_blocks[out_lane[i] * MB + out_block[i]];
+            ds[i] = out_slot[i] + S;
+            c->urgent[out_lane[i]]++;
+        }
+        const double t0 = now_s();
+        rc = lkv_copy_blocks((const float *)((const char *)m->pool_k + layer_at),
+                             (const float *)((const char *)m->pool_v + layer_at), bs * D / words,
+                             m->pool_blocks * bs * D / words, (float *)((char *)m->tier_k + buf_at),
+                             (float *)((char *)m->tier_v + buf_at), KVH * NS * bs * D / words, NS * bs * D / words,
+                             bs * D / words, sb, out_head, out_lane, out_head, ds, na, unit, m->pool_blocks, KVH,
+                             m->lanes, NS);
+        c->copy_s = now_s() - t0;
+        if (rc != 0) return -3;
+    }
+    /* 4. mask and attention of every row over sink + window + the first `used` selected slots */
+    const int64_t used = na > 0 ? c->used_adm : c->used_none, nkeys = (S + used) * bs;
+    c->used = used;
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *tm = m->tier_mask + r * NS * bs, *mk = m->mask + r * nkeys;
+        const int64_t *held = m->block + (tab + r) * K;
+        for (int64_t s = 0; s < used; s++) memset(tm + (S + s) * bs, held[s] >= 0, bs);
+        memcpy(mk, tm, nkeys);
+    }
+    rc = lkv_attention(c->q, (const char *)m->tier_k + buf_at, (const char *)m->tier_v + buf_at, KVH * NS * bs * D,
+                       NS * bs * D, m->mask, c->kx, c->xksb, c->xksh, c->xkse, c->vx, c->xvsb, c->xvsh, c->xvse,
+                       c->extra_mask, c->out, n, R, H, KVH, nkeys, R, D, c->scale, (int)c->nthreads, (int)m->kv_dtype);
+    if (rc != 0) return rc == -1 ? -1 : -2;
+    c->predicted = 0;
+    if (R == 1) return 0;
+    /* 5. the draft row's top-K is layer l's prediction for the next step (ResidencyManager.predict):
+     * recorded, and admitted (cap predict_cap) by the resident policy; the copies are the
+     * caller's to queue (a background transfer) */
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t b = r / KVH, h = r % KVH, sel = (b * R * KVH + KVH + h);    /* [b, 1, h] */
+        int64_t *pr = m->pred + ((c->layer * m->lanes + b) * KVH + h) * K, *w = m->want + r * K;
+        float *p = m->prio + r * K;
+        const float *sc = m->scores + sel * nb;
+        for (int64_t j = 0; j < K; j++) {
+            const int64_t id = j < ks ? m->idx[sel * ks + j] : -1;
+            pr[j] = w[j] = id;
+            p[j] = sc[id >= 0 ? id : 0];
+        }
+        m->has_pred[c->layer * m->lanes + b] = 1;
+    }
+    const int64_t cap = c->predict_cap;
+    int64_t *pa = c->pred_adm;
+    const int64_t np = lkv_plan(m->block + tab * K, m->last_used + tab * K, m->slot_of + tab * (MB + 1), m->lane_ids,
+                                m->lanes, n, KVH, K, MB, m->want, m->prio, K, cap, c->step, pa, pa + rows * K,
+                                pa + 2 * rows * K, pa + 3 * rows * K);
+    if (np == -2) return -2;
+    if (np < 0) return -1;
+    c->predicted = np;
+    return 0;
+}

@@ -1,0 +1,155 @@
+"""One decode layer of the lookahead backend per C call (plugins/cpu/lookahead_layer.c).
+
+    layer = LookaheadLayer.bind(kmin, kmax, pool_k, pool_v, tier_k, tier_v, tier_mask, block, last_used,
+                                slot_of, lane_blocks, pred, has_pred, heads=H, sel_start=S, group_max=True)
+    res = layer.run(l, buf, q, k, v, out, cand, extra_mask, fetch, nb, k_sel, step, used_none,
+                    used_adm, scale, true_idx, resident, urgent, predict_cap, pred_adm)
+
+`run` scores, admits, copies and attends one layer of a packed step (lanes 0..n-1, R = 1 row
+each without look-ahead, 2 with the draft row), and with R = 2 records and admits the draft's
+prediction: the kernels the backend's Python path calls for it, in its order
+(runtime/lookahead/attention.py `_decode`), so the result is that path's bit for bit. The
+caller keeps the accounting and queues the prediction's copies; `res` says how many blocks were
+copied urgently and in how many seconds, how many selected slots attention read, and how many
+predicted blocks were admitted (listed in `pred_adm`).
+
+The bound tensors are the backend's own, written in place by the call; `bind` checks their
+layouts once (None where the C library or a layout does not apply: the caller keeps its path),
+and `run` checks the call's tensors against them.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from .loader import library
+from .ops import KV_DTYPES, MAX_EXTRA_KEYS, MAX_GROUP_ROWS, traced
+
+_i64, _p, _f, _d = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
+BOUND = ("kmin", "kmax", "pool_k", "pool_v", "tier_k", "tier_v", "tier_mask", "block", "last_used", "slot_of",
+         "lane_blocks", "pred", "has_pred")
+
+
+class _Tensors(ctypes.Structure):
+    _fields_ = [(n, _p) for n in BOUND] + \
+               [(n, _i64) for n in ("layers", "lanes", "kv_heads", "heads", "head_dim", "block_size", "max_blocks",
+                                    "top_k", "sel_start", "slots", "pool_blocks", "elem_bytes", "kv_dtype",
+                                    "group_max")] + \
+               [(n, _p) for n in ("scores", "prio", "idx", "want", "adm", "lists", "lane_ids", "mask")]
+
+
+class _Call(ctypes.Structure):
+    _fields_ = [(n, _i64) for n in ("layer", "buf", "n", "rows", "nb", "k_sel", "step", "used_none", "used_adm",
+                                    "nthreads")] + \
+               [("q", _p), ("kx", _p), ("vx", _p)] + [(n, _i64) for n in ("xksb", "xksh", "xkse", "xvsb", "xvsh",
+                                                                           "xvse")] + \
+               [("cand", _p), ("cand_sb", _i64), ("cand_sr", _i64), ("extra_mask", _p), ("fetch", _p),
+                ("scale", _f), ("out", _p), ("true_idx", _p), ("resident", _p), ("urgent", _p),
+                ("predict_cap", _i64), ("pred_adm", _p), ("copy_s", _d), ("admitted", _i64), ("used", _i64),
+                ("predicted", _i64)]
+
+
+@dataclass
+class LayerResult:
+    admitted: int              # blocks copied urgently host -> device tier (before attention)
+    copy_s: float              # seconds that copy took (the step waited for it)
+    used: int                  # selected slots attention read (SlotTable.high of the buffer then)
+    predicted: int             # the prediction's admissions (R = 2), in pred_adm[:, :predicted]
+
+
+class LookaheadLayer:
+    def __init__(self, tensors: tuple[torch.Tensor, ...], dims: _Tensors, scratch: list[torch.Tensor]):
+        self._tensors, self._dims, self._scratch = tensors, dims, scratch
+        self._call = _Call()
+        self.calls = 0
+
+    @classmethod
+    def bind(cls, kmin: torch.Tensor, kmax: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+             tier_k: torch.Tensor, tier_v: torch.Tensor, tier_mask: torch.Tensor, block: torch.Tensor,
+             last_used: torch.Tensor, slot_of: torch.Tensor, lane_blocks: torch.Tensor, pred: torch.Tensor,
+             has_pred: torch.Tensor, *, heads: int, sel_start: int, group_max: bool) -> "LookaheadLayer | None":
+        """The backend's tensors (shapes in lookahead_layer.c's LkvLayerTensors) -> a bound layer,
+        or None where the C path does not take them (no library, another device, dtype or layout)."""
+        ts = (kmin, kmax, pool_k, pool_v, tier_k, tier_v, tier_mask, block, last_used, slot_of, lane_blocks, pred,
+              has_pred)
+        if library() is None or any(t.device.type != "cpu" or not t.is_contiguous() for t in ts):
+            return None
+        if pool_k.dim() != 5 or tier_k.dim() != 6 or kmin.dim() != 4 or block.dim() != 4:
+            return None
+        L, kvh, nblocks, bs, D = pool_k.shape
+        bufs, lanes, _, slots, _, _ = tier_k.shape
+        K, mb = block.shape[-1], lane_blocks.shape[-1]
+        ok = (pool_k.dtype in KV_DTYPES and all(t.dtype == pool_k.dtype for t in (pool_v, tier_k, tier_v))
+              and pool_v.shape == pool_k.shape and tier_v.shape == tier_k.shape
+              and tier_k.shape[2:] == (kvh, slots, bs, D) and bufs == L
+              and kmin.dtype == kmax.dtype == torch.float32 and kmin.shape == kmax.shape == (L, lanes * mb, kvh, D)
+              and tier_mask.dtype == torch.bool and tier_mask.shape == (lanes, kvh, slots, bs)
+              and all(t.dtype == torch.int64 for t in (block, last_used, slot_of, lane_blocks, pred))
+              and block.shape == last_used.shape == (bufs, lanes, kvh, K) and slot_of.shape == (bufs, lanes, kvh, mb + 1)
+              and lane_blocks.shape == (lanes, mb) and pred.shape == (L, lanes, kvh, K)
+              and has_pred.dtype == torch.bool and has_pred.shape == (L, lanes)
+              and 0 <= sel_start and sel_start + K <= slots and heads % kvh == 0
+              and 2 * (heads // kvh) <= MAX_GROUP_ROWS and D % 32 == 0 and (bs * D) % 2 == 0)
+        if not ok:
+            return None
+        f32, i64 = dict(dtype=torch.float32), dict(dtype=torch.int64)
+        rows = lanes * kvh
+        scratch = [torch.empty(2 * rows * mb, **f32), torch.empty(rows * K, **f32), torch.empty(2 * rows * K, **i64),
+                   torch.empty(rows * K, **i64), torch.empty(4 * rows * K, **i64), torch.empty(2 * rows * K, **i64),
+                   torch.arange(lanes, **i64), torch.empty(rows * slots * bs, dtype=torch.uint8)]
+        dims = _Tensors(*(t.data_ptr() for t in ts), L, lanes, kvh, heads, D, bs, mb, K, sel_start, slots, nblocks,
+                        pool_k.element_size(), KV_DTYPES[pool_k.dtype], int(group_max),
+                        *(t.data_ptr() for t in scratch))
+        return cls(ts, dims, scratch)
+
+    def bound_to(self, *tensors: torch.Tensor) -> bool:
+        """Whether these are (still) the tensors bound, in bind's order."""
+        return len(tensors) == len(self._tensors) and all(a is b for a, b in zip(tensors, self._tensors))
+
+    def run(self, layer: int, buf: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            cand: torch.Tensor, extra_mask: torch.Tensor, fetch: torch.Tensor, nb: int, k_sel: int, step: int,
+            used_none: int, used_adm: int, scale: float, true_idx: torch.Tensor, resident: torch.Tensor,
+            urgent: torch.Tensor, predict_cap: int, pred_adm: torch.Tensor) -> LayerResult:
+        """One layer of n lanes, R rows each: q [n*R, H, D], k, v [n*R, KVH, D] (fp32, this step's
+        rows, lane-major), out like q (written); cand [n, R, MB] bool, extra_mask [n, R, R] bool,
+        fetch [n] bool (lanes whose real-row misses are copied now); written: true_idx [n, KVH,
+        K] int64, resident [n, KVH, K] bool, pred_adm [4, n*KVH*K] int64 (R = 2); added to:
+        urgent [n] int64."""
+        d = self._dims
+        R = extra_mask.shape[1] if extra_mask.dim() == 3 else 0
+        n = q.shape[0] // max(R, 1)
+        K = d.top_k
+        if not (R in (1, 2) and 0 < n <= d.lanes and q.shape == (n * R, d.heads, d.head_dim)
+                and k.shape == v.shape == (n * R, d.kv_heads, d.head_dim) and out.shape == q.shape
+                and all(t.dtype == torch.float32 and t.is_contiguous() for t in (q, k, v, out))
+                and cand.dtype == extra_mask.dtype == fetch.dtype == resident.dtype == torch.bool
+                and cand.shape[0] >= n and cand.shape[1] == R and cand.shape[2] == d.max_blocks and cand.stride(2) == 1
+                and extra_mask.shape == (n, R, R) and extra_mask.is_contiguous() and R <= MAX_EXTRA_KEYS
+                and fetch.shape == (n,) and fetch.is_contiguous()
+                and true_idx.dtype == urgent.dtype == pred_adm.dtype == torch.int64
+                and true_idx.shape == resident.shape == (n, d.kv_heads, K)
+                and all(t.is_contiguous() for t in (true_idx, resident, urgent, pred_adm))
+                and urgent.shape == (n,) and pred_adm.numel() >= 4 * n * d.kv_heads * K
+                and 1 <= k_sel <= nb <= d.max_blocks):
+            raise ValueError("LookaheadLayer.run: arguments outside the bound layout (see its docstring)")
+        c = self._call
+        c.layer, c.buf, c.n, c.rows, c.nb, c.k_sel, c.step = layer, buf, n, R, nb, k_sel, step
+        c.used_none, c.used_adm, c.nthreads = used_none, used_adm, torch.get_num_threads()
+        c.q, c.kx, c.vx = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        # the extra keys as the Python path hands them: [n, KVH, R, D] views of the rows
+        c.xksb, c.xksh, c.xkse = R * k.stride(0), k.stride(1), k.stride(0)
+        c.xvsb, c.xvsh, c.xvse = R * v.stride(0), v.stride(1), v.stride(0)
+        c.cand, c.cand_sb, c.cand_sr = cand.data_ptr(), cand.stride(0), cand.stride(1)
+        c.extra_mask, c.fetch, c.scale, c.out = extra_mask.data_ptr(), fetch.data_ptr(), scale, out.data_ptr()
+        c.true_idx, c.resident, c.urgent = true_idx.data_ptr(), resident.data_ptr(), urgent.data_ptr()
+        c.predict_cap, c.pred_adm = predict_cap, pred_adm.data_ptr()
+        with traced("lookahead_layer"):
+            rc = library().lkv_lookahead_layer(ctypes.byref(self._dims), ctypes.byref(c))
+        if rc == -1:
+            raise MemoryError("the lookahead layer (CPU kernel): scratch allocation failed")
+        if rc != 0:
+            raise RuntimeError(f"the lookahead layer (CPU kernel) refused its arguments: {rc}")
+        self.calls += 1
+        return LayerResult(c.admitted, c.copy_s, c.used, c.predicted)
