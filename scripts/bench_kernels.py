@@ -18,9 +18,10 @@ The reference is `sum()` over the same tensors. Best of 3 after a warm-up; print
 
 3. (--int8) Weight-only int8 (what an int8 engine multiplies) at the SmolLM2 shapes, M rows:
    fp32 `F.linear` and `plugins.cpu.linear` on fp32 weights against `plugins.cpu.linear_int8`
-   on int8 [N, K] + fp32 scales, over enough distinct weights of each shape (>= INT8_SET_BYTES of
+   on int8 [N, K] + fp32 scales (per output channel, and per group of 64 inputs as the builder
+   writes by default), over enough distinct weights of each shape (>= INT8_SET_BYTES of
    int8) that they come from memory, not the L3. Reported as ms per weight and the GB/s of the
-   bytes each reads (fp32: 4 N K; int8: N K + 4 N).
+   bytes each reads (fp32: 4 N K; int8: N K + 4 N, grouped N K + 4 N K / 64).
 4. (--kv16) `plugins.cpu.attention` (2.'s working sets) and `plugins.cpu.attention_paged` (dense
    decode at batch 1, 2K and 8K tokens, 30 layers) over K/V stored as fp32, fp16 and bf16.
    Reported as ms and the GB/s of the K/V bytes as stored.
@@ -67,6 +68,7 @@ def weights_rows(rows: list[int]) -> list[dict]:
 
 INT8_SHAPES = [(HIDDEN, 1728), (HIDDEN, 2 * INTER), (INTER, HIDDEN), (HIDDEN, 49152)]   # (K, N); 49152: LM head
 INT8_SET_BYTES = 64 << 20
+INT8_GROUP = 64     # build_engine.py --group-size's default: an fp32 scale per 64 inputs
 
 
 def int8_rows(rows: list[int]) -> list[dict]:
@@ -76,16 +78,19 @@ def int8_rows(rows: list[int]) -> list[dict]:
         ws = [torch.randn(N, K) for _ in range(copies)]
         qs = [torch.randint(-127, 128, (N, K), dtype=torch.int8) for _ in range(copies)]
         scales = [torch.rand(N) / 127 for _ in range(copies)]
+        groups = [torch.rand(N, K // INT8_GROUP) / 127 for _ in range(copies)]     # what the builder writes
         for m in rows:
             x = torch.randn(m, K)
             cases = {"F.linear fp32": (lambda: [F.linear(x, w) for w in ws], 4 * N * K)}
             if cpu.available():
                 cases["cpu.linear fp32"] = (lambda: [cpu.linear(x, w) for w in ws], 4 * N * K)
             cases["cpu.linear_int8"] = (lambda: [cpu.linear_int8(x, q, s) for q, s in zip(qs, scales)], N * K + 4 * N)
+            cases[f"cpu.linear_int8 G={INT8_GROUP}"] = (lambda: [cpu.linear_int8(x, q, g) for q, g in zip(qs, groups)],
+                                                     N * K + 4 * N * (K // INT8_GROUP))
             for name, (fn, nbytes) in cases.items():
                 s = best_of(fn) / copies
                 out.append({"what": f"K={K} N={N} M={m} {name}", "ms": 1e3 * s, "gbps": nbytes / s / 1e9})
-        ws = qs = scales = None         # free before the next shape's
+        ws = qs = scales = groups = None         # free before the next shape's
     return out
 
 
