@@ -71,6 +71,12 @@ class Observers:
     def __bool__(self) -> bool:
         return bool(self._all)
 
+    def wants(self, hook: str) -> bool:
+        """Whether a registered observer overrides `hook` (e.g. "on_scores"): a fused path that
+        cannot call it must leave the step to the path that does."""
+        base = getattr(Observer, hook)
+        return any(getattr(type(o), hook) is not base for o in self._all)
+
     def batch(self, batch) -> None:
         for o in self._all:
             o.on_batch(batch)

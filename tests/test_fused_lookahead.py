@@ -10,10 +10,12 @@ sequences, for every residency and miss policy and for sparse attention without 
   the summaries, and the look-ahead metrics equal the Python path's (LOOKAHEAD_FUSED_DECODE=0),
   bit for bit, where the fused SiLU is exact (`runner.fused.exact`);
 - the path ran: `runner.fused.steps` equals the decode-only steps, and prefill steps ran the
-  Python path; for sparse-ondemand, every layer of every decode-only step was one C call
-  (plugins/cpu/ondemand.c: scoring, admission, copy and attention), and an observer of scores
-  or copies, or debug checks, keep the Python layer (with the same results);
-- the comparison can fail: a decoder whose attention output is perturbed gives other logits.
+  Python path; under the resident policy every layer of the packed decode steps was one C call
+  of the backend (plugins/cpu/lookahead_layer.c: scoring, admission, copies, attention, the
+  prediction), every decode-only step for sparse-ondemand; an observer of scores, or debug
+  checks, keep the Python layer, with the same results;
+- the comparison can fail: a decoder whose attention output is perturbed, or a C layer whose
+  output is, gives other logits.
 """
 from __future__ import annotations
 
@@ -152,17 +154,18 @@ class ScoreTap(Observer):
         self.idx = []
 
     def on_scores(self, layer, rows, lanes, idx, scores):
-        if rows == ("real",):
+        if rows[0] == "real":
             self.idx.append(idx.clone())
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
-def test_ondemand_layer_yields_to_observers_and_debug_checks(dirs, monkeypatch, kv_dtype):
-    """An observer of scores, or debug checks, keep sparse-ondemand's Python layer: the tokens
-    and the state are those of the C layer, which did not run (its observers saw every layer)."""
+@pytest.mark.parametrize("mode,kv_dtype", [("sparse-ondemand", "float32"), ("sparse-ondemand", "float16"),
+                                           ("resident-drop", "float16")])
+def test_fused_layer_yields_to_observers_and_debug_checks(dirs, monkeypatch, mode, kv_dtype):
+    """An observer of scores, or debug checks, keep the backend's Python layer: the tokens and
+    the state are those of the C layer, which did not run (its observers saw every layer)."""
     torch.set_num_threads(1)
     prompts = random_prompts(90, 37, seed=5)
-    kw = dict(SMALL_LOOKAHEAD, top_k=4, kv_dtype=kv_dtype, max_batch_size=2, **MODES["sparse-ondemand"])
+    kw = dict(SMALL_LOOKAHEAD, top_k=4, kv_dtype=kv_dtype, max_batch_size=2, **MODES[mode])
     kw.pop("mode")
     eng = engine(dirs["int8"], monkeypatch, True, **kw)
     tokens, _ = run(eng, prompts)
@@ -179,9 +182,9 @@ def test_ondemand_layer_yields_to_observers_and_debug_checks(dirs, monkeypatch, 
     assert checked.runner.attn.fused_layer.layer.calls == 0
 
 
-def test_a_perturbed_ondemand_layer_is_caught(dirs, monkeypatch):
-    """The on-demand comparison can fail: one layer's C attention output nudged by 2^-20 gives
-    other logits than the Python layer."""
+def test_a_perturbed_fused_layer_is_caught(dirs, monkeypatch):
+    """The comparison can fail: one layer's C attention output (sparse-ondemand) nudged by 2^-20
+    gives other logits than the Python layer."""
     torch.set_num_threads(1)
     prompts = random_prompts(120, seed=9)
     kw = dict(SMALL_LOOKAHEAD, top_k=4, max_batch_size=1, **MODES["sparse-ondemand"])

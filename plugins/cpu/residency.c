@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"     /* the declarations ondemand.c calls these by */
+#include "common.h"     /* the declarations lookahead_layer.c calls these by */
 
 typedef struct { int64_t key; int64_t idx; } keyed_t;
 typedef struct { float key; int64_t idx; } fkeyed_t;

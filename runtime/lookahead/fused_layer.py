@@ -24,15 +24,9 @@ import torch
 
 from plugins.cpu.lookahead_layer import LookaheadLayer
 
-from ..observe import Observer
+from ..model import FUSED_ENV
 from .residency import Admission
 from .step_plan import DecodePart
-
-FUSED_ENV = "LOOKAHEAD_FUSED_DECODE"       # runtime/model.py's switch: "0" keeps every Python path
-
-
-def _overrides(observer: Observer, hook: str) -> bool:
-    return getattr(type(observer), hook) is not getattr(Observer, hook)
 
 
 class FusedLayer:
@@ -66,9 +60,8 @@ class FusedLayer:
     def takes(self, d: DecodePart) -> bool:
         """Whether this step's decode layers run here (checked once a step)."""
         a = self.attn
-        obs = a.observers._all if a.observers else ()
         return (d.packed and d.rows == self.rows and not a.debug_checks and not a.plan.prefill
-                and not any(_overrides(o, "on_scores") or _overrides(o, "on_copy") for o in obs)
+                and not (a.observers and (a.observers.wants("on_scores") or a.observers.wants("on_copy")))
                 and self.layer.bound_to(*self._tensors(a)))
 
     def begin_step(self, d: DecodePart) -> None:
