@@ -72,6 +72,7 @@ def run(eng: Engine, prompts, params: SamplingParams = GREEDY):
         out = eng.generate(prompts, params)
     finally:
         eng.observers.remove(rec)
+    rec.metrics = [c.metrics for c in out]       # each request's own (its lane's tallies)
     return [c.token_ids for c in out], rec
 
 
@@ -116,6 +117,7 @@ def check_equal(eng, ref_eng, got, ref, tokens, ref_tokens):
     m, r = eng.runner.stats(), ref_eng.runner.stats()
     for key in ("h2d_bytes", "urgent_blocks", "prefetched_blocks", "prefetch_hit_rate", "agreement_mean"):
         assert m[key] == r[key], key
+    assert got.metrics == ref.metrics and got.metrics
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])

@@ -76,16 +76,16 @@ class FusedLayer:
         self._extra = d.extra_mask.contiguous()       # may be an expanded view
         self._cand = d.cand_masks if d.cand_masks.stride(-1) == 1 else d.cand_masks.contiguous()
         self._fetch_all = torch.full((n,), a.cfg.miss_policy == "urgent", dtype=torch.bool)
-        self._no_pred = torch.zeros((), dtype=torch.bool)
 
     def decode(self, layer: int, buf: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                d: DecodePart) -> None:
         """Layer `layer` of the step's lanes (q [n*R, H, D], k, v [n*R, KVH, D], out like q)."""
         a, res = self.attn, self.attn.residency
         slots, top_k, n = res.slots, a.cfg.top_k, d.num_lanes
-        # what ResidencyManager.serve_misses notes before anything changes
-        pred = res.pred[layer, :n].clone()
-        has = res.has_pred[layer, :n].all() if self.rows == 2 else self._no_pred
+        # what ResidencyManager.serve_misses notes before anything changes (with the draft row:
+        # without it there is no prediction to score, and end_step adds the hits at once)
+        if self.rows == 2:
+            pred, has = res.pred[layer, :n].clone(), res.has_pred[layer, :n].all()
         fetch, reseeded = self._fetch_all, False
         if a.cfg.miss_policy == "drop" and any(res.seeded_host[layer][lane] or pre
                                                for lane, pre in zip(d.lane_list, d.predecode_list)):
@@ -99,7 +99,8 @@ class FusedLayer:
                            self._resident[layer], self._urgent, a.cfg.fetch_cap, self._pred_adm)
         if o is not out:
             out.copy_(o)
-        a.metrics.note_layer(layer, pred, has, self._true[layer], self._resident[layer])
+        if self.rows == 2:
+            a.metrics.note_layer(layer, pred, has, self._true[layer], self._resident[layer])
         if reseeded:
             res.seeded[layer, :n] = False
             for lane in d.lane_list:
@@ -116,5 +117,10 @@ class FusedLayer:
             res.tickets.setdefault(layer, []).append(res.submit(layer, layer, adm))
 
     def end_step(self) -> None:
-        """The step's urgent blocks per lane into the metrics (what add_blocks gave the Python path)."""
-        self.attn.metrics.add_urgent(self._urgent, self._urgent_total)
+        """The step's urgent blocks per lane into the metrics (what add_blocks gave the Python
+        path), and without the draft row its true blocks and hits (what note_layer gave it: with
+        no prediction, record_step adds nothing else)."""
+        m = self.attn.metrics
+        if self.rows == 1:
+            m.add_hits(self._true, self._resident)
+        m.add_urgent(self._urgent, self._urgent_total)

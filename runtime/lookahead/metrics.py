@@ -84,6 +84,16 @@ class LookaheadMetrics:
             self._blocks_dev = counted if self._blocks_dev is None else self._blocks_dev + counted
         self.count_blocks(4 if urgent else 5, lanes, valid)
 
+    def add_hits(self, true: torch.Tensor, resident: torch.Tensor) -> None:
+        """A step's layers without a prediction (the fused layer's, `draft none`): true [L, n,
+        KVH, K] logical blocks (-1 pad) of lanes 0..n-1 and which were resident; the tallies
+        `record_step` makes of them when no layer has a prediction."""
+        valid = true >= 0
+        n_true = valid.sum(-1).double()                                        # [L, n, KVH]
+        hits = (resident & valid).sum(-1).double()
+        self.blocks += torch.stack([n_true.sum(), hits.sum()])
+        self.lane[: true.shape[1], :2] += torch.stack([n_true.sum((0, 2)), hits.sum((0, 2))], -1)
+
     def add_urgent(self, per_lane: torch.Tensor, total: int) -> None:
         """A step's urgent blocks counted by the fused layer (runtime/lookahead/fused_layer.py):
         per_lane [n] for lanes 0..n-1, `total` their sum (what `add_blocks` gives its copies)."""
