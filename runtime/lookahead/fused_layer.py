@@ -122,5 +122,5 @@ class FusedLayer:
         no prediction, record_step adds nothing else)."""
         m = self.attn.metrics
         if self.rows == 1:
-            m.add_hits(self._true, self._resident)
+            m.add_hits(slice(0, self._true.shape[1]), self._true, self._resident)
         m.add_urgent(self._urgent, self._urgent_total)

@@ -84,15 +84,17 @@ class LookaheadMetrics:
             self._blocks_dev = counted if self._blocks_dev is None else self._blocks_dev + counted
         self.count_blocks(4 if urgent else 5, lanes, valid)
 
-    def add_hits(self, true: torch.Tensor, resident: torch.Tensor) -> None:
-        """A step's layers without a prediction (the fused layer's, `draft none`): true [L, n,
-        KVH, K] logical blocks (-1 pad) of lanes 0..n-1 and which were resident; the tallies
-        `record_step` makes of them when no layer has a prediction."""
+    def add_hits(self, lanes, true: torch.Tensor, resident: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The true blocks and hits of a step's layers: lanes [B] (or a slice); true [L, B, KVH,
+        K] logical blocks (-1 pad), resident [L, B, KVH, K] bool. All that `record_step` tallies
+        when no layer has a prediction (the fused layer's `draft none` steps call it alone).
+        Returns (valid, n_true) for the agreement."""
         valid = true >= 0
-        n_true = valid.sum(-1).double()                                        # [L, n, KVH]
+        n_true = valid.sum(-1).double()                                        # [L, B, KVH]
         hits = (resident & valid).sum(-1).double()
         self.blocks += torch.stack([n_true.sum(), hits.sum()])
-        self.lane[: true.shape[1], :2] += torch.stack([n_true.sum((0, 2)), hits.sum((0, 2))], -1)
+        self.lane[lanes, :2] += torch.stack([n_true.sum((0, 2)), hits.sum((0, 2))], -1)
+        return valid, n_true
 
     def add_urgent(self, per_lane: torch.Tensor, total: int) -> None:
         """A step's urgent blocks counted by the fused layer (runtime/lookahead/fused_layer.py):
@@ -130,11 +132,7 @@ class LookaheadMetrics:
         """The layers of one step at once: lanes [B] (or a slice); pred, true [L, B, KVH, K] logical
         blocks (-1 pad); resident [L, B, KVH, K] bool, for `true`; has_pred [L] bool (False: the
         layer had no prediction yet, its agreement is not counted)."""
-        valid = true >= 0
-        n_true = valid.sum(-1).double()                                        # [L, B, KVH]
-        hits = (resident & valid).sum(-1).double()
-        self.blocks += torch.stack([n_true.sum(), hits.sum()])
-        self.lane[lanes, :2] += torch.stack([n_true.sum((0, 2)), hits.sum((0, 2))], -1)
+        valid, n_true = self.add_hits(lanes, true, resident)
         # membership by binary search in the sorted prediction (fixed shapes, no host read)
         ranked = pred.sort(-1).values
         at = torch.searchsorted(ranked, true.contiguous()).clamp(max=ranked.shape[-1] - 1)
