@@ -26,6 +26,22 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* acc[i][p] += x row i . weight row p over inputs [k0, k1) ((k1 - k0) % 8 == 0), eight at a time in
+ * order: the one inner loop of both tiles (always inlined, so acc stays in registers) */
+static inline __attribute__((always_inline)) void accumulate(__m256 acc[4][8], const float *const *xr, int NR,
+                                                             const int8_t *w, int P, int64_t K, int64_t k0,
+                                                             int64_t k1, const int8_t *pf) {
+    for (int64_t k = k0; k < k1; k += 8) {
+        if (pf) _mm_prefetch((const char *)(pf + k * P), _MM_HINT_T0);
+        __m256 xv[4];
+        for (int i = 0; i < NR; i++) xv[i] = _mm256_loadu_ps(xr[i] + k);
+        for (int p = 0; p < P; p++) {
+            const __m256 wv = w8(w + p * K + k);
+            for (int i = 0; i < NR; i++) acc[i][p] = _mm256_fmadd_ps(xv[i], wv, acc[i][p]);
+        }
+    }
+}
+
 /* NR rows of x (row i at xr[i], i < nr real ones; the others repeat row 0: computed, not stored)
  * against P weight rows from w (row p at w + p * K), outputs y[i * ys + p]. NR and P are
  * constants once inlined: the accumulators live in registers. */
@@ -36,15 +52,7 @@ static inline __attribute__((always_inline)) void tile(const float *const *xr, i
     for (int i = 0; i < NR; i++)
         for (int p = 0; p < P; p++) acc[i][p] = _mm256_setzero_ps();
     const int64_t K8 = K & ~(int64_t)7;
-    for (int64_t k = 0; k < K8; k += 8) {
-        if (pf) _mm_prefetch((const char *)(pf + k * P), _MM_HINT_T0);
-        __m256 xv[4];
-        for (int i = 0; i < NR; i++) xv[i] = _mm256_loadu_ps(xr[i] + k);
-        for (int p = 0; p < P; p++) {
-            const __m256 wv = w8(w + p * K + k);
-            for (int i = 0; i < NR; i++) acc[i][p] = _mm256_fmadd_ps(xv[i], wv, acc[i][p]);
-        }
-    }
+    accumulate(acc, xr, NR, w, P, K, 0, K8, pf);
     const __m256 z = _mm256_setzero_ps();
     for (int i = 0; i < nr; i++) {
         float s[8];
@@ -83,15 +91,7 @@ static inline __attribute__((always_inline)) void tile_grouped(const float *cons
         __m256 acc[4][8];
         for (int i = 0; i < NR; i++)
             for (int p = 0; p < P; p++) acc[i][p] = _mm256_setzero_ps();
-        for (int64_t k = k0; k < k0 + G; k += 8) {
-            if (pf) _mm_prefetch((const char *)(pf + k * P), _MM_HINT_T0);
-            __m256 xv[4];
-            for (int i = 0; i < NR; i++) xv[i] = _mm256_loadu_ps(xr[i] + k);
-            for (int p = 0; p < P; p++) {
-                const __m256 wv = w8(w + p * K + k);
-                for (int i = 0; i < NR; i++) acc[i][p] = _mm256_fmadd_ps(xv[i], wv, acc[i][p]);
-            }
-        }
+        accumulate(acc, xr, NR, w, P, K, k0, k0 + G, pf);
         for (int p = 0; p < P; p++) {
             const __m256 sv = _mm256_broadcast_ss(scale + p * ng + g);
             for (int i = 0; i < NR; i++) tot[i * 8 + p] = _mm256_fmadd_ps(acc[i][p], sv, tot[i * 8 + p]);
