@@ -100,7 +100,7 @@ int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
     }
     int64_t *out_lane = m->adm, *out_head = m->adm + rows * K, *out_slot = m->adm + 2 * rows * K,
             *out_block = m->adm + 3 * rows * K;
-    const int64_t words = 4 / m->elem_bytes, unit = bs * D / words;  /* residency.c copies 4-byte words */
+    const int64_t unit = bs * D * m->elem_bytes / 4;   /* a (block, head) unit in the 4-byte words residency.c copies */
     const int64_t layer_at = c->layer * KVH * m->pool_blocks * bs * D * m->elem_bytes;
     const int64_t buf_at = c->buf * m->lanes * KVH * NS * bs * D * m->elem_bytes;
     /* 3. admit the fetched misses (cap K), then copy them */
@@ -119,12 +119,12 @@ int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
             c->urgent[out_lane[i]]++;
         }
         const double t0 = now_s();
+        /* strides in words: pool [NB, KVH] units of one layer, tier [lanes, KVH, slots] units */
         rc = lkv_copy_blocks((const float *)((const char *)m->pool_k + layer_at),
-                             (const float *)((const char *)m->pool_v + layer_at), bs * D / words,
-                             m->pool_blocks * bs * D / words, (float *)((char *)m->tier_k + buf_at),
-                             (float *)((char *)m->tier_v + buf_at), KVH * NS * bs * D / words, NS * bs * D / words,
-                             bs * D / words, sb, out_head, out_lane, out_head, ds, na, unit, m->pool_blocks, KVH,
-                             m->lanes, NS);
+                             (const float *)((const char *)m->pool_v + layer_at), unit, m->pool_blocks * unit,
+                             (float *)((char *)m->tier_k + buf_at), (float *)((char *)m->tier_v + buf_at),
+                             KVH * NS * unit, NS * unit, unit, sb, out_head, out_lane, out_head, ds, na, unit,
+                             m->pool_blocks, KVH, m->lanes, NS);
         c->copy_s = now_s() - t0;
         if (rc != 0) return -3;
     }
