@@ -75,17 +75,31 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
 
 # sampling_options / stop_conditions / output_options keys this engine cannot honour, with the value
 # that means "off" (what OpenAI clients often send explicitly). Anything else is refused by name.
+# `n` and `logprobs` are honoured when the runtime's SamplingParams has them (ENGINE_FIELDS).
 _UNSUPPORTED_OFF = {
-    "sampling_options": {"n": (None, 1), "best_of": (None, 1), "use_beam_search": (None, False),
+    "sampling_options": {"best_of": (None, 1), "use_beam_search": (None, False),
                          "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                          "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0),
-                         "length_penalty": (None, 1, 1.0), "guided_decoding": (None,)},
-    "stop_conditions": {"min_tokens": (None, 0), "stop_token_ids_visible": (None, [])},
-    "output_options": {"logprobs": (None,), "prompt_logprobs": (None,)},
+                         "length_penalty": (None, 1, 1.0), "guided_decoding": (None,),
+                         "include_stop_str_in_output": (None, False)},
+    "stop_conditions": {"min_tokens": (None, 0), "stop_token_ids_visible": (None, []),
+                        "max_thinking_tokens": (None,)},
+    "output_options": {"prompt_logprobs": (None,), "return_tokens_as_token_ids": (None, False)},
 }
 _FIX = {"n": "this engine returns one choice per request: send n=1 or omit it",
-        "best_of": "send best_of=1 or omit it", "guided_decoding": "structured output is not supported: omit it",
-        "logprobs": "log-probabilities are not returned by this engine: omit logprobs"}
+        "best_of": "send best_of=1 or omit it",
+        "guided_decoding": "structured output (response_format, guided_json, ...) is not supported: omit it",
+        "logprobs": "log-probabilities are not returned by this engine: omit logprobs",
+        # the frontend turns a completions request's `echo` into prompt_logprobs
+        "prompt_logprobs": "prompt log-probabilities (completions `echo`) are not returned: omit echo"}
+
+
+def _engine_fields() -> frozenset[str]:
+    from runtime.sampling import SamplingParams
+    return frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+ENGINE_FIELDS = _engine_fields()
 
 
 # ---- request -> SamplingParams (pure: no dynamo import) -------------------------------------------
@@ -129,6 +143,9 @@ def sampling_params_from_request(request: dict[str, Any], max_model_len: int,
             if v not in off:
                 raise RequestError(key, f"is not supported by this engine (got {v!r})",
                                    _FIX.get(key, f"omit {key}"))
+    for key, value, off in (("n", so.get("n"), (None, 1)), ("logprobs", oo.get("logprobs"), (None,))):
+        if key not in ENGINE_FIELDS and value not in off:       # a runtime without n > 1 / logprobs
+            raise RequestError(key, f"is not supported by this engine (got {value!r})", _FIX[key])
     ids = token_ids_of(request)
     if not ids:
         raise RequestError(OPENAI_FIELDS["prompt"], "has no tokens", "send a non-empty prompt or at least one message")
@@ -149,6 +166,12 @@ def sampling_params_from_request(request: dict[str, Any], max_model_len: int,
         values["stop"] = list(sc["stop"])
     if sc.get("ignore_eos") is not None:
         values["ignore_eos"] = bool(sc["ignore_eos"])
+    # n: the frontend checks 1..128, the engine 1..16. logprobs: chat `top_logprobs` k (the frontend
+    # sends 1 for `logprobs: true` without top_logprobs) or completions `logprobs` k (0..5).
+    if so.get("n") is not None and "n" in ENGINE_FIELDS:
+        values["n"] = so["n"]
+    if oo.get("logprobs") is not None and "logprobs" in ENGINE_FIELDS:
+        values["logprobs"] = oo["logprobs"]
     try:
         return ids, SamplingParams(**values)
     except RequestError as e:
@@ -219,7 +242,7 @@ class _Sink:
         self.aloop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     def on_output(self, out) -> None:
-        if out.finished and out.finish_reason == "abort" and self._on_abort is not None:
+        if request_done(out) and out.finish_reason == "abort" and self._on_abort is not None:
             self._on_abort(out)
         self._put(out)
 
@@ -275,37 +298,86 @@ class EngineHandler:
         self.num_requests += 1
         watcher = asyncio.ensure_future(_watch_cancel(context, sink))
         finished = False
+        tokens = [0] * params_n(params)         # generated tokens per choice, for the usage
         try:
             while True:
-                item = await sink.queue.get()
-                items = [item]
-                while not sink.queue.empty() and not isinstance(item, _Failure) and not item.finished:
-                    item = sink.queue.get_nowait()          # the loop ran ahead: one chunk for all
-                    items.append(item)
-                if isinstance(item, _Failure):
+                items = [await sink.queue.get()]
+                while not sink.queue.empty() and not _ends(items[-1]):
+                    items.append(sink.queue.get_nowait())       # the loop ran ahead: fewer chunks
+                if isinstance(items[-1], _Failure):
+                    failure = items.pop()
+                    for chunk in output_chunks(items, tokens):
+                        yield chunk
                     finished = True
-                    if isinstance(item.error, QueueFullError):
-                        raise HttpError(429, item.message)
-                    if item.error is not None:
-                        raise InvalidArgument(item.message)
-                    if "shutting down" in item.message:
-                        raise EngineShutdown(item.message)
-                    raise Unknown(item.message)
-                chunk: dict[str, Any] = {"token_ids": [t for o in items for t in o.new_token_ids], "index": 0}
-                if item.finished:
-                    finished = True
-                    chunk["finish_reason"] = FINISH_REASONS.get(item.finish_reason, item.finish_reason or "stop")
-                    chunk["completion_usage"] = {"prompt_tokens": item.num_prompt_tokens,
-                                                 "completion_tokens": item.num_output_tokens,
-                                                 "total_tokens": item.num_prompt_tokens + item.num_output_tokens}
+                    if isinstance(failure.error, QueueFullError):
+                        raise HttpError(429, failure.message)
+                    if failure.error is not None:
+                        raise InvalidArgument(failure.message)
+                    if "shutting down" in failure.message:
+                        raise EngineShutdown(failure.message)
+                    raise Unknown(failure.message)
+                for chunk in output_chunks(items, tokens):
                     yield chunk
+                if request_done(items[-1]):
+                    finished = True
                     return
-                if chunk["token_ids"]:
-                    yield chunk
         finally:
             if not finished:        # the client left (generator closed or cancelled): free the blocks
                 sink.cancelled = True
             watcher.cancel()
+
+
+def params_n(params) -> int:
+    return int(getattr(params, "n", 1) or 1)
+
+
+def request_done(out) -> bool:
+    """The output that ends the request (its last choice's final one), as serving.loop.request_finished."""
+    return bool(out.finished and getattr(out, "request_finished", True))
+
+
+def _ends(item) -> bool:
+    return isinstance(item, _Failure) or request_done(item)
+
+
+def output_chunks(outs: list, tokens: list[int]) -> list[dict[str, Any]]:
+    """Dynamo response chunks (LLMEngineOutput dicts) for consecutive engine outputs of one request.
+
+    Consecutive outputs of one choice merge into one chunk: `token_ids`, `index` (the choice), and
+    with logprobs asked for `log_probs` (one float a token) and `top_logprobs` (per token, the k
+    most likely {rank, token_id, token, logprob}; the frontend fills in the token text). A choice's
+    last chunk carries its `finish_reason`. The request's last chunk also carries
+    `completion_usage`: prompt tokens, generated tokens of all choices (the frontend counts
+    them too), and `prompt_tokens_details.cached_tokens`, the prompt tokens whose KV came from
+    the prefix cache (the frontend passes it on as OpenAI's `usage.prompt_tokens_details`).
+    `tokens` (generated tokens per choice so far) is updated."""
+    chunks: list[dict[str, Any]] = []
+    for out in outs:
+        index = int(getattr(out, "index", 0) or 0)
+        if index >= len(tokens):
+            tokens.extend([0] * (index + 1 - len(tokens)))
+        tokens[index] += len(out.new_token_ids)
+        lps = getattr(out, "logprobs", None)
+        last = chunks[-1] if chunks else None
+        if last is None or last["index"] != index or "finish_reason" in last:
+            last = {"token_ids": [], "index": index}
+            if lps is not None:
+                last["log_probs"], last["top_logprobs"] = [], []
+            chunks.append(last)
+        last["token_ids"].extend(out.new_token_ids)
+        if lps is not None and "log_probs" in last:
+            last["log_probs"].extend(float(t.logprob) for t in lps)
+            last["top_logprobs"].extend([{"rank": r + 1, "token_id": int(tid), "token": None, "logprob": float(lp)}
+                                         for r, (tid, lp) in enumerate(t.top)] for t in lps)
+        if out.finished:
+            last["finish_reason"] = FINISH_REASONS.get(out.finish_reason, out.finish_reason or "stop")
+        if request_done(out):
+            generated = sum(tokens)
+            last["completion_usage"] = {
+                "prompt_tokens": out.num_prompt_tokens, "completion_tokens": generated,
+                "total_tokens": out.num_prompt_tokens + generated,
+                "prompt_tokens_details": {"cached_tokens": int(getattr(out, "num_cached_tokens", 0) or 0)}}
+    return [c for c in chunks if c["token_ids"] or "finish_reason" in c]
 
 
 async def _watch_cancel(context, sink: _Sink) -> None:
@@ -326,18 +398,109 @@ class StatsPublisher:
         self.path, self.info = path, info
         self.latest: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.listeners: list[Any] = []          # fn(snapshot), e.g. the router's load publisher
 
     def update(self, stats: dict[str, Any]) -> None:
-        snap = {**self.info, **{k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))},
+        snap = {**self.info, **{k: v for k, v in stats.items() if v is None or isinstance(v, (int, float, str, bool))},
                 "time": time.time()}
         with self._lock:
             self.latest = snap
         if self.path is not None:
             _atomic_write(self.path, json.dumps(snap))
+        for fn in list(self.listeners):
+            try:
+                fn(snap)
+            except Exception:
+                log.exception("a stats listener failed")
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return dict(self.latest)
+
+
+# ---- KV events and load for the KV-aware router ---------------------------------------------------
+def signed64(h: int) -> int:
+    """The engine's unsigned 64-bit block hash as the signed 64-bit int Dynamo's Python API takes."""
+    h &= (1 << 64) - 1
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
+class KvEventRelay:
+    """The engine's prefix-cache events (`engine.kv_events`) -> Dynamo's `KvEventPublisher`.
+
+    `engine.kv_events.subscribe(relay.put)`: `put` runs on the engine's step thread and only
+    queues; a thread of its own publishes. BlockStored -> publish_stored(token_ids,
+    num_block_tokens, block_hashes, parent_hash): the router hashes the blocks' token ids itself
+    (its own hash, with the block size registered with the model) and matches them against a
+    request's tokens, so the events must carry the ids; the engine's hashes only name the blocks
+    (parent links, removal). BlockRemoved -> publish_removed. AllBlocksCleared -> publish_removed
+    of every block this relay saw stored (the Python API has no "cleared")."""
+
+    def __init__(self, publisher: Any):
+        import queue as _queue
+        self.publisher = publisher
+        self._queue: _queue.SimpleQueue = _queue.SimpleQueue()
+        self._stored: set[int] = set()
+        self.counts = {"stored_blocks": 0, "removed_blocks": 0, "cleared": 0, "failed": 0}
+        self._thread = threading.Thread(target=self._run, name="kv-event-relay", daemon=True)
+        self._thread.start()
+
+    def put(self, event: Any) -> None:
+        self._queue.put(event)
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Until every event queued so far is published (tests)."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait(timeout)
+
+    def _run(self) -> None:
+        while (event := self._queue.get()) is not None:
+            if isinstance(event, threading.Event):
+                event.set()
+                continue
+            try:
+                self.publish(event)
+            except Exception:                  # a bad event must not end the relay
+                self.counts["failed"] += 1
+                log.exception("publishing a KV event failed")
+
+    def publish(self, event: Any) -> None:
+        kind = type(event).__name__
+        if kind == "BlockStored":
+            hashes = [signed64(h) for h in event.block_hashes]
+            parent = None if event.parent_hash is None else signed64(event.parent_hash)
+            self.publisher.publish_stored(token_ids=list(event.token_ids),
+                                          num_block_tokens=[int(event.block_size)] * len(hashes),
+                                          block_hashes=hashes, parent_hash=parent)
+            self._stored.update(hashes)
+            self.counts["stored_blocks"] += len(hashes)
+        elif kind == "BlockRemoved":
+            hashes = [signed64(h) for h in event.block_hashes]
+            self.publisher.publish_removed(block_hashes=hashes)
+            self._stored.difference_update(hashes)
+            self.counts["removed_blocks"] += len(hashes)
+        elif kind == "AllBlocksCleared":
+            if self._stored:
+                self.publisher.publish_removed(block_hashes=sorted(self._stored))
+            self.counts["removed_blocks"] += len(self._stored)
+            self.counts["cleared"] += 1
+            self._stored.clear()
+        else:
+            raise TypeError(f"unknown KV event {kind}")
+
+
+def kv_used_blocks(stats: dict[str, Any]) -> int:
+    """Blocks requests hold now (the router's load signal): the pool less its free blocks and the
+    cached blocks no request uses (reclaimable)."""
+    total = int(stats.get("total_blocks") or 0)
+    free = int(stats.get("free_blocks") or 0)
+    reclaimable = int(stats.get("cached_free_blocks") or 0) if stats.get("free_counts_cached") is False else 0
+    return max(0, total - free - reclaimable)
 
 
 # ---- the worker -------------------------------------------------------------------------------------
@@ -366,6 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-plane", default=None, choices=("tcp", "nats"), help="overrides DYN_REQUEST_PLANE")
     p.add_argument("--event-plane", default=None, choices=("zmq", "nats"), help="overrides DYN_EVENT_PLANE")
     p.add_argument("--no-verify-checksums", action="store_true", help="skip the engine dir's checksum check")
+    p.add_argument("--no-kv-events", action="store_true",
+                   help="do not publish the prefix cache's KV events to the router (kv routing then guesses)")
     add_lookahead_flags(p)
     return p
 
@@ -395,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_serve(args, state))
     finally:
         state["loop"].stop(timeout=2.0)
+        if state.get("relay") is not None:
+            state["relay"].close()
         state["engine"].close()
     return 0
 
@@ -447,8 +614,10 @@ async def _run_worker(runtime, args: argparse.Namespace, state: dict[str, Any]) 
     handler = EngineHandler(engine, engine_loop, default_max_tokens=args.default_max_tokens)
 
     async def stats_route(body: dict) -> dict:
+        relay = state.get("relay")
         return {**stats.snapshot(), "free_blocks_now": engine.allocator.num_free,
-                "num_live": engine_loop.num_live(), "num_requests": handler.num_requests}
+                "num_live": engine_loop.num_live(), "num_requests": handler.num_requests,
+                "kv_events": dict(relay.counts) if relay else None}
     try:
         runtime.register_engine_route("stats", stats_route)
     except Exception as e:       # no system server (DYN_SYSTEM_PORT unset): the stats file remains
@@ -471,6 +640,31 @@ async def _run_worker(runtime, args: argparse.Namespace, state: dict[str, Any]) 
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         aloop.add_signal_handler(sig, lambda: asyncio.ensure_future(shutdown()))
+
+    # KV-aware routing: the cache's block events and the worker's load, over the event plane
+    relay = None
+    if getattr(engine, "kv_events", None) is not None and not args.no_kv_events:
+        from dynamo.llm import KvEventPublisher
+        relay = KvEventRelay(KvEventPublisher(endpoint=endpoint, kv_block_size=engine.config.block_size,
+                                              enable_local_indexer=True))
+        engine.kv_events.subscribe(relay.put)
+        state["relay"] = relay
+    try:
+        from dynamo.llm import WorkerMetricsPublisher
+        load = WorkerMetricsPublisher()
+        await load.create_endpoint(endpoint)
+        load.publish(0, kv_used_blocks=0)
+        stats.listeners.append(lambda snap: load.publish(0, kv_used_blocks=kv_used_blocks(snap)))
+    except Exception as e:            # routing still works, on the router's own load estimate
+        log.warning("no worker load publisher (%s)", e)
+    from .metrics import prometheus_text
+    labels = {"model": args.model_name, "worker": str(args.worker_index)}
+    try:
+        endpoint.metrics.register_prometheus_expfmt_callback(lambda: prometheus_text(stats.snapshot(), labels))
+    except Exception as e:
+        log.warning("engine metrics are not on /metrics (%s); they are at /engine/stats", e)
+    log.info("KV events %s (block size %d); load published to the router",
+             "published" if relay else "off", engine.config.block_size)
 
     rc = ModelRuntimeConfig()
     rc.context_length = engine.max_model_len

@@ -9,6 +9,7 @@ name it sent. The tables below are the only place those names meet:
 | `prompt` | `text_input` | `prompt/messages` (completions send `prompt`, chat `messages`) |
 | `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop` | the input of that name | the same name |
 | `ignore_eos` | `sampling_parameters.ignore_eos` (no tensor input) | `ignore_eos` |
+| `n`, `logprobs` | `sampling_parameters.n`, `sampling_parameters.logprobs` (no tensor inputs, as in Triton's vLLM backend) | `n`; `logprobs` (chat sends it as `top_logprobs`) |
 
 A Triton request may also send a sampling field inside `sampling_parameters` or as a request
 parameter; `serving.request.parse_request` records where each came from, so its errors name
@@ -29,11 +30,11 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
 
 # runtime field -> the Triton model's request name (triton_model_repo/lookahead_llm/config.pbtxt.template)
 TRITON_FIELDS: dict[str, str] = {"prompt": "text_input", **{f: f for f in SAMPLING_FIELDS},
-                                 "ignore_eos": "sampling_parameters.ignore_eos"}
+                                 **{f: f"sampling_parameters.{f}" for f in ("ignore_eos", "n", "logprobs")}}
 
 # runtime field -> the OpenAI request's name, as Dynamo's frontend receives it
 OPENAI_FIELDS: dict[str, str] = {"prompt": "prompt/messages", **{f: f for f in SAMPLING_FIELDS},
-                                 "ignore_eos": "ignore_eos"}
+                                 "ignore_eos": "ignore_eos", "n": "n", "logprobs": "logprobs"}
 
 
 def client_error(error: E, names: Mapping[str, str]) -> E:

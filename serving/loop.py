@@ -155,7 +155,7 @@ class EngineLoop:
                 cancelled = False
                 self._sinks[rid] = sink
         if cancelled:                         # the client left while its prompt was tokenized
-            _call(sink.on_output, RequestOutput(rid, [], "", True, "abort", len(ids), 0))
+            _call(sink.on_output, aborted_output(rid, len(ids)))
             return
         self.engine.add_request(ids, params, request_id=rid)   # an error: _reject unregisters the sink
 
@@ -206,13 +206,14 @@ class EngineLoop:
             self._route(out)
 
     def _route(self, out: RequestOutput) -> None:
+        done = request_finished(out)             # with n > 1, `finished` ends one choice only
         with self._cv:
-            sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
-        if out.finished:
+            sink = self._sinks.pop(out.request_id, None) if done else self._sinks.get(out.request_id)
+        if done:
             self._aborting.discard(out.request_id)
         if sink is None:
             return
-        if not _call(sink.on_output, out) and not out.finished:
+        if not _call(sink.on_output, out) and not done:
             self._abort(out.request_id)          # the client cannot be reached: free its blocks
 
     def _poll_cancelled(self) -> None:
@@ -279,6 +280,20 @@ def encode_releasing_gil(tokenizer: Any, text: str) -> list[int]:
     if backend is None or not hasattr(backend, "encode_batch"):
         return tokenizer.encode(text)
     return backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def request_finished(out: RequestOutput) -> bool:
+    """Whether `out` ends its request: the last choice's final output (`finished` ends one choice
+    of an n > 1 request; a runtime without `request_finished` has one choice per request)."""
+    return bool(out.finished and getattr(out, "request_finished", True))
+
+
+def aborted_output(rid: str, num_prompt_tokens: int) -> RequestOutput:
+    """The final output of a request cancelled before it reached the engine."""
+    out = RequestOutput(rid, [], "", True, "abort", num_prompt_tokens, 0)
+    if hasattr(out, "request_finished"):
+        out.request_finished = True
+    return out
 
 
 def _cancelled(sink: RequestSink) -> bool:

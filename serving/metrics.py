@@ -57,6 +57,19 @@ METRICS = (
     MetricSpec("aborted_requests", "lookahead_aborted_requests_total", "counter",
                "Requests cancelled by their client (their KV blocks were freed)"),
     MetricSpec("steps", "lookahead_engine_steps_total", "counter", "Engine steps run"),
+    # the prefix cache (runtime/prefix_cache.py): full KV blocks that outlive their request
+    MetricSpec("prefix_cache_hit_rate", "lookahead_prefix_cache_hit_rate", "gauge",
+               "Share of looked-up prompt tokens whose KV came from the prefix cache (NaN before any request)"),
+    MetricSpec("cached_blocks", "lookahead_prefix_cache_blocks", "gauge",
+               "KV blocks the prefix cache holds, in use or reclaimable"),
+    MetricSpec("cached_free_blocks", "lookahead_prefix_cache_reclaimable_blocks", "gauge",
+               "Cached KV blocks no request uses: kept until the pool needs the room (LRU)"),
+    MetricSpec("prefix_cache_queries", "lookahead_prefix_cache_query_tokens_total", "counter",
+               "Prompt tokens looked up in the prefix cache"),
+    MetricSpec("prefix_cache_hits", "lookahead_prefix_cache_hit_tokens_total", "counter",
+               "Prompt tokens served from the prefix cache (not prefilled again): the requests' cached tokens"),
+    MetricSpec("prefix_cache_evictions", "lookahead_prefix_cache_evicted_blocks_total", "counter",
+               "Cached KV blocks evicted to make room"),
 )
 
 FamilyFactory = Callable[[str, str, str], Any]     # (name, description, kind) -> family with .Metric(labels=)
@@ -86,3 +99,32 @@ class MetricExporter:
                 if delta > 0:
                     metric.increment(delta)
                 self._last[spec.stat] = value
+
+
+def prometheus_text(stats: Mapping[str, Any], labels: Mapping[str, str], specs=METRICS) -> str:
+    """The same families in Prometheus' text format, for a server that takes exposition text (the
+    Dynamo worker's /metrics): counters are the cumulative values themselves, a missing gauge
+    (None, e.g. the hit rate before any request) is NaN, a missing counter is left out."""
+    label_text = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+    lines = []
+    for spec in specs:
+        value = stats.get(spec.stat)
+        if value is None and spec.kind == "counter":
+            continue
+        lines.append(f"# HELP {spec.name} {spec.description}")
+        lines.append(f"# TYPE {spec.name} {spec.kind}")
+        number = float("nan") if value is None else float(value)
+        lines.append(f"{spec.name}{{{label_text}}} {_number(number)}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value) if not value.is_integer() else str(int(value))

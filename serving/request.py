@@ -158,6 +158,9 @@ def parse_request(get: Getter, parameters: str | dict[str, Any] | None = None,
             kind = SAMPLING_KINDS[name].removeprefix("optional_")
             values[name] = _convert(name, _scalar(name, arr, kind), kind)
             fields[name] = name
+    if _flag(get, "return_logprobs") and values.get("logprobs") is None:
+        values["logprobs"] = 0                  # vLLM's switch: the chosen tokens' log-probabilities
+        fields["logprobs"] = "return_logprobs"
     stop = get("stop")
     if stop is not None:
         values["stop"] = _stop_strings(np.asarray(stop).reshape(-1), limits)
@@ -381,29 +384,91 @@ class ResponseStream:
     Streaming: one response per engine output (one per generated token; its text may be empty while
     a multi-byte character or a possible stop string is incomplete). Otherwise one final response
     holding the whole text, prefixed by the prompt unless `exclude_input_in_output` (vLLM's default).
+
+    With `n` > 1 (sampling_parameters.n) the per-choice outputs are `[n]` tensors, as in Triton's
+    vLLM backend: `text_output`, `num_output_tokens`, `finish_reason` and `logprobs` hold one
+    entry per choice (streaming: the choice that moved has its delta, the others "" and 0). A
+    request's final response is the one that ends its last choice. `num_cached_tokens` (every
+    response) is the prompt tokens whose KV came from the prefix cache. `logprobs` (when asked
+    for: sampling_parameters.logprobs = k, or return_logprobs) is a JSON list per choice, one
+    entry per token: {"token_id", "token", "logprob", "top_logprobs": [{"token_id", "token",
+    "logprob"}, ... k, most likely first]}.
     """
 
     request: GenerateRequest
-    _text: list[str] = dataclasses.field(default_factory=list)
+    decode: Callable[[list[int]], str] | None = None
+    _text: list[list[str]] = dataclasses.field(default_factory=list)
+    _tokens: list[int] = dataclasses.field(default_factory=list)
+    _logprobs: list[list[dict[str, Any]]] = dataclasses.field(default_factory=list)
+    _finish: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        n = self.n
+        self._text = [[] for _ in range(n)]
+        self._tokens = [0] * n
+        self._logprobs = [[] for _ in range(n)]
+        self._finish = [""] * n
+
+    @property
+    def n(self) -> int:
+        return int(getattr(self.request.params, "n", 1) or 1)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return getattr(self.request.params, "logprobs", None) is not None
 
     def on_output(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
         """Tensors for the response to send now, or None (non-streaming and not finished yet)."""
+        i = int(getattr(out, "index", 0) or 0)
+        lps = self._logprob_entries(out) if self.wants_logprobs else None
+        if out.finished:
+            self._finish[i] = out.finish_reason or ""
+        cached = int(getattr(out, "num_cached_tokens", 0) or 0)
+        done = bool(out.finished and getattr(out, "request_finished", True))
         if self.request.stream:
-            return response_tensors(out.delta_text, out.num_prompt_tokens, len(out.new_token_ids),
-                                    out.finish_reason)
-        self._text.append(out.delta_text)
-        if not out.finished:
+            texts, counts = [""] * self.n, [0] * self.n
+            texts[i], counts[i] = out.delta_text, len(out.new_token_ids)
+            logprobs = None
+            if lps is not None:
+                logprobs = [[] for _ in range(self.n)]
+                logprobs[i] = lps
+            return response_tensors(texts, out.num_prompt_tokens, counts, self._finish if done else None,
+                                    num_cached_tokens=cached, logprobs=logprobs)
+        self._text[i].append(out.delta_text)
+        self._tokens[i] = out.num_output_tokens
+        if lps is not None:
+            self._logprobs[i].extend(lps)
+        if not done:
             return None
         prefix = "" if self.request.exclude_input_in_output else self.request.prompt
-        return response_tensors(prefix + "".join(self._text), out.num_prompt_tokens, out.num_output_tokens,
-                                out.finish_reason)
+        return response_tensors([prefix + "".join(t) for t in self._text], out.num_prompt_tokens, self._tokens,
+                                self._finish, num_cached_tokens=cached,
+                                logprobs=self._logprobs if self.wants_logprobs else None)
+
+    def _logprob_entries(self, out: RequestOutput) -> list[dict[str, Any]]:
+        def tok(tid: int) -> dict[str, Any]:
+            return {"token_id": int(tid)} if self.decode is None else {"token_id": int(tid),
+                                                                      "token": self.decode([int(tid)])}
+        return [{**tok(t.token_id), "logprob": float(t.logprob),
+                 "top_logprobs": [{**tok(tid), "logprob": float(lp)} for tid, lp in t.top]}
+                for t in (getattr(out, "logprobs", None) or [])]
 
 
-def response_tensors(text: str, num_input_tokens: int, num_output_tokens: int,
-                     finish_reason: str | None) -> dict[str, np.ndarray]:
-    out = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+def response_tensors(text: str | list[str], num_input_tokens: int, num_output_tokens: int | list[int],
+                     finish_reason: str | list[str] | None, *, num_cached_tokens: int | None = None,
+                     logprobs: list[list[dict[str, Any]]] | None = None) -> dict[str, np.ndarray]:
+    """One response's tensors; `text`, `num_output_tokens`, `finish_reason` and `logprobs` are one
+    value or one per choice."""
+    texts = [text] if isinstance(text, str) else list(text)
+    counts = [num_output_tokens] if isinstance(num_output_tokens, int) else list(num_output_tokens)
+    out = {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_),
            "num_input_tokens": np.array([num_input_tokens], dtype=np.int32),
-           "num_output_tokens": np.array([num_output_tokens], dtype=np.int32)}
+           "num_output_tokens": np.array(counts, dtype=np.int32)}
+    if num_cached_tokens is not None:
+        out["num_cached_tokens"] = np.array([num_cached_tokens], dtype=np.int32)
     if finish_reason is not None:
-        out["finish_reason"] = np.array([finish_reason.encode()], dtype=np.object_)
+        reasons = [finish_reason] if isinstance(finish_reason, str) else list(finish_reason)
+        out["finish_reason"] = np.array([r.encode() for r in reasons], dtype=np.object_)
+    if logprobs is not None:
+        out["logprobs"] = np.array([json.dumps(lp).encode() for lp in logprobs], dtype=np.object_)
     return out

@@ -63,10 +63,13 @@ def test_request_defaults():
     (_req(sampling={"top_p": 0.0}), "top_p"),
     (_req(sampling={"top_k": -5}), "top_k"),
     (_req(sampling={"seed": 1 << 64}), "seed"),
-    (_req(sampling={"n": 2}), "n"),
+    (_req(sampling={"n": 17}), "n"),                     # the frontend allows 1..128, the engine 1..16
+    (_req(sampling={"n": 0}), "n"),
     (_req(sampling={"presence_penalty": 0.5}), "presence_penalty"),
-    (_req(sampling={"guided_decoding": {"json": {}}}), "guided_decoding"),
-    (_req(output={"logprobs": 1}), "logprobs"),
+    (_req(sampling={"guided_decoding": {"json": {}}}), "guided_decoding"),     # response_format
+    (_req(output={"logprobs": 21}), "logprobs"),
+    (_req(output={"logprobs": -1}), "logprobs"),
+    (_req(output={"prompt_logprobs": 1}), "prompt_logprobs"),                  # completions `echo`
     (_req(stop={"min_tokens": 4}), "min_tokens"),
     (_req(token_ids=()), "prompt/messages"),      # the runtime's `prompt`, under the OpenAI names
 ])
@@ -74,6 +77,129 @@ def test_bad_request_names_the_field(request_, field):
     with pytest.raises(RequestError) as err:
         sampling_params_from_request(request_, 64)
     assert err.value.field == field and str(err.value).startswith(field + ":")
+
+
+def test_n_and_logprobs_reach_the_engine():
+    _, p = sampling_params_from_request(_req(sampling={"n": 4, "seed": 7}, output={"logprobs": 3}), 64)
+    assert (p.n, p.logprobs, p.seed) == (4, 3, 7)
+    _, p = sampling_params_from_request(_req(output={"logprobs": 0}), 64)     # chat logprobs, top_logprobs 0
+    assert (p.n, p.logprobs) == (1, 0)
+    _, p = sampling_params_from_request(_req(sampling={"n": None}, output={"logprobs": None}), 64)
+    assert (p.n, p.logprobs) == (1, None)
+
+
+def test_a_bad_value_is_one_line_naming_the_field():
+    for req, field in ((_req(sampling={"n": 17}), "n"), (_req(output={"logprobs": 99}), "logprobs")):
+        with pytest.raises(RequestError) as err:
+            sampling_params_from_request(req, 64)
+        assert str(err.value).startswith(field + ":") and "\n" not in str(err.value)
+
+
+class _Out:
+    """A RequestOutput stand-in (the fields the worker reads)."""
+
+    def __init__(self, ids, index=0, finished=False, reason=None, request_finished=None, cached=0, logprobs=None,
+                 prompt=10, generated=0):
+        self.request_id, self.new_token_ids, self.index = "r", list(ids), index
+        self.finished, self.finish_reason = finished, reason
+        self.request_finished = finished if request_finished is None else request_finished
+        self.num_cached_tokens, self.logprobs = cached, logprobs
+        self.num_prompt_tokens, self.num_output_tokens, self.delta_text = prompt, generated, ""
+
+
+def test_output_chunks_one_choice_merged_with_usage_and_cached_tokens():
+    from serving.dynamo_worker import output_chunks
+    tokens = [0]
+    chunks = output_chunks([_Out([5]), _Out([6]), _Out([7], finished=True, reason="length", cached=32)], tokens)
+    assert chunks == [{"token_ids": [5, 6, 7], "index": 0, "finish_reason": "length",
+                       "completion_usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                                            "prompt_tokens_details": {"cached_tokens": 32}}}]
+
+
+def test_output_chunks_n_choices_and_logprobs():
+    """n = 2: chunks per choice (`index`), a choice's finish on its own chunk, usage on the request's
+    last; logprobs as Dynamo's `log_probs` / `top_logprobs` (rank from 1, text left to the frontend)."""
+    from runtime.sampling import TokenLogprob
+    from serving.dynamo_worker import output_chunks
+
+    lp = lambda t: [TokenLogprob(t, -0.25, [(t, -0.25), (t + 1, -2.0)])]     # noqa: E731
+    tokens = [0, 0]
+    first = output_chunks([_Out([5], 0, logprobs=lp(5)), _Out([8], 1, logprobs=lp(8)),
+                           _Out([6], 0, finished=True, reason="stop", request_finished=False, logprobs=lp(6))],
+                          tokens)
+    assert [(c["index"], c["token_ids"], c.get("finish_reason")) for c in first] == \
+        [(0, [5], None), (1, [8], None), (0, [6], "stop")]
+    assert first[0]["log_probs"] == [-0.25]
+    assert first[0]["top_logprobs"] == [[{"rank": 1, "token_id": 5, "token": None, "logprob": -0.25},
+                                         {"rank": 2, "token_id": 6, "token": None, "logprob": -2.0}]]
+    assert all("completion_usage" not in c for c in first)
+    last = output_chunks([_Out([9], 1, finished=True, reason="length", cached=16, logprobs=lp(9))], tokens)
+    assert last[0]["index"] == 1 and last[0]["finish_reason"] == "length"
+    assert last[0]["completion_usage"]["completion_tokens"] == 4            # both choices' tokens
+    assert last[0]["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+
+
+def test_kv_event_relay_carries_token_ids_and_signed_hashes():
+    """The router hashes the events' token ids itself; the engine's unsigned 64-bit hashes cross
+    as signed ints (Dynamo's Python API), a clear as the removal of every stored block."""
+    from dataclasses import dataclass
+
+    from serving.dynamo_worker import KvEventRelay, signed64
+
+    @dataclass
+    class BlockStored:
+        block_hashes: list
+        parent_hash: object
+        token_ids: list
+        block_size: int
+
+    @dataclass
+    class BlockRemoved:
+        block_hashes: list
+
+    class AllBlocksCleared:
+        pass
+
+    class Publisher:
+        def __init__(self):
+            self.calls = []
+
+        def publish_stored(self, **kw):
+            self.calls.append(("stored", kw))
+
+        def publish_removed(self, **kw):
+            self.calls.append(("removed", kw))
+
+    assert signed64(5) == 5 and signed64((1 << 64) - 1) == -1 and signed64(1 << 63) == -(1 << 63)
+    pub = Publisher()
+    relay = KvEventRelay(pub)
+    try:
+        big = (1 << 64) - 2
+        relay.put(BlockStored([11, big], None, list(range(8)), 4))
+        relay.put(BlockStored([12], big, [9, 9, 9, 9], 4))
+        relay.put(BlockRemoved([11]))
+        relay.put(AllBlocksCleared())
+        relay.flush()
+    finally:
+        relay.close()
+    assert pub.calls[0] == ("stored", {"token_ids": list(range(8)), "num_block_tokens": [4, 4],
+                                       "block_hashes": [11, -2], "parent_hash": None})
+    assert pub.calls[1] == ("stored", {"token_ids": [9, 9, 9, 9], "num_block_tokens": [4], "block_hashes": [12],
+                                       "parent_hash": -2})
+    assert pub.calls[2] == ("removed", {"block_hashes": [11]})
+    assert pub.calls[3] == ("removed", {"block_hashes": sorted([-2, 12])})
+    assert relay.counts == {"stored_blocks": 3, "removed_blocks": 3, "cleared": 1, "failed": 0}
+
+
+def test_engine_stats_as_prometheus_text():
+    from serving.metrics import prometheus_text
+    text = prometheus_text({"prefix_cache_hits": 96, "prefix_cache_hit_rate": None, "cached_blocks": 6,
+                            "prefix_cache_evictions": 2}, {"model": "m", "worker": "0"})
+    assert 'lookahead_prefix_cache_hit_tokens_total{model="m",worker="0"} 96' in text
+    assert 'lookahead_prefix_cache_hit_rate{model="m",worker="0"} NaN' in text
+    assert 'lookahead_prefix_cache_blocks{model="m",worker="0"} 6' in text
+    assert 'lookahead_prefix_cache_evicted_blocks_total{model="m",worker="0"} 2' in text
+    assert "lookahead_h2d_bytes_total" not in text                  # a counter the stats lack is left out
 
 
 def test_errors_name_the_openai_fields():
@@ -226,7 +352,8 @@ def test_handler_streams_counts_and_cancels_on_a_tiny_engine(tmp_path):
     async def main():
         chunks = await collect(_req(token_ids=[1, 2, 3], stop={"max_tokens": 5}))
         assert sum(len(c["token_ids"]) for c in chunks) == 5 and chunks[-1]["finish_reason"] == "length"
-        assert chunks[-1]["completion_usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+        assert chunks[-1]["completion_usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8,
+                                                  "prompt_tokens_details": {"cached_tokens": 0}}
         with pytest.raises(exc.InvalidArgument, match="temperature"):
             await collect(_req(sampling={"temperature": -2.0}))
         # raised by the engine at submit, naming its `prompt`: the client reads the OpenAI names
@@ -254,6 +381,45 @@ def test_handler_streams_counts_and_cancels_on_a_tiny_engine(tmp_path):
             time.sleep(0.01)
         assert engine.allocator.num_free == engine.allocator.num_blocks
         assert engine.stats()["aborted_requests"] == 1
+    finally:
+        loop.stop()
+        engine.close()
+
+
+@pytest.mark.timeout(60)
+def test_handler_n_logprobs_and_cached_tokens_on_a_tiny_engine(tmp_path):
+    """n > 1, logprobs and the prefix cache's cached tokens through EngineHandler and a real
+    EngineLoop (tiny random engine, block size 16)."""
+    _dynamo_exceptions()
+    from runtime.engine import Engine
+    from serving.dynamo_worker import EngineHandler
+    from serving.loop import EngineLoop
+    from tiny_engine import make_tiny_engine
+
+    engine = Engine.from_dir(make_tiny_engine(tmp_path / "e"), max_batch_size=4, block_size=16)
+    loop = EngineLoop(engine)
+    loop.start()
+    handler = EngineHandler(engine, loop)
+
+    async def collect(request):
+        return [c async for c in handler.generate(request, _Context())]
+
+    async def main():
+        # n = 2 with logprobs: chunks for both choices, a log-probability per token, k alternatives each
+        chunks = await collect(_req(token_ids=list(range(1, 41)), sampling={"n": 2, "seed": 5, "temperature": 1.0},
+                                    stop={"max_tokens": 4, "ignore_eos": True}, output={"logprobs": 2}))
+        for i in range(2):
+            mine = [c for c in chunks if c["index"] == i]
+            assert sum(len(c["token_ids"]) for c in mine) == 4 and mine[-1]["finish_reason"] == "length"
+            assert all(len(c["log_probs"]) == len(c["token_ids"]) == len(c["top_logprobs"]) for c in mine)
+            assert all(len(top) == 2 and top[0]["logprob"] >= top[1]["logprob"] for c in mine for top in c["top_logprobs"])
+        usage = chunks[-1]["completion_usage"]
+        assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] == 40
+        # the same 40-token prompt again: its two full 16-token blocks come from the prefix cache
+        chunks = await collect(_req(token_ids=list(range(1, 41)), stop={"max_tokens": 2, "ignore_eos": True}))
+        assert chunks[-1]["completion_usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    try:
+        asyncio.run(main())
     finally:
         loop.stop()
         engine.close()

@@ -365,6 +365,65 @@ def test_unary_sends_one_final_response(exclude, expected):
     assert last["text_output"][0] == expected and last["num_output_tokens"][0] == 2
 
 
+def test_n_and_logprobs_come_in_sampling_parameters():
+    """As in Triton's vLLM backend: `n` and `logprobs` are sampling_parameters keys, `return_logprobs`
+    a BOOL input (k 0 unless sampling_parameters says); a bad value names where it was sent."""
+    sp = lambda d: np.array([json.dumps(d).encode()], dtype=np.object_)     # noqa: E731
+    req = parse(text_input=text("Hi"), sampling_parameters=sp({"n": "3", "logprobs": 2}))
+    assert (req.params.n, req.params.logprobs) == (3, 2)
+    req = parse(text_input=text("Hi"), return_logprobs=np.array([True]))
+    assert req.params.logprobs == 0
+    req = parse(text_input=text("Hi"), return_logprobs=np.array([True]), sampling_parameters=sp({"logprobs": 4}))
+    assert req.params.logprobs == 4
+    for doc, field in (({"n": 17}, "sampling_parameters.n"), ({"n": 0}, "sampling_parameters.n"),
+                       ({"logprobs": 21}, "sampling_parameters.logprobs"), ({"n": "x"}, "sampling_parameters.n")):
+        with pytest.raises(RequestError) as err:
+            parse(text_input=text("Hi"), sampling_parameters=sp(doc))
+        assert str(err.value).startswith(field + ":") and "\n" not in str(err.value), err.value
+
+
+class ChoiceOut(Out):
+    def __init__(self, delta, index=0, finished=False, reason=None, request_finished=None, n_out=1, cached=0,
+                 logprobs=None):
+        super().__init__(delta, finished, reason, n_out)
+        self.index, self.num_cached_tokens, self.logprobs = index, cached, logprobs
+        self.request_finished = finished if request_finished is None else request_finished
+
+
+def test_every_response_carries_the_cached_tokens():
+    rs = ResponseStream(GenerateRequest("abc", SamplingParams(), stream=True))
+    first = rs.on_output(ChoiceOut("x", cached=32))
+    assert first["num_cached_tokens"].tolist() == [32] and first["num_cached_tokens"].dtype == np.int32
+    rs = ResponseStream(GenerateRequest("abc", SamplingParams()))
+    assert rs.on_output(ChoiceOut("x", cached=16)) is None
+    assert rs.on_output(ChoiceOut("y", finished=True, reason="stop", cached=16))["num_cached_tokens"].tolist() == [16]
+
+
+def test_n_choices_are_n_shaped_tensors_and_the_last_choice_ends_the_request():
+    from runtime.sampling import TokenLogprob
+
+    params = SamplingParams(n=2, logprobs=1)
+    lp = [TokenLogprob(7, -0.5, [(7, -0.5)])]
+    rs = ResponseStream(GenerateRequest("abc", params, exclude_input_in_output=True), decode=lambda ids: f"<{ids[0]}>")
+    assert rs.on_output(ChoiceOut("a", 0, logprobs=lp)) is None
+    assert rs.on_output(ChoiceOut("b", 1, finished=True, reason="stop", request_finished=False, logprobs=lp)) is None
+    last = rs.on_output(ChoiceOut("c", 0, finished=True, reason="length", n_out=2, logprobs=lp))
+    assert last["text_output"].tolist() == [b"ac", b"b"]
+    assert last["num_output_tokens"].tolist() == [2, 1] and last["finish_reason"].tolist() == [b"length", b"stop"]
+    logprobs = [json.loads(x) for x in last["logprobs"].tolist()]
+    assert len(logprobs[0]) == 2 and len(logprobs[1]) == 1
+    assert logprobs[1][0] == {"token_id": 7, "token": "<7>", "logprob": -0.5,
+                              "top_logprobs": [{"token_id": 7, "token": "<7>", "logprob": -0.5}]}
+    stream = ResponseStream(GenerateRequest("abc", params, stream=True))
+    one = stream.on_output(ChoiceOut("b", 1, logprobs=lp))
+    assert one["text_output"].tolist() == [b"", b"b"] and one["num_output_tokens"].tolist() == [0, 1]
+    assert "finish_reason" not in one and [json.loads(x) for x in one["logprobs"].tolist()][0] == []
+    end = stream.on_output(ChoiceOut("", 0, finished=True, reason="stop", n_out=0))
+    assert end["finish_reason"].tolist() == [b"stop", b""]
+    plain = ResponseStream(GenerateRequest("abc", SamplingParams(), stream=True)).on_output(ChoiceOut("x"))
+    assert "logprobs" not in plain                             # only when asked for
+
+
 # ---- the step loop ------------------------------------------------------------------------------
 class Sink:
     def __init__(self, cancel_after: int | None = None):
@@ -386,6 +445,26 @@ class Sink:
     @property
     def text(self):
         return "".join(o.delta_text for o in self.outs)
+
+
+def test_loop_routes_every_choice_of_an_n_request_to_its_sink(tiny_dir):
+    """With n > 1 a choice's `finished` is not the request's end: the sink keeps getting the other
+    choices' outputs until `request_finished`, and each choice equals generate()'s."""
+    params = SamplingParams(max_tokens=6, n=3, temperature=1.0, seed=11, ignore_eos=True)
+    expected = {c.index: c.token_ids for c in Engine.from_dir(tiny_dir).generate(["hello there"], params)}
+    loop = EngineLoop(Engine.from_dir(tiny_dir))
+    loop.start()
+    try:
+        sink = Sink()
+        sink.on_output = lambda out: (sink.outs.append(out), out.finished and out.request_finished and sink.done.set())
+        loop.submit("hello there", params, sink)
+        assert sink.done.wait(30)
+        got = {i: [t for o in sink.outs if o.index == i for t in o.new_token_ids] for i in range(3)}
+        assert got == expected and sum(o.finished for o in sink.outs) == 3
+        assert [o.request_finished for o in sink.outs].count(True) == 1 and sink.outs[-1].request_finished
+        assert loop.num_live() == 0
+    finally:
+        loop.stop()
 
 
 def test_loop_serves_concurrent_requests_like_generate(tiny_dir):
@@ -502,6 +581,14 @@ def test_exporter_sets_gauges_and_increments_counters_by_delta():
     assert families["lookahead_output_tokens_total"].metric.value == 25.0
     assert np.isnan(families["lookahead_prefetch_hit_rate"].metric.value)
     assert families["lookahead_output_tokens_total"].metric.labels == {"model": "m"}
+    ex.update({"prefix_cache_hits": 64, "prefix_cache_queries": 100, "prefix_cache_hit_rate": 0.64,
+               "cached_blocks": 9, "cached_free_blocks": 4, "prefix_cache_evictions": 3})
+    assert families["lookahead_prefix_cache_hit_tokens_total"].metric.value == 64.0
+    assert families["lookahead_prefix_cache_query_tokens_total"].metric.value == 100.0
+    assert families["lookahead_prefix_cache_hit_rate"].metric.value == 0.64
+    assert families["lookahead_prefix_cache_blocks"].metric.value == 9.0
+    assert families["lookahead_prefix_cache_reclaimable_blocks"].metric.value == 4.0
+    assert families["lookahead_prefix_cache_evicted_blocks_total"].metric.value == 3.0
     ex.close()
 
 

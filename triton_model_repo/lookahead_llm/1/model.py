@@ -26,7 +26,7 @@ from runtime.errors import LookaheadError
 from runtime.scheduler import QueueFullError
 from serving.config_template import instance_device
 from serving.fields import TRITON_FIELDS, client_error
-from serving.loop import EngineLoop
+from serving.loop import EngineLoop, request_finished
 from serving.metrics import MetricExporter
 from serving.request import RequestLimits, ResponseStream, parse_request
 
@@ -66,7 +66,7 @@ class TritonPythonModel:
             req = None
             try:
                 req = parse_request(lambda name: _input(request, name), request.parameters(), self.limits)
-                self.loop.submit(req.prompt, req.params, _Sink(sender, req))
+                self.loop.submit(req.prompt, req.params, _Sink(sender, req, self.engine.tokenizer.decode))
             except LookaheadError as e:     # the engine's errors name its fields: this request's names
                 e = req.error(e) if req is not None else client_error(e, TRITON_FIELDS)
                 _send_error(sender, str(e), _error_code(e))
@@ -86,17 +86,19 @@ class TritonPythonModel:
 class _Sink:
     """One request's response sender, seen from the step loop (serving.loop.RequestSink)."""
 
-    def __init__(self, sender, request):
-        self.sender, self.request, self.stream = sender, request, ResponseStream(request)
+    def __init__(self, sender, request, decode=None):
+        self.sender, self.request, self.stream = sender, request, ResponseStream(request, decode)
 
     def on_output(self, out):
+        done = request_finished(out)        # with n > 1, `finished` ends one choice only
         if out.finish_reason == "abort":
-            _send_error(self.sender, "the request was cancelled", pb_utils.TritonError.CANCELLED)
+            if done:
+                _send_error(self.sender, "the request was cancelled", pb_utils.TritonError.CANCELLED)
             return
         tensors = self.stream.on_output(out)
         if tensors is not None:
             response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in tensors.items()])
-            self.sender.send(response, flags=FINAL if out.finished else 0)
+            self.sender.send(response, flags=FINAL if done else 0)
 
     def on_error(self, message):
         _send_error(self.sender, message, pb_utils.TritonError.UNAVAILABLE)
