@@ -22,11 +22,20 @@ def add_lookahead_flags(parser: argparse.ArgumentParser) -> None:
     """One `--field-name` flag per LookaheadConfig field; unset flags keep the engine's value."""
     group = parser.add_argument_group("lookahead (override engine.yaml)")
     for f in dataclasses.fields(LookaheadConfig):
-        typ = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], int)
+        typ = {"int": int, "float": float, "str": str, "bool": parse_bool}.get(str(f.type).split(" |")[0], int)
         values = f"{', '.join(VALUES[f.name])}; " if f.name in VALUES else ""
         default = "the weights' dtype" if f.name == "kv_dtype" else f.default
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=None,
                            help=f"{values}default: {default}")
+
+
+def parse_bool(text: str) -> bool:
+    """A yes/no flag's value: true/false, yes/no, on/off or 1/0 (argparse reports anything else)."""
+    value = {"true": True, "yes": True, "on": True, "1": True,
+             "false": False, "no": False, "off": False, "0": False}.get(text.strip().lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    return value
 
 
 def lookahead_overrides(args: argparse.Namespace) -> dict:

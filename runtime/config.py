@@ -151,6 +151,9 @@ class LookaheadConfig:
     kv_dtype: str | None = None    # how K/V are stored (host pool, device tier, dense pool): float32,
                                    # float16 or bfloat16 (half the bytes; attention reads them in fp32).
                                    # None: the weights' dtype (float32 for an fp32 engine)
+    prefix_caching: bool = True    # full KV blocks outlive their request in the host pool, named by a
+                                   # chained hash of their tokens; a prompt that starts with cached
+                                   # blocks prefills only the rest (runtime/prefix_cache.py)
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, "mode", f"{self.mode!r} is unknown", f"use one of {MODES}")
@@ -186,6 +189,8 @@ class LookaheadConfig:
             _check(isinstance(self.kv_dtype, str) and self.kv_dtype in KV_DTYPES, "kv_dtype",
                    f"{self.kv_dtype!r} is not a KV storage dtype" if isinstance(self.kv_dtype, str)
                    else f"must be a dtype name, got {_got(self.kv_dtype)}", f"use one of {', '.join(KV_DTYPES)}")
+        _check(isinstance(self.prefix_caching, bool), "prefix_caching",
+               f"must be true or false, got {_got(self.prefix_caching)}", "write true or false, without quotes")
 
     @property
     def fetch_cap(self) -> int:

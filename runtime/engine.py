@@ -32,10 +32,11 @@ from .model import LlamaModel, load_model
 from .observe import Observer, Observers
 from .ops import Ops, select_ops
 from .prefill_cache import PrefillCache
+from .prefix_cache import KVEvents, PrefixCache, engine_identity
 from .runner import DenseRunner
-from .sampling import SamplingParams, sample_rows
+from .sampling import SamplingParams, TokenLogprob, sample_rows, token_logprobs
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, SeqStatus
 from .transfer import TransferEngine, make_transfer_engine
 from .tokenizer import IncrementalDetokenizer, TextTokenizer
 
@@ -46,6 +47,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class RequestOutput:
+    """What one step did for one choice of a request. `finished`: this choice ended;
+    `request_finished`: the request's last choice ended (the same when n == 1)."""
+
     request_id: str
     new_token_ids: list[int]
     delta_text: str
@@ -53,6 +57,10 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    index: int = 0                          # the choice (0 .. n-1)
+    num_cached_tokens: int = 0              # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprob] | None = None    # one per new token, when the request asked
+    request_finished: bool = False
 
 
 @dataclass
@@ -65,6 +73,9 @@ class Completion:
     ttft_s: float
     total_s: float
     metrics: dict[str, Any] = field(default_factory=dict)
+    index: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -102,17 +113,35 @@ class Engine:
         check_memory(plan_memory(mcfg, config, num_host_blocks, dtype.itemsize, self.max_model_len, weights=False,
                                  device_type=self.device.type))
         self.pool = self._make_pool(n_blocks, DTYPES[config.kv_dtype])     # the KV storage dtype
-        self.allocator = BlockAllocator(n_blocks)
+        # the pool's blocks and their names (runtime/prefix_cache.py): `allocator.events` are
+        # the cache's KV events
+        self.allocator = PrefixCache(BlockAllocator(n_blocks), bs, self._identity(), config.prefix_caching)
         self.scheduler = Scheduler(self.allocator, bs, config.max_batch_size, self.max_model_len,
-                                   config.prefill_chunk, max_queue)
+                                   config.prefill_chunk, max_queue, name_decoded=config.mode == "dense")
+        self._weights_version = model.weights_version
         self.observers = Observers()          # runtime/observe.py: registered with `observe`
         self.runner = self._make_runner(transfer)
         self._ids = itertools.count()
         self._inbox: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
-        self._seqs: dict[str, Sequence] = {}
+        self._seqs: dict[str, list[Sequence]] = {}    # request id -> its choices
         self.counters = {"steps": 0, "prompt_tokens": 0, "output_tokens": 0, "finished_requests": 0,
                          "aborted_requests": 0}
+
+    def _identity(self) -> bytes:
+        """What the names of this engine's KV blocks cover: anything that changes a block's bytes
+        (the weights, their shapes and RoPE, the dtypes, the block size, and the mode, whose
+        decode writes the K/V of generated tokens)."""
+        m = self.manifest
+        weights = m.files.get("weights.safetensors") or repr(m.random_weights)
+        return engine_identity(weights=weights, model=repr(m.model.to_dict()), dtype=m.dtype,
+                               kv_dtype=self.config.kv_dtype, block_size=self.config.block_size,
+                               mode=self.config.mode, quantization=repr(m.quantization))
+
+    @property
+    def kv_events(self) -> KVEvents:
+        """The prefix cache's events (blocks stored / removed); `kv_events.subscribe(fn)`."""
+        return self.allocator.events
 
     def _make_pool(self, num_blocks: int, dtype: torch.dtype) -> KVPool:
         """Dense: the whole cache on the device. Lookahead: the host tier (pinned for a GPU); the
@@ -212,14 +241,16 @@ class Engine:
             raise RequestError("prompt", "holds token ids outside the vocabulary",
                                f"ids must be in [0, {self.manifest.model.vocab_size})")
         rid = request_id or f"req-{next(self._ids)}"
-        seq = Sequence(next(self._ids), rid, ids, params, IncrementalDetokenizer(self.tokenizer))
-        self.scheduler.check_fits(seq)
+        seqs = [Sequence(next(self._ids), rid, ids, params, IncrementalDetokenizer(self.tokenizer), index=i)
+                for i in range(params.n)]
+        self.scheduler.check_fits(seqs[0])
         with self._lock:
             if rid in self._seqs:
                 raise RequestError("request_id", f"{rid!r} is already running", "use a unique id")
-            self.scheduler.check_queue(pending=[s for k, s in self._inbox if k == "add"], seq=seq)
-            self._seqs[rid] = seq
-            self._inbox.append(("add", seq))
+            pending = [s for k, s in self._inbox if k == "add"]
+            self.scheduler.check_queue(pending=pending + seqs[1:], seq=seqs[0])
+            self._seqs[rid] = seqs
+            self._inbox += [("add", seq) for seq in seqs]
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -234,10 +265,10 @@ class Engine:
             if kind == "add":
                 self.scheduler.add(arg)        # fits and queue room were checked in add_request
             else:
-                seq = self._seqs.get(arg)
-                if seq is not None:
-                    seq.finish_reason = "abort"
-                    outs.append(self._finish(seq))
+                for seq in list(self._seqs.get(arg, ())):
+                    if seq.status != SeqStatus.FINISHED:
+                        seq.finish_reason = "abort"
+                        outs.append(self._finish(seq))
         return outs
 
     # ---- the step loop ------------------------------------------------------------------------
@@ -250,27 +281,38 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the outputs of every request that progressed or ended."""
         outs = self._drain_inbox()
+        if self._weights_version != self.model.weights_version:      # load_weights: no name holds
+            self.allocator.clear()
+            self._weights_version = self.model.weights_version
         work = self.scheduler.schedule()
         if not work:
             return outs
         self.counters["prompt_tokens"] += sum(n for s, n in work if s.in_prefill)
         logits = self.runner.run(work)
+        for seq, _ in work:                 # the blocks this step filled get their names
+            named = self.scheduler.name_full_blocks(seq)
+            if named:
+                self.runner.named(seq, named)
         if self.observers:
             self.observers.step_end(logits)
         self.counters["steps"] += 1
         self.counters["output_tokens"] += len(logits)
         emitting = [seq for seq, _ in work if seq.seq_id in logits]
-        for seq, token in zip(emitting, self._sample(emitting, logits)):
+        tokens, logprobs = self._sample(emitting, logits)
+        for seq, token, lp in zip(emitting, tokens, logprobs):
             seq.append_token(token, self.eos_ids)
+            lps = None if lp is None else [lp]
             if seq.finish_reason:
-                outs.append(self._finish(seq))
+                outs.append(self._finish(seq, lps))
             else:
-                outs.append(self._output(seq, [seq.output_ids[-1]]))
+                outs.append(self._output(seq, [seq.output_ids[-1]], lps))
         return outs
 
-    def _sample(self, emitting: list[Sequence], logits: dict[int, torch.Tensor]) -> list[int]:
+    def _sample(self, emitting: list[Sequence],
+                logits: dict[int, torch.Tensor]) -> tuple[list[int], list[TokenLogprob | None]]:
         """The step's tokens, drawn where the logits are, with the runner's pending draws (the
-        draft rows) in the same pass: one device-to-host copy of ids per step."""
+        draft rows) in the same pass: one device-to-host copy of ids per step; and the
+        log-probabilities of the sequences that asked for them (None for the others)."""
         rows = [logits[s.seq_id] for s in emitting]
         draws = [(s.params, s.noise_seed, s.num_tokens) for s in emitting]
         pending = self.runner.take_draws()
@@ -278,24 +320,37 @@ class Engine:
             rows.append(pending.logits)
             draws += pending.draws
         if not draws:
-            return []
+            return [], []
         tokens = sample_rows(torch.cat([r.view(-1, r.shape[-1]) for r in rows]), draws)
         if pending is not None:             # before any sequence finishes and frees its chain
             pending.accept(tokens[len(emitting):])
-        return tokens[: len(emitting)]
+        tokens = tokens[: len(emitting)]
+        want = [i for i, s in enumerate(emitting) if s.params.logprobs is not None]
+        logprobs: list[TokenLogprob | None] = [None] * len(emitting)
+        if want:
+            found = token_logprobs(torch.stack([rows[i] for i in want]), [tokens[i] for i in want],
+                                   [emitting[i].params.logprobs for i in want])
+            for i, lp in zip(want, found):
+                logprobs[i] = lp
+        return tokens, logprobs
 
-    def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
+    def _output(self, seq: Sequence, new_ids: list[int], logprobs: list[TokenLogprob] | None = None,
+                request_finished: bool = False) -> RequestOutput:
         return RequestOutput(seq.request_id, new_ids, seq.take_delta(), seq.finish_reason is not None,
-                             seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids))
+                             seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), seq.index,
+                             seq.num_prefix_hit, logprobs, request_finished)
 
-    def _finish(self, seq: Sequence) -> RequestOutput:
+    def _finish(self, seq: Sequence, logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         self.runner.release(seq)
         self.scheduler.finish(seq)
         self.counters["aborted_requests" if seq.finish_reason == "abort" else "finished_requests"] += 1
         with self._lock:
-            self._seqs.pop(seq.request_id, None)
+            choices = self._seqs.get(seq.request_id, [])
+            last = all(s.status == SeqStatus.FINISHED for s in choices)
+            if last:
+                self._seqs.pop(seq.request_id, None)
         new = seq.output_ids[-1:] if seq.finish_reason != "abort" else []
-        return self._output(seq, new)
+        return self._output(seq, new, logprobs if new else None, request_finished=last)
 
     def stats(self) -> dict[str, Any]:
         """Gauges and cumulative counters for monitoring (Triton's metrics endpoint reads these).
@@ -305,7 +360,8 @@ class Engine:
         (h2d_bytes, device_resident_bytes, prefetch_hit_rate, urgent_blocks, transfer_wait_s).
         """
         return {"num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
-                "free_blocks": self.allocator.num_free, **self.counters, **self.runner.stats()}
+                "free_blocks": self.allocator.num_free, **self.counters, **self.allocator.stats(),
+                **self.runner.stats()}
 
     # ---- conveniences -------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[Completion]:
@@ -313,27 +369,35 @@ class Engine:
         t0 = time.perf_counter()
         rids = [self.add_request(p, params) for p in prompts]
         seqs = {rid: self._seqs[rid] for rid in rids}
-        done: dict[str, float] = {}
-        while len(done) < len(rids):
+        done: dict[tuple[str, int], float] = {}
+        logprobs: dict[tuple[str, int], list[TokenLogprob]] = {}
+        total = sum(len(s) for s in seqs.values())
+        while len(done) < total:
             for out in self.step():
+                if out.logprobs is not None:
+                    logprobs.setdefault((out.request_id, out.index), []).extend(out.logprobs)
                 if out.finished:
-                    done[out.request_id] = time.perf_counter()
-        return [self._completion(seqs[r], t0, done[r]) for r in rids]
+                    done[out.request_id, out.index] = time.perf_counter()
+        return [self._completion(s, t0, done[r, s.index], logprobs.get((r, s.index)))
+                for r in rids for s in seqs[r]]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Generate one request, yielding its outputs as they come (drives the step loop itself)."""
+        """Generate one request, yielding its outputs as they come (drives the step loop itself;
+        with n > 1 the choices' outputs interleave, `index` tells them apart)."""
         rid = self.add_request(prompt, params)
         while True:
             for out in self.step():
                 if out.request_id == rid:
                     yield out
-                    if out.finished:
+                    if out.request_finished:
                         return
 
-    def _completion(self, seq: Sequence, t0: float, t_end: float) -> Completion:
+    def _completion(self, seq: Sequence, t0: float, t_end: float,
+                    logprobs: list[TokenLogprob] | None = None) -> Completion:
         ttft = (seq.first_token_time or t_end) - t0
         return Completion(seq.request_id, seq.text, list(seq.output_ids), seq.finish_reason,
-                          len(seq.prompt_ids), ttft, t_end - t0, dict(seq.metrics))
+                          len(seq.prompt_ids), ttft, t_end - t0, dict(seq.metrics), seq.index,
+                          seq.num_prefix_hit, logprobs)
 
 
 def clamp_top_k(cfg: LookaheadConfig, max_model_len: int) -> LookaheadConfig:

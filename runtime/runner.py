@@ -43,6 +43,10 @@ class DenseRunner:
     def release(self, seq: Sequence) -> None:
         """Nothing per sequence to free beyond its blocks (the scheduler frees those)."""
 
+    def named(self, seq: Sequence, named: list[tuple[int, int]]) -> None:
+        """Nothing to keep beside a named block: its K/V are in the pool, and sparse mode's
+        summaries are per pool block already (runtime/sparse.py)."""
+
     def take_draws(self) -> None:
         """Dense mode draws only the emitted rows."""
         return None

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .device import host_list, to_device
+from .device import host_list, to_device, to_host
 from .errors import RequestError
 
 _M64 = (1 << 64) - 1
+MAX_N = 16                  # choices per request
+MAX_LOGPROBS = 20           # alternatives per token (OpenAI's top_logprobs bound)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -31,6 +33,9 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1                        # choices of one prompt: one prefill, n sequences on its blocks
+    logprobs: int | None = None       # None: off; k: each output token's log-probability and its k
+                                      # most likely alternatives (of the model's raw logits)
 
     def __post_init__(self) -> None:
         def bad(name: str, problem: str, fix: str) -> None:
@@ -48,6 +53,12 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not INT64_MIN <= self.seed <= INT64_MAX):
             bad("seed", f"must be a 64-bit signed integer, got {self.seed!r}", "or omit it")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}", "1 returns one choice")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}",
+                "0 returns the chosen tokens' log-probabilities, k also the k most likely alternatives")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
@@ -115,6 +126,32 @@ def sample_rows(logits: torch.Tensor, draws: list[tuple[SamplingParams, int, int
             z = filtered_logits(logits[i], draws[i][0])
             tokens[i] = torch.argmax(z + noise[row])
     return host_list(tokens, "sampled token ids")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability under the model (log_softmax of its raw logits, fp32),
+    and the `k` most likely tokens there, most likely first: [(token_id, logprob)]."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """logits [N, vocab] (any device), the token drawn from each row and how many alternatives
+    each row wants -> one TokenLogprob per row (one copy to the host for all rows)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    k = max(ks)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0]
+    top_v, top_i = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    host = to_host(torch.cat([chosen[:, None], top_v, top_i.to(logp.dtype)], 1), "logprobs").tolist()
+    out = []
+    for row, (tok, want) in enumerate(zip(tokens, ks)):
+        vals = host[row]
+        top = [(int(vals[1 + k + j]), vals[1 + j]) for j in range(want)]
+        out.append(TokenLogprob(tok, vals[0], top))
+    return out
 
 
 @dataclass

@@ -2,8 +2,16 @@
 
 Each step decodes one token for every running sequence whose prompt is in the cache, and spends
 up to `prefill_chunk` tokens on prompts, so running streams keep flowing while new ones join.
-A sequence is admitted only when the allocator can reserve every block it may ever need; until then
+A sequence is admitted only when the pool can reserve every block it may ever need; until then
 it waits in a bounded queue. One that can never fit is rejected by `check_fits` at once.
+
+Prefix caching (runtime/prefix_cache.py): at admission the prompt's full blocks are looked up by
+name; the cached prefix is shared (no block reserved for it, `num_cached` starts past it) and only
+the rest is prefilled. At least the prompt's last token is always computed: its logits are the
+first token's. Cached blocks that no sequence holds count as room (they are evicted, oldest first,
+when needed). A prompt whose next block a running prefill is computing right now waits for it
+(e.g. the `n` choices of one request: one prefill, then n sequences on its blocks). After each
+step, `name_full_blocks` names the blocks a sequence has filled.
 
 Admission control (`check_queue`) counts what would really wait: of the requests waiting, those
 still in the engine's inbox and the new one, in arrival order, the ones the next admission can
@@ -14,8 +22,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable
 
-from .block_manager import BlockAllocator, blocks_needed
+from .block_manager import blocks_needed
 from .errors import CapacityError
+from .prefix_cache import PrefixCache, chain_hashes
 from .sequence import Sequence, SeqStatus
 
 
@@ -24,9 +33,13 @@ class QueueFullError(CapacityError):
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_batch_size: int,
-                 max_model_len: int, prefill_chunk: int, max_queue: int = 256):
-        self.allocator, self.block_size = allocator, block_size
+    def __init__(self, allocator: PrefixCache, block_size: int, max_batch_size: int,
+                 max_model_len: int, prefill_chunk: int, max_queue: int = 256, name_decoded: bool = True):
+        """allocator: the pool's blocks and their names. name_decoded: blocks filled by decoding
+        are named too (dense mode, whose decode computes K/V as prefill does); else only blocks
+        of the prompt (sparse and lookahead decode attend to a selection: their K/V are not
+        what a prefill of the same tokens would store)."""
+        self.allocator, self.block_size, self.name_decoded = allocator, block_size, name_decoded
         self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
         self.prefill_chunk, self.max_queue = prefill_chunk, max_queue
         self.waiting: deque[Sequence] = deque()
@@ -92,13 +105,65 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            need = self._need(seq)
-            if not self.allocator.can_allocate(need):
+            hit = self._match(seq)
+            if self._prefilling_next(seq, len(hit)):
+                break                      # its next block is being computed: share it when named
+            need = self._need(seq) - len(hit)
+            reclaimed = sum(b in self.allocator.reclaimable for b in hit)   # taken by `share` below
+            if need > self.allocator.num_free - reclaimed:
                 break                      # FIFO: later requests do not overtake a waiting one
             self.waiting.popleft()
-            seq.block_table = self.allocator.allocate(need)
+            self.allocator.share(hit)
+            seq.block_table = hit + self.allocator.allocate(need)
+            seq.num_cached = seq.num_prefix_hit = len(hit) * self.block_size
+            seq.num_named = len(hit)
+            self.allocator.note_lookup(len(seq.prompt_ids), seq.num_prefix_hit)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+
+    def _match(self, seq: Sequence) -> list[int]:
+        """The cached blocks the prompt starts with; the block of its last token is never among
+        them (that token is computed for its logits)."""
+        if not self.allocator.enabled:
+            return []
+        usable = (len(seq.prompt_ids) - 1) // self.block_size
+        self._extend_hashes(seq, usable)
+        return self.allocator.match(seq.block_hashes[:usable])
+
+    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        """Name the sequence's first `num_blocks` blocks (those not named yet; tokens known)."""
+        known = len(seq.block_hashes)
+        if known < num_blocks:
+            tokens = seq.all_token_ids[known * self.block_size: num_blocks * self.block_size]
+            parent = seq.block_hashes[-1] if known else None
+            seq.block_hashes += chain_hashes(tokens, self.block_size, self.allocator.identity, parent=parent)
+
+    def _prefilling_next(self, seq: Sequence, num_hit: int) -> bool:
+        """Is a running prefill computing the block after the cached prefix right now?"""
+        usable = (len(seq.prompt_ids) - 1) // self.block_size
+        if not self.allocator.enabled or num_hit >= usable:
+            return False
+        nxt = seq.block_hashes[num_hit]
+        return any(s.in_prefill and nxt in s.block_hashes[s.num_named:] for s in self.running)
+
+    def name_full_blocks(self, seq: Sequence) -> list[tuple[int, int]]:
+        """After a step: name the blocks `seq` has filled since the last call. Returns (logical
+        block, block id) of those named now (a name already cached keeps its own block)."""
+        if not self.allocator.enabled:
+            return []
+        limit = seq.num_cached if self.name_decoded else min(seq.num_cached, len(seq.prompt_ids))
+        full = limit // self.block_size
+        if full <= seq.num_named:
+            return []
+        self._extend_hashes(seq, full)
+        first, bs = seq.num_named, self.block_size
+        ids = seq.block_table[first:full]
+        named = self.allocator.register(ids, seq.block_hashes[first:full],
+                                        seq.block_hashes[first - 1] if first else None,
+                                        seq.all_token_ids[first * bs: full * bs])
+        seq.num_named = full
+        logical = {b: first + i for i, b in enumerate(ids)}
+        return [(logical[b], b) for b in named]
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """Work for one step: (sequence, number of new tokens to run)."""

@@ -35,9 +35,17 @@ class Sequence:
     noise_seed: int = 0                 # keys the sampling noise (runtime/sampling.py): the request's
                                         # seed, or a random one drawn at arrival
     metrics: dict = field(default_factory=dict)   # filed by the runner when the sequence ends
+    index: int = 0                      # which of the request's `n` choices this is
+    num_prefix_hit: int = 0             # prompt tokens whose K/V came from the prefix cache
+    block_hashes: list[int] = field(default_factory=list)   # names of its full blocks, in order
+                                        # (runtime/prefix_cache.py), as far as they are known
+    num_named: int = 0                  # full blocks offered to the prefix cache so far
 
     def __post_init__(self) -> None:
-        self.noise_seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
+        # choice i of a seeded request draws from seed + i: n samples of one prompt differ, and
+        # each is reproducible
+        seed = self.params.seed
+        self.noise_seed = seed + self.index if seed is not None else secrets.randbits(63)
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +59,10 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         return self.num_cached < len(self.prompt_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_ids)

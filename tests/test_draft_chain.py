@@ -56,7 +56,7 @@ def test_seeded_sampling_emits_the_same_tokens_dense_and_lookahead(tiny_dir, top
 def test_predecoding_stores_nothing_and_emits_nothing(tiny_dir):
     eng = Engine.from_dir(tiny_dir, **SMALL, top_k=3)
     rid = eng.add_request(prompts(90)[0], SamplingParams(max_tokens=8, ignore_eos=True))
-    seq = eng._seqs[rid]
+    seq = eng._seqs[rid][0]
     while not seq.output_ids:                       # prefill: the first token comes from the prompt
         eng.step()
     cached = seq.num_cached

@@ -84,7 +84,7 @@ def test_queue_count_follows_free_blocks_in_arrival_order(tiny_dir):
 
     def seq(n_tokens, max_tokens):
         rid = engine.add_request([3] * n_tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        return engine._seqs[rid]
+        return engine._seqs[rid][0]
     big = seq(40, 8)                    # 48 tokens: 3 blocks
     small = seq(10, 6)                  # 1 block: fits after big
     # Known sizes: big and small start (4 blocks), a third 1-block request would wait.

@@ -40,7 +40,7 @@ from .metrics import LookaheadMetrics
 from .policies import make_policy
 from .residency import ResidencyManager
 from .step_plan import DecodePart, PrefillPart, StepPlan
-from .summaries import BlockSummaries
+from .summaries import BlockSummaries, SummaryStore
 
 ROWS = {2: ("real", "draft"), 1: ("real",)}     # the query rows of a decode lane (Observer.on_scores)
 
@@ -67,6 +67,9 @@ class LookaheadAttention:
         self.metrics = LookaheadMetrics(mcfg.num_layers, num_lanes, device=device)
         self.residency = ResidencyManager(cfg, policy, mcfg.num_layers, num_lanes, self.kvh, max_blocks, pool,
                                           self.tier, transfer, self.metrics, self.observers, device)
+        # the summaries of named (cached) blocks, for sequences that share them (prefix caching)
+        self.store = (SummaryStore(mcfg.num_layers, pool.num_blocks, self.kvh, self.hd)
+                      if cfg.prefix_caching else None)
         self.step_idx = 0
         self.plan: StepPlan | None = None       # the current step's (read only)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # decode rows, stored at end_step
@@ -96,8 +99,25 @@ class LookaheadAttention:
         return self.working_set_bytes_per_lane() + self.summary_bytes(self.max_blocks * self.layout.block_size)
 
     # ---- lanes and steps ----------------------------------------------------------------------------
-    def attach(self, lane: int, block_table: list[int]) -> None:
+    def attach(self, lane: int, block_table: list[int], num_cached: int = 0, prompt_len: int = 0) -> None:
+        """A new sequence on `lane`. num_cached: its prompt's first tokens already in the host pool
+        (a prefix-cache hit, whole blocks): their summaries come from the store, and the policy
+        restores what of them the device tier keeps (resident: the sink and the blocks of the
+        prompt's last window); its prefill computes the rest."""
         self.residency.attach(lane, block_table)
+        blocks = num_cached // self.layout.block_size
+        if blocks:
+            logical = list(range(blocks))
+            self.store.load(self.summaries, lane, logical, block_table[:blocks])
+            lay = self.layout
+            kept = [b for b in logical if b < lay.num_sink or b >= lay.window_start(prompt_len)]
+            self.residency.policy.restore(self.residency, lane, kept)
+
+    def save_named(self, lane: int, named: list[tuple[int, int]]) -> None:
+        """The lane's newly named blocks [(logical, pool block)] keep their summaries in the store."""
+        if self.store is not None and named:
+            logical, blocks = zip(*named)
+            self.store.save(self.summaries, lane, list(logical), list(blocks))
 
     def begin_step(self, plan: StepPlan) -> None:
         # the last step's stored rows land in the host pool before anything of this step reads it

@@ -8,12 +8,14 @@ points of the step (runtime/lookahead/residency.py) and it never branches on the
     on_predict               capped admission, copies queued    - (the prediction waits for the refill)
     after_layer(l)           -                                  refill layer l + lead into l's buffer
     store (end of step)      write sink/window rows through     - (re-copied at every refill)
+    restore (cache hit)      copy the cached sink/window in     - (re-copied at every refill)
 """
 from __future__ import annotations
 
 import torch
 
 from ..config import LookaheadConfig
+from ..device import to_device
 from ..transfer import CopyJob
 from .device_tier import DeviceTier
 from .layout import num_buffers
@@ -54,6 +56,26 @@ class ResidentPolicy:
         w = p.write_through
         tier.write_through(layers, ks[:, w], vs[:, w], p.real_lanes[w], p.real_logical[w], p.batch.slot_offsets[w])
 
+    def restore(self, mgr, lane: int, logical: list[int]) -> None:
+        """A prefix-cache hit: the lane's sink/window blocks that its prefill will not store
+        (`logical`, already in the host pool) are copied into their slots, every layer, by the
+        transfer engine; the lane's first decode step waits for them (prefetched blocks in the
+        metrics: they are bytes moved host to device)."""
+        if not logical:
+            return
+        kvh, lay = mgr.tier.kvh, mgr.tier.layout
+        n = len(logical) * kvh
+        host = [mgr.lane_host_block(lane, b) for b in logical for _ in range(kvh)]
+        heads = list(range(kvh)) * len(logical)
+        slots = [lay.device_slot(b) for b in logical for _ in range(kvh)]
+        host, heads, slots, lanes = to_device(mgr.tier.k.device, *(torch.tensor(t, dtype=torch.long)
+                                                                  for t in (host, heads, slots, [lane] * n)))
+        for layer in range(self.num_buffers):
+            job = CopyJob(*mgr.pool_views[layer], *mgr.tier.views[layer], (host, heads), (lanes, heads, slots),
+                          tag=(mgr.step_idx, layer, "restore"))
+            mgr.metrics.add_blocks(False, lanes)
+            mgr.tickets.setdefault(layer, []).append(mgr.send(job))
+
 
 class PingPongPolicy:
     """DualDecoder: `lead` layer buffers; layer l reads buffer l % lead, which is refilled with
@@ -80,6 +102,9 @@ class PingPongPolicy:
             self.refill(mgr, layer + self.lead, d)            # this buffer is free again
 
     def store(self, tier: DeviceTier, layers: slice, ks: torch.Tensor, vs: torch.Tensor, p: StepPlan) -> None:
+        pass
+
+    def restore(self, mgr, lane: int, logical: list[int]) -> None:
         pass
 
     @staticmethod

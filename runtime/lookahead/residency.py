@@ -190,6 +190,7 @@ class ResidencyManager:
         self.seeded_host = [[False] * num_lanes for _ in range(num_layers)]   # the same, kept by the host
         self.lane_blocks = torch.full((num_lanes, max_blocks), -1, **long)  # logical -> host block
         self.tickets: dict[int, list[Ticket]] = {}                        # layer -> copies it must wait for
+        self._tables: dict[int, list[int]] = {}                           # lane -> its block table (host)
         self.pool_views = [pool.by_block(layer) for layer in range(num_layers)]   # copy-job sources
         self.step_idx = 0
         self.layout = tier.layout
@@ -200,12 +201,17 @@ class ResidencyManager:
         table = torch.full((self.max_blocks,), -1, dtype=torch.long)
         table[: len(block_table)] = torch.tensor(block_table[: self.max_blocks], dtype=torch.long)
         self.lane_blocks[lane] = to_device(self.lane_blocks.device, table)[0]     # built on the host, moved once
+        self._tables[lane] = list(block_table)
         self.slots.reset_lane(lane)
         self.pred[:, lane] = -1
         self.has_pred[:, lane] = False
         self.seeded[:, lane] = False
         for row in self.seeded_host:
             row[lane] = False
+
+    def lane_host_block(self, lane: int, logical: int) -> int:
+        """The host pool block of a lane's logical block (the block table the lane was attached with)."""
+        return self._tables[lane][logical]
 
     def note_context(self, context_len: int) -> None:
         """A query at `context_len` tokens picks among its candidates: raise the bound `most`."""

@@ -58,8 +58,15 @@ class LookaheadRunner:
             lane = min(self.free_lanes)          # low lanes first: the computed lane range stays small
             self.free_lanes.remove(lane)
             self.lanes[seq.seq_id] = lane
-            self.attn.attach(lane, seq.block_table)
+            self.attn.attach(lane, seq.block_table, seq.num_prefix_hit, len(seq.prompt_ids))
         return self.lanes[seq.seq_id]
+
+    def named(self, seq: Sequence, named: list[tuple[int, int]]) -> None:
+        """The sequence's blocks just named by the prefix cache [(logical, pool block)]: their
+        summaries go to the store with them."""
+        lane = self.lanes.get(seq.seq_id)
+        if lane is not None:
+            self.attn.save_named(lane, named)
 
     def release(self, seq: Sequence) -> None:
         """Free the sequence's lane and file its per-request metrics on it."""

@@ -2,6 +2,9 @@
 Quest scoring of queries against them.
 
 One table per layer, indexed by (lane, logical block): `[num_layers, lanes * max_blocks, KVH, D]`.
+With prefix caching, a cached block's summaries are kept with it (`SummaryStore`, host memory,
+indexed by pool block): saved when the block is named, loaded into the lane of a sequence that
+shares the block, so a cached prefix is scored without recomputing anything.
 The summaries are float32 whatever the KV storage dtype: min/max are taken over the keys as the
 pool stores them (rounded into `kv_dtype`), upcast to fp32, so a block's bound covers exactly the
 keys attention will read. At fp32 storage nothing is cast or copied.
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device import to_device, to_host
 from ..ops import Ops
 
 DTYPE = torch.float32
@@ -59,3 +63,28 @@ class BlockSummaries:
         if k_sel < top_k:
             idx = torch.nn.functional.pad(idx, (0, top_k - k_sel), value=-1)
         return idx, scores
+
+
+class SummaryStore:
+    """The summaries of the pool's named blocks: kmin/kmax `[num_layers, num_pool_blocks, KVH, D]`
+    fp32 in host memory, beside the host pool (a block's entry is valid while it has its name)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int):
+        shape = (num_layers, num_blocks, num_kv_heads, head_dim)
+        self.kmin = torch.zeros(shape, dtype=DTYPE)
+        self.kmax = torch.zeros(shape, dtype=DTYPE)
+
+    def save(self, summaries: BlockSummaries, lane: int, logical: list[int], blocks: list[int]) -> None:
+        """Lane `lane`'s summaries of its logical blocks -> the store's entries of pool `blocks`."""
+        rows = torch.tensor(logical, dtype=torch.long, device=summaries.device) + lane * summaries.max_blocks
+        ids = torch.tensor(blocks, dtype=torch.long)
+        for mine, theirs in ((self.kmin, summaries.kmin), (self.kmax, summaries.kmax)):
+            mine[:, ids] = to_host(theirs[:, rows], "prefix cache: a named block's summaries")
+
+    def load(self, summaries: BlockSummaries, lane: int, logical: list[int], blocks: list[int]) -> None:
+        """The store's entries of pool `blocks` -> lane `lane`'s summaries of its logical blocks."""
+        rows = torch.tensor(logical, dtype=torch.long) + lane * summaries.max_blocks
+        ids = torch.tensor(blocks, dtype=torch.long)
+        rows, = to_device(summaries.device, rows)
+        for mine, theirs in ((self.kmin, summaries.kmin), (self.kmax, summaries.kmax)):
+            theirs[:, rows] = to_device(summaries.device, mine[:, ids])[0]
