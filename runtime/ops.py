@@ -8,7 +8,8 @@ attention and summaries) reads its ops from the engine's `Ops`, never from a mod
 the choice follows the device the tensors live on: on CPU the ops' implementations are called
 directly (`plugins.direct`: a `torch.ops` dispatch costs about what a decode-size op computes
 in), on CUDA through `torch.ops.lookahead`, whose CUDA key `plugins.cuda` registers its kernels
-for. `checked=True` gives the argument-checking wrappers (`plugins.<op>`) on the same arguments,
+for: `select_ops` for a CUDA device is where that happens (`plugins.ensure_cuda_kernels()`, once
+per process; importing `plugins` compiles nothing). `checked=True` gives the argument-checking wrappers (`plugins.<op>`) on the same arguments,
 for tests. A test may pass an `Ops` of its own (e.g. one that records or checks every argument).
 
 A weight-only int8 engine (`quantized=True`) gets a `linear` that also takes an `Int8Weight`
@@ -24,7 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-import plugins  # registers torch.ops.lookahead.*
+import plugins  # defines torch.ops.lookahead.* (no CUDA build: select_ops registers the kernels)
 from plugins import cpu
 
 
@@ -66,7 +67,10 @@ def quantized_linear(dense: Callable, int8: Callable) -> Callable:
 
 def select_ops(device: torch.device, dtype: torch.dtype, checked: bool = False, quantized: bool = False) -> Ops:
     """The ops for tensors of `dtype` on `device`. checked: the validating wrappers (tests).
-    quantized: the model holds int8 weights (`Int8Weight`), which `linear` must also take."""
+    quantized: the model holds int8 weights (`Int8Weight`), which `linear` must also take.
+    On a CUDA device the first call of a process builds (or loads) and registers the CUDA kernels."""
+    if device.type == "cuda":
+        plugins.ensure_cuda_kernels()
     # plugins.cpu.linear runs its C kernel for a decode step's few fp32 rows and is F.linear
     # otherwise; on a GPU F.linear is cuBLAS
     linear = cpu.linear if device.type == "cpu" and dtype == torch.float32 else F.linear

@@ -23,8 +23,8 @@ from plugins.reference import lookahead_attention_ref
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_kernel_check as gkc  # noqa: E402
 
-LAUNCHERS = {"lookahead_kv_block_gather", "lookahead_kv_block_topk", "lookahead_kv_update_summaries",
-             "lookahead_kv_attention", "lookahead_kv_attention_workspace_size"}
+LAUNCHERS = {"lookahead_kv_block_gather", "lookahead_kv_block_topk", "lookahead_kv_block_topk_strided",
+             "lookahead_kv_update_summaries", "lookahead_kv_attention", "lookahead_kv_attention_workspace_size"}
 CASES = [(fn, case) for fn, cases in numerics.SMALL_CASES.items() for case in cases]
 CASE_IDS = [f"{fn.__name__.removeprefix('check_')}-{case}" for fn, case in CASES]
 
@@ -78,12 +78,22 @@ def test_no_kernel_spills_registers(compiled):
 
 # --- the torch extension's build flags (nvcc and the host compiler, no GPU) ------------------
 
+def _torch_cxx_standard() -> str:
+    """The -std=... torch's cpp_extension passes by default (what its headers need)."""
+    import inspect
+    import re
+    from torch.utils import cpp_extension
+    found = re.findall(r"-std=c\+\+\d+", inspect.getsource(cpp_extension))
+    assert found, "torch.utils.cpp_extension names no -std=c++NN"
+    return max(found, key=lambda f: int(f.rsplit("+", 1)[1]))
+
+
 def _torch_extension_flags():
     """What `torch.utils.cpp_extension.load` (plugins/cuda/loader.py) passes for this extension
     with TORCH_CUDA_ARCH_LIST=9.0, as scripts/gpu_check.sh sets it: torch's common nvcc flags
     (no implicit half/bfloat16 conversions, relaxed constexpr), the sm_90 gencode, -fPIC, the
-    extension's defines and include paths, then the loader's own flags (which come last, so its
-    -std wins over torch's default, as in the real build)."""
+    extension's defines and include paths, then the loader's own flags (no -std among them: the
+    C++ standard is torch's own default, as in the real build)."""
     from torch.utils import cpp_extension
     from plugins.cuda import loader
 
@@ -91,9 +101,10 @@ def _torch_extension_flags():
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     includes = [f"-I{loader.KERNEL_DIR}", *(f"-I{p}" for p in cpp_extension.include_paths()),
                 f"-I{sysconfig.get_paths()['include']}"]
+    std = _torch_cxx_standard()
     nvcc_flags = [*defines, *includes, *cpp_extension.COMMON_NVCC_FLAGS, "-gencode=arch=compute_90,code=sm_90",
-                  "--compiler-options", "-fPIC", *loader.CUDA_FLAGS]
-    cxx_flags = [*defines, *includes, "-fPIC", "-std=c++20", "-O3", "-std=c++17"]
+                  "--compiler-options", "-fPIC", std, *loader.CUDA_FLAGS]
+    cxx_flags = [*defines, *includes, "-fPIC", std, *loader.CXX_FLAGS]
     return loader, nvcc_flags, cxx_flags
 
 
@@ -275,3 +286,52 @@ def test_loader_claims_the_cuda_dispatch_key(monkeypatch):
     loader.register_cuda_kernels.__wrapped__()   # bypass the once-per-process cache
     for name in loader.KERNELS:
         assert "\nCUDA: registered" in torch._C._dispatch_dump(f"lookahead::{name}")
+
+
+class _RecordingExtension:
+    """A stand-in for the extension: records what the loader's wrappers hand each entry point."""
+
+    def __init__(self):
+        self.calls = []
+
+    def block_topk_out(self, q, kmin, kmax, valid, k, group_max, indices, scores):
+        self.calls.append(("block_topk", kmin, kmax))
+
+    def update_summaries(self, kmin, kmax, keys, block_ids, block_offsets):
+        self.calls.append(("update_summaries", keys))
+
+    def lookahead_attention_out(self, q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale, out):
+        self.calls.append(("lookahead_attention", k, v, k_extra, v_extra))
+
+
+def test_loader_reads_summary_views_in_place_and_widens_kv_storage(monkeypatch):
+    """The CUDA wrappers (the CUDA key of torch.ops.lookahead) pass the runtime's [:lanes, :blocks]
+    summary views to the top-K kernel as they are (no per-layer copy), copy only a layout the kernel
+    cannot stride through, and widen 16-bit KV storage under fp32 queries (the kernels read one dtype)."""
+    from plugins.cuda import loader
+    ext = _RecordingExtension()
+    monkeypatch.setattr(loader, "load_extension", lambda: ext)
+    table = torch.randn(4, 10, 2, 64)                     # [lanes, max_blocks, KVH, D]
+    kmin, kmax = table[:3, :7], (table + 1)[:3, :7]       # the view the runtime scores
+    assert not kmin.is_contiguous()
+    q, valid = torch.randn(3, 4, 64), torch.ones(3, 7, dtype=torch.bool)
+    loader._block_topk(q, kmin, kmax, valid, 2)
+    _, got_min, got_max = ext.calls[-1]
+    assert got_min.data_ptr() == kmin.data_ptr() and got_min.stride() == kmin.stride()
+    assert got_max.data_ptr() == kmax.data_ptr()
+    dims_last = torch.randn(3, 7, 64, 2).transpose(2, 3)  # [3, NB, KVH, D] with D strided: not readable in place
+    loader._block_topk(q, dims_last, dims_last, valid, 2)
+    assert ext.calls[-1][1].is_contiguous() and ext.calls[-1][1].data_ptr() != dims_last.data_ptr()
+    torch.testing.assert_close(ext.calls[-1][1], dims_last, rtol=0, atol=0)
+
+    keys = torch.randn(5, 2, 64, dtype=torch.bfloat16)
+    loader._update_summaries(torch.zeros(8, 2, 64), torch.zeros(8, 2, 64), keys, torch.zeros(5, dtype=torch.long),
+                             torch.arange(5))
+    assert ext.calls[-1][1].dtype == torch.float32 and torch.equal(ext.calls[-1][1], keys.float())
+    q = torch.randn(1, 2, 4, 64)
+    k = torch.randn(1, 2, 6, 64, dtype=torch.float16)
+    extra = torch.randn(1, 2, 2, 64, dtype=torch.float16)
+    loader._lookahead_attention(q, k, k, torch.ones(1, 2, 6, dtype=torch.bool), extra, extra,
+                                torch.ones(1, 2, 2, dtype=torch.bool), 0.125)
+    assert all(t.dtype == torch.float32 for t in ext.calls[-1][1:])
+    assert torch.equal(ext.calls[-1][1], k.float())

@@ -1,11 +1,25 @@
 """Build the CUDA kernels as a torch extension and make them the CUDA kernels of `torch.ops.lookahead.*`.
 
-`plugins/__init__.py` calls `register_cuda_kernels()` once, and only when
-`torch.cuda.is_available()`; importing this module is safe anywhere (it touches no CUDA API).
+Nothing here runs at import: `plugins.ensure_cuda_kernels()` calls `register_cuda_kernels()` once
+per process, where an engine selects its ops for a CUDA device (`runtime.ops.select_ops`) or the
+CUDA transfer engine starts, and only when `torch.cuda.is_available()`. Importing this module
+touches no CUDA API and compiles nothing.
+
 The extension is built from the same `.cu` files as `scripts/compile_kernels.sh` and the
-TensorRT plugins, with `torch.utils.cpp_extension.load`, once per process and cached on disk
-(`$LOOKAHEAD_CUDA_BUILD_DIR`, default `build/torch_ext/` in the repository), so only the first
-process on a machine pays the ~1 minute compile.
+TensorRT plugins, with `torch.utils.cpp_extension.load`, cached on disk (`$LOOKAHEAD_CUDA_BUILD_DIR`,
+default `build/torch_ext/` in the repository): the first process on a machine pays the compile
+(15-25 s on 16 cores), later ones a ninja no-op. The C++ standard is torch's own (its
+`cpp_extension` default, e.g. C++20 in torch 2.13: newer headers need it), never forced here.
+
+Building ahead (what `scripts/gpu_check.sh` does as the first step of its kernels stage)::
+
+    python -m plugins.cuda.loader build [--dry-run]
+
+removes a stale lock (`build/torch_ext/lock`, which torch <= 2.13 leaves behind when a build is
+killed, and on which every later build then waits forever), builds, and records the module's
+path in `prebuilt.json`. With `LOOKAHEAD_CUDA_PREBUILT=1` a process imports that module directly
+(no ninja, no lock, no compile) and, when there is none, fails at once (the torch implementations
+then serve CUDA tensors) instead of compiling in the middle of a timed stage.
 
 Pinned host memory. The transfer engine reads blocks straight from the host KV pool with::
 
@@ -15,14 +29,24 @@ Pinned host memory. The transfer engine reads blocks straight from the host KV p
 The dispatcher picks the CUDA kernel because one argument (``block_ids``) is a CUDA tensor; the
 kernel reads the pool through its device-mapped (UVA) address with 16-byte loads, on the current
 stream, and returns ``out`` on ``block_ids``' device. The host pool must be contiguous and pinned
-(``pin_memory()`` or ``torch.empty(..., pin_memory=True)``). The public wrapper
+(``pin_memory()``, ``torch.empty(..., pin_memory=True)`` or ``cudaHostRegister``). The public wrapper
 ``plugins.block_gather`` checks that src and block_ids share a device, so this mixed-device call
-goes through ``torch.ops`` directly (the runtime's transfer engine is its one caller).
+goes through ``torch.ops`` directly (the runtime's transfer engine is its one caller). An id of
+-1 gives a zero row and reads nothing (the fixed-capacity lists' unused entries).
+
+Dtypes. The kernels read one dtype per call (the bindings refuse anything else). The wrappers
+here take the KV-storage pairs of plugins/CONTRACTS.md (16-bit K/V under fp32 queries, 16-bit
+keys into fp32 summaries) and widen the 16-bit inputs first (a copy).
 """
 from __future__ import annotations
 
+import argparse
 import functools
+import importlib.util
+import json
 import os
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,11 +55,18 @@ KERNEL_DIR = Path(__file__).resolve().parent
 SOURCES = ("block_gather.cu", "block_topk.cu", "update_summaries.cu", "lookahead_attention.cu",
            "torch_bindings.cpp")
 EXTENSION_NAME = "lookahead_kv_cuda"
-# As in scripts/compile_kernels.sh; torch adds the arch of the visible GPU (or
-# TORCH_CUDA_ARCH_LIST) and its no-implicit-half-conversion defines.
-CUDA_FLAGS = ("-O3", "-std=c++17")
+# As in scripts/compile_kernels.sh, less its -std: torch adds its own C++ standard (the one its
+# headers need), the arch of the visible GPU (or TORCH_CUDA_ARCH_LIST) and its
+# no-implicit-half-conversion defines.
+CUDA_FLAGS = ("-O3",)
+CXX_FLAGS = ("-O3",)
 # Head dims the attention kernel is instantiated for; others use the torch implementation.
 ATTENTION_HEAD_DIMS = (64, 128, 256)
+PREBUILT_ENV = "LOOKAHEAD_CUDA_PREBUILT"
+PREBUILT_FILE = "prebuilt.json"
+# A lock older than this is a killed build's (a real one takes well under a minute on the GPU
+# machine); load_extension removes it rather than wait on it forever.
+STALE_LOCK_S = 900
 
 
 def build_dir() -> Path:
@@ -43,28 +74,94 @@ def build_dir() -> Path:
     return Path(os.environ.get("LOOKAHEAD_CUDA_BUILD_DIR", KERNEL_DIR.parents[1] / "build" / "torch_ext"))
 
 
-@functools.cache
-def load_extension():
-    """The compiled extension module (built on first call in a process, from the on-disk cache after)."""
+def lock_path() -> Path:
+    """torch.utils.cpp_extension's build lock (a FileBaton) in the build directory."""
+    return build_dir() / "lock"
+
+
+def clear_stale_lock(max_age_s: float | None = STALE_LOCK_S) -> bool:
+    """Remove the build lock when it is older than `max_age_s` (None: whatever its age, for a caller
+    that knows no build runs). True when one was removed."""
+    lock = lock_path()
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if max_age_s is not None and age < max_age_s:
+        return False
+    try:
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    print(f"plugins.cuda.loader: removed a stale build lock {lock} ({age:.0f} s old)", file=sys.stderr)
+    return True
+
+
+def _import_prebuilt():
+    """The module `build` recorded in prebuilt.json, imported from its file (no ninja, no lock)."""
+    record = build_dir() / PREBUILT_FILE
+    try:
+        path = Path(json.loads(record.read_text())["module"])
+    except (FileNotFoundError, KeyError, json.JSONDecodeError) as e:
+        raise FileNotFoundError(f"{PREBUILT_ENV}=1 but no prebuilt extension is recorded in {record} ({e}); "
+                                "run python -m plugins.cuda.loader build") from None
+    spec = importlib.util.spec_from_file_location(path.name.split(".")[0], path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the prebuilt extension {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile():
     from torch.utils import cpp_extension
 
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
+    clear_stale_lock()
+    module = cpp_extension.load(
         name=EXTENSION_NAME,
         sources=[str(KERNEL_DIR / s) for s in SOURCES],
         extra_include_paths=[str(KERNEL_DIR)],
-        extra_cflags=["-O3", "-std=c++17"],
+        extra_cflags=list(CXX_FLAGS),
         extra_cuda_cflags=list(CUDA_FLAGS),
         build_directory=str(out),
         verbose=False,
     )
+    tmp = out / f".{PREBUILT_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"module": str(Path(module.__file__).resolve()), "torch": torch.__version__}))
+    os.replace(tmp, out / PREBUILT_FILE)
+    return module
+
+
+@functools.cache
+def load_extension():
+    """The compiled extension module: the prebuilt one under `LOOKAHEAD_CUDA_PREBUILT=1`, else built
+    on the first call of a process (from the on-disk cache after)."""
+    if os.environ.get(PREBUILT_ENV) == "1":
+        return _import_prebuilt()
+    return _compile()
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """`t`, contiguous with a 16-byte-aligned start (the attention kernel moves K/V in 16-byte vectors)."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+KV_STORAGE = (torch.float16, torch.bfloat16)       # stored under fp32 queries / summaries (CONTRACTS.md)
+
+
+def _widened(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`: the KV-storage pairs widened (a copy); any other mismatch is the binding's to refuse."""
+    return t.to(dtype) if t.dtype != dtype and dtype == torch.float32 and t.dtype in KV_STORAGE else t
+
+
+def _summary_rows(t: torch.Tensor) -> bool:
+    """A [B, NB, KVH, D] summary view the top-K kernel reads in place: any batch stride, the rest dense."""
+    b, nb, kvh, d = t.shape
+    return (t.stride(3) == 1 and (kvh == 1 or t.stride(2) == d) and (nb == 1 or t.stride(1) == kvh * d)
+            and (b <= 1 or t.stride(0) >= nb * kvh * d))
 
 
 def _block_gather(src: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -85,7 +182,11 @@ def _block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: 
     B, num_blocks, num_kv_heads, _ = kmin.shape
     indices = torch.empty((B, num_kv_heads, k), dtype=torch.int64, device=q.device)
     scores = torch.empty((B, num_kv_heads, num_blocks), dtype=torch.float32, device=q.device)
-    load_extension().block_topk_out(q.contiguous(), kmin.contiguous(), kmax.contiguous(), valid.contiguous(),
+    # The summaries are read where they lie (a [:lanes, :blocks] view of the runtime's tables has a
+    # batch stride of its own): a copy only for a layout the kernel cannot stride through.
+    if not (_summary_rows(kmin) and kmin.stride() == kmax.stride()):
+        kmin, kmax = kmin.contiguous(), kmax.contiguous()
+    load_extension().block_topk_out(q.contiguous(), kmin, kmax, valid.contiguous(),
                                     k, group_score == "max", indices, scores)
     return indices, scores
 
@@ -99,7 +200,7 @@ def _update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.Tensor
         kmin.copy_(dense_min)
         kmax.copy_(dense_max)
         return
-    load_extension().update_summaries(kmin, kmax, keys.contiguous(), block_ids.contiguous(),
+    load_extension().update_summaries(kmin, kmax, _widened(keys, kmin.dtype).contiguous(), block_ids.contiguous(),
                                       block_offsets.contiguous())
 
 
@@ -110,6 +211,7 @@ def _lookahead_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_m
         from ..attention import _lookahead_attention_impl
         return _lookahead_attention_impl(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale)
     q = q.contiguous()
+    k, v, k_extra, v_extra = (_widened(t, q.dtype) for t in (k, v, k_extra, v_extra))
     out = torch.empty_like(q)
     load_extension().lookahead_attention_out(q, _aligned(k), _aligned(v), kv_mask.contiguous(), _aligned(k_extra),
                                              _aligned(v_extra), extra_mask.contiguous(), float(scale), out)
@@ -126,7 +228,7 @@ KERNELS = {
 
 @functools.cache
 def register_cuda_kernels() -> None:
-    """Build the extension (first call) and register its kernels for the CUDA dispatch key.
+    """Build (or import the prebuilt) extension and register its kernels for the CUDA dispatch key.
 
     Call only where ``torch.cuda.is_available()``; the ops must already be defined (importing
     ``plugins`` defines them). Idempotent: later calls return at once.
@@ -134,3 +236,47 @@ def register_cuda_kernels() -> None:
     load_extension()
     for name, fn in KERNELS.items():
         torch.library.register_kernel(f"lookahead::{name}", "cuda", fn)
+
+
+# ---- building ahead: python -m plugins.cuda.loader build ----------------------------------------------
+def build(dry_run: bool = False) -> int:
+    """The kernels stage's first step: remove a stale lock (no other build runs: the caller says
+    so), drop the old prebuilt record, build, record the module. 0 when built (dry run: when the
+    plan is printed), 1 when the build failed, 2 without a CUDA build of torch and a GPU."""
+    from torch.utils import cpp_extension
+
+    out = build_dir()
+    print(f"build dir {out}; sources {', '.join(SOURCES)}")
+    print(f"flags: cxx {list(CXX_FLAGS)}, nvcc {list(CUDA_FLAGS)} (+ torch's own: its C++ standard, "
+          f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', 'the visible GPU')}); "
+          f"torch {torch.__version__}, CUDA {torch.version.cuda}, CUDA_HOME {cpp_extension.CUDA_HOME}")
+    removed = clear_stale_lock(max_age_s=None)
+    print("stale lock: " + (f"removed {lock_path()}" if removed else "none"))
+    if dry_run:
+        print("dry run: nothing compiled")
+        return 0
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        print(f"no CUDA build of torch with a visible GPU here (torch {torch.__version__}): nothing to build",
+              file=sys.stderr)
+        return 2
+    (out / PREBUILT_FILE).unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    try:
+        module = _compile()
+    except Exception as e:  # noqa: BLE001 - the compiler's message is the result
+        print(f"build failed after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"built {module.__file__} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m plugins.cuda.loader", description=build.__doc__.split("\n\n")[0])
+    p.add_argument("command", choices=["build"])
+    p.add_argument("--dry-run", action="store_true", help="remove a stale lock and print the plan; compile nothing")
+    args = p.parse_args(argv)
+    return build(dry_run=args.dry_run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,7 +35,8 @@ extern "C" {
 //   block_ids  [num_kv_heads, num_ids] int64           device
 //   out        [num_kv_heads, num_ids, row_bytes]      device
 // row_bytes = block_size * head_dim * element size. 16-byte accesses when src, out and row_bytes
-// allow, narrower otherwise. An id outside [0, num_blocks) yields a zero row, never a fault.
+// allow, narrower otherwise. An id outside [0, num_blocks) (e.g. -1, an unused entry of a
+// fixed-capacity list) yields a zero row and reads nothing, never a fault.
 LOOKAHEAD_KV_API cudaError_t lookahead_kv_block_gather(void const* src, int64_t const* block_ids, void* out,
     int64_t num_blocks, int64_t num_kv_heads, int64_t num_ids, int64_t row_bytes, cudaStream_t stream);
 
@@ -50,6 +51,14 @@ LOOKAHEAD_KV_API cudaError_t lookahead_kv_block_gather(void const* src, int64_t 
 LOOKAHEAD_KV_API cudaError_t lookahead_kv_block_topk(void const* q, void const* kmin, void const* kmax,
     uint8_t const* valid, int64_t* indices, float* scores, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
     int64_t num_blocks, int64_t head_dim, int64_t k, int32_t group_max, int32_t dtype, cudaStream_t stream);
+
+// The same with the summaries' batch stride (elements between kmin[b] and kmin[b + 1], at least
+// num_blocks * num_kv_heads * head_dim when batch > 1): a view of the first blocks of a larger
+// per-sequence table is read in place. Past the batch dim the summaries are dense.
+LOOKAHEAD_KV_API cudaError_t lookahead_kv_block_topk_strided(void const* q, void const* kmin, void const* kmax,
+    uint8_t const* valid, int64_t* indices, float* scores, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+    int64_t num_blocks, int64_t head_dim, int64_t summary_batch_stride, int64_t k, int32_t group_max, int32_t dtype,
+    cudaStream_t stream);
 
 // Fold keys into per-block min/max summaries, in place, as if applied token by token: offset 0
 // resets the block's summary to the key, any other offset takes the min/max.

@@ -1,7 +1,9 @@
-// Thin torch wrappers over the C launchers: check devices and layouts, call on the current
+// Thin torch wrappers over the C launchers: check devices, layouts and dtypes, call on the current
 // stream, raise on a launch error. Outputs are passed in (the `_out` style), so the Python
 // loader allocates them and tests can poison them first. Shapes are checked by the op wrappers
-// in plugins/*.py; here only what the kernels would otherwise misread.
+// in plugins/*.py; here only what the kernels would otherwise misread: every float input of a
+// call must have the one dtype the kernel is instantiated for (q's, or the summaries'), since a
+// launcher takes a single element-type code (the loader widens 16-bit KV storage first).
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -35,6 +37,22 @@ void check_device(at::Tensor const& t, char const* name, at::Device device)
     TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+void check_dtype(at::Tensor const& t, char const* name, at::Tensor const& like, char const* like_name)
+{
+    TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have ", like_name, "'s dtype ",
+        like.scalar_type(), ", got ", t.scalar_type(), " (the kernel reads one dtype per call)");
+}
+
+// The summaries of block_topk, [B, NB, KVH, D]: read in place with their batch stride (a view of
+// the first lanes and blocks of a larger table), each (block, head) row dense.
+void check_summary_rows(at::Tensor const& t, char const* name)
+{
+    TORCH_CHECK(t.dim() == 4, name, " must be [B, NB, KVH, D]");
+    int64_t const nb = t.size(1), kvh = t.size(2), d = t.size(3);
+    TORCH_CHECK(t.stride(3) == 1 && (kvh == 1 || t.stride(2) == d) && (nb == 1 || t.stride(1) == kvh * d),
+        name, " must be dense past its batch dim (strides [*, KVH*D, D, 1]), got strides ", t.strides());
+}
+
 uint8_t const* mask_ptr(at::Tensor const& t)
 {
     TORCH_CHECK(t.scalar_type() == at::kBool, "masks must be bool, got ", t.scalar_type());
@@ -64,6 +82,7 @@ void block_gather_out(at::Tensor const& src, at::Tensor const& block_ids, at::Te
     check_device(block_ids, "block_ids", device);
     TORCH_CHECK(src.is_contiguous(), "src must be contiguous");
     TORCH_CHECK(out.is_contiguous() && out.scalar_type() == src.scalar_type(), "out must be contiguous, dtype of src");
+    TORCH_CHECK(block_ids.scalar_type() == at::kLong, "block_ids must be int64");
     int64_t const row_bytes = src.size(2) * src.size(3) * src.element_size();
     check_launch(lookahead_kv_block_gather(device_readable(src), block_ids.data_ptr<int64_t>(), out.data_ptr(),
                      src.size(0), src.size(1), block_ids.size(1), row_bytes, c10::cuda::getCurrentCUDAStream()),
@@ -75,16 +94,24 @@ void block_topk_out(at::Tensor const& q, at::Tensor const& kmin, at::Tensor cons
 {
     at::Device const device = q.device();
     c10::cuda::CUDAGuard guard(device);
-    for (auto [t, name] : {std::pair{q, "q"}, {kmin, "kmin"}, {kmax, "kmax"}, {valid, "valid"}, {indices, "indices"},
-             {scores, "scores"}})
+    for (auto [t, name] : {std::pair{q, "q"}, {valid, "valid"}, {indices, "indices"}, {scores, "scores"}})
     {
         check_device(t, name, device);
     }
+    for (auto [t, name] : {std::pair{kmin, "kmin"}, {kmax, "kmax"}})
+    {
+        TORCH_CHECK(t.device() == device, name, " must be on ", device, ", got ", t.device());
+        check_summary_rows(t, name);
+        check_dtype(t, name, q, "q");
+    }
+    TORCH_CHECK(kmin.strides() == kmax.strides(), "kmin and kmax must share strides, got ", kmin.strides(), " and ",
+        kmax.strides());
     TORCH_CHECK(indices.scalar_type() == at::kLong && scores.scalar_type() == at::kFloat,
         "indices must be int64 and scores float32");
-    check_launch(lookahead_kv_block_topk(q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), mask_ptr(valid),
+    check_launch(lookahead_kv_block_topk_strided(q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), mask_ptr(valid),
                      indices.data_ptr<int64_t>(), scores.data_ptr<float>(), q.size(0), q.size(1), kmin.size(2),
-                     kmin.size(1), q.size(2), k, group_max ? 1 : 0, dtype_code(q), c10::cuda::getCurrentCUDAStream()),
+                     kmin.size(1), q.size(2), kmin.stride(0), k, group_max ? 1 : 0, dtype_code(q),
+                     c10::cuda::getCurrentCUDAStream()),
         "block_topk");
 }
 
@@ -98,6 +125,10 @@ void update_summaries(at::Tensor& kmin, at::Tensor& kmax, at::Tensor const& keys
     {
         check_device(t, name, device);
     }
+    check_dtype(kmax, "kmax", kmin, "kmin");
+    check_dtype(keys, "keys", kmin, "kmin");
+    TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_offsets.scalar_type() == at::kLong,
+        "block_ids and block_offsets must be int64");
     check_launch(lookahead_kv_update_summaries(kmin.data_ptr(), kmax.data_ptr(), keys.data_ptr(),
                      block_ids.data_ptr<int64_t>(), block_offsets.data_ptr<int64_t>(), keys.size(0), kmin.size(0),
                      kmin.size(1), kmin.size(2), dtype_code(kmin), c10::cuda::getCurrentCUDAStream()),
@@ -113,6 +144,10 @@ void lookahead_attention_out(at::Tensor const& q, at::Tensor const& k, at::Tenso
              {v_extra, "v_extra"}, {extra_mask, "extra_mask"}, {out, "out"}})
     {
         check_device(t, name, device);
+    }
+    for (auto [t, name] : {std::pair{k, "k"}, {v, "v"}, {k_extra, "k_extra"}, {v_extra, "v_extra"}, {out, "out"}})
+    {
+        check_dtype(t, name, q, "q");
     }
     int64_t const batch = q.size(0), num_rows = q.size(1), num_heads = q.size(2), head_dim = q.size(3);
     int64_t const num_kv_heads = k.size(1), num_keys = k.size(2), num_extra = k_extra.size(2);
