@@ -17,12 +17,14 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 
 
 def block_gather_ref(src: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """src [NB, KVH, bs, D], block_ids [KVH, n] -> out [KVH, n, bs, D]: out[h, i] = src[block_ids[h, i], h]."""
+    """src [NB, KVH, bs, D], block_ids [KVH, n] -> out [KVH, n, bs, D]: out[h, i] = src[block_ids[h, i], h],
+    zeros where block_ids[h, i] is -1 (nothing read)."""
     num_kv_heads, n = block_ids.shape
     out = src.new_empty((num_kv_heads, n, src.shape[2], src.shape[3]))
     for h in range(num_kv_heads):
         for i in range(n):
-            out[h, i] = src[int(block_ids[h, i]), h]
+            b = int(block_ids[h, i])
+            out[h, i] = 0 if b == -1 else src[b, h]
     return out
 
 

@@ -43,8 +43,9 @@ class Admission:
     """Blocks to copy in: slot `slots[i]` of (lanes[i], heads[i]) receives logical block `blocks[i]`.
 
     valid None: every entry is an admission (the CPU kernel's exact lists). Otherwise a fixed-
-    capacity list: only entries with valid[i] are admissions; the others name a real block (0) and
-    a (lane, head, slot) no valid entry of the list names, and are skipped by the copy.
+    capacity list: only entries with valid[i] are admissions; the others name block 0 and a
+    (lane, head, slot) no valid entry of the list names, and are skipped by the copy (whose
+    source block they name is -1: `submit`).
     """
 
     lanes: torch.Tensor
@@ -286,8 +287,8 @@ class ResidencyManager:
         fixed-capacity admission's invalid entries travel as the job's `valid` mask."""
         self.metrics.add_blocks(urgent, adm.lanes, adm.valid)
         host, src_heads = self.lane_blocks[adm.lanes, adm.blocks], adm.heads
-        if adm.valid is not None:       # an untaken entry names one row, (block 0, head 0), and is not copied
-            host, src_heads = torch.where(adm.valid, host, 0), torch.where(adm.valid, adm.heads, 0)
+        if adm.valid is not None:       # an untaken entry names block -1: gathered as nothing, not copied
+            host = torch.where(adm.valid, host, -1)
         job = CopyJob(*self.pool_views[layer], *self.tier.views[buf], (host, src_heads),
                       (adm.lanes, adm.heads, adm.slots + self.tier.layout.selected_start), tag=(self.step_idx, layer),
                       valid=adm.valid)

@@ -30,10 +30,11 @@ place with `pin_pool(pool)` (`cudaHostRegister`: no copy, no power-of-two roundi
 pinned allocator, views stay valid).
 
 Fixed-capacity jobs (`CopyJob.valid`, lists made on the GPU without reading their length): every
-entry is gathered, and a skipped entry writes its destination's own contents back (the list's
-destinations are distinct), so nothing is read on the host to skip it. The cost: a skipped entry
-still reads one unit over PCIe (the residency manager points all of them at the pool's (block 0,
-head 0)); a `block_gather` kernel that skipped negative ids would remove that traffic.
+entry goes through the gather, and a skipped entry writes its destination's own contents back
+(the list's destinations are distinct), so nothing is read on the host to skip it. A skipped
+entry costs no PCIe traffic: its row id is -1 (the residency manager names block -1 for it, and
+any entry `valid` marks off is sent as -1 here), which the `block_gather` kernel turns into a zero
+row without reading the pool; only the device-side rewrite of its slot remains.
 
 Accounting. `h2d_bytes`, `jobs` and `urgent_jobs` are counted at submit, as by every engine (a
 fixed-capacity job's bytes on the GPU, read when `h2d_bytes` is). With
@@ -177,27 +178,30 @@ def _host_rows(src_k: torch.Tensor, src_v: torch.Tensor, blocks: torch.Tensor, h
 
     Accepts the two layouts a `[num_blocks, KVH, bs, D]` source comes in: block-major contiguous, or
     the head-major pool's `by_block` view (`[KVH, num_blocks, bs, D]` contiguous, transposed).
+    A negative block (an unused entry of a fixed-capacity list) gets row id -1 (gathered as nothing).
     """
     if src_k.shape != src_v.shape or src_k.stride() != src_v.stride():
         raise ValueError(f"CopyJob.src_k and src_v differ in shape or strides "
                          f"({tuple(src_k.shape)}/{src_k.stride()} vs {tuple(src_v.shape)}/{src_v.stride()})")
     nb, kvh, bs, d = src_k.shape
     if src_k.is_contiguous():
-        return src_k.view(nb * kvh, 1, bs, d), src_v.view(nb * kvh, 1, bs, d), blocks * kvh + heads
+        return (src_k.view(nb * kvh, 1, bs, d), src_v.view(nb * kvh, 1, bs, d),
+                torch.where(blocks >= 0, blocks * kvh + heads, -1))
     if src_k.transpose(0, 1).is_contiguous():
         shape = (kvh * nb, 1, bs, d)
-        return (src_k.transpose(0, 1).view(shape), src_v.transpose(0, 1).view(shape), heads * nb + blocks)
+        return (src_k.transpose(0, 1).view(shape), src_v.transpose(0, 1).view(shape),
+                torch.where(blocks >= 0, heads * nb + blocks, -1))
     raise ValueError(f"CopyJob.src_k has strides {src_k.stride()}: the gather kernel reads a block-major or "
                      "head-major contiguous pool (KVPool.by_block gives one)")
 
 
-def _check_range(name: str, t: torch.Tensor, high: int) -> None:
+def _check_range(name: str, t: torch.Tensor, high: int, low: int = 0) -> None:
     """Host index tensors are checked before the copy (device ones would cost a sync)."""
     if t.is_cuda or t.numel() == 0:
         return
     lo, hi = int(t.min()), int(t.max())
-    if lo < 0 or hi >= high:
-        raise IndexError(f"CopyJob.{name} holds ids in [{lo}, {hi}], outside [0, {high})")
+    if lo < low or hi >= high:
+        raise IndexError(f"CopyJob.{name} holds ids in [{lo}, {hi}], outside [{low}, {high})")
 
 
 # ---- tickets and the engine --------------------------------------------------------------------------
@@ -263,7 +267,8 @@ class CudaTransferEngine(TransferEngine):
         self._pending_waits: collections.deque = collections.deque()
         self._transfer_s = 0.0
         self._closed = False
-        import plugins  # noqa: F401  (defines the ops; on a GPU it builds and registers the CUDA kernels)
+        import plugins
+        plugins.ensure_cuda_kernels()          # once per process (the engine's select_ops may have already)
         self.gather_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("lookahead::block_gather", "CUDA")
         if not self.gather_kernel:
             logger.warning("the block_gather CUDA kernel is not registered (see plugins/cuda/README.md): "
@@ -425,7 +430,9 @@ class CudaTransferEngine(TransferEngine):
             job.execute()
             return
         blocks, heads = job.src_index
-        _check_range("src_index[0] (blocks)", blocks, job.src_k.shape[0])
+        if job.valid is not None:        # the unused entries: -1, gathered as nothing (no PCIe read)
+            blocks = torch.where(job.valid.to(blocks.device, non_blocking=True), blocks, -1)
+        _check_range("src_index[0] (blocks)", blocks, job.src_k.shape[0], low=-1 if job.valid is not None else 0)
         _check_range("src_index[1] (heads)", heads, job.src_k.shape[1])
         for i, t in enumerate(job.dst_index):
             _check_range(f"dst_index[{i}]", t, job.dst_k.shape[i])
