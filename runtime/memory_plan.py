@@ -14,6 +14,8 @@ constructors allocate:
                     in kv_dtype (the device tier follows the host pool)
     summaries       its kmin/kmax [L, lanes * max_blocks, KVH, D], fp32 whatever the kv_dtype
                     (sparse mode: one per pool block, [L, num_host_blocks, KVH, D], beside the pool)
+    cached_summaries lookahead with prefix caching: the summaries of the pool's named blocks
+                    (SummaryStore), [L, num_host_blocks, KVH, D] fp32 kmin/kmax, in host memory
     bookkeeping     its SlotTable, pred, masks, lane_blocks and metrics tensors
     allocator       estimate: BlockAllocator's Python free list (ints, not tensors)
     step_buffers    estimate: one step's transient peak (activations, logits, attention's
@@ -48,7 +50,8 @@ HEADROOM = 0.9                      # plan against 90 % of what is available: th
 # value each may take. (num_host_blocks, an Engine keyword, is tried when the caller fixed it.)
 FIELD_MIN = {"max_batch_size": 1, "max_model_len": 1, "top_k": 1, "recent_window": 0, "block_size": 1,
              "prefill_chunk": 1, "num_sink_blocks": 0}
-EXACT = ("weights", "packed_weights", "rope", "host_kv_pool", "device_tier", "summaries", "bookkeeping")
+EXACT = ("weights", "packed_weights", "rope", "host_kv_pool", "device_tier", "summaries", "cached_summaries",
+         "bookkeeping")
 ESTIMATES = ("allocator", "step_buffers")
 
 
@@ -82,6 +85,7 @@ class MemoryPlan:
     host_kv_pool: int
     device_tier: int
     summaries: int
+    cached_summaries: int
     bookkeeping: int
     allocator: int
     step_buffers: int
@@ -163,7 +167,7 @@ def _plan(p: PlanInputs) -> MemoryPlan:
     w = max(0, w - p.weight_saving) if p.weights else 0      # int8 roles: their stored bytes
     rope = 2 * m.max_position_embeddings * d * b if p.weights else 0
     pool = 2 * L * kvh * n_blocks * bs * d * kv
-    tier = summ = books = lane_tier = lane_summ = 0
+    tier = summ = books = lane_tier = lane_summ = store = 0
     lanes = c.max_batch_size
     if c.mode == "lookahead":
         wb = _blocks(c.recent_window, bs) + 1 if c.recent_window > 0 else 1      # SlotLayout.from_config
@@ -178,10 +182,11 @@ def _plan(p: PlanInputs) -> MemoryPlan:
                  + 2 * L * lanes                                             # has_pred, seeded (bool)
                  + 8 * lanes * max_blocks                                    # lane_blocks
                  + 8 * (2 * L + 2 + 6 * lanes))                              # metrics (float64)
+        store = 2 * L * n_blocks * kvh * d * SUMMARY_BYTES if c.prefix_caching else 0
     if c.mode == "sparse":      # runtime/sparse.py: fp32 min/max of every pool block, with the pool
         summ = 2 * L * n_blocks * kvh * d * SUMMARY_BYTES
     return MemoryPlan(weights=w, packed_weights=packed if p.packed_weights else 0, rope=rope,
-                      host_kv_pool=pool, device_tier=tier, summaries=summ, bookkeeping=books,
+                      host_kv_pool=pool, device_tier=tier, summaries=summ, cached_summaries=store, bookkeeping=books,
                       allocator=ALLOCATOR_BYTES_PER_BLOCK * n_blocks, step_buffers=_step_bytes(m, c, b, max_len),
                       per_seq_device_tier=lane_tier, per_seq_device=lane_tier + lane_summ,
                       num_host_blocks=n_blocks, max_model_len=max_len, inputs=p)

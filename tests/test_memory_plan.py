@@ -74,7 +74,7 @@ def test_plan_matches_what_the_engine_allocates(eng_dir, overrides, num_host_blo
         assert plan.host_kv_pool == nbytes(engine.pool.k, engine.pool.v) > 0
         assert plan.num_host_blocks == engine.allocator.num_blocks
         held = storages(engine, {}, set(), (engine.model, engine.tokenizer, engine.manifest))
-        engine_own = plan.host_kv_pool + plan.device_tier + plan.summaries + plan.bookkeeping
+        engine_own = plan.host_kv_pool + plan.device_tier + plan.summaries + plan.cached_summaries + plan.bookkeeping
         assert sum(held.values()) == engine_own           # every tensor the engine holds, nothing missed
         assert plan.exact_total == engine_own + plan.weights + plan.rope + plan.packed_weights
         if overrides["mode"] == "dense":
@@ -83,6 +83,7 @@ def test_plan_matches_what_the_engine_allocates(eng_dir, overrides, num_host_blo
         attn = engine.runner.attn
         assert plan.device_tier == nbytes(attn.dev_k, attn.dev_v) > 0
         assert plan.summaries == nbytes(attn.kmin, attn.kmax) > 0             # fp32 whatever the kv_dtype
+        assert plan.cached_summaries == nbytes(attn.store.kmin, attn.store.kmax) > 0   # prefix caching is on
         assert attn.dev_k.dtype == engine.pool.k.dtype                       # the tier follows the pool
         assert plan.per_seq_device_tier == attn.working_set_bytes_per_lane()
         assert plan.per_seq_device == attn.device_bytes_per_lane()          # what the budget bounds
@@ -217,13 +218,15 @@ def test_available_host_bytes_reads_meminfo_and_cgroups(tmp_path):
 @pytest.mark.parametrize("mode", ["dense", "lookahead"])
 def test_on_a_gpu_only_the_host_share_is_held_against_host_memory(mode):
     """A plan for device_type cuda counts the lookahead host pool (and the allocator) as host
-    memory, not what Engine puts on the GPU: weights, the dense pool, the device tier, summaries."""
+    memory (and the cached blocks' summaries), not what Engine puts on the GPU: weights, the dense
+    pool, the device tier, the lanes' summaries."""
     cfg = LookaheadConfig(mode=mode)
     cpu_plan = plan_memory(SMOLLM2, cfg, None, 4)
     gpu_plan = plan_memory(SMOLLM2, cfg, None, 4, device_type="cuda")
     assert cpu_plan.host_total == cpu_plan.total
     assert gpu_plan.packed_weights == 0                  # plugins.cpu packs weights on CPU only
-    expected = {"allocator"} | ({"host_kv_pool"} if mode == "lookahead" else set())
+    # the lookahead host pool, and with prefix caching the summaries of its cached blocks beside it
+    expected = {"allocator"} | ({"host_kv_pool", "cached_summaries"} if mode == "lookahead" else set())
     assert {k for k, v in gpu_plan.host_components().items() if v} == expected
     assert gpu_plan.host_total == sum(getattr(gpu_plan, k) for k in expected) < cpu_plan.total
     check_memory(gpu_plan, cfg, available_bytes=int(gpu_plan.host_total / 0.9) + 1)
