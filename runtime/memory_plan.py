@@ -9,7 +9,8 @@ constructors allocate:
     weights         LlamaModel's parameters (engine_dir.expected_shapes), in the engine's dtype
     packed_weights  plugins.cpu's packed copy of each 2-D weight a decode step multiplies (fp32)
     rope            RotaryEmbedding's cos/sin tables [max_position_embeddings, head_dim]
-    host_kv_pool    KVPool's k and v [L, KVH, num_host_blocks, block_size, D], in kv_dtype
+    host_kv_pool    KVPool's k and v [L, KVH, num_host_blocks, block_size, D], in kv_dtype; a
+                    lookahead pool pinned for a GPU counts what pinning takes (`PINNING`)
     device_tier     LookaheadAttention's dev_k/dev_v [buffers, lanes, KVH, slots, block_size, D],
                     in kv_dtype (the device tier follows the host pool)
     summaries       its kmin/kmax [L, lanes * max_blocks, KVH, D], fp32 whatever the kv_dtype
@@ -68,6 +69,7 @@ class PlanInputs:
     packed_weights: bool
     device_type: str = "cpu"       # where the engine runs: on "cuda" only the host's share is checked
     weight_saving: int = 0         # bytes a quantized engine's weights take fewer than at dtype_bytes
+    pinning: str = "allocator"     # how a GPU engine's lookahead host pool is pinned (PINNING)
 
 
 # What lives in device memory when the engine runs on a GPU (Engine places it): everything but the
@@ -132,6 +134,21 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
+# How a GPU engine's lookahead host pool is page-locked, and what that takes:
+#   allocator   torch's pinned allocator (`torch.empty(..., pin_memory=True)`, what KVPool and so
+#               Engine use): each allocation is rounded up to a power of two (40 GiB of K and V
+#               pins 64), and a freed one stays cached in the process (torch.cuda.empty_cache does
+#               not return it; torch._C._host_emptyCache does)
+#   registered  a pageable allocation page-locked in place (cudaHostRegister:
+#               runtime.transfer.cuda.pin_pool): exactly its bytes, returned when it is freed
+PINNING = ("allocator", "registered")
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """What torch's pinned allocator takes for one `nbytes` allocation: the next power of two."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
 def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
@@ -139,7 +156,7 @@ def _blocks(tokens: int, block_size: int) -> int:
 def plan_memory(mcfg: ModelConfig, cfg: LookaheadConfig, num_host_blocks: int | None, dtype_bytes: int,
                 max_model_len: int | None = None, *, weights: bool = True,
                 packed_weights: bool | None = None, device_type: str = "cpu",
-                weight_saving: int = 0) -> MemoryPlan:
+                weight_saving: int = 0, pinning: str = "allocator") -> MemoryPlan:
     """The bytes an Engine over (mcfg, cfg) allocates, without allocating.
 
     num_host_blocks / max_model_len: as Engine gets them; None derives them as Engine does (then
@@ -149,10 +166,14 @@ def plan_memory(mcfg: ModelConfig, cfg: LookaheadConfig, num_host_blocks: int | 
     the only dtype the C linear kernel takes). `cfg` is the effective config (top_k already
     clamped, if the caller clamps it). weight_saving: what a quantized engine's stored weights
     save against `dtype_bytes` per parameter (engine.yaml quantization.quantized_bytes). device_type: where the engine runs ("cpu", "cuda"), which
-    decides what check_memory holds against host memory (`host_components`)."""
+    decides what check_memory holds against host memory (`host_components`). pinning: how a GPU
+    engine's lookahead host pool is page-locked (`PINNING`), which decides what it takes."""
+    if pinning not in PINNING:
+        raise ConfigError("pinning", f"{pinning!r} is not one of {', '.join(PINNING)}",
+                          "use 'allocator' (KVPool(..., pin_memory=True), as Engine does) or 'registered'")
     packed = (dtype_bytes == 4 and device_type == "cpu") if packed_weights is None else packed_weights
     inputs = PlanInputs(mcfg, cfg, dtype_bytes, num_host_blocks, max_model_len, weights, packed, device_type,
-                        weight_saving)
+                        weight_saving, pinning)
     return _plan(inputs)
 
 
@@ -167,6 +188,8 @@ def _plan(p: PlanInputs) -> MemoryPlan:
     w = max(0, w - p.weight_saving) if p.weights else 0      # int8 roles: their stored bytes
     rope = 2 * m.max_position_embeddings * d * b if p.weights else 0
     pool = 2 * L * kvh * n_blocks * bs * d * kv
+    if c.mode == "lookahead" and p.device_type == "cuda" and p.pinning == "allocator":
+        pool = 2 * pinned_bytes(pool // 2)          # K and V: one pinned allocation each
     tier = summ = books = lane_tier = lane_summ = store = 0
     lanes = c.max_batch_size
     if c.mode == "lookahead":
