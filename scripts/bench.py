@@ -45,6 +45,24 @@ our points (its own process: not interleaved), at every context x batch with our
 thread counts: -npp = context - generated tokens (warm-up + timed steps), -ntg = those tokens.
 `--peer-configs` picks weights/KV types (default `auto`: Q4_1/f16, llama.cpp's best here, and the
 like-for-like one: F32 or Q8_0 weights with our engine's KV dtype); rows `llama.cpp W/KV`.
+
+Modeled link (`--link-sweep GBPS,GBPS,... [--link-latency-us N] [--link-modes ...]`): instead of the
+grid, at the largest context x batch, our modes (default: dense, sparse-ondemand, lookahead-resident,
+lookahead-drop, lookahead-pingpong) decode over a *modeled* host->device link of each bandwidth
+(transfer="link:GBPS,US", runtime/transfer/link.py: the copies are made as usual, and each lands
+only when one FIFO link of that bandwidth and per-job latency would have delivered it). THIS IS A
+MODEL: on a CPU both tiers are RAM; it is the only measure of the pipeline's overlap without a GPU.
+`h200` in the list is the link whose ratio to this machine's RAM bandwidth (bench_floor.memory_bandwidth,
+measured at the start) is an H200's PCIe Gen5 x16 (~55 GB/s) to its HBM3e (~4.8 TB/s), ~1/87.
+Per bandwidth, interleaved step by step across modes: warm-up steps, then `--decode-steps` timed
+steps on the link ("real") and as many with the link infinitely fast ("satisfied": the same copies,
+landed as soon as they are made), in ABBA halves with an untimed step at each switch; then every
+copy of the real steps is replayed through the same link with nothing else running ("copy
+alone", into scratch buffers). Per mode and bandwidth: ms/step, stall (transfer wait) ms/step,
+satisfied ms/step, copy-alone ms/step, the link's busy time and the hidden share =
+1 - (real - satisfied) / copy-alone (runtime/transfer/overlap.py). Then, per look-ahead mode, at the
+lowest swept link where its copies alone take no longer than its compute (copy-alone <= satisfied):
+the hidden share against 80 % and its ms/step against sparse-ondemand's. Table, `--json`, `--plot`.
 """
 from __future__ import annotations
 
@@ -67,6 +85,7 @@ from bench_floor import (BandwidthProbe, matmul_gflops, memory_bandwidth, step_f
 from bench_hf import HF_IMPLS, HF_NAMES, NotAvailable, make_hf_decoders  # noqa: E402
 from bench_lib import (ContextSeedDraft, EngineDecoder, format_table, machine_info, make_prompts, plot,  # noqa: E402
                        profile_steps, reference_hf_dir)
+import bench_lib as lib  # noqa: E402  (the link sweep's helpers)
 from eval_accuracy import _typed  # noqa: E402
 import llama_cpp_peer  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
@@ -142,7 +161,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", metavar="DIR", help="after the timed steps, profile %d more decode steps "
                    "of each implementation (torch.profiler): op tables to DIR, ms/step by op group to "
                    "the JSON" % PROFILE_STEPS)
+    p.add_argument("--link-sweep", metavar="GBPS,...", help="instead of the grid: decode over a MODELED host link "
+                   "of each bandwidth (GB/s; 'h200' = the link with an H200's PCIe:HBM ratio to this machine's RAM), "
+                   "at the largest context x batch (see the top of --help)")
+    p.add_argument("--link-latency-us", type=float, default=10.0, metavar="US",
+                   help="--link-sweep: the modeled link's latency per copy job, microseconds (default: %(default)s)")
+    p.add_argument("--link-modes", default=",".join(lib.LINK_MODES),
+                   help="--link-sweep: our modes, comma-separated (default: %(default)s)")
     args = p.parse_args(argv)
+    if args.link_sweep is not None:
+        try:
+            args.link_sweep = lib.parse_link_sweep(args.link_sweep)
+        except ValueError as e:
+            p.error(f"--link-sweep: {e}")
+        if not (args.link_latency_us >= 0 and args.link_latency_us != float("inf")):
+            p.error("--link-latency-us must be a finite number >= 0")
+        args.link_modes = [m.strip() for m in args.link_modes.split(",") if m.strip()]
+        unknown = [m for m in args.link_modes if mode_spec(m)[0] not in MODES]
+        if unknown or not args.link_modes:
+            p.error(f"--link-modes: unknown {(unknown or [''])[0]!r}; known: {', '.join(MODES)}")
     if args.quick:
         args.contexts, args.batches = "512,1024", "1,2"
     args.contexts = [int(x) for x in args.contexts.split(",")]
@@ -365,10 +402,151 @@ def _prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def link_engines(args, ctx: int, batch: int, total_steps: int) -> tuple[Engine, dict[str, Engine | str]]:
+    """The sweep's engines over one loaded model and one prefill cache: each lookahead mode on a
+    recording modeled link of its own (bench_lib.make_recording_link), the others as siblings."""
+    base = Engine.from_dir(args.engine, max_batch_size=batch, max_model_len=ctx + total_steps + 8,
+                           prefill_chunk=batch * ctx, num_host_blocks=1)
+    cache = PrefillCache(max_prompts=batch)
+    engines: dict[str, Engine | str] = {}
+    for mode in args.link_modes:
+        name, old_chain, fields = mode_spec(mode)
+        over = {**MODES[name], **fields, **({"resync_after": 0} if old_chain else {})}
+        try:
+            if MODES[name]["mode"] == "lookahead":
+                eng = Engine(base.manifest, base.model, base.tokenizer, base.config.replace(**over),
+                             prefill_cache=cache, transfer=lib.make_recording_link(args.link_latency_us))
+                if type(eng.runner).__name__ == "DenseRunner":
+                    raise RuntimeError("the engine runs dense for mode=lookahead")
+            else:
+                eng = base.sibling(cache, **over)
+            if old_chain:
+                eng.runner.chain.source = ContextSeedDraft()
+            if mode.partition("@")[0].endswith(PYTHON_LAYERS):
+                eng.runner.fused = None
+                if hasattr(eng.runner, "attn"):
+                    eng.runner.attn.fused_layer = None
+            engines[mode] = eng
+        except Exception as e:  # noqa: BLE001 - any refusal means "not available" here
+            engines[mode] = f"not available ({e.__class__.__name__}: {str(e).splitlines()[0][:80]})"
+    return base, engines
+
+
+def run_link_sweep(args) -> int:
+    """--link-sweep (the module docstring's "Modeled link")."""
+    t0 = time.perf_counter()
+    ctx, batch = max(args.contexts), max(args.batches)
+    plan = lib.link_phase_plan(args.decode_steps, args.warmup_steps)
+    per_bw = sum(n for *_, n in plan)
+    total_steps = len(args.link_sweep) * per_bw + 4
+    base, engines = link_engines(args, ctx, batch, total_steps)
+    ours = {m: e for m, e in engines.items() if isinstance(e, Engine)}
+    if not any(e.config.mode == "lookahead" for e in ours.values()):
+        print("error: no lookahead mode is available: " + "; ".join(map(str, engines.values())), file=sys.stderr)
+        return 2
+    for e in ours.values():            # one-time costs (allocator, thread pools) before any timing
+        vocab = e.manifest.model.vocab_size
+        e.generate([[i % vocab for i in range(1000, 1064)]], SamplingParams(max_tokens=4, ignore_eos=True))
+    bandwidth = memory_bandwidth()
+    device_gbps = bandwidth["bandwidth_gbps"]
+    h200 = lib.h200_equivalent_gbps(device_gbps)
+    bws = sorted({round(h200, 3) if b == lib.H200_TOKEN else float(b) for b in args.link_sweep})
+    info = {**machine_info(), "memory_bandwidth": bandwidth}
+    print(lib.MODEL_NOTE)
+    print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} ({torch.get_num_threads()} "
+          f"threads), load average {info['loadavg_start'][0]:.1f}: other processes share it, so compare "
+          "rows of this one run (interleaved step by step), not across runs")
+    print(f"device tier (RAM) bandwidth {device_gbps:.1f} GB/s (bench_floor.memory_bandwidth: the larger of "
+          f"sum-read {bandwidth['sum_read_gbps']:.1f} and copy read+write {bandwidth['copy_read_write_gbps']:.1f}); "
+          f"an H200's PCIe Gen5 x16 {lib.H200_PCIE_GBPS:.0f} GB/s : HBM3e {lib.H200_HBM_GBPS / 1000:.1f} TB/s = "
+          f"1/{1 / lib.H200_RATIO:.0f} -> the same ratio here is a {h200:.3g} GB/s link")
+    print(f"links (GB/s): {', '.join(f'{b:g}' for b in bws)}, {args.link_latency_us:g} us a job; "
+          f"context {ctx} x batch {batch}; per link {args.warmup_steps} warm-up + {args.decode_steps} real + "
+          f"{args.decode_steps} satisfied steps (ABBA)", flush=True)
+    length = min(ctx, base.max_model_len - total_steps - 1)
+    prompts, source = make_prompts(base, length, batch)
+    decoders = [lib.LinkDecoder(m, e, prompts, total_steps + 2) for m, e in ours.items()]
+    decode_threads = torch.get_num_threads()
+    if args.prefill_threads:
+        torch.set_num_threads(args.prefill_threads)
+    for d in decoders:
+        print(f"  prefill {d.name:<22} {length} tokens x {batch} ...", end=" ", flush=True)
+        d.prefill()
+        print(f"{d.timing.prefill_s:.1f}s", flush=True)
+    torch.set_num_threads(decode_threads)
+    probe = BandwidthProbe()
+    probe.sample()
+    rows, samples, step = [], [], 0
+    for gbps in bws:
+        for phase, link, n in plan:
+            for d in decoders:
+                if d.link:
+                    d.link.set_link(gbps, args.link_latency_us) if link == "real" else d.link.set_link(float("inf"), 0.0)
+                    d.link.active, d.link.keep = phase is not None, phase == "real"
+            for _ in range(n):          # interleaved: the order rotates every step
+                for d in decoders[step % len(decoders):] + decoders[:step % len(decoders)]:
+                    d.run(phase)
+                step += 1
+        samples.append(probe.sample())
+        here = []
+        for d in decoders:
+            alone = None
+            if d.link:
+                d.link.set_link(gbps, args.link_latency_us)
+                alone = lib.replay_alone(d.link, d.link.records)
+                d.link.records = []
+            here.append(lib.link_row(d, gbps, args.link_latency_us, device_gbps, alone, batch, length))
+            d.phases = {}
+        rows += here
+        print(f"  link {gbps:g} GB/s: " + ", ".join(
+            f"{r['mode']} {r['ms_per_step']:.0f} ms (stall {r['stall_ms_per_step']:.0f}"
+            + (f", hidden {100 * r['hidden_share']:.0f}%" if r["hidden_share"] is not None else "") + ")"
+            for r in here), flush=True)
+    for d in decoders:
+        d.abort_all()
+    for e in ours.values():
+        e.close()
+    targets = lib.link_targets(rows)
+    info["loadavg_end"] = os.getloadavg()
+    print(f"\n{lib.MODEL_NOTE}\nprompts: {source}; context {length} x batch {batch}; RAM bandwidth sampled "
+          f"after each link's steps: {', '.join(f'{x:.1f}' for x in samples)} GB/s; load average "
+          f"{info['loadavg_start'][0]:.1f} -> {info['loadavg_end'][0]:.1f}; total {time.perf_counter() - t0:.0f}s\n")
+    print(lib.format_link_table(rows, h200))
+    print(f"\nsatisfied: the same steps with the link infinitely fast; copy-alone: the real steps' copies "
+          f"replayed through the link with no compute; hidden = 1 - (ms/step - satisfied) / copy-alone. "
+          f"link/RAM: the link over the {device_gbps:.1f} GB/s RAM bandwidth (an H200: 1/{1 / lib.H200_RATIO:.0f}).")
+    for t in targets:
+        if t["link_gbps"] is None:
+            print(f"target {t['mode']}: {t['note']}")
+            continue
+        so = t["sparse_ondemand_ms_per_step"]
+        print(f"target {t['mode']}: at {t['link_gbps']:g} GB/s (copies alone {t['copy_alone_ms']:.1f} ms <= compute "
+              f"{t['compute_ms']:.1f} ms): hidden {100 * (t['hidden_share'] or 0):.0f}% "
+              f"({'met' if t['hidden_met'] else 'NOT met'}, >= {100 * lib.HIDDEN_TARGET:.0f}%); "
+              f"{t['ms_per_step']:.1f} ms/step vs sparse-ondemand "
+              + (f"{so:.1f} ({'beats it' if t['beats_sparse_ondemand'] else 'does NOT beat it'})" if so else "n/a"))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        doc = {"model_note": lib.MODEL_NOTE, "machine": info, "args": vars(args),
+               "device_bandwidth_gbps": device_gbps, "h200_ratio": lib.H200_RATIO, "h200_equivalent_gbps": h200,
+               "links_gbps": bws, "bandwidth_samples_gbps": samples, "prompt_source": source,
+               "rows": rows, "targets": targets, "not_available": {m: e for m, e in engines.items() if isinstance(e, str)},
+               "elapsed_s": time.perf_counter() - t0}
+        Path(args.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        why = lib.plot_link(rows, args.plot, h200)
+        if why:
+            print(why)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.link_sweep is not None:
+        return run_link_sweep(args)
     peer_configs, peer_error, peer_gguf = [], None, None
     if "llama.cpp" in args.peers:      # built and its GGUFs made first: a missing tool shows at once
         peer_configs = llama_cpp_peer.parse_configs(args.peer_configs, *llama_cpp_peer.engine_dtypes(args.engine))

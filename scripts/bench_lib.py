@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import platform
 import random
@@ -317,3 +318,279 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # outside: bars stay visible
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+# ---- the modeled link sweep (bench.py --link-sweep) ---------------------------------------------
+# An H200's host link against its device memory: PCIe Gen5 x16, ~55 GB/s achievable, against
+# HBM3e at ~4.8 TB/s. The sweep marks the link bandwidth whose ratio to this machine's device-tier
+# (RAM) bandwidth is the same.
+H200_PCIE_GBPS, H200_HBM_GBPS = 55.0, 4800.0
+H200_RATIO = H200_PCIE_GBPS / H200_HBM_GBPS
+H200_TOKEN = "h200"
+LINK_MODES = ("dense", "sparse-ondemand", "lookahead-resident", "lookahead-drop", "lookahead-pingpong")
+MODEL_NOTE = ("THIS IS A MODEL, not a GPU measurement: on this CPU the host pool and the device tier are "
+              "both RAM; each copy is made as usual, and its ticket completes only when a modeled link "
+              "(one FIFO resource, latency + bytes / bandwidth a job, urgent jobs first) would have "
+              "delivered it (runtime/transfer/link.py). Compute is this CPU's, not a GPU's.")
+HIDDEN_TARGET = 0.80
+
+
+def parse_link_sweep(text: str) -> list[float | str]:
+    """'0.25,h200,1,4' -> [0.25, 'h200', 1.0, 4.0]: GB/s (> 0), or the H200-ratio point (resolved
+    once the device tier's bandwidth is measured)."""
+    out: list[float | str] = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        if item.lower() == H200_TOKEN:
+            out.append(H200_TOKEN)
+            continue
+        value = float(item)                      # ValueError: the caller reports it
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"{item!r}: a link bandwidth must be a finite number of GB/s > 0")
+        out.append(value)
+    if not out:
+        raise ValueError("no bandwidth given")
+    return out
+
+
+def h200_equivalent_gbps(device_read_gbps: float) -> float:
+    """The link bandwidth whose ratio to `device_read_gbps` is an H200's PCIe to its HBM."""
+    return device_read_gbps * H200_RATIO
+
+
+def make_recording_link(latency_us: float):
+    """A LinkTransferEngine (infinite bandwidth until `set_link`) that keeps what it carries while
+    `active` and `keep` (the real rounds, for the copy-alone replay): each job with its index tensors
+    cloned (the runtime may reuse its index buffers) and its destination swapped for a scratch
+    tensor of the same shape (a replay must not overwrite the engine's device tier), and each
+    inline copy's bytes. While `active` but not `keep` (the satisfied rounds) the same snapshot
+    work is done and dropped, so both rounds carry it."""
+    import dataclasses
+
+    from runtime.transfer.link import LinkTransferEngine
+
+    class _Recording(LinkTransferEngine):
+        def __init__(self) -> None:
+            super().__init__(float("inf"), latency_us)
+            self.active = self.keep = False
+            self.records: list[tuple[str, Any, bool]] = []
+            self._scratch: dict[tuple, torch.Tensor] = {}
+
+        def _scratch_like(self, t: torch.Tensor) -> torch.Tensor:
+            key = (tuple(t.shape), t.dtype)
+            if key not in self._scratch:
+                self._scratch[key] = torch.zeros(t.shape, dtype=t.dtype)
+            return self._scratch[key]
+
+        def submit(self, job, urgent: bool = False):
+            if self.active:
+                snap = dataclasses.replace(
+                    job, src_index=tuple(x.clone() for x in job.src_index),
+                    dst_index=tuple(x.clone() for x in job.dst_index),
+                    valid=None if job.valid is None else job.valid.clone(),
+                    dst_k=self._scratch_like(job.dst_k), dst_v=self._scratch_like(job.dst_v))
+                if self.keep:
+                    self.records.append(("job", snap, urgent))
+            return super().submit(job, urgent)
+
+        def account_inline(self, units: int, urgent: bool, seconds: float, unit_bytes: int) -> None:
+            if self.active and self.keep:
+                self.records.append(("inline", units * unit_bytes, urgent))
+            super().account_inline(units, urgent, seconds, unit_bytes)
+
+    return _Recording()
+
+
+def replay_alone(link, records: list[tuple[str, Any, bool]]) -> dict[str, Any]:
+    """The recorded copies through `link` at its current bandwidth with nothing else running: every
+    job submitted at once (jobs copied again, into scratch; inline copies as link time only), then
+    all waited for. `wall_s`: first submit to last delivery; `link_s`: the link's busy time."""
+    link.active = False
+    busy0 = link.transfer_s
+    nbytes = 0
+    t0 = time.perf_counter()
+    tickets = []
+    for kind, what, urgent in records:
+        if kind == "job":
+            tickets.append(link.submit(what, urgent))
+            nbytes += int(what.units_moved()) * what.unit_bytes
+        else:
+            tickets.append(link.occupy(what, urgent))
+            nbytes += what
+    for t in tickets:
+        link.wait(t)
+    wall = time.perf_counter() - t0
+    return {"jobs": len(records), "bytes": nbytes, "wall_s": wall, "link_s": link.transfer_s - busy0}
+
+
+class LinkDecoder(EngineDecoder):
+    """EngineDecoder with per-phase tallies: each `run(phase)` step adds its seconds, stall, H2D
+    bytes, urgent blocks, tokens and the link's busy time to `self.phases[phase]`."""
+
+    def __init__(self, name: str, engine: Engine, prompts: list[list[int]], max_tokens: int):
+        super().__init__(name, engine, prompts, max_tokens)
+        tr = getattr(getattr(engine.runner, "attn", None), "transfer", None)
+        self.link = tr if hasattr(tr, "set_link") else None
+        self.phases: dict[str, dict[str, float]] = {}
+
+    def run(self, phase: str | None) -> None:
+        s0 = self.engine.stats()
+        busy0 = self.link.transfer_s if self.link else 0.0
+        over0 = self.link.overshoot_s if self.link else 0.0
+        seconds, pure, emitted = self._step()
+        if not pure:
+            raise RuntimeError(f"{self.name}: a decode step ran prompt tokens or emitted twice for a sequence")
+        if phase is None:
+            return
+        s1 = self.engine.stats()
+        acc = self.phases.setdefault(phase, dict.fromkeys(
+            ("steps", "seconds", "wait_s", "h2d_bytes", "urgent_blocks", "tokens", "link_s", "overshoot_s"), 0.0))
+        acc["steps"] += 1
+        acc["seconds"] += seconds
+        acc["tokens"] += emitted
+        acc["wait_s"] += s1.get("transfer_wait_s", 0.0) - s0.get("transfer_wait_s", 0.0)
+        acc["h2d_bytes"] += s1.get("h2d_bytes", 0) - s0.get("h2d_bytes", 0)
+        acc["urgent_blocks"] += s1.get("urgent_blocks", 0) - s0.get("urgent_blocks", 0)
+        if self.link:
+            acc["link_s"] += self.link.transfer_s - busy0
+            acc["overshoot_s"] += self.link.overshoot_s - over0
+
+    def abort_all(self) -> None:
+        if self.link:
+            self.link.set_link(float("inf"), 0.0)
+        for rid in self.rids:
+            self.engine.abort(rid)
+        self.engine.step()
+
+
+def link_phase_plan(steps: int, warmup: int) -> list[tuple[str | None, str, int]]:
+    """(phase or None for untimed, link: 'real' or 'satisfied', steps) for one bandwidth: warm-up on
+    the link, then real and satisfied in ABBA halves (a step untimed at each switch, so that a
+    round starts with the other round's queued copies landed and its own pipeline primed)."""
+    a, b = steps // 2, steps - steps // 2
+    plan = [(None, "real", warmup), ("real", "real", a), (None, "satisfied", 1), ("satisfied", "satisfied", a)]
+    if b:
+        plan += [("satisfied", "satisfied", b), (None, "real", 1), ("real", "real", b)]
+    return [p for p in plan if p[2] > 0]
+
+
+def hidden_share_or_none(real_ms: float, satisfied_ms: float | None, alone_ms: float | None) -> float | None:
+    from runtime.transfer.overlap import hidden_share, share_or_none
+    return share_or_none(hidden_share(real_ms, satisfied_ms, alone_ms))
+
+
+def link_row(d: LinkDecoder, gbps: float, latency_us: float, device_gbps: float, alone: dict[str, Any] | None,
+             batch: int, context: int) -> dict[str, Any]:
+    from runtime.transfer.overlap import hidden_share, share_or_none
+
+    real, sat = d.phases.get("real", {}), d.phases.get("satisfied", {})
+    n = max(1, real.get("steps", 0))
+    ms = 1e3 * real.get("seconds", 0.0) / n
+    sat_ms = 1e3 * sat["seconds"] / sat["steps"] if sat.get("steps") else None
+    alone_ms = 1e3 * alone["wall_s"] / n if alone else None
+    # nothing copied: no copy time to hide (a replay of nothing takes microseconds, not zero)
+    share = hidden_share(ms, sat_ms, alone_ms) if d.link and alone and alone["bytes"] else float("nan")
+    return {"mode": d.name, "link_gbps": gbps, "link_latency_us": latency_us,
+            "link_over_device": gbps / device_gbps if device_gbps else None,
+            "context": context, "batch": batch, "timed_steps": int(real.get("steps", 0)),
+            "ms_per_step": ms, "stall_ms_per_step": 1e3 * real.get("wait_s", 0.0) / n,
+            "satisfied_ms_per_step": sat_ms,
+            "satisfied_stall_ms_per_step": (1e3 * sat["wait_s"] / sat["steps"] if sat.get("steps") else None),
+            "copy_alone_ms_per_step": alone_ms,
+            "copy_alone_link_ms_per_step": 1e3 * alone["link_s"] / n if alone else None,
+            "link_busy_ms_per_step": 1e3 * real.get("link_s", 0.0) / n if d.link else None,
+            "sleep_overshoot_ms_per_step": 1e3 * real.get("overshoot_s", 0.0) / n if d.link else None,
+            "exposed_ms_per_step": ms - sat_ms if sat_ms is not None else None,
+            "hidden_share": share_or_none(share),
+            "h2d_bytes_per_step": real.get("h2d_bytes", 0) / n,
+            "urgent_blocks_per_step": real.get("urgent_blocks", 0) / n,
+            "tokens_per_s": real.get("tokens", 0) / real["seconds"] if real.get("seconds") else None,
+            "ms_per_step_x_batch": ms * batch,
+            "copy_alone": alone}
+
+
+def link_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per look-ahead mode: the lowest swept link where its copies alone take no longer than its
+    step's compute (copy-alone ms <= satisfied ms), and there the hidden share (>= 80 %?) and its
+    ms/step against sparse-ondemand's at the same link."""
+    out = []
+    for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"].startswith("lookahead")):
+        mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["link_gbps"])
+        copying = [r for r in mine if r["copy_alone"] and r["copy_alone"]["bytes"]]
+        at = next((r for r in copying if r["satisfied_ms_per_step"]
+                   and r["copy_alone_ms_per_step"] <= r["satisfied_ms_per_step"]), None)
+        if at is None:
+            out.append({"mode": mode, "link_gbps": None,
+                        "note": ("no swept link makes its copies alone as short as its compute" if copying
+                                 else "it copied nothing in the timed steps")})
+            continue
+        ref = next((r for r in rows if r["mode"] == "sparse-ondemand" and r["link_gbps"] == at["link_gbps"]), None)
+        share = at["hidden_share"]
+        out.append({"mode": mode, "link_gbps": at["link_gbps"], "copy_alone_ms": at["copy_alone_ms_per_step"],
+                    "compute_ms": at["satisfied_ms_per_step"], "hidden_share": share,
+                    "hidden_met": share is not None and share >= HIDDEN_TARGET,
+                    "ms_per_step": at["ms_per_step"],
+                    "sparse_ondemand_ms_per_step": ref["ms_per_step"] if ref else None,
+                    "beats_sparse_ondemand": bool(ref) and at["ms_per_step"] < ref["ms_per_step"]})
+    return out
+
+
+def format_link_table(rows: list[dict[str, Any]], h200_gbps: float | None) -> str:
+    head = ("link GB/s", "link/RAM", "mode", "ms/step", "stall ms", "satisfied ms", "copy-alone ms",
+            "link busy ms", "exposed ms", "hidden", "H2D/step", "vs sparse-ondemand", "")
+    lines = [head]
+    near = None
+    if h200_gbps:
+        near = min({r["link_gbps"] for r in rows}, key=lambda g: abs(math.log(g / h200_gbps)))
+    for r in rows:
+        ref = next((x for x in rows if x["mode"] == "sparse-ondemand" and x["link_gbps"] == r["link_gbps"]), None)
+        ratio = r["link_over_device"]
+        lines.append((f"{r['link_gbps']:.3g}", f"1/{1 / ratio:.0f}" if ratio else "-", r["mode"],
+                      f"{r['ms_per_step']:.1f}", f"{r['stall_ms_per_step']:.1f}",
+                      _num(r["satisfied_ms_per_step"], ".1f"), _num(r["copy_alone_ms_per_step"], ".1f"),
+                      _num(r["link_busy_ms_per_step"], ".1f"), _num(r["exposed_ms_per_step"], ".1f"),
+                      _num(None if r["hidden_share"] is None else 100 * r["hidden_share"], ".0f", "%"),
+                      _mib(r["h2d_bytes_per_step"]),
+                      f"{r['ms_per_step'] / ref['ms_per_step']:.2f}x" if ref and r is not ref else "",
+                      "<- H200 PCIe:HBM" if near is not None and r["link_gbps"] == near else ""))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    fmt = lambda row: "  ".join(c.ljust(w) if i in (2, 12) else c.rjust(w)  # noqa: E731
+                                for i, (c, w) in enumerate(zip(row, widths)))
+    return "\n".join([fmt(lines[0]), "  ".join("-" * w for w in widths), *map(fmt, lines[1:])])
+
+
+def plot_link(rows: list[dict[str, Any]], path: str, h200_gbps: float | None) -> str | None:
+    """ms/step and stall against the link's bandwidth (log), and the hidden share; None, or why not."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        return f"no plot: matplotlib is not importable ({e})"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for m in modes:
+        mine = sorted((r for r in rows if r["mode"] == m), key=lambda r: r["link_gbps"])
+        xs = [r["link_gbps"] for r in mine]
+        line, = ax.plot(xs, [r["ms_per_step"] for r in mine], marker="o", label=f"{m} ms/step")
+        if any(r["stall_ms_per_step"] for r in mine):
+            ax.plot(xs, [r["stall_ms_per_step"] for r in mine], ls="--", color=line.get_color(), label=f"{m} stall")
+        if m.startswith("lookahead"):
+            ax2.plot(xs, [100 * (r["hidden_share"] or 0) for r in mine], marker="o", color=line.get_color(), label=m)
+    for a in (ax, ax2):
+        a.set_xscale("log")
+        a.set_xlabel("modeled link, GB/s")
+        if h200_gbps:
+            a.axvline(h200_gbps, color="grey", ls=":", label="H200 PCIe:HBM ratio")
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per decode step")
+    ax2.set_ylabel("hidden share of the copy time, %")
+    ax2.axhline(100 * HIDDEN_TARGET, color="red", ls=":", lw=0.8)
+    ax2.set_ylim(-5, 105)
+    ax.legend(fontsize=6)
+    ax2.legend(fontsize=7)
+    fig.suptitle("MODEL: a modeled host link on CPU (not a GPU measurement)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
