@@ -7,8 +7,15 @@
 #   scripts/serve.sh stop [--run-dir DIR]       # seconds, even when the python stub died
 #   scripts/serve.sh status [--run-dir DIR]     # runs a one-token request: 0 serving, 1 not, 3 not running
 #   scripts/serve.sh restart [start options]    # stop, then start
-#   scripts/serve.sh start --frontend dynamo [--workers N] [--http-port N] [--engine DIR] [--mode M]
-#                          [--device D] [--run-dir DIR] [--discovery file|etcd] [-- any --lookahead-field VALUE]
+#   scripts/serve.sh start --frontend dynamo [--workers N] [--router kv|round-robin|random] [--watch]
+#                          [--http-port N] [--engine DIR] [--mode M] [--device D] [--run-dir DIR]
+#                          [--discovery file|etcd] [-- any --lookahead-field VALUE]
+#   scripts/serve.sh status --run-dir DIR       # finds a Dynamo run dir too: says which workers are up
+#
+# --prefix-caching true|false (both frontends; default: the engine's, on): full KV blocks outlive
+# their request and a prompt that starts with cached blocks prefills only the rest.
+# --router (Dynamo; default kv when --workers > 1): kv sends a request to the worker that holds the
+# longest prefix of its KV blocks (the workers publish their cache's events), weighed by load.
 #
 # --device (default auto: cuda when torch has a GPU, else cpu) is where the engine runs: the Triton
 # config's instance_group (KIND_GPU on GPU N for cuda:N, KIND_CPU for cpu) or every Dynamo worker's
@@ -23,7 +30,8 @@
 # (serving/supervisor.py) that stays in the background: the HTTP port is its front, which
 # refuses bodies over --max-body-bytes (413; default 2 MiB: tritonserver 2.51 crashes on bodies over
 # ~4 MB) and malformed or deeply nested JSON (400); gRPC and metrics are tritonserver's own ports.
-# --watch restarts the server when it or its python stub dies (or stops answering the probe).
+# --watch restarts the server when it or its python stub dies (or stops answering the probe); with
+# --frontend dynamo it restarts a worker (or the frontend) that dies.
 # Everything lives in --run-dir (default build/serve): the model repository, the PID files, the state
 # (tritonserver.env), and the logs, rotated at every start (tritonserver.log.1 is the previous run's).
 set -euo pipefail
@@ -36,9 +44,9 @@ ACTION="${1:-}"; [ $# -gt 0 ] && shift
 ENGINE="engines/default"; HTTP=8000; GRPC=8001; METRICS=8002
 MODE=""; INSTANCES=1; MAX_QUEUE=256; TIMEOUT=180; RUN_DIR="$ROOT/build/serve"; WATCH=0
 MAX_BODY=$((2 * 1024 * 1024)); LOG_KEEP=5
-FRONTEND=triton; WORKERS=1; DISCOVERY=file; RUN_DIR_SET=0; EXTRA=(); DEVICE=auto
+FRONTEND=triton; WORKERS=1; DISCOVERY=file; RUN_DIR_SET=0; EXTRA=(); DEVICE=auto; ROUTER=""; PREFIX_CACHING=""
 
-usage() { sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,37p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 die() { echo "serve.sh: error: $*" >&2; exit 1; }
 
 while [ $# -gt 0 ]; do
@@ -56,6 +64,8 @@ while [ $# -gt 0 ]; do
     --frontend) FRONTEND="$2"; shift 2 ;;
     --workers) WORKERS="$2"; shift 2 ;;
     --discovery) DISCOVERY="$2"; shift 2 ;;
+    --router) ROUTER="$2"; shift 2 ;;
+    --prefix-caching) PREFIX_CACHING="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     --watch) WATCH=1; shift ;;
     --max-body-bytes) MAX_BODY="$2"; shift 2 ;;
@@ -66,6 +76,9 @@ done
 
 case "$RUN_DIR" in /*) ;; *) RUN_DIR="$PWD/$RUN_DIR" ;; esac
 case "$FRONTEND" in triton|dynamo) ;; *) die "--frontend must be triton or dynamo, got '$FRONTEND'" ;; esac
+case "$ROUTER" in ""|kv|round-robin|random) ;; *) die "--router must be kv, round-robin or random, got '$ROUTER'" ;; esac
+case "$PREFIX_CACHING" in ""|true|false) ;; *) die "--prefix-caching must be true or false, got '$PREFIX_CACHING'" ;; esac
+PC_FLAG=(); [ -n "$PREFIX_CACHING" ] && PC_FLAG=(--prefix-caching "$PREFIX_CACHING")
 DYN_RUN_DIR="$ROOT/build/dynamo"; [ "$RUN_DIR_SET" = 1 ] && DYN_RUN_DIR="$RUN_DIR"
 SUP_PID_FILE="$RUN_DIR/supervisor.pid"
 PID_FILE="$RUN_DIR/tritonserver.pid"
@@ -144,7 +157,7 @@ print(dev)" "$DEVICE" "$ENGINE")" || exit 1
   mkdir -p "$RUN_DIR"
   local mode_flag=(); [ -n "$MODE" ] && mode_flag=(--mode "$MODE")
   "$PY" -m serving.config_template --engine "$ENGINE" --out "$RUN_DIR/model_repo" \
-      --instances "$INSTANCES" --max-queue "$MAX_QUEUE" --device "$device" "${mode_flag[@]}" >/dev/null \
+      --instances "$INSTANCES" --max-queue "$MAX_QUEUE" --device "$device" "${mode_flag[@]}" "${PC_FLAG[@]}" >/dev/null \
       || die "could not write the model repository (see above)"
 
   rotate "$SUP_LOG"
@@ -155,6 +168,7 @@ print(dev)" "$DEVICE" "$ENGINE")" || exit 1
   setsid "$PY" -m serving.supervisor run --run-dir "$RUN_DIR" --http-port "$HTTP" \
       --grpc-port "$GRPC" --metrics-port "$METRICS" --instances "$INSTANCES" --timeout "$TIMEOUT" \
       --max-body-bytes "$MAX_BODY" "${watch_flag[@]}" --info "ENGINE=$ENGINE" --info "MODE=${MODE:-engine default}" --info "DEVICE=$device" \
+      --info "PREFIX_CACHING=${PREFIX_CACHING:-engine default}" \
       >>"$SUP_LOG" 2>&1 < /dev/null &
   pid=$!
   echo "serve.sh: starting (supervisor pid $pid, engine $ENGINE on $device${MODE:+, mode $MODE}$([ "$WATCH" = 1 ] && echo ', --watch')); logs: $LOG, $SUP_LOG"
@@ -176,13 +190,17 @@ print(dev)" "$DEVICE" "$ENGINE")" || exit 1
   echo "serve.sh: ready: http://127.0.0.1:$HTTP (bodies up to $MAX_BODY bytes)  grpc 127.0.0.1:$GRPC  metrics http://127.0.0.1:$METRICS/metrics  (tritonserver pid $(state_of PID))"
 }
 
-dynamo_running() { [ -f "$DYN_RUN_DIR/frontend.pid" ] || compgen -G "$DYN_RUN_DIR/worker-*.pid" >/dev/null; }
+# a Dynamo run dir: its PID files, or the deployment record `start` wrote
+dynamo_running() { [ -f "$DYN_RUN_DIR/frontend.pid" ] || [ -f "$DYN_RUN_DIR/front.pid" ] || compgen -G "$DYN_RUN_DIR/worker-*.pid" >/dev/null; }
+dynamo_dir() { dynamo_running || [ -f "$DYN_RUN_DIR/deployment.json" ]; }
 
 dynamo_start() {   # the launcher checks the port, the engine dir and the settings: one-line errors
   local mode_flag=(); [ -n "$MODE" ] && mode_flag=(--mode "$MODE")
+  local router_flag=(); [ -n "$ROUTER" ] && router_flag=(--router "$ROUTER")
+  local watch_flag=(); [ "$WATCH" = 1 ] && watch_flag=(--watch)
   "$PY" -m serving.dynamo_launch start --engine "$ENGINE" --device "$DEVICE" --workers "$WORKERS" --http-port "$HTTP" \
       --run-dir "$DYN_RUN_DIR" --discovery "$DISCOVERY" --max-queue "$MAX_QUEUE" --timeout "$TIMEOUT" \
-      "${mode_flag[@]}" "${EXTRA[@]}"
+      "${router_flag[@]}" "${watch_flag[@]}" "${mode_flag[@]}" "${PC_FLAG[@]}" "${EXTRA[@]}"
 }
 
 stop() {
@@ -199,7 +217,12 @@ stop() {
 
 status() {
   local rc=0
-  if [ "$FRONTEND" = dynamo ]; then "$PY" -m serving.dynamo_launch status --run-dir "$DYN_RUN_DIR"; return; fi
+  # a Dynamo deployment's run dir (named, or the default one while no Triton supervisor runs here)
+  if [ "$FRONTEND" = dynamo ] || { [ "$RUN_DIR_SET" = 1 ] && dynamo_dir; } \
+      || { ! alive_pid "$SUP_PID_FILE" serving.supervisor >/dev/null && dynamo_running; }; then
+    "$PY" -m serving.dynamo_launch status --run-dir "$DYN_RUN_DIR" || rc=$?
+    return "$rc"
+  fi
   "$PY" -m serving.supervisor status --run-dir "$RUN_DIR" || rc=$?
   [ -f "$STATE" ] && [ "$rc" != 3 ] && sed 's/^/  /' "$STATE"
   return "$rc"

@@ -104,11 +104,25 @@ def base_env(run_dir: Path, discovery: str = "file", *, etcd_endpoints: str | No
     return env
 
 
-def frontend_command(python: str, http_port: int, discovery: str, namespace: str) -> list[str]:
+ROUTER_MODES = ("kv", "round-robin", "random")
+
+
+def default_router(workers: int) -> str:
+    """kv when there is a choice of worker (a repeated prefix goes where its KV blocks are)."""
+    return "kv" if workers > 1 else "round-robin"
+
+
+def frontend_command(python: str, http_port: int, discovery: str, namespace: str,
+                     router_mode: str = "round-robin") -> list[str]:
+    """The frontend's command. `router_mode` kv: the frontend's KV router picks the worker whose
+    cache holds the longest prefix of the request's blocks (from the workers' KV events on the
+    event plane, ZMQ here; block size from the model card), weighed against the workers' load."""
+    if router_mode not in ROUTER_MODES:
+        raise LaunchError(f"router: {router_mode!r} is unknown (use {', '.join(ROUTER_MODES)})")
     planes = {"file": ("file", "tcp", "zmq"), "etcd": ("etcd", "nats", "nats")}[discovery]
     return [python, "-m", "dynamo.frontend", "--http-host", HOST, "--http-port", str(http_port),
             "--discovery-backend", planes[0], "--request-plane", planes[1], "--event-plane", planes[2],
-            "--namespace", namespace]
+            "--namespace", namespace, "--router-mode", router_mode]
 
 
 def worker_command(python: str, engine_dir: str, index: int, *, run_dir: Path, model_name: str, namespace: str,
@@ -118,12 +132,20 @@ def worker_command(python: str, engine_dir: str, index: int, *, run_dir: Path, m
            "--run-dir", str(run_dir), "--model-name", model_name, "--namespace", namespace]
     if threads:
         cmd += ["--threads", str(threads)]
-    for key, value in {**(worker_options or {}), **(lookahead_overrides or {})}.items():
+    for key, value in (worker_options or {}).items():
         if value is True:
             cmd.append("--" + key.replace("_", "-"))
         elif value is not None and value is not False:
             cmd += ["--" + key.replace("_", "-"), str(value)]
+    for key, value in (lookahead_overrides or {}).items():     # a LookaheadConfig field takes a value
+        if value is not None:
+            text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+            cmd += ["--" + key.replace("_", "-"), text]
     return cmd
+
+
+def front_command(python: str, run_dir: Path) -> list[str]:
+    return [python, "-m", "serving.dynamo_launch", "front", "--run-dir", str(run_dir)]
 
 
 # ---- checks ------------------------------------------------------------------------------------------
@@ -238,7 +260,11 @@ def _alive(pid: int, marker: str) -> bool:
 
 def _markers() -> dict[str, str]:
     return {"frontend": "dynamo.frontend", "worker": "serving.dynamo_worker", "etcd": "etcd",
-            "nats": "nats-server"}
+            "nats": "nats-server", "front": "serving.dynamo_launch"}
+
+
+def _marker(name: str) -> str:
+    return _markers()["worker" if name.startswith("worker") else name]
 
 
 def _get_json(url: str, timeout: float = 2.0) -> Any:
@@ -270,13 +296,16 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
           python: str | None = None, timeout: float = 180.0, threads: int | None = None,
           worker_options: dict[str, Any] | None = None, etcd_endpoints: str | None = None,
           nats_server: str | None = None, start_etcd_nats: bool = False, device: str | None = None,
+          router_mode: str | None = None, watch: bool = False,
           progress: Callable[[str], None] | None = print) -> Deployment:
-    """Start the frontend and `workers` workers; return once all serve and /v1/models lists the model.
+    """Start the frontend, `workers` workers and the front; return once all serve and /v1/models
+    lists the model.
 
     `worker_options`: more dynamo_worker flags by name (num_host_blocks, max_queue,
     default_max_tokens, no_verify_checksums...). `threads`: torch threads per worker (default: the
-    cores shared out). `device`: every worker's (None: auto). Raises LaunchError, having stopped
-    whatever it started."""
+    cores shared out). `device`: every worker's (None: auto). `router_mode`: kv, round-robin or
+    random (default: kv with more than one worker). `watch`: the front restarts a worker (or the
+    frontend) that dies. Raises LaunchError, having stopped whatever it started."""
     python = python or sys.executable
     run_dir = Path(run_dir).resolve()
     say = progress or (lambda _msg: None)
@@ -284,6 +313,9 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
         raise LaunchError(f"workers: must be >= 1, got {workers}")
     if discovery not in ("file", "etcd"):
         raise LaunchError(f"discovery: {discovery!r} is unknown (use file or etcd)")
+    router_mode = router_mode or default_router(workers)
+    if router_mode not in ROUTER_MODES:
+        raise LaunchError(f"router: {router_mode!r} is unknown (use {', '.join(ROUTER_MODES)})")
     running = _running_pids(run_dir)
     if running:
         raise LaunchError(f"a deployment is already running from {run_dir} (pids {sorted(running.values())}): "
@@ -293,7 +325,7 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
     check_port_free(http_port)
     check_dynamo(python)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for pattern in ("*.pid", "worker-*.ready", "worker-*.stats.json", "*.log"):
+    for pattern in ("*.pid", "worker-*.ready", "worker-*.stats.json", "*.log", "watch.json"):
         for p in run_dir.glob(pattern):
             p.unlink(missing_ok=True)
     shutil.rmtree(run_dir / "kv", ignore_errors=True)
@@ -304,20 +336,24 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
     try:
         if discovery == "etcd" and start_etcd_nats:
             etcd_endpoints, nats_server = _start_etcd_nats(run_dir, infra, say)
-        env = {**os.environ, **base_env(run_dir, discovery, etcd_endpoints=etcd_endpoints, nats_server=nats_server)}
-        env["PYTHONPATH"] = str(repo_root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        shared = base_env(run_dir, discovery, etcd_endpoints=etcd_endpoints, nats_server=nats_server)
+        shared["PYTHONPATH"] = str(repo_root) + (os.pathsep + os.environ["PYTHONPATH"]
+                                                 if os.environ.get("PYTHONPATH") else "")
+        env = {**os.environ, **shared}
         env.pop("DYN_SYSTEM_PORT", None)
-        fe_env = {**env, "DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS": str(PEEK_MS)}
-        procs["frontend"] = _spawn(frontend_command(python, http_port, discovery, namespace), fe_env,
-                                   run_dir / "frontend.log", cwd=repo_root)
+        internal_port = free_port()             # the frontend's; the public port is the front's
+        fe_cmd = frontend_command(python, internal_port, discovery, namespace, router_mode)
+        fe_env = {"DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS": str(PEEK_MS)}
+        procs["frontend"] = _spawn(fe_cmd, {**env, **fe_env}, run_dir / "frontend.log", cwd=repo_root)
         (run_dir / "frontend.pid").write_text(str(procs["frontend"].pid))
-        sys_ports = []
+        sys_ports, commands = [], {"frontend": {"cmd": fe_cmd, "env": fe_env}}
         for i in range(workers):
             port = free_port(below_32768=True)
             sys_ports.append(port)
             cmd = worker_command(python, str(Path(engine_dir).resolve()), i, run_dir=run_dir, model_name=model_name,
                                  namespace=namespace, lookahead_overrides=lookahead_overrides, threads=threads,
                                  worker_options={**(worker_options or {}), "device": device})
+            commands[f"worker-{i}"] = {"cmd": cmd, "env": {"DYN_SYSTEM_PORT": str(port)}}
             procs[f"worker-{i}"] = _spawn(cmd, {**env, "DYN_SYSTEM_PORT": str(port)}, run_dir / f"worker-{i}.log",
                                           cwd=repo_root)
             (run_dir / f"worker-{i}.pid").write_text(str(procs[f"worker-{i}"].pid))
@@ -325,14 +361,19 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
                          procs["frontend"].pid, [procs[f"worker-{i}"].pid for i in range(workers)], sys_ports, infra)
         (run_dir / "deployment.json").write_text(json.dumps(
             {**dataclasses.asdict(dep), "run_dir": str(run_dir), "engine": str(engine_dir),
-             "device": device or "auto", "lookahead_overrides": lookahead_overrides or {}}, indent=1))
-        say(f"dynamo: starting frontend (pid {dep.frontend_pid}, port {http_port}) and {workers} worker(s) "
-            f"(pids {dep.worker_pids}, engine {engine_dir}); logs in {run_dir}")
+             "device": device or "auto", "lookahead_overrides": lookahead_overrides or {},
+             "router_mode": router_mode, "watch": watch, "internal_http_port": internal_port,
+             "env": shared, "cwd": str(repo_root), "commands": commands}, indent=1))
+        procs["front"] = _spawn(front_command(python, run_dir), env, run_dir / "front.log", cwd=repo_root)
+        (run_dir / "front.pid").write_text(str(procs["front"].pid))
+        say(f"dynamo: starting frontend (pid {dep.frontend_pid}, port {http_port}, router {router_mode}) and "
+            f"{workers} worker(s) (pids {dep.worker_pids}, engine {engine_dir}){'; --watch' if watch else ''}; "
+            f"logs in {run_dir}")
         _wait_ready(dep, procs, timeout, say)
     except BaseException:
         _terminate(procs, infra)
         raise
-    say(f"dynamo: ready: model {model_name!r} at {dep.url} ({workers} worker(s)); "
+    say(f"dynamo: ready: model {model_name!r} at {dep.url} ({workers} worker(s), router {router_mode}); "
         f"stop: python -m serving.dynamo_launch stop --run-dir {run_dir}")
     return dep
 
@@ -403,15 +444,15 @@ def _start_etcd_nats(run_dir: Path, infra: dict[str, int], say) -> tuple[str, st
 def _running_pids(run_dir: Path) -> dict[str, int]:
     """name -> pid of this run dir's processes that are still alive (and still ours)."""
     out = {}
-    markers = _markers()
     for f in Path(run_dir).glob("*.pid"):
         name = f.stem
         try:
             pid = int(f.read_text().strip())
         except (OSError, ValueError):
             continue
-        if _alive(pid, markers["worker" if name.startswith("worker") else name]):
-            out[name] = pid
+        if name in _markers() or name.startswith("worker-"):
+            if _alive(pid, _marker(name)):
+                out[name] = pid
     return out
 
 
@@ -425,14 +466,19 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def _tier(name: str) -> int:
+    """Stop order: the front first (its watcher would restart a worker stopped under it), then the
+    workers (they leave discovery before the frontend goes), the frontend, etcd/nats."""
+    return 0 if name == "front" else 1 if name.startswith("worker") else 2 if name == "frontend" else 3
+
+
 def _stop_pids(pids: dict[str, int], grace_s: float) -> list[str]:
-    """SIGTERM every pid (workers, then the frontend, then etcd/nats), SIGKILL survivors after grace_s."""
-    order = sorted(pids, key=lambda n: (0 if n.startswith("worker") else 1 if n == "frontend" else 2, n))
-    markers = _markers()
-    marker = {n: markers["worker" if n.startswith("worker") else n] for n in order}
+    """SIGTERM every pid tier by tier (see _tier), SIGKILL survivors of a tier after grace_s."""
+    order = sorted(pids, key=lambda n: (_tier(n), n))
+    marker = {n: _marker(n) for n in order}
     killed = []
-    for tier in (0, 1, 2):
-        names = [n for n in order if (0 if n.startswith("worker") else 1 if n == "frontend" else 2) == tier]
+    for tier in (0, 1, 2, 3):
+        names = [n for n in order if _tier(n) == tier]
         for n in names:
             _signal(pids[n], signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -478,25 +524,246 @@ def stop(run_dir: str | Path = DEFAULT_RUN_DIR, *, grace_s: float = 5.0,
     return sorted(pids)
 
 
+def is_run_dir(run_dir: str | Path) -> bool:
+    """Whether `run_dir` holds (or held) a Dynamo deployment started here."""
+    d = Path(run_dir)
+    return (d / "deployment.json").is_file() or (d / "frontend.pid").is_file() or any(d.glob("worker-*.pid"))
+
+
 def status(run_dir: str | Path = DEFAULT_RUN_DIR) -> dict[str, Any]:
-    """What runs from `run_dir`: pids alive, whether /v1/models lists the model, each worker's stats."""
+    """What runs from `run_dir`: pids alive, whether /v1/models lists the model, and per worker
+    whether it is up (its process alive, and its stats route answering when it has one), its last
+    stats (`stale` when the worker is down) and its restarts by the watcher."""
     run_dir = Path(run_dir).resolve()
     try:
         dep = json.loads((run_dir / "deployment.json").read_text())
     except (OSError, ValueError):
         dep = {}
     alive = _running_pids(run_dir)
-    out: dict[str, Any] = {"run_dir": str(run_dir), "running": alive, "url": dep.get("url"), "model": dep.get("model")}
-    if dep.get("http_port") and "frontend" in alive:
+    watch = _read_watch(run_dir)
+    out: dict[str, Any] = {"run_dir": str(run_dir), "running": alive, "url": dep.get("url"), "model": dep.get("model"),
+                           "router_mode": dep.get("router_mode"), "watch": bool(dep.get("watch")),
+                           "restarts": watch.get("restarts", {}), "gave_up": watch.get("gave_up", {})}
+    if dep.get("http_port") and "front" in alive:
         out["models"] = _models(dep["http_port"])
+    elif dep.get("internal_http_port") and "frontend" in alive:
+        out["models"] = _models(dep["internal_http_port"])
+    names = sorted({f.name.split(".")[0] for f in run_dir.glob("worker-*.pid")} |
+                   {f"worker-{i}" for i in range(len(dep.get("worker_pids") or []))}, key=_worker_key)
+    ports = dep.get("worker_system_ports") or []
     workers = {}
-    for f in sorted(run_dir.glob("worker-*.stats.json")):
+    for name in names:
         try:
-            workers[f.name.split(".")[0]] = json.loads(f.read_text())
+            stats = json.loads((run_dir / f"{name}.stats.json").read_text())
         except (OSError, ValueError):
-            pass
+            stats = {}
+        up = name in alive
+        live = None
+        i = _worker_key(name)
+        if up and i < len(ports):
+            try:
+                live = _get_json(f"http://{HOST}:{ports[i]}/engine/stats", timeout=2.0)
+            except (OSError, ValueError, urllib.error.URLError):
+                live = None
+        ready = up and (run_dir / f"{name}.ready").is_file()       # registered with the frontend
+        workers[name] = {**(live or stats), "up": ready, "alive": up, "answers": live is not None,
+                         "pid": alive.get(name), "stale": live is None,
+                         "restarts": watch.get("restarts", {}).get(name, 0)}
     out["workers"] = workers
     return out
+
+
+def _worker_key(name: str) -> int:
+    try:
+        return int(name.split("-", 1)[1])
+    except (IndexError, ValueError):
+        return 1 << 30
+
+
+def _read_watch(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / "watch.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def print_status(st: dict[str, Any], out=print) -> int:
+    """The CLI's report of `status()`: 0 every process up and the model listed, 1 running but not
+    whole (a worker, the front or the frontend down or still starting: named), 3 nothing running.
+    A worker that is down is reported down, never with its last stats as if it served."""
+    running = st["running"]
+    if not running:
+        out(f"dynamo: not running ({st['run_dir']})")
+        return 3
+    workers = st["workers"]
+    down = [n for n, w in workers.items() if not w["up"]]
+    missing = [n for n in ("frontend", "front") if n not in running]
+    listed = st.get("model") in (st.get("models") or [])
+    whole = not down and not missing and listed
+    head = "serving" if whole else "degraded"
+    out(f"dynamo: {head}: model {st['model']!r} at {st['url']} (router {st.get('router_mode')}, "
+        f"watch {'on' if st.get('watch') else 'off'}); /v1/models: {st.get('models')}; "
+        f"workers up {len(workers) - len(down)}/{len(workers)}")
+    for name in ("frontend", "front"):
+        out(f"  {name}: {'up (pid %d)' % running[name] if name in running else 'DOWN'}")
+    for name, w in workers.items():
+        restarts = f", restarts {w['restarts']}" if w.get("restarts") else ""
+        if w.get("alive") and not w["up"]:
+            out(f"  {name}: starting (pid {w['pid']}{restarts}: loading its engine, not registered yet)")
+            continue
+        if not w["up"]:
+            gave_up = st.get("gave_up", {}).get(name)
+            out(f"  {name}: DOWN (not running{restarts}{'; the watcher gave up: ' + gave_up if gave_up else ''}"
+                f"{'' if st.get('watch') else '; start with --watch to restart dead workers'})")
+            continue
+        hit = w.get("prefix_cache_hit_rate")
+        out(f"  {name}: up (pid {w['pid']}{restarts}): mode {w.get('mode')}, running {w.get('num_running')}, "
+            f"waiting {w.get('num_waiting')}, free blocks {w.get('free_blocks')}/{w.get('total_blocks')}, "
+            f"prefix cache hit rate {'-' if hit is None else f'{hit:.2f}'} ({w.get('cached_blocks')} blocks cached, "
+            f"{w.get('prefix_cache_evictions')} evicted), finished {w.get('finished_requests')}, "
+            f"aborted {w.get('aborted_requests')}, {w.get('tokens_per_s') or 0:.1f} tokens/s")
+    if down or missing:
+        out(f"dynamo: not up: {', '.join(missing + [n + (' (starting)' if workers[n].get('alive') else '') for n in down])}")
+    elif not listed:
+        out("dynamo: the frontend does not list the model (yet)")
+    return 0 if whole else 1
+
+
+# ---- the front: OpenAI checks in front of the frontend, and the watcher ----------------------------
+WATCH_EVERY_S = 1.0
+RESTART_BACKOFF_S = (1, 2, 5, 10, 30)     # after a quick death; a worker that keeps dying is given up on
+QUICK_DEATH_S = 60.0
+
+
+class Watcher:
+    """Restarts a dead worker (or frontend) of a deployment with the command and environment it was
+    started with (deployment.json). Restarts and deaths go to watch.json and front.log. A process
+    that dies again within QUICK_DEATH_S waits RESTART_BACKOFF_S before its next start; after the
+    last delay it is given up on (status says so)."""
+
+    def __init__(self, run_dir: Path, dep: dict[str, Any], say=None):
+        self.run_dir, self.dep = run_dir, dep
+        self.say = say or (lambda m: print(m, flush=True))
+        self.children: dict[str, subprocess.Popen] = {}
+        self.state: dict[str, Any] = {"restarts": {}, "deaths": {}, "gave_up": {}}
+        self._started: dict[str, float] = {}
+        self._quick: dict[str, int] = {}
+        self._due: dict[str, float] = {}
+
+    def names(self) -> list[str]:
+        return [n for n in self.dep.get("commands", {}) if n == "frontend" or n.startswith("worker-")]
+
+    def _pid(self, name: str) -> int | None:
+        try:
+            return int((self.run_dir / f"{name}.pid").read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def check(self) -> list[str]:
+        """One pass: restart what is dead and due; returns the names (re)started."""
+        started = []
+        now = time.monotonic()
+        for name in self.names():
+            child = self.children.get(name)
+            if child is not None:
+                child.poll()                      # reap our own children
+            pid = self._pid(name)
+            if pid is not None and _alive(pid, _marker(name)):
+                continue
+            if name in self.state["gave_up"]:
+                continue
+            if name not in self._due:             # a death seen for the first time
+                rc = child.returncode if child is not None and child.pid == pid else None
+                what = f"{name} (pid {pid}) died" + (f" with code {rc}" if rc is not None else "")
+                self.state["deaths"][name] = what
+                quick = now - self._started.get(name, -1e9) < QUICK_DEATH_S
+                self._quick[name] = self._quick.get(name, 0) + 1 if quick else 0
+                if self._quick[name] > len(RESTART_BACKOFF_S):
+                    self.state["gave_up"][name] = f"{what}, {self._quick[name]} times within {QUICK_DEATH_S:.0f} s of its start"
+                    self.say(f"watch: {self.state['gave_up'][name]}: not restarting it")
+                    self._save()
+                    continue
+                delay = RESTART_BACKOFF_S[self._quick[name] - 1] if self._quick[name] else 0
+                self._due[name] = now + delay
+                self.say(f"watch: {what}; restarting it" + (f" in {delay} s" if delay else ""))
+            if now < self._due[name]:
+                continue
+            del self._due[name]
+            self._restart(name)
+            started.append(name)
+        return started
+
+    def _restart(self, name: str) -> None:
+        spec = self.dep["commands"][name]
+        env = {**os.environ, **self.dep.get("env", {}), **spec.get("env", {})}
+        if name == "frontend":
+            env["DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS"] = str(PEEK_MS)
+        (self.run_dir / f"{name}.ready").unlink(missing_ok=True)
+        log_path = self.run_dir / f"{name}.log"
+        with open(log_path, "ab") as f:
+            f.write(f"---- watch: restarting {name} at {time.strftime('%Y-%m-%d %H:%M:%S')} ----\n".encode())
+        proc = _spawn(spec["cmd"], env, log_path, cwd=self.dep.get("cwd"))
+        self.children[name] = proc
+        (self.run_dir / f"{name}.pid").write_text(str(proc.pid))
+        self._started[name] = time.monotonic()
+        self.state["restarts"][name] = self.state["restarts"].get(name, 0) + 1
+        self.say(f"watch: started {name} again (pid {proc.pid}, restart {self.state['restarts'][name]})")
+        self._save()
+
+    def _save(self) -> None:
+        tmp = self.run_dir / f".watch.json.{os.getpid()}"
+        tmp.write_text(json.dumps(self.state))
+        os.replace(tmp, self.run_dir / "watch.json")
+
+    def stop_children(self) -> None:
+        for proc in self.children.values():
+            proc.poll()
+
+
+def run_front(run_dir: str | Path) -> int:
+    """The front process of a deployment (started by `start`): serving.http_front on the public
+    port, refusing what the engine cannot serve (serving/openai_front.py) before the frontend on
+    its internal port sees it, plus, with watch, the Watcher."""
+    import asyncio
+    import logging
+
+    from .http_front import Front
+    from .openai_front import check_openai_request, openai_error_body
+
+    run_dir = Path(run_dir).resolve()
+    dep = json.loads((run_dir / "deployment.json").read_text())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s front: %(message)s")
+    front = Front(HOST, dep["http_port"], HOST, dep["internal_http_port"], check=check_openai_request,
+                  error_body=openai_error_body, upstream_name="the Dynamo frontend")
+    watcher = Watcher(run_dir, dep, say=lambda m: logging.info("%s", m)) if dep.get("watch") else None
+
+    async def watch(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), WATCH_EVERY_S)
+            except asyncio.TimeoutError:
+                pass
+            if not stop.is_set() and watcher is not None:
+                await asyncio.to_thread(watcher.check)
+
+    async def main() -> None:
+        await front.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        serve = asyncio.ensure_future(front.serve())
+        logging.info("OpenAI front on %s:%d -> the Dynamo frontend on %s:%d%s", HOST, dep["http_port"], HOST,
+                     dep["internal_http_port"], "; watching the workers" if watcher else "")
+        await watch(stop)
+        front.close()
+        serve.cancel()
+    try:
+        asyncio.run(main())
+    except OSError as e:
+        print(f"front: cannot listen on {HOST}:{dep['http_port']}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------
@@ -527,9 +794,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nats-server", default=None, help="with --discovery etcd (default nats://127.0.0.1:4222)")
     s.add_argument("--start-etcd-nats", action="store_true",
                    help="with --discovery etcd: start etcd and nats-server here on loopback")
+    s.add_argument("--router", choices=ROUTER_MODES, default=None,
+                   help="how the frontend picks a worker (default: kv with more than one worker, else round-robin)")
+    s.add_argument("--watch", action="store_true", help="restart a worker (or the frontend) that dies")
+    s.add_argument("--no-kv-events", action="store_true", help="workers publish no KV events (kv routing guesses)")
     add_lookahead_flags(s)
-    for name in ("stop", "status"):
-        q = sub.add_parser(name)
+    for name in ("stop", "status", "front"):
+        q = sub.add_parser(name, help="(internal) the front process of a deployment" if name == "front" else None)
         q.add_argument("--run-dir", default=DEFAULT_RUN_DIR)
         if name == "stop":
             q.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
@@ -542,27 +813,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.action == "start":
-            opts = {k: getattr(args, k) for k in ("num_host_blocks", "max_queue", "default_max_tokens")}
+            opts = {k: getattr(args, k) for k in ("num_host_blocks", "max_queue", "default_max_tokens",
+                                                  "no_kv_events")}
             start(args.engine, workers=args.workers, http_port=args.http_port, run_dir=args.run_dir,
                   lookahead_overrides=lookahead_overrides(args), discovery=args.discovery,
                   model_name=args.model_name, namespace=args.namespace, python=args.python, timeout=args.timeout,
                   threads=args.threads, worker_options=opts, etcd_endpoints=args.etcd_endpoints,
-                  nats_server=args.nats_server, start_etcd_nats=args.start_etcd_nats, device=args.device)
+                  nats_server=args.nats_server, start_etcd_nats=args.start_etcd_nats, device=args.device,
+                  router_mode=args.router, watch=args.watch)
             return 0
         if args.action == "stop":
             stop(args.run_dir, grace_s=args.grace)
             return 0
-        st = status(args.run_dir)
-        if not st["running"]:
-            print(f"dynamo: not running ({st['run_dir']})")
-            return 3
-        print(f"dynamo: running {sorted(st['running'].items())}; model {st['model']!r} at {st['url']}; "
-              f"/v1/models: {st.get('models')}")
-        for name, w in st["workers"].items():
-            print(f"  {name}: mode {w.get('mode')}, running {w.get('num_running')}, waiting {w.get('num_waiting')}, "
-                  f"free blocks {w.get('free_blocks')}/{w.get('total_blocks')}, finished {w.get('finished_requests')}, "
-                  f"aborted {w.get('aborted_requests')}, {w.get('tokens_per_s', 0):.1f} tokens/s")
-        return 0
+        if args.action == "front":
+            return run_front(args.run_dir)
+        return print_status(status(args.run_dir))
     except LaunchError as e:
         print(f"dynamo_launch: error: {e}", file=sys.stderr)
         return 1

@@ -495,12 +495,9 @@ class KvEventRelay:
 
 
 def kv_used_blocks(stats: dict[str, Any]) -> int:
-    """Blocks requests hold now (the router's load signal): the pool less its free blocks and the
-    cached blocks no request uses (reclaimable)."""
-    total = int(stats.get("total_blocks") or 0)
-    free = int(stats.get("free_blocks") or 0)
-    reclaimable = int(stats.get("cached_free_blocks") or 0) if stats.get("free_counts_cached") is False else 0
-    return max(0, total - free - reclaimable)
+    """Blocks requests hold now (the router's load signal): the pool less its free blocks (which
+    count the cached blocks no request uses: they are reclaimable)."""
+    return max(0, int(stats.get("total_blocks") or 0) - int(stats.get("free_blocks") or 0))
 
 
 # ---- the worker -------------------------------------------------------------------------------------

@@ -54,11 +54,13 @@ STREAM_CUT = ("tritonserver closed the stream before it finished (it died, or wa
 
 
 class HttpError(Exception):
-    """A request refused here: status, message (sent as Triton's {"error": ...}), close after."""
+    """A request refused here: status, message (sent as Triton's {"error": ...}, or the front's
+    `error_body`), close after. `field`: the request field at fault, when there is one."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, field: str | None = None):
         super().__init__(message)
         self.status = status
+        self.field = field
 
 
 REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
@@ -151,13 +153,18 @@ class Front:
     """One proxy: `await Front(...).serve()`; `close()` stops accepting and ends open connections."""
 
     def __init__(self, listen_host: str, listen_port: int, upstream_host: str, upstream_port: int,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, check=None, error_body=None,
+                 upstream_name: str = "tritonserver"):
+        """`check(request)`: raises HttpError for a request to answer here (after the JSON check);
+        `error_body(status, message, field) -> bytes`: the JSON of such an answer (default Triton's
+        {"error": message}); `upstream_name` names the server behind in 502 answers."""
         if not 0 < max_body_bytes <= MAX_BODY_LIMIT:
             raise ValueError(f"max_body_bytes must be in 1..{MAX_BODY_LIMIT} (tritonserver 2.51 crashes on "
                              f"HTTP bodies over ~4 MB), got {max_body_bytes}")
         self.listen = (listen_host, listen_port)
         self.upstream = (upstream_host, upstream_port)
         self.max_body = max_body_bytes
+        self.check, self.error_body, self.upstream_name = check, error_body, upstream_name
         self.server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self.refused = 0                        # requests answered here (4xx/5xx), for tests and logs
@@ -190,7 +197,7 @@ class Front:
                 except HttpError as e:
                     self.refused += 1
                     log.warning("refused a request: %d %s", e.status, e)
-                    await self._answer(writer, e.status, str(e))
+                    await self._answer(writer, e.status, str(e), e.field)
                     return
                 if req is None:
                     return
@@ -201,8 +208,8 @@ class Front:
                         up = await asyncio.open_connection(*self.upstream, limit=MAX_HEAD_BYTES)
                     except OSError as e:
                         self.refused += 1
-                        await self._answer(writer, 502, f"tritonserver is not reachable ({e.strerror or e}); "
-                                                        f"it may be restarting: retry")
+                        await self._answer(writer, 502, f"{self.upstream_name} is not reachable "
+                                                        f"({e.strerror or e}); it may be restarting: retry")
                         return
                 if not await self._forward(req, up, writer):
                     return
@@ -253,6 +260,8 @@ class Front:
         elif kind == "chunked":
             req.body = await asyncio.wait_for(self._read_chunked(reader), BODY_TIMEOUT_S)
         check_json(req.body, headers)
+        if self.check is not None:
+            self.check(req)
         return req
 
     async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
@@ -280,8 +289,8 @@ class Front:
                 raise HttpError(400, "chunk not followed by CRLF")
             parts.append(data[:-2])
 
-    async def _answer(self, writer, status: int, message: str) -> None:
-        body = json.dumps({"error": message}).encode()
+    async def _answer(self, writer, status: int, message: str, field: str | None = None) -> None:
+        body = self.error_body(status, message, field) if self.error_body else json.dumps({"error": message}).encode()
         head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
         try:
@@ -312,7 +321,7 @@ class Front:
                     break
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError) as e:
             self.refused += 1
-            await self._answer(writer, 502, f"tritonserver closed the connection ({type(e).__name__}); "
+            await self._answer(writer, 502, f"{self.upstream_name} closed the connection ({type(e).__name__}); "
                                             f"it may have died or be restarting: retry")
             return False
         headers = [tuple(p.strip() for p in h.split(":", 1)) for h in rest.split("\r\n") if ":" in h]
@@ -337,7 +346,7 @@ class Front:
                 peeked, first_line = await _peek(up_reader, kind, length)
             except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
                 self.refused += 1
-                await self._answer(writer, 502, "tritonserver closed the connection mid-response: retry")
+                await self._answer(writer, 502, f"{self.upstream_name} closed the connection mid-response: retry")
                 return False
             if QUEUE_FULL in peeked:
                 status, reason = 503, REASONS[503]
@@ -374,7 +383,9 @@ class Front:
                 if sse and at_boundary and not writer.is_closing():
                     # An SSE client gets an error event, as tritonserver sends them; the connection is
                     # then closed without the last chunk, so an HTTP client sees the response cut short.
-                    event = b"data: " + json.dumps({"error": STREAM_CUT}).encode() + b"\n\n"
+                    cut = STREAM_CUT if self.upstream_name == "tritonserver" else \
+                        f"{self.upstream_name} closed the stream before it finished; the request did not complete: retry"
+                    event = b"data: " + json.dumps({"error": cut}).encode() + b"\n\n"
                     writer.write(b"%x\r\n%s\r\n" % (len(event), event))
                     try:
                         await writer.drain()
