@@ -11,32 +11,53 @@
 #   prepare here:  bash scripts/gpu_check.sh --prepare             (~2 MiB: pytest and its deps, cp312)
 #   run there:     command "bash scripts/gpu_check.sh", carry ["build/wheelhouse"], timeout_s 450
 # Nothing else needs carrying: the kernels build there (build/torch_ext), the engine dirs are
-# random-weights recipes written there (into $OUT/engines), and the working tree has the rest.
+# random-weights recipes written there (build/gpu_check/engines), and the working tree has the rest.
+#
+# What comes back is at most 8 files of $OUT (names [A-Za-z0-9._-], no deeper than $OUT/a/b), so
+# this script writes 7 files, all directly in $OUT, and everything else (engine dirs, the
+# extension build, pytest's temporaries) outside it, under build/:
+#   summary.txt          the stage table, replaced after every stage (a kill keeps what finished)
+#   setup.log            the env and build stages' output
+#   kernels.log          the extension build (kbuild) and the kernel checks
+#   kernel_check.json    scripts/gpu_kernel_check.py's results
+#   tests.log            pytest's output
+#   bench.log            scripts/gpu_decode_bench.py's output and table
+#   decode_bench.json    its results
+# Every JSON is replaced atomically (temporary file + rename) after each check or row, so a
+# sticky CUDA fault or a kill at any moment loses nothing recorded before it.
 #
 # Stages, each under its own limit; the limits add up to the budget (BUDGET_S, 420 s), and a stage
-# that would pass the budget gets only what is left of it:
+# that would pass the budget gets only what is left of it. env and build only check and prepare:
+# importing runtime, builder and plugins compiles nothing.
 #   stage    limit  what                                                         -> output
-#   env        15   versions, nvidia-smi, importable modules                      -> env.txt
-#   build      25   scripts/build_engine.py --random-weights for llama3-8b and
-#                   smollm2-135m (bfloat16; engine.yaml recipes, no weights)      -> build.log
-#   kernels   120   scripts/gpu_kernel_check.py: builds the torch extension (all .cu + the
-#                   loader, for sm_90, cached in build/torch_ext), numerics through the
-#                   extension, torch.ops and the wrappers, bandwidths; the >2^31-element cases
-#                   in a child process (60 s)                                     -> kernel_check/
-#   tests      80   pytest -m "not slow" tests/test_transfer_cuda.py tests/test_cuda_kernels.py
-#                                                                                 -> pytest.log, pytest-junit.xml
-#   bench     180   scripts/gpu_decode_bench.py: the real engine, dense vs lookahead under one
-#                   device KV budget at 32K, each shape in a child process         -> decode_bench/
-# Every JSON file is rewritten after each check or row (a sticky CUDA fault or a kill loses nothing
-# recorded before it). Every stage's output is in its log; a summary table is printed last (and in
-# summary.txt). Exit status: 0 when every stage passed, 2 without a usable GPU, 1 otherwise.
+#   env        15   versions, nvidia-smi, importable modules, the imports         -> setup.log
+#   build      20   scripts/build_engine.py --random-weights for llama3-8b and
+#                   smollm2-135m (bfloat16; engine.yaml recipes, no weights), and
+#                   the CPU kernel library (plugins/cpu: built before any timing)  -> setup.log
+#   kbuild     90   the kernels stage's first step: python -m plugins.cuda.loader build (a stale
+#                   build/torch_ext/lock removed first; the torch extension, all .cu + the
+#                   bindings, for sm_90); from then on every process imports the built module
+#                   (LOOKAHEAD_CUDA_PREBUILT=1: no compile, no lock)             -> kernels.log
+#   kernels    85   scripts/gpu_kernel_check.py: numerics through the extension,
+#                   torch.ops and the wrappers, bandwidths; the >2^31-element cases
+#                   in a child process (50 s)                                     -> kernels.log, kernel_check.json
+#   tests      60   pytest -m "not slow" tests/test_transfer_cuda.py tests/test_cuda_kernels.py
+#                                                                                 -> tests.log
+#   bench     150   scripts/gpu_decode_bench.py: the real engine, dense vs lookahead under one
+#                   device KV budget at 32K, each shape in a child process         -> bench.log, decode_bench.json
+# The summary table is printed last (summary.txt). Exit status: 0 when every stage passed, 2
+# without a usable GPU, 1 otherwise.
 #
-# --dry-run (tests/test_eval_scripts.py runs it; under a minute here): the same stages on CPU with the
-# repository's .venv: env without the GPU requirement; build writes the `tiny` random-weights shape;
-# kernels runs gpu_kernel_check.py --device cpu (the checks' machinery against the torch ops, a
-# child process, the bandwidth code); tests collects the CUDA test files (through the wheelhouse
-# when there is one); bench runs gpu_decode_bench.py on CPU over the tiny engine (256 tokens, every
-# row, the satisfied-transfer round, the copy replay, the graph path's eager half).
+# --dry-run (tests/test_eval_scripts.py runs it; about a minute here): the same stages on CPU with the
+# repository's .venv, under limits shifted for a shared 2-core machine (env 25, build 30, kbuild 20,
+# bench 200; the same 420 s in all): env without the GPU requirement; build writes the `tiny` random-weights shape;
+# kbuild removes a stale lock and prints its plan (no CUDA build of torch here); kernels runs
+# gpu_kernel_check.py --device cpu (the checks' machinery against the torch ops, a child process,
+# the bandwidth code); tests collects the CUDA test files (through the wheelhouse when there is
+# one); bench runs gpu_decode_bench.py on CPU over the tiny engine (256 tokens, every row, the
+# satisfied-transfer round, the copy replay, the graph path's eager half).
+# GPU_CHECK_STAGES (default env,build,kbuild,kernels,tests,bench) runs only the stages it names
+# (tests/test_gpu_import.py runs the env stage with a GPU reported).
 #
 # pytest: when the machine's python has none, the wheels in WHEELHOUSE (default build/wheelhouse)
 # are unpacked into a temporary directory put first on PYTHONPATH.
@@ -75,26 +96,62 @@ OUT="${OUT:-out/gpu_check}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-420}"
-T_ENV="${T_ENV:-15}" T_BUILD="${T_BUILD:-25}" T_KERNELS="${T_KERNELS:-120}" T_TESTS="${T_TESTS:-80}" T_BENCH="${T_BENCH:-180}"
-LIMITS_S=$((T_ENV + T_BUILD + T_KERNELS + T_TESTS + T_BENCH))
+if [[ $DRY == 1 ]]; then   # a 2-core machine shared with a test suite: torch alone takes ~5 s to import there
+    T_ENV="${T_ENV:-25}" T_BUILD="${T_BUILD:-30}" T_KBUILD="${T_KBUILD:-20}" T_KERNELS="${T_KERNELS:-85}"
+    T_TESTS="${T_TESTS:-60}" T_BENCH="${T_BENCH:-200}"
+else
+    T_ENV="${T_ENV:-15}" T_BUILD="${T_BUILD:-20}" T_KBUILD="${T_KBUILD:-90}" T_KERNELS="${T_KERNELS:-85}"
+    T_TESTS="${T_TESTS:-60}" T_BENCH="${T_BENCH:-150}"
+fi
+LIMITS_S=$((T_ENV + T_BUILD + T_KBUILD + T_KERNELS + T_TESTS + T_BENCH))
 if ((LIMITS_S > BUDGET_S)); then
     echo "gpu_check: the stage limits add up to ${LIMITS_S}s, over the ${BUDGET_S}s budget" >&2
     exit 2
 fi
-ENGINES="${GPU_ENGINES_DIR:-$OUT/engines}"
+STAGES_WANTED="${GPU_CHECK_STAGES:-env,build,kbuild,kernels,tests,bench}"
+wanted() { [[ ",$STAGES_WANTED," == *",$1,"* ]]; }
+SCRATCH="${GPU_CHECK_SCRATCH:-$ROOT/build/gpu_check}"     # outside $OUT: only $OUT's files come back
+ENGINES="${GPU_ENGINES_DIR:-$SCRATCH/engines}"
+mkdir -p "$SCRATCH"
 export LOOKAHEAD_CUDA_BUILD_DIR="${LOOKAHEAD_CUDA_BUILD_DIR:-$ROOT/build/torch_ext}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"     # H100/H200: the extension for sm_90 only
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"                        # ninja's parallel nvcc jobs
 export PYTHONUNBUFFERED=1
 START=$SECONDS
+for f in summary.txt setup.log kernels.log kernel_check.json tests.log bench.log decode_bench.json; do
+    rm -f "$OUT/$f"
+done
 
 STAGES=() STATUS=() SECS=() NOTES=()
+RUNNING="" RUNNING_AT=0
+# write_summary: summary.txt from what has run so far, replaced atomically (a kill at any moment
+# leaves the last whole one, with the stage that was running named)
+write_summary() {
+    local tmp="$OUT/.summary.txt.tmp"
+    {
+        if [[ -f "$OUT/bench.log" ]] && grep -q '^decode steps on' "$OUT/bench.log"; then
+            sed -n '/^decode steps on/,/^wrote /p' "$OUT/bench.log"
+            echo
+        fi
+        printf '%-8s %-14s %6s  %s\n' stage status seconds result
+        for i in "${!STAGES[@]}"; do
+            printf '%-8s %-14s %6s  %s\n' "${STAGES[$i]}" "${STATUS[$i]}" "${SECS[$i]}" "${NOTES[$i]}"
+        done
+        if [[ -n $RUNNING ]]; then
+            printf '%-8s %-14s %6s  %s\n' "$RUNNING" running - "started at ${RUNNING_AT}s (killed there if this line is last)"
+        fi
+        echo "total $((SECONDS - START))s of a ${BUDGET_S}s budget (stage limits add up to ${LIMITS_S}s); results in $OUT"
+    } >"$tmp"
+    mv -f "$tmp" "$OUT/summary.txt"
+}
 record() {   # name status seconds note
     STAGES+=("$1") STATUS+=("$2") SECS+=("$3") NOTES+=("$4")
+    RUNNING=""
+    write_summary
 }
 
-# run_stage NAME LIMIT_S LOG CMD...: run CMD under `timeout`, capped by what is left of the budget.
-# Sets STAGE_RC (124 on timeout), STAGE_STATUS and STAGE_SECS.
+# run_stage NAME LIMIT_S LOG CMD...: run CMD under `timeout`, capped by what is left of the budget,
+# its output appended to LOG. Sets STAGE_RC (124 on timeout), STAGE_STATUS and STAGE_SECS.
 run_stage() {
     local name=$1 limit=$2 log=$3
     shift 3
@@ -102,13 +159,16 @@ run_stage() {
     if ((limit > left)); then limit=$left; fi
     if ((limit < 10)); then
         STAGE_RC=125 STAGE_STATUS=SKIPPED STAGE_SECS=0
-        echo "== $name: skipped, ${left}s left of the ${BUDGET_S}s budget" | tee "$log"
+        echo "== $name: skipped, ${left}s left of the ${BUDGET_S}s budget" | tee -a "$log"
         return
     fi
     echo "== $name (limit ${limit}s) -> $log"
+    echo "== $name (limit ${limit}s)" >>"$log"
+    RUNNING=$name RUNNING_AT=$((SECONDS - START))
+    write_summary
     local t0=$SECONDS
     # TERM 5 s before the limit, KILL at it: the limit is a wall, even for a stage that ignores TERM
-    timeout --signal=TERM --kill-after=5 "$((limit - 5))" "$@" >"$log" 2>&1
+    timeout --signal=TERM --kill-after=5 "$((limit - 5))" "$@" >>"$log" 2>&1
     STAGE_RC=$?
     STAGE_SECS=$((SECONDS - t0))
     case $STAGE_RC in
@@ -128,7 +188,7 @@ summary() {
     [[ -f "$2" ]] && "$PY" scripts/gpu_results.py "$1" "$2" 2>/dev/null
 }
 
-# ---- env ---------------------------------------------------------------------------------------
+# ---- env: checks only (the imports compile nothing) --------------------------------------------
 # shellcheck disable=SC2329  # invoked as `bash -c env_report` (exported below)
 env_report() {
     date -u +"date: %Y-%m-%dT%H:%M:%SZ"
@@ -137,8 +197,11 @@ env_report() {
     nvcc --version | tail -n 2 || echo "nvcc: not found"
     echo "ninja: $(command -v ninja || echo 'not found')"
     echo "free: $(free -g | awk '/^Mem:/ {print $2 " GiB total, " $7 " GiB available"}')"
+    if [[ -e "$LOOKAHEAD_CUDA_BUILD_DIR/lock" ]]; then
+        echo "build lock: $LOOKAHEAD_CUDA_BUILD_DIR/lock is there (a killed build's; kbuild removes it)"
+    fi
     "$PY" - <<'EOF'
-import importlib.util, os, sys
+import importlib.util, os, sys, time
 import torch
 print("python", sys.version.split()[0], "| torch", torch.__version__, "| torch CUDA", torch.version.cuda)
 def installed(m):
@@ -148,7 +211,11 @@ def installed(m):
         return False
 for m in ("cuda.bindings", "numpy", "safetensors", "tokenizers", "yaml", "pytest"):
     print(f"module {m}: {'yes' if installed(m) else 'MISSING'}")
+t0 = time.perf_counter()
+import builder, plugins, runtime, runtime.ops  # noqa: E401,F401  (none of them builds anything)
 from runtime.transfer.cuda import unavailable_reason
+print(f"imports: runtime, builder, plugins, runtime.ops, runtime.transfer.cuda in {time.perf_counter() - t0:.1f} s "
+      "(nothing compiled: kbuild builds the extension)")
 print("CUDA transfer engine:", unavailable_reason() or "available")
 if not torch.cuda.is_available():
     if os.environ.get("GPU_CHECK_DRY") == "1":
@@ -161,29 +228,34 @@ EOF
 export PY
 export GPU_CHECK_DRY=$DRY
 export -f env_report
-run_stage env "$T_ENV" "$OUT/env.txt" bash -c env_report
-record env "$STAGE_STATUS" "$STAGE_SECS" "$(grep -m1 '^device:' "$OUT/env.txt" | cut -c9-)"
-if [[ $STAGE_RC -eq 0 ]]; then
-    cat "$OUT/env.txt"
-else
-    echo "gpu_check: no usable GPU or python with torch (see $OUT/env.txt); nothing else runs" >&2
-    exit 2
+if wanted env; then
+    run_stage env "$T_ENV" "$OUT/setup.log" bash -c env_report
+    record env "$STAGE_STATUS" "$STAGE_SECS" "$(grep -m1 '^device:' "$OUT/setup.log" | cut -c9-)"
+    if [[ $STAGE_RC -eq 0 ]]; then
+        cat "$OUT/setup.log"
+    else
+        echo "gpu_check: no usable GPU or python with torch (see $OUT/setup.log); nothing else runs" >&2
+        exit 2
+    fi
 fi
 
-# ---- build: the random-weights engine dirs -------------------------------------------------------
+# ---- build: the random-weights engine dirs and the CPU kernel library ---------------------------
 if [[ $DRY == 1 ]]; then
     SHAPES=(tiny) DTYPE=float32
 else
     SHAPES=(llama3-8b smollm2-135m) DTYPE=bfloat16
 fi
 # shellcheck disable=SC2329  # invoked as `bash -c build_engines`
-build_engines() {   # one builder process per shape, in parallel (each is mostly Python start-up)
+build_engines() {   # one builder process per shape and one for the CPU library, in parallel
     local shape pids=() rc=0
     for shape in "$@"; do
         "$PY" scripts/build_engine.py --random-weights "$shape" --dtype "$DTYPE" --tokenizer bytes \
             --output "$ENGINES/$shape" --force &
         pids+=("$!")
     done
+    # plugins/cpu's C library (the CPU side of every step), built before anything is timed
+    "$PY" -c 'from plugins.cpu import loader; lib = loader.library(); print("CPU kernel library:", lib._name if lib is not None else loader.unavailable_reason())' &
+    pids+=("$!")
     for pid in "${pids[@]}"; do
         wait "$pid" || rc=1
     done
@@ -191,67 +263,80 @@ build_engines() {   # one builder process per shape, in parallel (each is mostly
 }
 export ENGINES DTYPE
 export -f build_engines
-run_stage build "$T_BUILD" "$OUT/build.log" bash -c 'build_engines "$@"' _ "${SHAPES[@]}"
-record build "$STAGE_STATUS" "$STAGE_SECS" "${SHAPES[*]} ($DTYPE, random weights) in $ENGINES"
+if wanted build; then
+    run_stage build "$T_BUILD" "$OUT/setup.log" bash -c 'build_engines "$@"' _ "${SHAPES[@]}"
+    record build "$STAGE_STATUS" "$STAGE_SECS" "${SHAPES[*]} ($DTYPE, random weights) in $ENGINES; CPU kernel library"
+fi
 ENGINE_ARGS=""
 for shape in "${SHAPES[@]}"; do
     [[ -f "$ENGINES/$shape/engine.yaml" ]] && ENGINE_ARGS+="${ENGINE_ARGS:+,}$shape=$ENGINES/$shape"
 done
 
-# ---- kernels -----------------------------------------------------------------------------------
-kernel_args=(--out "$OUT/kernel_check" --child-timeout 60)
-[[ $DRY == 1 ]] && kernel_args+=(--device cpu)
-run_stage kernels "$T_KERNELS" "$OUT/kernel_check.log" "$PY" scripts/gpu_kernel_check.py "${kernel_args[@]}"
-record kernels "$STAGE_STATUS" "$STAGE_SECS" "$(summary kernels "$OUT/kernel_check/kernel_check.json")"
+# ---- kernels: the extension build (its own first step, kbuild), then the checks -----------------
+if wanted kbuild; then
+    kbuild_args=(build)
+    [[ $DRY == 1 ]] && kbuild_args+=(--dry-run)
+    run_stage kbuild "$T_KBUILD" "$OUT/kernels.log" "$PY" -m plugins.cuda.loader "${kbuild_args[@]}"
+    # The build's process is gone now (done or killed): a lock it left would hang every later build
+    if [[ -e "$LOOKAHEAD_CUDA_BUILD_DIR/lock" ]]; then
+        rm -f "$LOOKAHEAD_CUDA_BUILD_DIR/lock"
+        echo "gpu_check: removed the lock the killed build left ($LOOKAHEAD_CUDA_BUILD_DIR/lock)" | tee -a "$OUT/kernels.log"
+    fi
+    record kbuild "$STAGE_STATUS" "$STAGE_SECS" "$(grep -m1 -E '^(built |dry run|build failed|no CUDA)' "$OUT/kernels.log")"
+fi
+# From here on no process compiles: each imports the module kbuild built (none: the torch
+# implementations serve CUDA, and the kernel check reports the build error).
+export LOOKAHEAD_CUDA_PREBUILT=1
+
+if wanted kernels; then
+    kernel_args=(--out "$OUT" --child-timeout 50)
+    [[ $DRY == 1 ]] && kernel_args+=(--device cpu)
+    run_stage kernels "$T_KERNELS" "$OUT/kernels.log" "$PY" scripts/gpu_kernel_check.py "${kernel_args[@]}"
+    record kernels "$STAGE_STATUS" "$STAGE_SECS" "$(summary kernels "$OUT/kernel_check.json")"
+fi
 
 # ---- tests -------------------------------------------------------------------------------------
 # pytest from the wheelhouse when the machine's python has none (the dry run takes it whenever the
 # wheelhouse is there, to exercise this path); its PYTHONPATH is the tests stage's alone.
-TEST_ENV=(env)
-if compgen -G "$WHEELHOUSE/pytest-*.whl" >/dev/null && { [[ $DRY == 1 ]] || ! "$PY" -c 'import pytest' 2>/dev/null; }; then
-    DEPS="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_deps.XXXXXX")"
-    for whl in "$WHEELHOUSE"/*.whl; do
-        "$PY" -m zipfile -e "$whl" "$DEPS"
-    done
-    TEST_ENV=(env "PYTHONPATH=$DEPS${PYTHONPATH:+:$PYTHONPATH}")
-    echo "pytest: unpacked $(find "$WHEELHOUSE" -name '*.whl' | wc -l) wheels from $WHEELHOUSE"
-fi
-if pytest_version=$("${TEST_ENV[@]}" "$PY" -c 'import pytest; print(pytest.__version__)' 2>/dev/null); then
-    collect=(); [[ $DRY == 1 ]] && collect=(--collect-only)
-    run_stage tests "$T_TESTS" "$OUT/pytest.log" "${TEST_ENV[@]}" "$PY" -m pytest -q -p no:cacheprovider -m "not slow" \
-        "${collect[@]}" --junitxml "$OUT/pytest-junit.xml" tests/test_transfer_cuda.py tests/test_cuda_kernels.py
-    note=$(grep -E '[0-9]+ (passed|failed|error|skipped|tests? collected)' "$OUT/pytest.log" | tail -n 1 | tr -d '=' | sed 's/^ *//')
-    record tests "$STAGE_STATUS" "$STAGE_SECS" "pytest $pytest_version: ${note:-no pytest summary line}"
-else
-    record tests SKIPPED 0 "no pytest on this python and no wheels in $WHEELHOUSE (run scripts/gpu_check.sh --prepare, carry build/wheelhouse)"
+if wanted tests; then
+    TEST_ENV=(env)
+    if compgen -G "$WHEELHOUSE/pytest-*.whl" >/dev/null && { [[ $DRY == 1 ]] || ! "$PY" -c 'import pytest' 2>/dev/null; }; then
+        DEPS="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_deps.XXXXXX")"
+        for whl in "$WHEELHOUSE"/*.whl; do
+            "$PY" -m zipfile -e "$whl" "$DEPS"
+        done
+        TEST_ENV=(env "PYTHONPATH=$DEPS${PYTHONPATH:+:$PYTHONPATH}")
+        echo "pytest: unpacked $(find "$WHEELHOUSE" -name '*.whl' | wc -l) wheels from $WHEELHOUSE"
+    fi
+    if pytest_version=$("${TEST_ENV[@]}" "$PY" -c 'import pytest; print(pytest.__version__)' 2>/dev/null); then
+        collect=(); [[ $DRY == 1 ]] && collect=(--collect-only)
+        run_stage tests "$T_TESTS" "$OUT/tests.log" "${TEST_ENV[@]}" "$PY" -m pytest -q -p no:cacheprovider -m "not slow" \
+            "${collect[@]}" --basetemp "$SCRATCH/pytest" tests/test_transfer_cuda.py tests/test_cuda_kernels.py
+        note=$(grep -E '[0-9]+ (passed|failed|error|skipped|tests? collected)' "$OUT/tests.log" | tail -n 1 | tr -d '=' | sed 's/^ *//')
+        record tests "$STAGE_STATUS" "$STAGE_SECS" "pytest $pytest_version: ${note:-no pytest summary line}"
+    else
+        record tests SKIPPED 0 "no pytest on this python and no wheels in $WHEELHOUSE (run scripts/gpu_check.sh --prepare, carry build/wheelhouse)"
+    fi
 fi
 
 # ---- bench -------------------------------------------------------------------------------------
-left=$((BUDGET_S - (SECONDS - START)))
-bench_limit=$((T_BENCH < left ? T_BENCH : left))
-bench_args=(--engines "${ENGINE_ARGS:-none=$ENGINES/missing}" --out "$OUT/decode_bench" --time-budget-s $((bench_limit - 12)))
-if [[ $DRY == 1 ]]; then
-    bench_args+=(--device cpu --context 256 --steps 2 --warmup 1 --top-k 2 --recent-window 16
-                 --bandwidth-gib 0.0625 --graph-replays 2)
-else
-    bench_args+=(--steps 16 --warmup 3 --equal-batch-modes resident)
+if wanted bench; then
+    left=$((BUDGET_S - (SECONDS - START)))
+    bench_limit=$((T_BENCH < left ? T_BENCH : left))
+    bench_args=(--engines "${ENGINE_ARGS:-none=$ENGINES/missing}" --out "$OUT" --time-budget-s $((bench_limit - 12)))
+    if [[ $DRY == 1 ]]; then
+        bench_args+=(--device cpu --context 256 --steps 2 --warmup 1 --top-k 2 --recent-window 16
+                     --bandwidth-gib 0.0625 --graph-replays 2)
+    else
+        bench_args+=(--steps 16 --warmup 3 --equal-batch-modes resident)
+    fi
+    run_stage bench "$T_BENCH" "$OUT/bench.log" "$PY" scripts/gpu_decode_bench.py "${bench_args[@]}"
+    record bench "$STAGE_STATUS" "$STAGE_SECS" "$(summary bench "$OUT/decode_bench.json")"
 fi
-run_stage bench "$T_BENCH" "$OUT/decode_bench.log" "$PY" scripts/gpu_decode_bench.py "${bench_args[@]}"
-record bench "$STAGE_STATUS" "$STAGE_SECS" "$(summary bench "$OUT/decode_bench/decode_bench.json")"
 
 # ---- summary -----------------------------------------------------------------------------------
-{
-    if [[ -f "$OUT/decode_bench.log" ]] && grep -q '^decode steps on' "$OUT/decode_bench.log"; then
-        sed -n '/^decode steps on/,/^wrote /p' "$OUT/decode_bench.log"
-        echo
-    fi
-    printf '%-8s %-14s %6s  %s\n' stage status seconds result
-    for i in "${!STAGES[@]}"; do
-        printf '%-8s %-14s %6s  %s\n' "${STAGES[$i]}" "${STATUS[$i]}" "${SECS[$i]}" "${NOTES[$i]}"
-    done
-    echo "total $((SECONDS - START))s of a ${BUDGET_S}s budget (stage limits add up to ${LIMITS_S}s); results in $OUT"
-} | tee "$OUT/summary.txt"
-
+write_summary
+cat "$OUT/summary.txt"
 for s in "${STATUS[@]}"; do
     [[ $s == ok ]] || exit 1
 done

@@ -22,8 +22,10 @@ Per shape (one child process):
    `Engine(...)` over that model (as `Engine.sibling` makes them) with its own config and pools;
 3. one random prompt of `--context` tokens, prefilled once and replayed into every engine's
    backend through a `PrefillCache` (the backend stores it as in a real prefill, the matmuls are
-   skipped); every sequence of every engine has that prompt and samples with its own seed
-   (temperature 1), so the batch diverges from its first token on;
+   skipped); every sequence of every engine has that prompt and samples its warm-up steps with
+   its own seed at temperature 1, so the batch diverges from its first token on; the timed
+   rounds then run at temperature 0 (argmax: no sampling noise drawn on the host inside the timed
+   window, where lookahead samples 20-28 rows a step against dense's 2);
 4. the rows. The device KV budget is `--kv-budget-gib`, or `--dense-batch` dense sequences. Each
    mode runs at the largest batch its budget fits, sized by the runtime's memory plan
    (runtime.memory_plan.plan_memory: dense's device pool; lookahead's per-sequence device tier +
@@ -31,20 +33,33 @@ Per shape (one child process):
    capped by `--host-kv-gib` (its host pool holds every sequence's whole cache) and `--max-batch`.
    Then the equal-batch rows: lookahead at dense's batch, dense at lookahead's batch (when the
    device has the memory).
+5. host memory: a lookahead row's host pool is a pageable allocation page-locked in place
+   (cudaHostRegister, `runtime.transfer.cuda.pin_pool`), not torch's pinned allocator, which
+   rounds each allocation up to a power of two (40 GiB of KV pins 64) and keeps what is freed
+   cached in the process, so the next row would find the host short. The pool is unregistered and
+   freed when the row ends (`host_available_*_bytes` before and after each row say so); the
+   plan's `host_pinned_bytes` is what registration takes (runtime.memory_plan, pinning
+   "registered"). plugins/cpu's kernel library is built before anything is timed.
 
 Timing (the same code on CPU, where StreamClock reads perf_counter):
 - ms/step: CUDA events recorded on the compute stream around each of `--steps` engine steps (no
   device-wide synchronize inside the window: the transfer engine's streams count only where the
-  compute stream waits for them); tokens/s: the tokens the steps emitted over that time.
+  compute stream waits for them); tokens/s: the tokens the steps emitted over that time. Beside
+  it, `seq_steps_per_s` = batch x steps / time (ms/step and batch: what tokens/s would be if
+  every step emitted a token for every sequence), `emitted_share` (the tokens over batch x
+  steps: a pre-decoding step, a draft-chain re-seed, emits none) and the round's draft accept
+  rate (`draft_accept_rate`), so a low tokens/s can be told from a slow step.
 - stall: the time the compute stream waited for copies (the transfer engine's `wait_s`).
 - hidden share = 1 - (ms/step with real transfers - ms/step with transfers already satisfied)
-  / copy ms/step measured alone. "Already satisfied": the same engine, right after the timed
+  / copy ms/step measured alone, clamped to [0, 1] (runtime.transfer.overlap.hidden_share; the
+  unclamped value is kept beside it). "Already satisfied": the same engine, right after the timed
   steps, runs `--steps` more with its transfer engine switched to answer every copy as landed
   (MeteredTransfer.satisfied: the copy is counted and moves nothing, urgent ones included), so the
   step does all its own work and never waits for or competes with a copy. "Copy time alone":
   every copy job of the real round (recorded through `Engine.observe`'s `on_copy`, indices
-  cloned) replayed through the same transfer engine with nothing else running, its copy streams'
-  busy time (CUDA timing events; on CPU each job's own time).
+  cloned) replayed through the same transfer engine with nothing else running: its wall time,
+  first submit to last landing on the compute stream (the two copy streams run at once, so the
+  sum of their busy times, kept as `copy_alone.busy_s`, would count overlapping copies twice).
 - floor = max(device bytes / device bandwidth, H2D bytes / H2D bandwidth) (bench_floor.step_floor),
   with device bytes = the weights once + per sequence all KV at the context (dense) or the
   working set each layer attends over + the block summaries (lookahead) + the step's H2D bytes;
@@ -63,12 +78,14 @@ decode_bench.json: `machine`, `args`, `weights`, `prompts`, `targets`; `shapes` 
 model config, the run's `bandwidth`, context, budget, `sizes_per_seq`, `rows_planned`, load and
 prefill seconds); `results` (one row per mode and batch: model, mode, label ("budget" or "equal
 batch (...)"), batch, batch_fit_in_budget, batch_cap, resident_bytes (plan) and
-resident_bytes_runtime (the engine's stats), tokens_per_s, ms_per_step (+ _median, _each),
+resident_bytes_runtime (the engine's stats), tokens_per_s, seq_steps_per_s, emitted_share,
+draft_accept_rate, ms_per_step (+ _median, _each),
 h2d_bytes_per_step, stall_ms_per_step, urgent_blocks_per_step, copy_busy_ms_per_step (copy streams
 during the round), `satisfied` (the satisfied round), `copy_alone`, copy_alone_ms_per_step,
-exposed_copy_ms_per_step, hidden_share, `floor` (device/h2d bytes and ms, floor_ms, bound),
+exposed_copy_ms_per_step, hidden_share (+ _unclamped), `floor` (device/h2d bytes and ms, floor_ms, bound),
 x_floor, host_syncs_per_step, `cuda_graph` (captures, replays, eager_ms, graph_ms, ...),
-peak_device_bytes, prefill seconds; or `error` / `skipped`); `comparison` (per shape and lookahead
+peak_device_bytes, host_pinned_bytes, host_available_before_bytes / _after_bytes, prefill
+seconds; or `error` / `skipped`); `comparison` (per shape and lookahead
 mode: tokens/s over dense's at the budget's batches, against the 2x target); `elapsed_s`.
 """
 from __future__ import annotations
@@ -98,12 +115,14 @@ from gpu_results import ResultFile  # noqa: E402
 from runtime.config import LookaheadConfig  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.engine_dir import load_manifest  # noqa: E402
+from runtime.kv_pool import KVPool  # noqa: E402
 from runtime.lookahead.layout import num_buffers  # noqa: E402
-from runtime.memory_plan import DTYPE_BYTES, plan_memory  # noqa: E402
+from runtime.memory_plan import DTYPE_BYTES, available_host_bytes, plan_memory  # noqa: E402
 from runtime.prefill_cache import PrefillCache  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 from runtime.step import StepBatch, StepItem  # noqa: E402
 from runtime.transfer import Ticket, TransferEngine, make_transfer_engine  # noqa: E402
+from runtime.transfer.overlap import hidden_share, share_or_none  # noqa: E402
 
 try:                                             # the observation hooks (runtime/observe.py)
     from runtime.observe import Observer
@@ -138,8 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the device KV budget in GiB (overrides --dense-batch)")
     p.add_argument("--max-batch", type=int, default=64, help="cap on the lookahead batch")
     p.add_argument("--host-kv-gib", type=float, default=60.0,
-                   help="cap on the lookahead host pool, GiB of KV (torch's pinned allocator rounds K and V up to "
-                        "powers of two: 60 GiB of KV pins 64)")
+                   help="cap on the lookahead host pool, GiB of KV (registered in place: it pins what it holds)")
     p.add_argument("--top-k", type=int, default=128, help="selected blocks per layer and KV head")
     p.add_argument("--recent-window", type=int, default=None, help="recent-window tokens (default: the engine's)")
     p.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES),
@@ -175,6 +193,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if name not in MODES or name == "dense":
             p.error(f"--equal-batch-modes: {name!r} is not a lookahead mode (resident, pingpong)")
     return args
+
+
+# ---- the engine the bench builds: its lookahead host pool registered, not allocated pinned ----------------
+class RegisteredPoolEngine(Engine):
+    """`Engine` whose lookahead host pool on a GPU is a pageable allocation page-locked in place
+    (cudaHostRegister: `runtime.transfer.cuda.pin_pool`) rather than torch's pinned allocator's
+    (KVPool(..., pin_memory=True)), which rounds each of K and V up to a power of two and caches
+    them after they are freed. Registered, the pool pins its own bytes and gives them back (to the
+    OS, unregistered) when the engine is collected. Everything else is Engine's."""
+
+    def _make_pool(self, num_blocks: int, dtype: torch.dtype) -> KVPool:
+        if self.config.mode != "lookahead" or self.device.type != "cuda":
+            return super()._make_pool(num_blocks, dtype)
+        from runtime.transfer.cuda import pin_pool
+        return pin_pool(KVPool(self.manifest.model, num_blocks, self.config.block_size, dtype=dtype))
+
+
+def release_host_memory(device: torch.device) -> None:
+    """Whatever the row left cached: the device allocator's blocks and torch's pinned host cache
+    (staging buffers; empty_cache does not return those)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        host_empty = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty is not None:
+            host_empty()
+
+
+def set_greedy(eng: Engine) -> None:
+    """The running sequences sample by argmax from here on (temperature 0): the timed rounds draw no
+    sampling noise on the host. The draft rows draw with the same params (DraftChain.draws)."""
+    for seq in list(eng.scheduler.running) + list(eng.scheduler.waiting):
+        seq.params = dataclasses.replace(seq.params, temperature=0.0)
+
+
+def draft_counts(eng: Engine) -> tuple[int, int] | None:
+    """(accepted, proposed) of the engine's draft chain so far; None without one (dense)."""
+    chain = getattr(eng.runner, "chain", None)
+    if chain is None:
+        return None
+    return int(getattr(chain, "accepted", 0)), int(getattr(chain, "proposed", 0))
 
 
 # ---- the transfer engine the bench injects ------------------------------------------------------------
@@ -279,10 +339,11 @@ def attach_recorder(eng: Engine, transfer: MeteredTransfer | None) -> tuple[Copy
 
 
 def copy_time_alone(jobs: list[tuple[Any, bool]], transfer: MeteredTransfer, clock: StreamClock) -> dict[str, Any]:
-    """The recorded jobs replayed one after another with nothing else running: `busy_s` is the
-    copying time (CUDA: the copy streams' timing events, read through the inner engine's
-    `transfer_s`; CPU: each job's own perf_counter time), `wall_s` the compute stream's time from
-    the first submit to the last landing (host submission included)."""
+    """The recorded jobs replayed one after another with nothing else running: `wall_s`, the
+    compute stream's time from the first submit to the last landing (host submission included),
+    is the copy time alone; `busy_s` is the copy streams' summed busy time (CUDA timing events,
+    read through the inner engine's `transfer_s`; CPU: each job's own perf_counter time), which
+    counts twice what the urgent and the prefetch streams copy at once."""
     inner = transfer.inner
     # the bytes moved, not a fixed-capacity list's capacity (`units_moved`: read once, after the round)
     total_bytes = sum(int(j.units_moved()) * j.unit_bytes for j, _ in jobs)
@@ -313,6 +374,7 @@ def timed_round(eng: Engine, steps: int, clock: StreamClock) -> dict[str, Any]:
     """`steps` engine steps between marks on the compute stream (one mark after each step)."""
     clock.sync()
     before = eng.stats()
+    drafts0 = draft_counts(eng)
     tr = getattr(getattr(eng.runner, "attn", None), "transfer", None)
     busy0 = getattr(tr, "transfer_s", None)
     marks, tokens = [clock.mark()], 0
@@ -323,13 +385,19 @@ def timed_round(eng: Engine, steps: int, clock: StreamClock) -> dict[str, Any]:
     total = clock.seconds(marks[0], marks[-1])
     per = [clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
     after = eng.stats()
+    drafts1 = draft_counts(eng)
     busy1 = getattr(tr, "transfer_s", None)
+    batch = len([s for s in eng.scheduler.running if not s.in_prefill]) or eng.config.max_batch_size
+    accepted, proposed = ((drafts1[0] - drafts0[0], drafts1[1] - drafts0[1]) if drafts0 and drafts1 else (0, 0))
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("h2d_bytes", "transfer_wait_s", "urgent_blocks")
              if isinstance(after.get(k), (int, float)) and isinstance(before.get(k, 0), (int, float))}
     return {"steps": steps, "seconds": total, "ms_per_step": 1e3 * total / steps,
             "ms_per_step_median": 1e3 * statistics.median(per),
             "ms_per_step_each": [round(1e3 * t, 3) for t in per], "tokens": tokens,
             "tokens_per_s": tokens / total if total > 0 else None,
+            "batch_decoding": batch, "seq_steps_per_s": batch * steps / total if total > 0 else None,
+            "emitted_share": tokens / (batch * steps) if batch * steps else None,
+            "draft_accept_rate": accepted / proposed if proposed else None, "drafts_proposed": proposed,
             "h2d_bytes_per_step": delta.get("h2d_bytes", 0) / steps,
             "stall_ms_per_step": 1e3 * delta.get("transfer_wait_s", 0.0) / steps,
             "urgent_blocks_per_step": delta.get("urgent_blocks", 0) / steps,
@@ -472,9 +540,13 @@ def run_row(loader: Engine, cache: PrefillCache, prompt: list[int], cfg: Lookahe
     transfer = MeteredTransfer(make_transfer_engine("cuda" if clock.cuda else "thread")) if lookahead else None
     if clock.cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    row: dict[str, Any] = {}
+    row: dict[str, Any] = {"host_available_before_bytes": available_host_bytes()}
+    if lookahead and clock.cuda:
+        row["host_pinned_bytes"] = plan_memory(loader.manifest.model, cfg, None, DTYPE_BYTES[loader.manifest.dtype],
+                                               weights=False, device_type="cuda", pinning="registered").host_kv_pool
     t0 = time.perf_counter()
-    eng = Engine(loader.manifest, loader.model, loader.tokenizer, cfg, transfer=transfer, prefill_cache=cache)
+    eng = RegisteredPoolEngine(loader.manifest, loader.model, loader.tokenizer, cfg, transfer=transfer,
+                               prefill_cache=cache)
     row["build_s"] = time.perf_counter() - t0
     try:
         rec, row["copies_recorded_through"] = attach_recorder(eng, transfer)
@@ -490,6 +562,7 @@ def run_row(loader: Engine, cache: PrefillCache, prompt: list[int], cfg: Lookahe
         row.update(prefill_s=time.perf_counter() - t0, prefill_steps=steps, prefill_replayed=cache.hits - hits0)
         for _ in range(args.warmup):
             eng.step()
+        set_greedy(eng)                              # the timed rounds at temperature 0
         rec.active = rec.keep = True
         real = timed_round(eng, args.steps, clock)
         rec.active = rec.keep = False
@@ -505,11 +578,13 @@ def run_row(loader: Engine, cache: PrefillCache, prompt: list[int], cfg: Lookahe
                                                     "h2d_bytes_per_step", "urgent_blocks_per_step")}
             alone = copy_time_alone(rec.jobs, transfer, clock)
             row["copy_alone"] = alone
-            copy_ms = 1e3 * alone["busy_s"] / args.steps
+            copy_ms = 1e3 * alone["wall_s"] / args.steps          # wall time: the two streams overlap
             row["copy_alone_ms_per_step"] = copy_ms
+            row["copy_alone_busy_ms_per_step"] = 1e3 * alone["busy_s"] / args.steps
             exposed = row["ms_per_step"] - sat["ms_per_step"]
             row["exposed_copy_ms_per_step"] = exposed
-            row["hidden_share"] = 1.0 - exposed / copy_ms if copy_ms > 0 else None
+            row["hidden_share"] = share_or_none(hidden_share(row["ms_per_step"], sat["ms_per_step"], copy_ms))
+            row["hidden_share_unclamped"] = 1.0 - exposed / copy_ms if copy_ms > 0 else None
             row["gather_kernel"] = transfer.gather_kernel
             row["cuda_graph"] = {"captures": 0, "replays": 0, "graph": NO_LOOKAHEAD_GRAPH}
         else:
@@ -526,10 +601,13 @@ def run_row(loader: Engine, cache: PrefillCache, prompt: list[int], cfg: Lookahe
     finally:
         eng.close()
         del eng
-        gc.collect()
+        rec = None
+        if transfer is not None:
+            transfer.recorder = None
+        release_host_memory(device)
     if clock.cuda:
         row["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
-        torch.cuda.empty_cache()
+    row["host_available_after_bytes"] = available_host_bytes()
     return row
 
 
@@ -572,6 +650,10 @@ def run_shape(name: str, path: Path, args, results: ResultFile) -> int:
     device = torch.device(args.device)
     clock = StreamClock(device)
     shape: dict[str, Any] = {"engine_dir": str(path)}
+    from plugins.cpu import loader as cpu_loader        # the C kernels every step calls: built before any timing
+    t0 = time.perf_counter()
+    shape["cpu_kernels"] = "built" if cpu_loader.library() is not None else cpu_loader.unavailable_reason()
+    shape["cpu_kernels_s"] = time.perf_counter() - t0
     with torch.inference_mode():
         shape["bandwidth"] = bw = device_bandwidths(device, gib=args.bandwidth_gib)
     print(f"[{name}] {device}: device memory {bw['device_gbps']:.0f} GB/s (copy, read + write), "
@@ -594,6 +676,10 @@ def run_shape(name: str, path: Path, args, results: ResultFile) -> int:
         return 1
     max_len = context + max_tokens
     common = dict(top_k=args.top_k, kv_dtype=kv_dtype, max_model_len=max_len)
+    if "prefix_caching" in {f.name for f in dataclasses.fields(LookaheadConfig)}:
+        # every sequence keeps its own copy of the one prompt, as a batch of distinct prompts would
+        # (shared prefix blocks would shrink the host pool and the copies below what is planned)
+        common["prefix_caching"] = False
     if args.recent_window is not None:
         common["recent_window"] = args.recent_window
     base = manifest.lookahead.replace(**common)
@@ -717,9 +803,11 @@ def print_table(doc: dict[str, Any]) -> None:
           f"random-weights engine dirs, {a['context']}-token prompts, {a['steps']} timed steps after {a['warmup']} "
           f"({timer}); budget = "
           f"{str(a['kv_budget_gib']) + ' GiB' if a['kv_budget_gib'] else str(a['dense_batch']) + ' dense sequences'}"
-          f" of device KV; bandwidths ({bws})")
-    head = (f"{'model':<14}{'mode':<20}{'rows':<12}{'batch':>6}{'KV MiB':>9}{'tok/s':>9}{'ms/step':>9}"
-            f"{'H2D MiB':>9}{'stall ms':>9}{'copy ms':>9}{'hidden':>8}{'floor ms':>9}{'x floor':>9}{'graph ms':>9}")
+          f" of device KV; bandwidths ({bws}); timed at temperature 0 (warm-up at 1); seq/s = batch x 1000 / "
+          f"ms/step (every sequence a token a step), accept = the round's draft accept rate")
+    head = (f"{'model':<14}{'mode':<20}{'rows':<12}{'batch':>6}{'KV MiB':>9}{'tok/s':>9}{'seq/s':>9}{'accept':>7}"
+            f"{'ms/step':>9}{'H2D MiB':>9}{'stall ms':>9}{'copy ms':>9}{'hidden':>8}{'floor ms':>9}{'x floor':>9}"
+            f"{'graph ms':>9}")
     print(head)
     for r in doc.get("results", []):
         label = "budget" if r.get("label") == "budget" else "equal b."
@@ -729,7 +817,9 @@ def print_table(doc: dict[str, Any]) -> None:
             print(f"{line}  {'ERROR ' + r['error'][:110] if r.get('error') else 'skipped: ' + r['skipped']}")
             continue
         g = r.get("cuda_graph") or {}
-        print(f"{line}{r['tokens_per_s']:>9.1f}{r['ms_per_step']:>9.2f}{r['h2d_bytes_per_step'] / 2**20:>9.1f}"
+        print(f"{line}{r['tokens_per_s']:>9.1f}{fmt(r.get('seq_steps_per_s'), '.1f'):>9}"
+              f"{fmt(r.get('draft_accept_rate'), '.0%'):>7}{r['ms_per_step']:>9.2f}"
+              f"{r['h2d_bytes_per_step'] / 2**20:>9.1f}"
               f"{r['stall_ms_per_step']:>9.2f}{fmt(r.get('copy_alone_ms_per_step'), '.2f'):>9}"
               f"{fmt(r.get('hidden_share'), '.0%'):>8}{r['floor']['floor_ms']:>9.2f}"
               f"{fmt(r.get('x_floor'), '.2f'):>8}x{fmt(g.get('graph_ms'), '.2f'):>9}")
@@ -779,7 +869,8 @@ def main(argv: list[str] | None = None) -> int:
                    args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "engine_list"},
                    weights="random (the engine dirs' random_weights recipe): timing only, not accuracy",
                    prompts="one random prompt per shape, prefilled once and replayed into every engine (PrefillCache); "
-                           "each sequence samples with its own seed at temperature 1",
+                           "each sequence samples its warm-up steps with its own seed at temperature 1, the timed "
+                           "rounds at temperature 0",
                    targets=TARGETS, results=[])
     rc = 0
     for name, path in args.engine_list:

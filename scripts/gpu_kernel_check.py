@@ -4,8 +4,10 @@
     python scripts/gpu_kernel_check.py --out out/gpu_kernel_check [--no-large]
     python scripts/gpu_kernel_check.py --device cpu --out /tmp/k     # CPU smoke: the same machinery
 
-1. Builds the kernels through ``plugins.cuda.loader`` (a torch extension, cached on disk) and
-   registers them for the CUDA dispatch key of ``torch.ops.lookahead.*``.
+1. Loads the kernels through ``plugins.cuda.loader`` (the torch extension: in scripts/gpu_check.sh
+   built by the kbuild step before this runs, and imported here with ``LOOKAHEAD_CUDA_PREBUILT=1``,
+   no compile; run alone, built on first use and cached on disk) and registers them for the CUDA
+   dispatch key of ``torch.ops.lookahead.*``.
 2. Checks every kernel against ``plugins.reference`` on fresh random inputs (fp32, bf16, fp16,
    outputs poisoned first; ``plugins/cuda/numerics.py``) through three doors: the extension's
    entry points (``ext``), ``torch.ops.lookahead.*`` as the runtime calls them (``dispatch``:
@@ -22,7 +24,7 @@ Every check is appended to ``<out>/kernel_check.json`` as soon as it has run (sc
 the child appends to the same file), and a short table is printed last. Exits 2 without CUDA
 (unless ``--device cpu``), 1 if any numerics check fails.
 
-kernel_check.json: device, capability, torch, cuda, build_s (or build_error), build_dir,
+kernel_check.json: device, capability, torch, cuda, build_s (the load; or build_error), build_dir, prebuilt,
 cuda_kernels_registered {op: bool}; `checks` (target = ext | dispatch | wrappers | cpu-smoke, set =
 small | large | smoke, op, dtype, case, ok, max_abs_err, detail, seconds), `skipped` (not
 applicable, with the reason); `gather` (per shape: memcpy_h2d_gbps, gather_host_gbps,
@@ -39,6 +41,7 @@ machinery, not of numerics).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -275,7 +278,7 @@ def measure_copy(nbytes: int, device: torch.device) -> dict:
 
 # ---- the child process ---------------------------------------------------------------------------------
 def run_child(args, results: ResultFile, device: torch.device) -> int:
-    import plugins  # noqa: F401  (defines the ops; on a GPU builds (cached) and registers the kernels)
+    import plugins  # noqa: F401  (defines the ops; the ext door loads the extension itself)
     from plugins.cuda import numerics
     doors = [("ext", numerics.cuda_target())] if device.type == "cuda" else targets(device)
     return 1 if run_checks(args.child, device, results, doors) else 0
@@ -373,8 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     results.update(device=torch.cuda.get_device_name() if cuda else "cpu",
                    capability=list(torch.cuda.get_device_capability()) if cuda else None,
                    torch=torch.__version__, cuda=torch.version.cuda, gather_target=GATHER_TARGET, checks=[])
-    t0 = time.perf_counter()   # importing plugins already builds and registers the kernels on a GPU
-    import plugins  # noqa: F401
+    from plugins.cpu import loader as cpu_loader     # the CPU transfer path's C copy: built before any timing
+    cpu_loader.library()
+    t0 = time.perf_counter()
+    import plugins  # noqa: F401  (defines the ops; compiles nothing)
     from plugins.cuda import loader
     if cuda:
         try:
@@ -388,9 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ext = DispatchEntryPoints()
     registered = {op: torch._C._dispatch_has_kernel_for_dispatch_key(f"lookahead::{op}", "CUDA") for op in OPS}
+    prebuilt = os.environ.get(loader.PREBUILT_ENV) == "1"
     results.update(build_s=time.perf_counter() - t0, cuda_kernels_registered=registered,
-                   build_dir=str(loader.build_dir()))
-    print(f"{'built the kernels' if cuda else 'no CUDA build on CPU; ops loaded'} in {time.perf_counter() - t0:.1f} s "
+                   build_dir=str(loader.build_dir()), prebuilt=prebuilt)
+    what = ("loaded the prebuilt kernels" if prebuilt else "built the kernels") if cuda else \
+        "no CUDA build on CPU; ops loaded"
+    print(f"{what} in {time.perf_counter() - t0:.1f} s "
           f"on {torch.cuda.get_device_name() if cuda else 'cpu'}; CUDA kernels registered: {registered}", flush=True)
 
     run_checks("small", device, results, targets(device))

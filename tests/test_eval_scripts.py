@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import sys
 import types
 from pathlib import Path
@@ -496,28 +497,37 @@ def test_sweep_fetch_ratio_reports_each_policy_and_ratio(tiny_dir, tmp_path, sma
     assert json.loads(out.read_text())["rows"] == rows
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(330)
 def test_gpu_check_dry_run_runs_every_stage_on_cpu(tmp_path):
     """scripts/gpu_check.sh --dry-run: the GPU check's Python stages on CPU, so a Python error in
-    one fails here, not on the H200. Its results files have the layout the GPU run writes."""
+    one fails here, not on the H200. Its results have the layout the GPU run writes: at most 8
+    files within 2 levels of $OUT (what comes back from the GPU machine), every JSON among them,
+    with the engine dirs and scratch outside it."""
     import os
     import subprocess
     root = Path(__file__).resolve().parents[1]
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
     r = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), "--dry-run"], capture_output=True, text=True,
-                       timeout=170, env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable})
+                       timeout=320, env={**os.environ, "OUT": str(out), "PYTHON": sys.executable,
+                                         "GPU_CHECK_SCRATCH": str(scratch)})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    summary = (tmp_path / "summary.txt").read_text()
-    for stage in ("env", "build", "kernels", "tests", "bench"):
+    summary = (out / "summary.txt").read_text()
+    for stage in ("env", "build", "kbuild", "kernels", "tests", "bench"):
         assert f"\n{stage} " in "\n" + summary and "FAIL" not in summary, summary
     assert "6/6 rows timed" in summary and "smoke cases: ok" in summary, summary
-    assert "stage limits add up to 420s" in summary
-    kernels = json.loads((tmp_path / "kernel_check" / "kernel_check.json").read_text())
+    assert "stage limits add up to 420s" in summary and " running " not in summary
+    files = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+    assert len(files) <= 8 and all(len(f.parts) <= 3 for f in files), files
+    assert {"kernel_check.json", "decode_bench.json", "summary.txt"} <= {f.name for f in files}, files
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", part) for f in files for part in f.parts), files
+    assert "dry run: nothing compiled" in (out / "kernels.log").read_text()
+    kernels = json.loads((out / "kernel_check.json").read_text())
     assert kernels["checks"] and all(c["ok"] for c in kernels["checks"])
     assert {c["set"] for c in kernels["checks"]} == {"small", "smoke"} and kernels["child"]["rc"] == 0
     assert kernels["gather"] and kernels["transfer"] and kernels["copy"]["d2d_copy_gbps"] > 0
-    bench_doc = json.loads((tmp_path / "decode_bench" / "decode_bench.json").read_text())
+    bench_doc = json.loads((out / "decode_bench.json").read_text())
     assert len(bench_doc["results"]) == 6 and not any(row.get("error") for row in bench_doc["results"])
-    assert (tmp_path / "engines" / "tiny" / "engine.yaml").is_file()
+    assert (scratch / "engines" / "tiny" / "engine.yaml").is_file()
     bad = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown option" in bad.stderr
 

@@ -48,3 +48,76 @@ def test_memory_plan_counts_what_pinning_the_host_pool_takes():
         plan_memory(LLAMA8B, dense, None, 2).host_kv_pool
     with pytest.raises(ConfigError, match="pinning"):
         plan_memory(LLAMA8B, cfg, None, 2, device_type="cuda", pinning="mlock")
+
+
+def test_gpu_bench_rows_time_at_temperature_0_and_report_honest_numbers(tmp_path, monkeypatch):
+    """One shape of the GPU bench on CPU (in this process): the timed rounds run at temperature 0
+    (the warm-up at 1 diverges the batch), copy-alone is the replay's wall time, the hidden share
+    is the shared formula clamped to [0, 1], and each row carries its step rate, emitted share and
+    the round's draft accept rate beside tokens/s, and the host memory around it."""
+    import gpu_decode_bench as gdb
+    from gpu_results import ResultFile
+    from runtime.transfer.overlap import hidden_share
+    from tiny_engine import make_tiny_engine
+
+    engine = make_tiny_engine(tmp_path / "tiny")
+    temps: list[list[float]] = []
+    real_round = gdb.timed_round
+
+    def recording_round(eng, steps, clock):
+        temps.append([s.params.temperature for s in eng.scheduler.running])
+        return real_round(eng, steps, clock)
+
+    monkeypatch.setattr(gdb, "timed_round", recording_round)
+    args = gdb.parse_args(["--device", "cpu", "--engines", f"tiny={engine}", "--context", "256", "--steps", "2",
+                           "--warmup", "2", "--modes", "dense,resident", "--top-k", "2", "--recent-window", "16",
+                           "--bandwidth-gib", "0.0625", "--graph-replays", "1", "--no-equal-batch",
+                           "--out", str(tmp_path / "out")])
+    results = ResultFile(tmp_path / "out" / gdb.RESULTS, fresh=True)
+    assert gdb.run_shape("tiny", engine, args, results) == 0
+    assert temps and all(t and all(x == 0.0 for x in t) for t in temps), temps
+    doc = results.load()
+    assert doc["shapes"]["tiny"]["cpu_kernels"]                 # the C library, before any timing
+    rows = {r["mode"]: r for r in doc["results"]}
+    for r in rows.values():
+        assert r["seq_steps_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_step"])
+        assert r["emitted_share"] == pytest.approx(r["tokens"] / (r["batch"] * r["steps"]))
+        assert r["host_available_before_bytes"] > 0 and r["host_available_after_bytes"] > 0
+    la = rows["lookahead/resident"]
+    assert la["draft_accept_rate"] is not None and la["drafts_proposed"] > 0
+    assert rows["dense"]["draft_accept_rate"] is None
+    assert la["copy_alone_ms_per_step"] == pytest.approx(1e3 * la["copy_alone"]["wall_s"] / la["steps"])
+    want = hidden_share(la["ms_per_step"], la["satisfied"]["ms_per_step"], la["copy_alone_ms_per_step"])
+    assert la["hidden_share"] == pytest.approx(want) and 0.0 <= la["hidden_share"] <= 1.0
+    raw = 1 - la["exposed_copy_ms_per_step"] / la["copy_alone_ms_per_step"]
+    assert la["hidden_share_unclamped"] == pytest.approx(raw)
+
+
+def test_gpu_bench_registers_the_lookahead_host_pool_instead_of_allocating_it_pinned(monkeypatch):
+    """On a GPU the bench's engines page-lock a pageable host pool in place (pin_pool:
+    cudaHostRegister), so a row pins what it holds and gives it back when it ends; torch's pinned
+    allocator would round K and V up to powers of two and keep them cached for the next row."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import gpu_decode_bench as gdb
+    import runtime.transfer.cuda as transfer_cuda
+    from runtime.kv_pool import KVPool
+    from tiny_engine import TINY
+
+    registered = []
+    monkeypatch.setattr(transfer_cuda, "pin_pool", lambda pool: registered.append(pool) or pool)
+    allocated = []
+    real_zeros = torch.zeros
+
+    def zeros(*a, **kw):
+        allocated.append(kw.get("pin_memory", False))
+        return real_zeros(*a, **kw)
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    fake = SimpleNamespace(config=SimpleNamespace(mode="lookahead", block_size=4),
+                           device=torch.device("cuda"), manifest=SimpleNamespace(model=ModelConfig(**TINY)))
+    pool = gdb.RegisteredPoolEngine._make_pool(fake, 8, torch.float32)
+    assert isinstance(pool, KVPool) and registered == [pool] and allocated == [False, False]
+    assert pool.k.device.type == "cpu" and pool.k.shape[2] == 8
