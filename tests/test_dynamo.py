@@ -484,6 +484,8 @@ def reference(default_engine_dir):
     ref["stopped"] = engine.generate([COMPLETION], SamplingParams(max_tokens=24, stop=[ref["stop"]]))[0]
     # values float32 holds exactly: the frontend passes temperature and top_p on as float32
     ref["sampled"] = engine.generate([COMPLETION], SamplingParams(max_tokens=16, **SAMPLED))[0]
+    ref["n_logprobs"] = engine.generate([COMPLETION], SamplingParams(max_tokens=8, n=3, logprobs=2, **{
+        k: v for k, v in SAMPLED.items() if k != "top_k"}))
     engine.close()
     del engine
     gc.collect()
@@ -496,7 +498,7 @@ def deployment(reference, default_engine_dir, tmp_path_factory):
     dep = dynamo_launch.start(default_engine_dir, workers=2, http_port=dynamo_launch.free_port(), run_dir=run_dir,
                               lookahead_overrides={"max_model_len": MAX_MODEL_LEN, "prefill_chunk": 256},
                               threads=1, timeout=150, worker_options={"no_verify_checksums": True},
-                              progress=lambda m: print(m, flush=True))
+                              router_mode="round-robin", progress=lambda m: print(m, flush=True))
     try:
         yield dep
     finally:
@@ -581,6 +583,32 @@ class TestLive:
         text, finishes, _ = _stream_text(stream)
         assert text == ref.text and finishes[-1] == "stop"
 
+    def test_n_choices_and_logprobs_equal_in_process(self, client, reference):
+        """n = 3 sampled choices with logprobs: each choice, its tokens' log-probabilities and their
+        top-2 alternatives equal the in-process engine's (same seed: choice i draws from seed + i)."""
+        refs = reference["n_logprobs"]
+        r = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=8, n=3, logprobs=2,
+                                      temperature=0.75, top_p=0.875, seed=1234)
+        assert sorted(c.index for c in r.choices) == [0, 1, 2]
+        for choice in r.choices:
+            ref = refs[choice.index]
+            assert choice.text == ref.text
+            assert choice.logprobs.token_logprobs == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-4)
+            # OpenAI completions: the k most likely tokens, plus the chosen one when it is not among them
+            for d, t in zip(choice.logprobs.top_logprobs, ref.logprobs):
+                assert 1 <= len(d) <= 3, d                # tokens of the same text share a key
+                assert max(d.values()) == pytest.approx(t.top[0][1], abs=1e-4)
+        assert r.usage.completion_tokens == sum(len(x.token_ids) for x in refs)
+        chat = _chat(client, CHAT, max_tokens=6, logprobs=True, top_logprobs=3)
+        content = chat.choices[0].logprobs.content
+        assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
+        assert all(t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in content)
+        assert content[0].logprob == pytest.approx(max(a.logprob for a in content[0].top_logprobs), abs=1e-5)
+
+    def test_usage_reports_cached_tokens(self, client):
+        r = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=2, temperature=0)
+        assert isinstance(r.usage.prompt_tokens_details.cached_tokens, int)
+
     def test_sampling_parameters_are_honoured(self, client, reference):
         """temperature, top_p, top_k and seed reach the engine: the same draw as in-process."""
         ref = reference["sampled"]
@@ -647,7 +675,15 @@ class TestLive:
             (openai.BadRequestError, "temperature", dict(model=MODEL, messages=msgs, max_tokens=4, temperature=-1)),
             (openai.BadRequestError, "messages", dict(model=MODEL, messages=[], max_tokens=4)),
             # refused by the worker (SamplingParams and its own checks), streaming: still a 4xx
-            (openai.BadRequestError, "n:", dict(model=MODEL, messages=msgs, max_tokens=4, n=2, stream=True)),
+            (openai.BadRequestError, "n:", dict(model=MODEL, messages=msgs, max_tokens=4, n=17, stream=True)),
+            (openai.BadRequestError, "presence_penalty:", dict(model=MODEL, messages=msgs, max_tokens=4,
+                                                               presence_penalty=0.5)),
+            # never seen by a worker: refused by name by the front
+            (openai.BadRequestError, "tools:", dict(model=MODEL, messages=msgs, max_tokens=4, tools=[
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])),
+            (openai.BadRequestError, "tool_choice:", dict(model=MODEL, messages=msgs, max_tokens=4,
+                                                          tool_choice="required")),
+            (openai.BadRequestError, "n:", dict(model=MODEL, messages=msgs, max_tokens=4, extra_body={"n": "two"})),
             (openai.BadRequestError, "max_model_len", dict(model=MODEL, messages=msgs, max_tokens=MAX_MODEL_LEN)),
         ]
         for exc, text, kw in cases:
@@ -704,6 +740,97 @@ class TestLive:
         after = [worker_stats(deployment, i)["num_requests"] for i in range(2)]
         assert sum(after) - sum(before) == 4
         assert all(a > b for a, b in zip(after, before)), (before, after)
+
+
+def _document(d: int, words: int = 150) -> str:
+    """A long prompt (~700 tokens) of its own: no two share a first block."""
+    return f"Document {d}: " + " ".join(f"word{(d * 7919 + k * 31) % 5000}" for k in range(words))
+
+
+@pytest.fixture(scope="class")
+def kv_deployment(default_engine_dir, tmp_path_factory):
+    """Two workers under the KV router, watched: the front restarts a worker that dies."""
+    run_dir = tmp_path_factory.mktemp("dynamo-kv")
+    dep = dynamo_launch.start(default_engine_dir, workers=2, http_port=dynamo_launch.free_port(), run_dir=run_dir,
+                              lookahead_overrides={"max_model_len": 1024, "prefill_chunk": 256}, threads=1,
+                              timeout=150, worker_options={"no_verify_checksums": True}, router_mode="kv",
+                              watch=True, progress=lambda m: print(m, flush=True))
+    try:
+        yield dep
+    finally:
+        dynamo_launch.stop(run_dir, grace_s=5, progress=None)
+
+
+class TestKvRouting:
+    """`--router kv`: the workers publish their prefix cache's KV events (blocks stored / removed,
+    with their token ids) and their load over the event plane (ZMQ, file discovery), and the
+    frontend's router sends a request to the worker that holds the longest prefix of it."""
+    pytestmark = live
+
+    def test_a_repeated_long_prompt_goes_to_the_worker_that_holds_its_prefix(self, kv_deployment):
+        import openai
+
+        dep = kv_deployment
+        client = openai.OpenAI(base_url=dep.url, api_key="unused", max_retries=0, timeout=120)
+        served: dict[int, int] = {}
+        for rnd in range(2):
+            for d in range(4):
+                before = [worker_stats(dep, i)["num_requests"] for i in range(2)]
+                r = client.completions.create(model=MODEL, prompt=_document(d), max_tokens=2, temperature=0)
+                after = [worker_stats(dep, i)["num_requests"] for i in range(2)]
+                (w,) = [i for i in range(2) if after[i] > before[i]]
+                cached = r.usage.prompt_tokens_details.cached_tokens
+                full_blocks = r.usage.prompt_tokens // 16 * 16
+                if rnd == 0:
+                    served[d] = w
+                    assert cached == 0, (d, cached)
+                else:       # every full block of the prompt, from the cache of the worker that holds it
+                    assert w == served[d], f"document {d} went to worker {w}, its blocks are on {served[d]}"
+                    assert cached >= full_blocks - 16, (d, cached, r.usage.prompt_tokens)
+        events = [worker_stats(dep, i)["kv_events"] for i in range(2)]
+        for i in set(served.values()):
+            assert events[i]["stored_blocks"] > 0 and events[i]["failed"] == 0, events
+        stats = [worker_stats(dep, i) for i in range(2)]
+        assert sum(s["prefix_cache_hits"] for s in stats) >= 4 * 700 - 4 * 32
+
+    def test_a_killed_worker_is_restarted_and_status_says_which_is_up(self, kv_deployment):
+        import os
+        import signal
+        import subprocess
+        from pathlib import Path
+
+        import openai
+
+        dep = kv_deployment
+        serve = str(Path(__file__).resolve().parents[1] / "scripts" / "serve.sh")
+
+        def status():
+            r = subprocess.run([serve, "status", "--run-dir", str(dep.run_dir)], capture_output=True, text=True,
+                               timeout=60)
+            return r.returncode, r.stdout
+        rc, out = status()
+        assert rc == 0 and "workers up 2/2" in out, out
+        old = int((dep.run_dir / "worker-1.pid").read_text())
+        os.kill(old, signal.SIGKILL)
+        rc, out = status()
+        assert rc == 1 and ("worker-1: DOWN" in out or "worker-1: starting" in out) and "worker-0: up" in out, out
+        client = openai.OpenAI(base_url=dep.url, api_key="unused", max_retries=0, timeout=120)
+        r = client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=2, temperature=0)
+        assert r.choices[0].finish_reason == "length"           # the frontend and worker-0 still serve
+        deadline = time.monotonic() + 120
+        while True:
+            rc, out = status()
+            if rc == 0:
+                break
+            assert time.monotonic() < deadline, f"worker-1 was not restarted: {out}"
+            time.sleep(1)
+        new = int((dep.run_dir / "worker-1.pid").read_text())
+        assert new != old and "restarts 1" in out and "workers up 2/2" in out, out
+        assert json.loads((dep.run_dir / "watch.json").read_text())["restarts"] == {"worker-1": 1}
+        before = worker_stats(dep, 1)["num_requests"]
+        for d in range(10, 16):           # new documents: the router spreads them by load again
+            client.completions.create(model=MODEL, prompt=_document(d, 40), max_tokens=2, temperature=0)
+        assert worker_stats(dep, 1)["num_requests"] > before, "the restarted worker gets no requests"
 
 
 @pytest.mark.skipif(not (shutil.which("etcd") and shutil.which("nats-server")),
