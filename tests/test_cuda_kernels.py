@@ -187,6 +187,61 @@ def test_torch_ops_dispatch_pinned_gather_to_the_kernel():
     torch.testing.assert_close(out.cpu(), plugins.reference.block_gather_ref(pool, ids.cpu()), rtol=0, atol=0)
 
 
+@requires_cuda
+def test_gather_of_minus_one_is_a_zero_row_from_pinned_memory():
+    """The fixed-capacity lists' unused entries: -1 reads nothing and writes zeros."""
+    import plugins  # noqa: F401
+    plugins.ensure_cuda_kernels()
+    pool = torch.randn(32, 2, 16, 64).pin_memory()
+    ids = torch.tensor([[3, -1, 31, -1], [-1, 0, 7, 7]], device="cuda")
+    out = torch.ops.lookahead.block_gather(pool, ids)
+    torch.testing.assert_close(out.cpu(), plugins.reference.block_gather_ref(pool, ids.cpu()), rtol=0, atol=0)
+    assert not out[0, 1].any() and not out[1, 0].any()
+
+
+@requires_cuda
+def test_top_k_reads_strided_summary_views_in_place():
+    """The runtime scores [:lanes, :blocks] views of its summary tables: the kernel strides through
+    them and agrees with the reference on the same views."""
+    import plugins  # noqa: F401
+    plugins.ensure_cuda_kernels()
+    g = torch.Generator().manual_seed(5)
+    lo = torch.randn(4, 40, 2, 64, generator=g)
+    hi = lo + torch.rand(4, 40, 2, 64, generator=g)
+    kmin, kmax = lo.cuda()[:3, :29], hi.cuda()[:3, :29]
+    assert not kmin.is_contiguous()
+    q = torch.randn(3, 2, 8, 64, generator=g).cuda()
+    valid = torch.rand(3, 2, 29, generator=g).cuda() > 0.2
+    idx, scores = torch.ops.lookahead.block_topk(q, kmin, kmax, valid, 6, "sum")
+    ref_idx, ref_scores = plugins.reference.block_topk_ref(q.cpu(), kmin.cpu(), kmax.cpu(), valid.cpu(), 6, "sum")
+    atol, rtol = plugins.reference.TOLERANCES[torch.float32]
+    torch.testing.assert_close(scores.cpu(), ref_scores, atol=atol, rtol=rtol)
+    assert torch.equal(idx.cpu(), ref_idx)
+
+
+@requires_cuda
+def test_kv_storage_dtypes_are_widened_and_mixed_dtypes_refused():
+    """16-bit K/V under fp32 queries (an engine whose kv_dtype differs from its dtype) are widened by
+    the CUDA key's wrapper; the bindings refuse any call whose float inputs differ in dtype (a
+    launcher reads one dtype: the values would be garbage)."""
+    import plugins  # noqa: F401
+    from plugins.cuda import loader
+    plugins.ensure_cuda_kernels()
+    g = torch.Generator().manual_seed(6)
+    B, R, H, KVH, N, E, D = 1, 2, 8, 2, 48, 2, 128
+    q = torch.randn(B, R, H, D, generator=g).cuda()
+    k, v = (torch.randn(B, KVH, N, D, generator=g).cuda().to(torch.bfloat16) for _ in range(2))
+    ke, ve = (torch.randn(B, KVH, E, D, generator=g).cuda().to(torch.bfloat16) for _ in range(2))
+    mask = torch.ones(B, KVH, N, dtype=torch.bool, device="cuda")
+    emask = torch.ones(B, R, E, dtype=torch.bool, device="cuda")
+    out = torch.ops.lookahead.lookahead_attention(q, k, v, mask, ke, ve, emask, D ** -0.5)
+    want = lookahead_attention_ref(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), ke.cpu(), ve.cpu(), emask.cpu(), D ** -0.5)
+    atol, rtol = plugins.reference.TOLERANCES[torch.float32]
+    torch.testing.assert_close(out.cpu(), want, atol=atol, rtol=rtol)
+    with pytest.raises(RuntimeError, match="dtype"):
+        loader.load_extension().lookahead_attention_out(q, k, v, mask, ke, ve, emask, D ** -0.5, torch.empty_like(q))
+
+
 # --- the checks themselves, on CPU ------------------------------------------------------------
 
 class TorchEntryPoints:

@@ -135,6 +135,24 @@ def test_copy_lands_where_the_index_says_and_nowhere_else(engine, layout):
     assert ticket.done() and ticket.error is None
 
 
+@pytest.mark.parametrize("layout", ["head_major", "block_major"])
+def test_fixed_capacity_job_skips_its_minus_one_entries(engine, layout):
+    """A fixed-capacity list (CopyJob.valid, as the residency manager makes on the device): the
+    unused entries name block -1 (gathered as nothing: no PCIe read on a GPU) and their slots keep
+    what they held; only the valid entries' bytes are counted."""
+    tier = make_tier(engine, layout)
+    dev = device_of(engine)
+    t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+    blocks, heads, lanes, slots = [3, -1, 15, -1], [0, 1, 1, 0], [0, 2, 2, 1], [0, 5, 1, 4]
+    valid = torch.tensor([True, False, True, False], device=dev)
+    job = CopyJob(tier.src_k, tier.src_v, tier.dst_k, tier.dst_v, (t(blocks), t(heads)), (t(lanes), t(heads), t(slots)),
+                  valid=valid)
+    ticket = engine.submit(job, urgent=True)
+    want = expected(tier, [([3, 15], [0, 1], [0, 2], [0, 1])])
+    assert_same(landed(engine, tier, ticket), want)
+    assert engine.h2d_bytes == 2 * (2 * BS * D * 4)
+
+
 def test_bytes_jobs_and_urgent_jobs_are_counted(engine):
     tier = make_tier(engine)
     unit = 2 * BS * D * 4                     # one (block, head) of K and of V, float32
