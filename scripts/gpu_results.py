@@ -89,7 +89,7 @@ def kernels_summary(doc: dict[str, Any]) -> str:
         parts.append(f"{doc['child']['set']} cases: {doc['child']['note']}")
     if doc.get("errors"):
         parts.append(f"{len(doc['errors'])} errors")
-    parts.append(f"build {doc.get('build_s', 0):.0f}s")
+    parts.append(f"{'extension load' if doc.get('prebuilt') else 'build'} {doc.get('build_s', 0):.0f}s")
     return "; ".join(parts)
 
 
@@ -100,6 +100,9 @@ def bench_summary(doc: dict[str, Any]) -> str:
     parts = [f"{len(rows) - len(bad)}/{len(rows)} rows timed"]
     for c in doc.get("comparison", []):
         parts.append(f"{c['model']} {c['mode'].split('/')[-1]} {c['speedup']:.2f}x dense")
+    hidden = [r["hidden_share"] for r in rows if r.get("hidden_share") is not None]
+    if hidden:
+        parts.append(f"hidden share {min(hidden):.0%}-{max(hidden):.0%}")
     if bad:
         parts.append(f"first error: {bad[0]['error'][:60]}")
     return "; ".join(parts)

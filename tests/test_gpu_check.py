@@ -121,3 +121,11 @@ def test_gpu_bench_registers_the_lookahead_host_pool_instead_of_allocating_it_pi
     pool = gdb.RegisteredPoolEngine._make_pool(fake, 8, torch.float32)
     assert isinstance(pool, KVPool) and registered == [pool] and allocated == [False, False]
     assert pool.k.device.type == "cpu" and pool.k.shape[2] == 8
+
+
+def test_gpu_results_summaries_name_the_prebuilt_load_and_the_hidden_shares():
+    from gpu_results import bench_summary, kernels_summary
+    assert kernels_summary({"checks": [{"ok": True}], "build_s": 2, "prebuilt": True}) == \
+        "numerics 1/1; extension load 2s"
+    rows = [{"hidden_share": 0.25}, {"hidden_share": None}, {"hidden_share": 0.9}, {}]
+    assert bench_summary({"results": rows}) == "4/4 rows timed; hidden share 25%-90%"
