@@ -1,7 +1,8 @@
 """Start and stop an NVIDIA Dynamo deployment of an engine: one OpenAI frontend and N workers.
 
     python -m serving.dynamo_launch start --engine engines/default [--workers 2] [--http-port 8000]
-        [--device cpu|cuda|cuda:N] [--run-dir build/dynamo] [--discovery file|etcd] [--mode lookahead --top-k 64 ...]
+        [--router kv|round-robin|random] [--watch] [--device cpu|cuda|cuda:N] [--run-dir build/dynamo]
+        [--discovery file|etcd] [--mode lookahead --top-k 64 --prefix-caching false ...]
     python -m serving.dynamo_launch status [--run-dir build/dynamo]
     python -m serving.dynamo_launch stop   [--run-dir build/dynamo]
 
@@ -9,13 +10,21 @@ From Python: `start(engine_dir, workers=2, http_port=P, run_dir=..., lookahead_o
 returns a `Deployment` (url, model, pids); `stop(run_dir)` ends it.
 
 Everything listens on 127.0.0.1. `start` runs `python -m dynamo.frontend --http-host 127.0.0.1
---http-port P --discovery-backend file --request-plane tcp --event-plane zmq` and N
-`python -m serving.dynamo_worker` processes with the environment RECIPES.md found necessary
-(every *_HOST = 127.0.0.1, DYN_FILE_KV under the run dir). It waits until every worker has
+--http-port <internal> --discovery-backend file --request-plane tcp --event-plane zmq --router-mode
+R`, N `python -m serving.dynamo_worker` processes with the environment the frontend and workers
+need (every *_HOST = 127.0.0.1, DYN_FILE_KV under the run dir), and the front
+(`python -m serving.dynamo_launch front`) on the public port P: serving.http_front with the checks
+of serving/openai_front.py (OpenAI fields no worker sees are refused by name) and, with `watch`,
+the `Watcher`, which restarts a worker or the frontend that dies. It waits until every worker has
 registered and `/v1/models` lists the model, printing progress, and writes PID files, logs and
-`deployment.json` under the run dir. `stop` sends SIGTERM to each PID (workers first, so they leave
-discovery before the frontend goes), then SIGKILL to any still alive after `grace_s`; a PID is only
-signalled while its /proc cmdline is still the process started here.
+`deployment.json` (the commands and environment, for the watcher) under the run dir. `stop` sends
+SIGTERM to each PID (the front first, so nothing is restarted, then the workers, so they leave
+discovery before the frontend goes), then SIGKILL to any still alive after `grace_s`; a PID is
+only signalled while its /proc cmdline is still the process started here. `status` says which
+processes are up (a worker is up once registered) and exits 0 / 1 (which are not) / 3.
+
+Routing (`router_mode`, `--router`): kv (the default with 2+ workers) sends a request to the worker
+whose prefix cache holds the longest prefix of its blocks, weighed by load; round-robin; random.
 
 Discovery. `file` (default): one machine, no servers needed; discovery state lives in
 `<run-dir>/kv`, wiped at each start. `etcd`: for several machines; workers and frontend find each

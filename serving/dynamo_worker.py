@@ -19,8 +19,15 @@ How a request flows
   Triton path uses, raising RequestError naming the field) and submits the ids to one `EngineLoop`
   (serving/loop.py), whose background thread steps the engine for every request of the
   worker. Outputs cross back to asyncio through `call_soon_threadsafe`; each chunk carries the new
-  token ids, the last one the finish reason and `completion_usage` (the frontend reports the
-  prompt token count from it).
+  token ids and its choice's `index` (n > 1: the frontend sends one request with
+  `sampling_options.n`; the engine runs n sequences on the prompt's shared blocks), with logprobs
+  asked for (`output_options.logprobs` = k) `log_probs` and `top_logprobs`; a choice's last chunk
+  its finish reason, the request's last `completion_usage` with
+  `prompt_tokens_details.cached_tokens` (the frontend reports both to the client).
+- KV-aware routing: the prefix cache's events (`engine.kv_events`: blocks stored with their token
+  ids, removed) go to Dynamo's `KvEventPublisher` (`KvEventRelay`), and the blocks in use to its
+  `WorkerMetricsPublisher`, over the event plane; the model is registered with the engine's block
+  size, which the router hashes the request's tokens with.
 - Stop strings go to the engine too, so it stops (and frees the blocks) at the same token where the
   frontend cuts the text.
 
@@ -299,6 +306,7 @@ class EngineHandler:
         watcher = asyncio.ensure_future(_watch_cancel(context, sink))
         finished = False
         tokens = [0] * params_n(params)         # generated tokens per choice, for the usage
+        cached: dict[int, int] = {}             # cached prompt tokens per choice
         try:
             while True:
                 items = [await sink.queue.get()]
@@ -306,7 +314,7 @@ class EngineHandler:
                     items.append(sink.queue.get_nowait())       # the loop ran ahead: fewer chunks
                 if isinstance(items[-1], _Failure):
                     failure = items.pop()
-                    for chunk in output_chunks(items, tokens):
+                    for chunk in output_chunks(items, tokens, cached):
                         yield chunk
                     finished = True
                     if isinstance(failure.error, QueueFullError):
@@ -316,7 +324,7 @@ class EngineHandler:
                     if "shutting down" in failure.message:
                         raise EngineShutdown(failure.message)
                     raise Unknown(failure.message)
-                for chunk in output_chunks(items, tokens):
+                for chunk in output_chunks(items, tokens, cached):
                     yield chunk
                 if request_done(items[-1]):
                     finished = True
@@ -340,7 +348,7 @@ def _ends(item) -> bool:
     return isinstance(item, _Failure) or request_done(item)
 
 
-def output_chunks(outs: list, tokens: list[int]) -> list[dict[str, Any]]:
+def output_chunks(outs: list, tokens: list[int], cached: dict[int, int] | None = None) -> list[dict[str, Any]]:
     """Dynamo response chunks (LLMEngineOutput dicts) for consecutive engine outputs of one request.
 
     Consecutive outputs of one choice merge into one chunk: `token_ids`, `index` (the choice), and
@@ -349,11 +357,15 @@ def output_chunks(outs: list, tokens: list[int]) -> list[dict[str, Any]]:
     last chunk carries its `finish_reason`. The request's last chunk also carries
     `completion_usage`: prompt tokens, generated tokens of all choices (the frontend counts
     them too), and `prompt_tokens_details.cached_tokens`, the prompt tokens whose KV came from
-    the prefix cache (the frontend passes it on as OpenAI's `usage.prompt_tokens_details`).
-    `tokens` (generated tokens per choice so far) is updated."""
+    the prefix cache (the frontend passes it on as OpenAI's `usage.prompt_tokens_details`): the
+    least any choice reports, since with n > 1 the later choices find the blocks the first one
+    prefilled. `tokens` (generated tokens per choice so far) and `cached` (choice -> its cached
+    tokens) are updated."""
     chunks: list[dict[str, Any]] = []
+    cached = {} if cached is None else cached
     for out in outs:
         index = int(getattr(out, "index", 0) or 0)
+        cached[index] = min(cached.get(index, 1 << 62), int(getattr(out, "num_cached_tokens", 0) or 0))
         if index >= len(tokens):
             tokens.extend([0] * (index + 1 - len(tokens)))
         tokens[index] += len(out.new_token_ids)
@@ -376,7 +388,7 @@ def output_chunks(outs: list, tokens: list[int]) -> list[dict[str, Any]]:
             last["completion_usage"] = {
                 "prompt_tokens": out.num_prompt_tokens, "completion_tokens": generated,
                 "total_tokens": out.num_prompt_tokens + generated,
-                "prompt_tokens_details": {"cached_tokens": int(getattr(out, "num_cached_tokens", 0) or 0)}}
+                "prompt_tokens_details": {"cached_tokens": min(cached.values())}}
     return [c for c in chunks if c["token_ids"] or "finish_reason" in c]
 
 

@@ -389,7 +389,8 @@ class ResponseStream:
     vLLM backend: `text_output`, `num_output_tokens`, `finish_reason` and `logprobs` hold one
     entry per choice (streaming: the choice that moved has its delta, the others "" and 0). A
     request's final response is the one that ends its last choice. `num_cached_tokens` (every
-    response) is the prompt tokens whose KV came from the prefix cache. `logprobs` (when asked
+    response) is the prompt tokens whose KV came from the prefix cache when the request arrived
+    (the least of its choices: the later ones find the blocks the first prefilled). `logprobs` (when asked
     for: sampling_parameters.logprobs = k, or return_logprobs) is a JSON list per choice, one
     entry per token: {"token_id", "token", "logprob", "top_logprobs": [{"token_id", "token",
     "logprob"}, ... k, most likely first]}.
@@ -401,6 +402,7 @@ class ResponseStream:
     _tokens: list[int] = dataclasses.field(default_factory=list)
     _logprobs: list[list[dict[str, Any]]] = dataclasses.field(default_factory=list)
     _finish: list[str] = dataclasses.field(default_factory=list)
+    _cached: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         n = self.n
@@ -423,7 +425,10 @@ class ResponseStream:
         lps = self._logprob_entries(out) if self.wants_logprobs else None
         if out.finished:
             self._finish[i] = out.finish_reason or ""
-        cached = int(getattr(out, "num_cached_tokens", 0) or 0)
+        # the request's cached tokens: the least any choice reports (with n > 1 the later choices
+        # find the blocks the first one prefilled)
+        self._cached[i] = min(self._cached.get(i, 1 << 62), int(getattr(out, "num_cached_tokens", 0) or 0))
+        cached = min(self._cached.values())
         done = bool(out.finished and getattr(out, "request_finished", True))
         if self.request.stream:
             texts, counts = [""] * self.n, [0] * self.n

@@ -110,7 +110,8 @@ class _Out:
 def test_output_chunks_one_choice_merged_with_usage_and_cached_tokens():
     from serving.dynamo_worker import output_chunks
     tokens = [0]
-    chunks = output_chunks([_Out([5]), _Out([6]), _Out([7], finished=True, reason="length", cached=32)], tokens)
+    chunks = output_chunks([_Out([5], cached=32), _Out([6], cached=32),
+                            _Out([7], finished=True, reason="length", cached=32)], tokens)
     assert chunks == [{"token_ids": [5, 6, 7], "index": 0, "finish_reason": "length",
                        "completion_usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
                                             "prompt_tokens_details": {"cached_tokens": 32}}}]
@@ -137,6 +138,12 @@ def test_output_chunks_n_choices_and_logprobs():
     assert last[0]["index"] == 1 and last[0]["finish_reason"] == "length"
     assert last[0]["completion_usage"]["completion_tokens"] == 4            # both choices' tokens
     assert last[0]["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    # the later choices find the blocks the first prefilled: the request reports the least
+    tokens, cached = [0, 0], {}
+    output_chunks([_Out([5], 0, cached=0), _Out([6], 1, finished=True, reason="stop", request_finished=False,
+                                              cached=48)], tokens, cached)
+    (end,) = output_chunks([_Out([7], 0, finished=True, reason="stop", cached=0)], tokens, cached)
+    assert end["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_kv_event_relay_carries_token_ids_and_signed_hashes():
@@ -608,6 +615,19 @@ class TestLive:
     def test_usage_reports_cached_tokens(self, client):
         r = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=2, temperature=0)
         assert isinstance(r.usage.prompt_tokens_details.cached_tokens, int)
+
+    def test_worker_metrics_carry_the_prefix_cache(self, deployment):
+        """Each worker's /metrics (its system port) has the engine's families, the Triton model's names."""
+        import re
+        for i in range(2):
+            url = deployment.stats_url(i).replace("/engine/stats", "/metrics")
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            found = dict(re.findall(r"^(lookahead_\w+)\{[^}]*worker=\"%d\"[^}]*\} (\S+)$" % i, text, re.M))
+            for name in ("lookahead_prefix_cache_hit_rate", "lookahead_prefix_cache_blocks",
+                         "lookahead_prefix_cache_hit_tokens_total", "lookahead_prefix_cache_evicted_blocks_total",
+                         "lookahead_free_kv_blocks"):
+                assert name in found, (name, sorted(found))
+            assert float(found["lookahead_kv_blocks"]) == worker_stats(deployment, i)["total_blocks"]
 
     def test_sampling_parameters_are_honoured(self, client, reference):
         """temperature, top_p, top_k and seed reach the engine: the same draw as in-process."""

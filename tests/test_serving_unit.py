@@ -424,6 +424,15 @@ def test_n_choices_are_n_shaped_tensors_and_the_last_choice_ends_the_request():
     assert "logprobs" not in plain                             # only when asked for
 
 
+def test_an_n_request_reports_the_cached_tokens_it_arrived_with():
+    """The later choices of an n > 1 request find the blocks the first prefilled: the request's
+    cached tokens are the least any choice reports, not the last choice's."""
+    rs = ResponseStream(GenerateRequest("abc", SamplingParams(n=2)))
+    rs.on_output(ChoiceOut("a", 0, cached=0))
+    rs.on_output(ChoiceOut("b", 1, finished=True, reason="stop", request_finished=False, cached=160))
+    assert rs.on_output(ChoiceOut("c", 0, finished=True, reason="stop", cached=0))["num_cached_tokens"].tolist() == [0]
+
+
 # ---- the step loop ------------------------------------------------------------------------------
 class Sink:
     def __init__(self, cancel_after: int | None = None):

@@ -146,6 +146,56 @@ def test_http_generate_error_is_a_400_naming_the_field(triton_server):
         assert err.value.code == 400 and json.loads(err.value.read())["error"].startswith(field)
 
 
+def _generate_http(server, body: dict) -> dict:
+    url = f"{server.http_url}/v2/models/{MODEL}/generate"
+    return json.loads(urllib.request.urlopen(urllib.request.Request(url, json.dumps(body).encode()), timeout=60).read())
+
+
+def _as_list(value):
+    return value if isinstance(value, list) else [value]
+
+
+def test_n_choices_logprobs_and_cached_tokens(triton_server, triton_engine_dir):
+    """sampling_parameters.n and .logprobs (the vLLM backend's keys): [n] outputs equal to the
+    in-process engine's choices, a JSON logprobs list per choice; the same prompt again reports its
+    full blocks in num_cached_tokens, and the metrics count them."""
+    prompt = "A prompt of its own for the prefix cache, long enough for a few full blocks of KV. " * 2
+    params = {"n": 2, "temperature": 1.0, "seed": 5, "logprobs": 1, "ignore_eos": True, "max_tokens": 6}
+    engine = Engine.from_dir(triton_engine_dir)
+    expected = {c.index: c for c in engine.generate([prompt], SamplingParams(**params))}
+    n_prompt = len(engine.tokenizer.encode(prompt))
+    engine.close()
+    before = triton_server.metrics().get("lookahead_prefix_cache_hit_tokens_total", 0.0)
+    out = _generate_http(triton_server, {"text_input": prompt, "exclude_input_in_output": True,
+                                         "sampling_parameters": json.dumps(params)})
+    assert _as_list(out["text_output"]) == [expected[0].text, expected[1].text]
+    assert _as_list(out["num_output_tokens"]) == [6, 6] and _as_list(out["finish_reason"]) == ["length", "length"]
+    assert out["num_cached_tokens"] == 0 and out["num_input_tokens"] == n_prompt
+    logprobs = [json.loads(x) for x in _as_list(out["logprobs"])]
+    for i in range(2):
+        assert [t["token_id"] for t in logprobs[i]] == expected[i].token_ids
+        assert [t["logprob"] for t in logprobs[i]] == pytest.approx([t.logprob for t in expected[i].logprobs], abs=1e-5)
+        assert all(len(t["top_logprobs"]) == 1 for t in logprobs[i])
+    again = _generate_http(triton_server, {"text_input": prompt, "max_tokens": 2, "exclude_input_in_output": True})
+    assert again["num_cached_tokens"] == n_prompt // 16 * 16 > 0 and "logprobs" not in again
+    deadline = time.monotonic() + 5
+    while triton_server.metrics()["lookahead_prefix_cache_hit_tokens_total"] < before + again["num_cached_tokens"]:
+        assert time.monotonic() < deadline, triton_server.metrics()
+        time.sleep(0.2)
+    assert triton_server.metrics()["lookahead_prefix_cache_hit_rate"] > 0
+
+
+def test_bad_n_and_logprobs_are_400s_naming_the_field(triton_server):
+    url = f"{triton_server.http_url}/v2/models/{MODEL}/generate"
+    for doc, field in (({"n": 17}, "sampling_parameters.n: "), ({"logprobs": 21}, "sampling_parameters.logprobs: "),
+                       ({"n": "many"}, "sampling_parameters.n: ")):
+        body = {"text_input": "x", "sampling_parameters": json.dumps(doc)}
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(url, json.dumps(body).encode()), timeout=30)
+        message = json.loads(err.value.read())["error"]
+        assert err.value.code == 400 and message.startswith(field) and "\n" not in message, message
+
+
 def test_the_instance_runs_on_the_configured_device(triton_server):
     """The config's instance_group (KIND_CPU here: write_model_repo's auto on a CPU machine) is
     what model.py hands Engine.from_dir."""
