@@ -499,8 +499,9 @@ class Sizing:
 
 def sizing(mcfg, cfg: LookaheadConfig, dtype_bytes: int, device_type: str) -> Sizing:
     def plan(**kw):
+        # the bench registers its host pools in place (RegisteredPoolEngine): they pin their own bytes
         return plan_memory(mcfg, cfg.replace(max_batch_size=1, **kw), None, dtype_bytes, weights=False,
-                           device_type=device_type)
+                           device_type=device_type, pinning="registered")
 
     dense = plan(**MODES["dense"])
     dev, tier, attended = {}, {}, {}

@@ -129,3 +129,12 @@ def test_gpu_results_summaries_name_the_prebuilt_load_and_the_hidden_shares():
         "numerics 1/1; extension load 2s"
     rows = [{"hidden_share": 0.25}, {"hidden_share": None}, {"hidden_share": 0.9}, {}]
     assert bench_summary({"results": rows}) == "4/4 rows timed; hidden share 25%-90%"
+
+
+def test_gpu_bench_sizes_the_host_cap_by_what_a_registered_pool_pins():
+    """The bench's per-sequence host share on a GPU is the pool's bytes (its pools are registered),
+    not torch's power-of-two rounding of one sequence's pool, which would halve the host cap."""
+    import gpu_decode_bench as gdb
+    cfg = LookaheadConfig(max_model_len=32768 + 64, kv_dtype="bfloat16", top_k=128)
+    cpu, gpu = gdb.sizing(LLAMA8B, cfg, 2, "cpu"), gdb.sizing(LLAMA8B, cfg, 2, "cuda")
+    assert gpu.host == cpu.host and pinned_bytes(gpu.host // 2) != gpu.host // 2
