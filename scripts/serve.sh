@@ -26,7 +26,7 @@
 # 127.0.0.1 (serving/dynamo_launch.py; install it with scripts/install_dynamo.sh or
 # `make dynamo`); its run dir is build/dynamo unless --run-dir is given. stop and status find it.
 #
-# The tritonserver is the one bundled in the nvidia-pytriton wheel (RECIPES.md), run by a supervisor
+# The tritonserver is the one bundled in the nvidia-pytriton wheel, run by a supervisor
 # (serving/supervisor.py) that stays in the background: the HTTP port is its front, which
 # refuses bodies over --max-body-bytes (413; default 2 MiB: tritonserver 2.51 crashes on bodies over
 # ~4 MB) and malformed or deeply nested JSON (400); gRPC and metrics are tritonserver's own ports.
@@ -46,7 +46,7 @@ MODE=""; INSTANCES=1; MAX_QUEUE=256; TIMEOUT=180; RUN_DIR="$ROOT/build/serve"; W
 MAX_BODY=$((2 * 1024 * 1024)); LOG_KEEP=5
 FRONTEND=triton; WORKERS=1; DISCOVERY=file; RUN_DIR_SET=0; EXTRA=(); DEVICE=auto; ROUTER=""; PREFIX_CACHING=""
 
-usage() { sed -n '2,37p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 die() { echo "serve.sh: error: $*" >&2; exit 1; }
 
 while [ $# -gt 0 ]; do

@@ -97,7 +97,7 @@ class Deployment:
 # ---- environment ------------------------------------------------------------------------------------
 def base_env(run_dir: Path, discovery: str = "file", *, etcd_endpoints: str | None = None,
              nats_server: str | None = None) -> dict[str, str]:
-    """The DYN_* settings every process of a deployment shares (RECIPES.md, "NVIDIA Dynamo")."""
+    """The DYN_* settings every process of a deployment shares (loopback hosts, the discovery and planes)."""
     env = {"DYN_TCP_RPC_HOST": HOST, "DYN_TCP_RESPONSE_STREAM_HOST": HOST, "DYN_EVENT_PLANE_HOST": HOST,
            "DYN_SYSTEM_HOST": HOST, "DYN_SDK_DISABLE_ANSI_LOGGING": "1", "NO_COLOR": "1",
            "PYTHONUNBUFFERED": "1"}

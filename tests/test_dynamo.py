@@ -893,10 +893,18 @@ def test_serve_sh_starts_and_stops_the_dynamo_frontend(default_engine_dir, tmp_p
     serve = str(Path(__file__).resolve().parents[1] / "scripts" / "serve.sh")
     port, run_dir = dynamo_launch.free_port(), tmp_path / "run dir"
     start = subprocess.run([serve, "start", "--frontend", "dynamo", "--workers", "1", "--http-port", str(port),
-                            "--engine", str(default_engine_dir), "--run-dir", str(run_dir), "--",
-                            "--max-model-len", str(MAX_MODEL_LEN)], capture_output=True, text=True, timeout=200)
+                            "--engine", str(default_engine_dir), "--run-dir", str(run_dir), "--prefix-caching", "false",
+                            "--", "--max-model-len", str(MAX_MODEL_LEN)], capture_output=True, text=True, timeout=200)
     try:
         assert start.returncode == 0, start.stdout + start.stderr
+        assert "router round-robin" in start.stdout                      # one worker: nothing to choose
+        assert dynamo_launch.status(run_dir)["workers"]["worker-0"]["config"]["prefix_caching"] is False
+        for _ in range(2):           # caching off: the same prompt again is prefilled again
+            body = json.dumps({"model": MODEL, "prompt": COMPLETION * 8, "max_tokens": 1}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+            usage = json.load(urllib.request.urlopen(req, timeout=60))["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 0, usage
         models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10))
         assert [m["id"] for m in models["data"]] == ["lookahead_llm"]
         status = subprocess.run([serve, "status", "--frontend", "dynamo", "--run-dir", str(run_dir)],

@@ -297,8 +297,11 @@ def test_without_watch_deaths_are_reported_cleaned_up_and_stop_takes_seconds(unw
 
     # 2. the next start keeps the previous log; the server is killed while its stub hangs (SIGSTOP:
     #    it cannot notice its parent died, an orphan holding shared memory): both are cleaned up
-    run.sh("start", "--timeout", "60", timeout=90, check=True)
+    run.sh("start", "--timeout", "60", "--prefix-caching", "false", timeout=90, check=True)
     assert (run.run_dir / "tritonserver.log.1").read_text().splitlines()[0] == first_pid_line
+    # --prefix-caching reaches the model's lookahead overrides
+    config = (run.run_dir / "model_repo" / "lookahead_llm" / "config.pbtxt").read_text()
+    assert '\\"prefix_caching\\": false' in config and run.state()["PREFIX_CACHING"] == "false"
     server, (stub,) = run.server_pid(), run.stub_pids()
     assert shm_regions(run.shm_prefix)
     os.kill(stub, signal.SIGSTOP)
