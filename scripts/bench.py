@@ -463,9 +463,11 @@ def run_link_sweep(args) -> int:
     print(f"links (GB/s): {', '.join(f'{b:g}' for b in bws)}, {args.link_latency_us:g} us a job; "
           f"context {ctx} x batch {batch}; per link {args.warmup_steps} warm-up + {args.decode_steps} real + "
           f"{args.decode_steps} satisfied steps (ABBA)", flush=True)
-    length = min(ctx, base.max_model_len - total_steps - 1)
+    max_tokens = total_steps + 2       # no sequence ends within the sweep
+    length = min(ctx, base.max_model_len - max_tokens)
     prompts, source = make_prompts(base, length, batch)
-    decoders = [lib.LinkDecoder(m, e, prompts, total_steps + 2) for m, e in ours.items()]
+    decoders = [lib.LinkDecoder(m, e, prompts, max_tokens) for m, e in ours.items()]
+    print(f"  engines loaded and warmed up in {time.perf_counter() - t0:.0f}s", flush=True)
     decode_threads = torch.get_num_threads()
     if args.prefill_threads:
         torch.set_num_threads(args.prefill_threads)
