@@ -81,58 +81,55 @@ class DenseAttention:
 
 class DenseStep:
     """One step's dense attention: stores each layer's rows where `batch` says, then attends.
-    `fused_runs` says whether the runner may run the step as one fused C call instead."""
+    `fused_items` says whether the runner may run the step as one fused C call instead."""
 
     def __init__(self, pool: KVPool, scale: float, batch: StepBatch, selection: "BlockSelection | None" = None):
         self.pool, self.scale, self.batch, self.selection = pool, scale, batch, selection
         self._paged: tuple | None = None     # the step's batched decode items, see _paged_decode
 
     def _paged_decode(self) -> tuple:
-        """(rows, starts, lens, mask, row set) of the step's decode items that lie in one run of
-        pool blocks each, for one kernel call a layer (plugins.cpu.attention_paged, which shares
-        their (sequence, head) units out over the threads); rows is None when there are none or no
-        kernel. Worked out once a step: every layer's lengths are the same."""
+        """(rows, tables, lens, mask, row set) of the step's decode items, for one kernel call a
+        layer (plugins.cpu.attention_paged, which shares their (sequence, head) units out over the
+        threads; their blocks anywhere in the pool, e.g. a prefix shared with other sequences);
+        rows is None when there are none or no kernel. Worked out once a step: every layer's
+        lengths are the same."""
         if self._paged is not None:
             return self._paged
-        rows, starts, lens = [], [], []
+        rows, tables, lens = [], [], []
         if self.pool.k.device.type == "cpu" and cpu.available():
             for it in self.batch.items:
-                first = self.pool.run_start(it.block_table, it.context_len) if it.num_tokens == 1 else None
-                if first is not None:
-                    rows.append(it.row_start), starts.append(first), lens.append(it.context_len)
-        self._paged = ((torch.tensor(rows, dtype=torch.long), starts, lens,
+                if it.num_tokens == 1:
+                    rows.append(it.row_start), tables.append(it.block_table), lens.append(it.context_len)
+        self._paged = ((torch.tensor(rows, dtype=torch.long), tables, lens,
                         cpu.paged_mask(lens, self.pool.num_kv_heads), frozenset(rows)) if rows
                        else (None, [], [], None, frozenset()))
         return self._paged
 
-    def fused_runs(self) -> tuple[list[int], list[int]] | None:
-        """(each item's first pool block, its context length) when the fused decode step
+    def fused_items(self) -> tuple[list[list[int]], list[int]] | None:
+        """(each item's block table, its context length) when the fused decode step
         (plugins/cpu/fused.py) can run this step in place of the layers' `forward` calls: every
-        item one token, item i at row i, its blocks one run of the pool (what `_paged_decode`
-        sends to one kernel call, for every item); else None."""
+        item one token, item i at row i (what `_paged_decode` sends to one kernel call, for every
+        item); else None."""
         if self.batch.store_only or not self.batch.items:
             return None
-        starts, lens = [], []
+        tables, lens = [], []
         for i, it in enumerate(self.batch.items):
             if it.num_tokens != 1 or it.row_start != i:
                 return None
-            first = self.pool.run_start(it.block_table, it.context_len)
-            if first is None:
-                return None
-            starts.append(first), lens.append(it.context_len)
-        return starts, lens
+            tables.append(it.block_table), lens.append(it.context_len)
+        return tables, lens
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
         self.pool.write(layer_idx, k, v, b.slot_blocks, b.slot_offsets)
         out = torch.empty_like(q)
-        rows, starts, lens, mask, done = self._paged_decode()
+        rows, tables, lens, mask, done = self._paged_decode()
         sel = self.selection
         if rows is not None:
             if sel is not None:         # the step's summaries: every selected block is a full one
-                mask = sel.mask(layer_idx, q[rows], starts, lens)
-            o = cpu.attention_paged(q[rows], self.pool.k[layer_idx], self.pool.v[layer_idx], starts, lens,
-                                    self.scale, mask)
+                mask = sel.mask(layer_idx, q[rows], None, lens, tables)
+            o = cpu.attention_paged(q[rows], self.pool.k[layer_idx], self.pool.v[layer_idx], None, lens,
+                                    self.scale, mask, tables)
             if o is None:
                 done = frozenset()
             else:

@@ -17,7 +17,7 @@ class DenseRunner:
     """Dense mode: every row attends to its sequence's full cached context.
 
     A decode step whose items are one token each, each sequence's blocks one run of the pool
-    (`DenseStep.fused_runs`), runs as one C call (`fused`: plugins/cpu/fused.py, chosen once here
+    (`DenseStep.fused_items`), runs as one C call (`fused`: plugins/cpu/fused.py, chosen once here
     by `LlamaModel.fused_decoder`; None, with `fused_reason`, where the model or the pool do not
     take it, or with LOOKAHEAD_FUSED_DECODE=0). Every other step, and a step the C path refuses,
     runs the Python path (the model's layers over `DenseStep`), which is the reference.
@@ -105,10 +105,11 @@ class DenseRunner:
             self._bind_fused()
         if self.fused is None or not isinstance(step, DenseStep) or step.pool is not self._fused_pool:
             return None
-        runs = step.fused_runs()
-        if runs is None:
+        items = step.fused_items()
+        if items is None:
             return None
-        return self.fused.run(batch.tokens, batch.positions, batch.slot_blocks, batch.slot_offsets, *runs)
+        tables, lens = items
+        return self.fused.run(batch.tokens, batch.positions, batch.slot_blocks, batch.slot_offsets, None, lens, tables)
 
 
 class StoreRows:

@@ -68,14 +68,22 @@ class BlockSelection:
             blocks[heads[picked], idx[picked]] = True
         return blocks.repeat_interleave(bs, dim=1)[:, :n]
 
-    def mask(self, layer: int, q: torch.Tensor, starts: list[int], lens: list[int]) -> torch.Tensor:
+    def mask(self, layer: int, q: torch.Tensor, starts: list[int] | None, lens: list[int],
+             tables: list[list[int]] | None = None) -> torch.Tensor:
         """q [B, H, D], sequence b's keys the lens[b] tokens from pool block starts[b] on (one run
-        each) -> the paged attention's key mask [B, KVH, max(lens)]."""
+        each), or with `tables` those of the blocks tables[b] lists -> the paged attention's key
+        mask [B, KVH, max(lens)]. A run's summaries are read in place, other tables' gathered."""
         out = torch.zeros(len(lens), self.kvh, max(lens), dtype=torch.bool, device=q.device)
         bs = self.block_size
-        for b, (r, n) in enumerate(zip(starts, lens)):
+        for b, n in enumerate(lens):
             nb = -(-n // bs)
-            out[b, :, :n] = self._visible(layer, q[b], self.kmin[layer, r:r + nb], self.kmax[layer, r:r + nb], n)
+            r = starts[b] if tables is None else self.pool.run_start(tables[b], n)
+            if r is not None:
+                kmin, kmax = self.kmin[layer, r:r + nb], self.kmax[layer, r:r + nb]
+            else:
+                ids = torch.tensor(tables[b][:nb], dtype=torch.long, device=self.kmin.device)
+                kmin, kmax = self.kmin[layer, ids], self.kmax[layer, ids]
+            out[b, :, :n] = self._visible(layer, q[b], kmin, kmax, n)
         return out
 
     def mask_for(self, layer: int, q: torch.Tensor, block_table: list[int], n: int) -> torch.Tensor:

@@ -152,6 +152,39 @@ def test_attention_paged_matches_torch_per_sequence(threads):
         cpu.attention_paged(q, pool_k, pool_v, starts, lens, 0.125, cpu.paged_mask(lens[:2], KVH))
 
 
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_attention_paged_block_tables_match_torch_and_runs(threads, dtype):
+    """Sequences whose blocks lie anywhere in the pool (a shared cached prefix, a fragmented free
+    list): the same result as torch over the gathered keys, and bit for bit the run entry's where
+    a table is a run. A pool past 2^16 rows, so a block id times the block size is a large row."""
+    g = _gen(60 + threads)
+    KVH, H, D, bs, nb = 3, 9, 64, 16, 5000
+    pool_k = torch.randn(KVH, nb, bs, D, generator=g).to(dtype)
+    pool_v = torch.randn(KVH, nb, bs, D, generator=g).to(dtype)
+    lens = [600, 17, 1, 320]
+    tables = [torch.randperm(nb, generator=g)[: -(-n // bs) + 2].tolist() for n in lens]   # spare blocks past the end
+    tables[1] = [4990, 4999]                                     # the last blocks of the pool
+    q = torch.randn(len(lens), H, D, generator=g)
+    torch.set_num_threads(threads)
+    out = cpu.attention_paged(q, pool_k, pool_v, None, lens, D ** -0.5, tables=tables)
+    for b, (t, n) in enumerate(zip(tables, lens)):
+        ids = torch.tensor(t)
+        k = pool_k[:, ids].reshape(KVH, -1, D)[:, :n].float()
+        v = pool_v[:, ids].reshape(KVH, -1, D)[:, :n].float()
+        expected = F.scaled_dot_product_attention(q[b][None, :, None], k[None], v[None], scale=D ** -0.5,
+                                                  enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(out[b], expected, atol=2e-5, rtol=1e-5)
+    runs = [list(range(s, s + 40)) for s in (3, 100, 0, 2000)]
+    assert torch.equal(cpu.attention_paged(q, pool_k, pool_v, None, lens, 0.125, tables=runs),
+                       cpu.attention_paged(q, pool_k, pool_v, [3, 100, 0, 2000], lens, 0.125))
+    short = [t[:1] for t in tables]                              # a table that does not cover its keys
+    assert cpu.attention_paged(q, pool_k, pool_v, None, lens, 0.125, tables=short) is None
+    bad = [t.copy() for t in tables]
+    bad[2][0] = nb                                               # a block past the pool
+    assert cpu.attention_paged(q, pool_k, pool_v, None, lens, 0.125, tables=bad) is None
 def test_attention_zero_keys_and_unsupported_shapes():
     g = _gen(3)
     q = torch.randn(2, 2, 6, 64, generator=g)
@@ -309,14 +342,15 @@ def test_dense_backend_batches_decode_rows_into_one_paged_call(monkeypatch):
     q, k, v = (torch.randn(6, h, 64, generator=g) for h in (6, 2, 2))
     calls = []
     real = cpu.attention_paged
-    monkeypatch.setattr(cpu, "attention_paged", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    monkeypatch.setattr(cpu, "attention_paged", lambda *a, **kw: calls.append(a[7]) or real(*a, **kw))
     attn = DenseAttention(pool, 0.125)
     if hasattr(attn, "step"):            # one step's backend, the batch its argument
         attn = attn.step(batch)
     else:
         attn.batch = batch
     out = attn.forward(1, q, k, v)
-    assert calls == [[2, 20]]                                       # the two runs, one call
+    # every decode item in one call, the scattered blocks' too (their block tables)
+    assert calls == [[list(range(2, 12)), [50, 40, 41, 44], [20, 21]]]
     for it in items:
         rows = slice(it.row_start, it.row_start + it.num_tokens)
         kc, vc = pool.read(1, it.block_table, it.context_len)

@@ -91,9 +91,8 @@ class Record(Observer):
 
     def on_batch(self, batch):
         self.steps += 1
-        pool = self.engine.pool
-        self.eligible += all(it.num_tokens == 1 and pool.run_start(it.block_table, it.context_len) is not None
-                             for it in batch.items) and not batch.store_only
+        # one token an item, its blocks anywhere (a run, or a block table: decode.c reads both)
+        self.eligible += all(it.num_tokens == 1 for it in batch.items) and not batch.store_only
 
     def on_step_end(self, logits):
         self.logits.append({k: v.clone() for k, v in logits.items()})
@@ -171,8 +170,8 @@ def test_bit_equal_at_two_threads(dirs, monkeypatch, model):
 
 
 def test_steps_it_cannot_take_run_the_python_path(dirs, monkeypatch):
-    """Scattered blocks (a fragmented free list) and a prefill chunk next to decode rows: those
-    steps run the layers in Python, the others fused; the tokens are the Python path's."""
+    """A prefill chunk next to decode rows: those steps run the layers in Python, the others
+    fused, scattered blocks (a fragmented free list) too; the tokens are the Python path's."""
     prompts = random_prompts(9, 30, 14, seed=3)
     kw = dict(block_size=4, max_batch_size=4, num_host_blocks=64, prefill_chunk=6)
 
@@ -188,7 +187,7 @@ def test_steps_it_cannot_take_run_the_python_path(dirs, monkeypatch):
     tokens, got = run(eng, prompts)
     assert tokens == ref_tokens
     assert eng.runner.fused.steps == got.eligible
-    assert 0 < got.eligible < got.steps           # some steps fused, some (prefill, scattered) not
+    assert 0 < got.eligible < got.steps           # some steps fused, some (prefill) not
 
 
 def test_models_and_ops_it_does_not_take(dirs, tmp_path, monkeypatch):
@@ -325,10 +324,15 @@ def test_silu_binding_reproduces_torch_or_falls_back(dirs, monkeypatch):
         pytest.skip("torch's vector exp does not reproduce F.silu on this machine")
     gu = torch.randn(64, 96, generator=torch.Generator().manual_seed(1)) * 5
     want = torch.mul(torch.nn.functional.silu(gu[:, :48]), gu[:, 48:])
-    for c, equal in ((chunk, True), (8, False)):
+    def silu_mul(c: int) -> torch.Tensor:
         act = torch.empty_like(want)
         library().lkv_silu_mul(gu.data_ptr(), act.data_ptr(), 64, 48, exp8, c)
-        assert torch.equal(act, want) == equal, c
+        return act
+    assert torch.equal(silu_mul(chunk), want)
+    # whether another split differs depends on the CPU (torch's exp is the same polynomial either
+    # way; only the scalar tail's rows move): where it does, the probe must not have picked it
+    for c in (8, 16, 32):
+        assert torch.equal(silu_mul(c), want) or c != chunk, c
     monkeypatch.setattr(fused, "_silu_bindings", {})
     monkeypatch.setattr(fused, "torch_vector_exp", lambda: None)
     eng = engine(dirs["int8"], monkeypatch, "auto")

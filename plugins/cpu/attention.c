@@ -216,12 +216,23 @@ static int64_t key_splits(int64_t units, int64_t N, int nthreads) {
     return c < cap ? c : cap;
 }
 
-/* The shared body of both entries: sequence b's K/V rows start at k + base(b), base(b) = boff[b]
- * when boff is given, else b * ksb. With C > 1 key ranges, each (unit, range) is attended on its
+/* Sequence b's visible key ids vis[nv] (key n0 + vis[i] of its logical order) as rows of its head's
+ * plane of a paged pool: key n lies in block btab[n / bs] at offset n % bs. The order is kept, so
+ * the attention is the same sum as over a run of blocks. */
+static void page_ids(int32_t *vis, int64_t nv, int64_t n0, const int64_t *btab, int64_t bs) {
+    for (int64_t i = 0; i < nv; i++) {
+        const int64_t n = n0 + vis[i];
+        vis[i] = (int32_t)(btab[n / bs] * bs + n % bs);
+    }
+}
+
+/* The shared body of the entries: sequence b's K/V rows start at k + base(b), base(b) = boff[b]
+ * when boff is given, else b * ksb; with btab (a block table per sequence, row stride bts), its
+ * key n is row btab[b * bts + n / bs] * bs + n % bs of its head's plane at k + h * ksh instead. With C > 1 key ranges, each (unit, range) is attended on its
  * own (the extra keys go with range 0) into part [units * C, RG, 2 + D] = (max, denominator,
  * normalised row), and the ranges are merged: out = sum_c l_c e^(m_c - M) o_c / sum_c l_c e^(m_c - M). */
 static int attention_impl(const float *q, const void *k, const void *v, int kv_dtype, const int64_t *boff, int64_t ksb,
-                          int64_t ksh, const uint8_t *kv_mask, const float *kx, int64_t xksb, int64_t xksh,
+                          const int64_t *btab, int64_t bts, int64_t bs, int64_t ksh, const uint8_t *kv_mask, const float *kx, int64_t xksb, int64_t xksh,
                           int64_t xkse, const float *vx, int64_t xvsb, int64_t xvsh, int64_t xvse,
                           const uint8_t *extra_mask, float *out, int64_t B, int64_t R, int64_t H, int64_t KVH,
                           int64_t N, int64_t E, int64_t D, float scale, int nthreads) {
@@ -244,6 +255,7 @@ static int attention_impl(const float *q, const void *k, const void *v, int kv_d
                 const int64_t bh = u / C, c = u % C, b = bh / KVH, h = bh % KVH;
                 const int64_t n0 = c * CL, n1 = n0 + CL < N ? n0 + CL : N;
                 const int64_t nv = n1 > n0 ? visible_ids(kv_mask + bh * N + n0, n1 - n0, vis) : 0;
+                if (btab) page_ids(vis, nv, n0, btab + b * bts, bs);
                 float *orow[64], *ml = C > 1 ? part + u * RG * mls : NULL;
                 for (int rg = 0; rg < RG; rg++) {
                     const int r = rg / G, g = rg % G;
@@ -251,7 +263,7 @@ static int attention_impl(const float *q, const void *k, const void *v, int kv_d
                     for (int64_t d = 0; d < D; d++) qs[rg * D + d] = qr[d] * scale;
                     orow[rg] = ml ? ml + rg * mls + 2 : out + ((b * R + r) * H + h * G + g) * D;
                 }
-                const int64_t kofs = (boff ? boff[b] : b * ksb) + h * ksh + n0 * D;
+                const int64_t kofs = btab ? h * ksh : (boff ? boff[b] : b * ksb) + h * ksh + n0 * D;
                 void (*attend)(const float *, int, int, const void *, const void *, const int32_t *, int64_t,
                                const float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, int64_t,
                                float *const *, float *, int64_t, float *, float *, int64_t) =
@@ -302,7 +314,7 @@ int lkv_attention(const float *q, const void *k, const void *v, int64_t ksb, int
                   const float *vx, int64_t xvsb, int64_t xvsh, int64_t xvse, const uint8_t *extra_mask, float *out, int64_t B, int64_t R, int64_t H,
                   int64_t KVH, int64_t N, int64_t E, int64_t D, float scale, int nthreads, int kv_dtype) {
     if (kv_dtype < KV_F32 || kv_dtype > KV_BF16) return -2;
-    return attention_impl(q, k, v, kv_dtype, NULL, ksb, ksh, kv_mask, kx, xksb, xksh, xkse, vx, xvsb, xvsh, xvse,
+    return attention_impl(q, k, v, kv_dtype, NULL, ksb, NULL, 0, 1, ksh, kv_mask, kx, xksb, xksh, xkse, vx, xvsb, xvsh, xvse,
                           extra_mask, out, B, R, H, KVH, N, E, D, scale, nthreads);
 }
 
@@ -316,6 +328,19 @@ int lkv_attention_paged(const float *q, const void *k, const void *v, const int6
     static const uint8_t no_extra[1] = {0};
     static const float no_key[1] = {0.0f};
     if (kv_dtype < KV_F32 || kv_dtype > KV_BF16) return -2;
-    return attention_impl(q, k, v, kv_dtype, boff, 0, ksh, kv_mask, no_key, 0, 0, 0, no_key, 0, 0, 0, no_extra, out,
+    return attention_impl(q, k, v, kv_dtype, boff, 0, NULL, 0, 1, ksh, kv_mask, no_key, 0, 0, 0, no_key, 0, 0, 0, no_extra, out,
                           B, 1, H, KVH, N, 0, D, scale, nthreads);
+}
+
+/* lkv_attention_paged over a paged pool: sequence b's key n in block btab[b * bts + n / bs] (at
+ * offset n % bs) of its head's plane k + h * ksh, rows of D; btab covers its first
+ * ceil(N_b / bs) blocks, N_b its visible keys' extent. The same sums as a run of those blocks. */
+int lkv_attention_paged_table(const float *q, const void *k, const void *v, const int64_t *btab, int64_t bts,
+                              int64_t bs, int64_t ksh, const uint8_t *kv_mask, float *out, int64_t B, int64_t H,
+                              int64_t KVH, int64_t N, int64_t D, float scale, int nthreads, int kv_dtype) {
+    static const uint8_t no_extra[1] = {0};
+    static const float no_key[1] = {0.0f};
+    if (kv_dtype < KV_F32 || kv_dtype > KV_BF16) return -2;
+    return attention_impl(q, k, v, kv_dtype, NULL, 0, btab, bts, bs, ksh, kv_mask, no_key, 0, 0, 0, no_key, 0, 0, 0,
+                          no_extra, out, B, 1, H, KVH, N, 0, D, scale, nthreads);
 }

@@ -44,6 +44,9 @@ void lkv_linear_int8(const float *x, int64_t M, int64_t K, const int8_t *W, int6
 int lkv_attention_paged(const float *q, const void *k, const void *v, const int64_t *boff, int64_t ksh,
                         const uint8_t *kv_mask, float *out, int64_t B, int64_t H, int64_t KVH, int64_t N,
                         int64_t D, float scale, int nthreads, int kv_dtype);
+int lkv_attention_paged_table(const float *q, const void *k, const void *v, const int64_t *btab, int64_t bts,
+                              int64_t bs, int64_t ksh, const uint8_t *kv_mask, float *out, int64_t B, int64_t H,
+                              int64_t KVH, int64_t N, int64_t D, float scale, int nthreads, int kv_dtype);
 int lkv_block_topk(const float *q, const float *kmin, const float *kmax, int64_t ksb, const uint8_t *valid,
                    int64_t vsb, int64_t vsr, int64_t B, int64_t R, int64_t H, int64_t KVH, int64_t NB,
                    int64_t D, int64_t k, int group_max, float *scores, int64_t *idx, int nthreads);

@@ -72,6 +72,10 @@ typedef struct {
     const int64_t *tokens, *positions;   /* [B] */
     const int64_t *slot_blocks, *slot_offsets;   /* [B] where each row's K/V go */
     const int64_t *run_starts, *lens;    /* [B] each sequence's first block, its keys (position + 1) */
+    const int64_t *tables;               /* NULL (each sequence one run of blocks from run_starts[b]),
+                                          * or [B, table_stride] block tables: key n of sequence b in
+                                          * block tables[b * table_stride + n / block_size] */
+    int64_t table_stride;
 } LkvStep;
 
 typedef struct {   /* fp32 scratch, rows of B: x [hidden] (the residual stream), h [hidden], */
@@ -98,11 +102,20 @@ static int check_step(const LkvModel *m, const LkvStep *st) {
     int64_t N = 0;
     if (B < 1 || B > MAX_ROWS) return -3;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t p = st->positions[b], n = st->lens[b], r = st->run_starts[b];
+        const int64_t p = st->positions[b], n = st->lens[b];
         const int64_t nblk = (n + bs - 1) / bs;
         if (st->tokens[b] < 0 || st->tokens[b] >= m->vocab || p < 0 || p >= m->max_pos || n != p + 1) return -3;
-        if (r < 0 || r + nblk > m->num_blocks) return -3;
-        if (st->slot_blocks[b] != r + p / bs || st->slot_offsets[b] != p % bs) return -3;
+        if (st->tables) {
+            const int64_t *t = st->tables + b * st->table_stride;
+            if (nblk > st->table_stride) return -3;
+            for (int64_t j = 0; j < nblk; j++)
+                if (t[j] < 0 || t[j] >= m->num_blocks) return -3;
+            if (st->slot_blocks[b] != t[p / bs] || st->slot_offsets[b] != p % bs) return -3;
+        } else {
+            const int64_t r = st->run_starts[b];
+            if (r < 0 || r + nblk > m->num_blocks) return -3;
+            if (st->slot_blocks[b] != r + p / bs || st->slot_offsets[b] != p % bs) return -3;
+        }
         N = n > N ? n : N;
     }
     return N == st->N ? 0 : -3;
@@ -212,6 +225,15 @@ static void silu_mul(const float *gu, float *act, int64_t B, int64_t I, const vo
     }
 }
 
+/* The first block of sequence b's first nb blocks when they are one run of the pool, else -1. */
+static int64_t run_start(const LkvStep *st, int64_t b, int64_t nb) {
+    if (!st->tables) return st->run_starts[b];
+    const int64_t *t = st->tables + b * st->table_stride;
+    for (int64_t j = 1; j < nb; j++)
+        if (t[j] != t[0] + j) return -1;
+    return t[0];
+}
+
 /* Sparse mode: layer l's key mask of every row, as runtime/sparse.py BlockSelection.mask builds
  * it: the sink blocks' and the window's keys, and the keys of the top_k candidate blocks (the
  * full blocks between them) that the row's query scores highest against the summaries, by the
@@ -241,9 +263,29 @@ static int select_keys(const LkvModel *m, const LkvStep *st, const LkvWork *w, i
         if (w0 <= m->sel_sink) continue;          /* no candidates */
         memset(valid, 0, nb);
         memset(valid + m->sel_sink, 1, w0 - m->sel_sink);
-        const int64_t k = m->sel_top_k < nb ? m->sel_top_k : nb, at = layer_at + st->run_starts[b] * KVH * D;
-        if (lkv_block_topk(w->q + b * H * D, m->sel_kmin + at, m->sel_kmax + at, nb * KVH * D, valid, nb, nb, 1, 1, H,
-                           KVH, nb, D, k, (int)m->sel_group_max, scores, sidx, 1) != 0) {
+        const int64_t k = m->sel_top_k < nb ? m->sel_top_k : nb, unit = KVH * D;
+        /* the sequence's summaries in logical order: in place for a run of blocks, else gathered
+         * (the same values, so the same selection) */
+        const float *kmin, *kmax;
+        float *gathered = NULL;
+        const int64_t run = run_start(st, b, nb);
+        if (run >= 0) {
+            kmin = m->sel_kmin + layer_at + run * unit;
+            kmax = m->sel_kmax + layer_at + run * unit;
+        } else {
+            gathered = malloc(sizeof(float) * 2 * nb * unit);
+            if (!gathered) { failed = 1; continue; }
+            const int64_t *t = st->tables + b * st->table_stride;
+            for (int64_t j = 0; j < nb; j++) {
+                memcpy(gathered + j * unit, m->sel_kmin + layer_at + t[j] * unit, sizeof(float) * unit);
+                memcpy(gathered + (nb + j) * unit, m->sel_kmax + layer_at + t[j] * unit, sizeof(float) * unit);
+            }
+            kmin = gathered, kmax = gathered + nb * unit;
+        }
+        const int rc = lkv_block_topk(w->q + b * H * D, kmin, kmax, nb * unit, valid, nb, nb, 1, 1, H,
+                                      KVH, nb, D, k, (int)m->sel_group_max, scores, sidx, 1);
+        free(gathered);
+        if (rc != 0) {
             failed = 1;
             continue;
         }
@@ -280,8 +322,11 @@ static int attention_half(const LkvModel *m, const LkvStep *st, const LkvWork *w
         const int rc = select_keys(m, st, w, l, nthreads);
         if (rc != 0) return rc;
     }
-    const int rc = lkv_attention_paged(w->q, L->k, L->v, w->boff, hs, w->mask, w->o, B, H, KVH, st->N, D, m->scale,
-                                       nthreads, (int)m->kv_dtype);
+    const int rc = st->tables
+        ? lkv_attention_paged_table(w->q, L->k, L->v, st->tables, st->table_stride, bs, hs, w->mask, w->o, B, H, KVH,
+                                    st->N, D, m->scale, nthreads, (int)m->kv_dtype)
+        : lkv_attention_paged(w->q, L->k, L->v, w->boff, hs, w->mask, w->o, B, H, KVH, st->N, D, m->scale,
+                              nthreads, (int)m->kv_dtype);
     if (rc != 0) return rc;
     linear(&L->wo, w->o, B, w->t, nthreads);
     add_rows(w->x, w->t, B * E);
@@ -305,7 +350,7 @@ int lkv_decode(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t s
         if (s == 0) {
             embed(m, st, w->x);
             for (int64_t b = 0; b < B; b++) {     /* ops.paged_mask: each sequence's first lens[b] keys */
-                w->boff[b] = st->run_starts[b] * m->block_size * m->head_dim;
+                w->boff[b] = st->tables ? 0 : st->run_starts[b] * m->block_size * m->head_dim;
                 for (int64_t h = 0; h < KVH; h++) {
                     uint8_t *row = w->mask + (b * KVH + h) * N;
                     memset(row, 1, st->lens[b]);

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from .loader import library
-from .ops import (KV_DTYPES, MAX_INT8_ROWS, MAX_LINEAR_ROWS, MAX_GROUP_ROWS, int8_group_size, int8_kernel_group,
-                  packed_weight, traced)
+from .ops import (KV_DTYPES, MAX_INT8_ROWS, MAX_LINEAR_ROWS, MAX_GROUP_ROWS, block_tables, int8_group_size,
+                  int8_kernel_group, packed_weight, traced)
 
 MAX_ROWS = min(MAX_LINEAR_ROWS, MAX_INT8_ROWS)      # decode.c's MAX_ROWS: the Python path's C linears
 MAX_KV_ROW = 4096                                   # decode.c's MAX_KV_ROW
@@ -63,7 +63,8 @@ class _Model(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [("B", _i64), ("N", _i64)] + [(n, _p) for n in ("tokens", "positions", "slot_blocks", "slot_offsets",
-                                                               "run_starts", "lens")]
+                                                               "run_starts", "lens", "tables")] + \
+               [("table_stride", _i64)]
 
 
 class _Work(ctypes.Structure):
@@ -329,10 +330,12 @@ class FusedDecoder:
         return self._views, self._mask, self._boff
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slot_blocks: torch.Tensor,
-            slot_offsets: torch.Tensor, run_starts: list[int], lens: list[int]) -> torch.Tensor | None:
+            slot_offsets: torch.Tensor, run_starts: list[int] | None, lens: list[int],
+            tables: list[list[int]] | None = None) -> torch.Tensor | None:
         """The step's hidden states after the final norm, [B, hidden] fp32, for B items of one token
         each (row b: tokens[b] at positions[b], stored at (slot_blocks[b], slot_offsets[b]),
-        attending to the lens[b] keys from block run_starts[b] on); the int64 tensors [B] on CPU,
+        attending to the lens[b] keys from block run_starts[b] on, or with `tables` to the lens[b]
+        keys of the blocks tables[b] lists, in order: run_starts is then not read); the int64 tensors [B] on CPU,
         contiguous. None when the C path does not take the step (nothing was written), or with
         autograd on (Engine.step runs in inference mode)."""
         B = len(lens)
@@ -342,9 +345,11 @@ class FusedDecoder:
             self._bind()
         N = max(lens)
         views, mask, boff = self._workspace(B, N)
-        meta = (ctypes.c_int64 * (2 * B))(*run_starts, *lens)
+        meta = (ctypes.c_int64 * (2 * B))(*(run_starts or [0] * B), *lens)
+        table = None if tables is None else block_tables(tables, lens, self._model.block_size)
         step = _Step(B, N, tokens.data_ptr(), positions.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
-                     ctypes.addressof(meta), ctypes.addressof(meta) + 8 * B)
+                     ctypes.addressof(meta), ctypes.addressof(meta) + 8 * B,
+                     None if table is None else table.data_ptr(), 0 if table is None else table.shape[1])
         out = torch.empty(B, self.dims.hidden, dtype=torch.float32)
         work = _Work(*(views[n].data_ptr() for n in ("x", "h", "qkv", "q", "o", "t", "gu", "act")), out.data_ptr(),
                      mask.data_ptr(), boff.data_ptr(), *self._selection_scratch(B, N))

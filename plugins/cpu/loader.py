@@ -39,6 +39,8 @@ SIGNATURES = {       # (restype, argtypes) of each kernel; see the C sources for
     "lkv_attention": (_int, [_p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _p]
                       + [_i64] * 7 + [ctypes.c_float, _int, _int]),
     "lkv_attention_paged": (_int, [_p, _p, _p, _p, _i64, _p, _p] + [_i64] * 5 + [ctypes.c_float, _int, _int]),
+    "lkv_attention_paged_table": (_int, [_p, _p, _p, _p, _i64, _i64, _i64, _p, _p] + [_i64] * 5
+                                  + [ctypes.c_float, _int, _int]),
     "lkv_rmsnorm": (None, [_p, _i64, _p, ctypes.c_float, _p, _i64, _i64, _i64]),
     "lkv_plan": (_i64, [_p] * 4 + [_i64] * 5 + [_p, _p] + [_i64] * 3 + [_p] * 4),
     "lkv_copy_blocks": (_int, [_p] * 2 + [_i64] * 2 + [_p] * 2 + [_i64] * 3 + [_p] * 5 + [_i64] * 6),

@@ -216,24 +216,34 @@ def paged_mask(lens: list[int], kvh: int) -> torch.Tensor:
     return (torch.arange(n)[None] < torch.tensor(lens)[:, None])[:, None].expand(len(lens), kvh, n).contiguous()
 
 
-def attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int], lens: list[int],
-                    scale: float, mask: torch.Tensor | None = None) -> torch.Tensor | None:
+def attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int] | None, lens: list[int],
+                    scale: float, mask: torch.Tensor | None = None,
+                    tables: list[list[int]] | None = None) -> torch.Tensor | None:
     """Dense decode attention of B sequences in one C call, over their K/V where they lie in one
     layer of the KV pool: q [B, H, D] (one row each), k, v [KVH, num_blocks, block_size, D]
     (contiguous), sequence b's keys the `lens[b]` tokens from block `starts[b]` on (one run of
-    blocks). q fp32; the pool fp32, fp16 or bf16 (read as stored, widened in the kernel). `mask`:
-    `paged_mask(lens, KVH)`, when the caller keeps it across layers. -> [B, H, D] fp32, or None
-    where the kernel does not take these arguments (the caller's per-sequence path runs)."""
+    blocks), or with `tables` (then `starts` is not read) the `lens[b]` tokens of the blocks
+    tables[b] lists, in order (a paged sequence, e.g. one that shares a cached prefix: the same
+    sums as a run of those blocks). q fp32; the pool fp32, fp16 or bf16 (read as stored, widened
+    in the kernel). `mask`: `paged_mask(lens, KVH)`, when the caller keeps it across layers ->
+    [B, H, D] fp32, or None where the kernel does not take these arguments (the caller's
+    per-sequence path runs)."""
     if q.dim() != 3 or k.dim() != 4 or library() is None:
         return None
     B, H, D = q.shape
     kvh, nb, bs, _ = k.shape
+    if tables is not None:
+        starts = [run_of(t, n, bs) for t, n in zip(tables, lens)] if len(tables) == len(lens) else []
+        if all(s is not None for s in starts) and starts:
+            tables = None                       # every sequence one run: the run entry, as before
+        elif not all(len(t) * bs >= n and all(0 <= b < nb for b in t[: -(-n // bs)]) for t, n in zip(tables, lens)):
+            return None
     if not (len(starts) == len(lens) == B > 0 and kvh > 0 and H % kvh == 0 and H // kvh <= MAX_GROUP_ROWS
             and D % 32 == 0 and k.shape[3] == D and v.shape == k.shape
             and q.dtype == torch.float32 and k.dtype in KV_DTYPES and v.dtype == k.dtype
             and all(t.device.type == "cpu" for t in (q, k, v))
-            and k.is_contiguous() and v.is_contiguous()
-            and all(0 <= s and 0 < n and s * bs + n <= nb * bs for s, n in zip(starts, lens))):
+            and k.is_contiguous() and v.is_contiguous() and nb * bs < 1 << 31
+            and (tables is not None or all(0 <= s and 0 < n and s * bs + n <= nb * bs for s, n in zip(starts, lens)))):
         return None
     if mask is None:
         mask = paged_mask(lens, kvh)
@@ -241,14 +251,39 @@ def attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: l
         raise ValueError(f"mask: expected paged_mask(lens, {kvh}) of shape {(B, kvh, max(lens))}, "
                          f"got {tuple(mask.shape)} {mask.dtype}")
     q = q.contiguous()
-    base = torch.tensor([s * bs * D for s in starts], dtype=torch.int64)
     out = torch.empty(B, H, D, dtype=torch.float32)
+    lib, nt, kd = library(), torch.get_num_threads(), KV_DTYPES[k.dtype]
     with traced("attention_paged"):
-        rc = library().lkv_attention_paged(q.data_ptr(), k.data_ptr(), v.data_ptr(), base.data_ptr(), nb * bs * D,
-                                           mask.data_ptr(), out.data_ptr(), B, H, kvh, mask.shape[2], D,
-                                           float(scale), torch.get_num_threads(), KV_DTYPES[k.dtype])
+        if tables is None:
+            base = torch.tensor([s * bs * D for s in starts], dtype=torch.int64)
+            rc = lib.lkv_attention_paged(q.data_ptr(), k.data_ptr(), v.data_ptr(), base.data_ptr(), nb * bs * D,
+                                         mask.data_ptr(), out.data_ptr(), B, H, kvh, mask.shape[2], D,
+                                         float(scale), nt, kd)
+        else:
+            table = block_tables(tables, lens, bs)
+            rc = lib.lkv_attention_paged_table(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(),
+                                               table.shape[1], bs, nb * bs * D, mask.data_ptr(), out.data_ptr(),
+                                               B, H, kvh, mask.shape[2], D, float(scale), nt, kd)
     if rc != 0:
         raise MemoryError("attention_paged (CPU kernel): scratch allocation failed")
+    return out
+
+
+def run_of(table: list[int], n: int, bs: int) -> int | None:
+    """The first block of a sequence's first `n` tokens when their blocks are one run, else None."""
+    need = -(-n // bs)
+    ids = table[:need]
+    return ids[0] if len(ids) == need > 0 and ids == list(range(ids[0], ids[0] + need)) else None
+
+
+def block_tables(tables: list[list[int]], lens: list[int], bs: int) -> torch.Tensor:
+    """The blocks holding each sequence's first lens[b] tokens as one [B, max blocks] int64 table
+    (-1 past a sequence's own)."""
+    width = max(-(-n // bs) for n in lens)
+    out = torch.full((len(tables), width), -1, dtype=torch.int64)
+    for b, (t, n) in enumerate(zip(tables, lens)):
+        used = t[: -(-n // bs)]
+        out[b, : len(used)] = torch.tensor(used, dtype=torch.int64)
     return out
 
 
