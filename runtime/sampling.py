@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .device import host_list, to_device, to_host
+from .device import host_list, to_device
 from .errors import RequestError
 
 _M64 = (1 << 64) - 1
@@ -141,15 +141,16 @@ class TokenLogprob:
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
     """logits [N, vocab] (any device), the token drawn from each row and how many alternatives
     each row wants -> one TokenLogprob per row (one copy to the host for all rows)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
     k = max(ks)
     chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0]
     top_v, top_i = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-    host = to_host(torch.cat([chosen[:, None], top_v, top_i.to(logp.dtype)], 1), "logprobs").tolist()
+    # one copy: fp64 holds the ids exactly
+    host = host_list(torch.cat([chosen[:, None].double(), top_v.double(), top_i.double()], 1), "logprobs")
     out = []
     for row, (tok, want) in enumerate(zip(tokens, ks)):
         vals = host[row]
-        top = [(int(vals[1 + k + j]), vals[1 + j]) for j in range(want)]
+        top = [(round(vals[1 + k + j]), vals[1 + j]) for j in range(want)]
         out.append(TokenLogprob(tok, vals[0], top))
     return out
 

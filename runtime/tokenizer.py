@@ -47,18 +47,21 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, user_text: str) -> str:
-        """Render one user turn with the engine's chat template, ready for generation.
+    def apply_chat_template(self, user_text: "str | list[dict[str, str]]") -> str:
+        """Render one user turn, or a conversation (a list of {"role", "content"} messages, e.g.
+        earlier user and assistant turns then the new user turn), with the engine's chat
+        template, ready for generation.
 
         Sandboxed (see the module docstring); any template error, a sandbox refusal included, is
         an EngineDirError naming `tokenizer_config.json: chat_template`."""
         if not self.chat_template:
-            return user_text
+            return user_text if isinstance(user_text, str) else "".join(m["content"] for m in user_text)
         import jinja2  # transformers' dependency
         try:
             if self._template is None:
                 self._template = _sandbox().from_string(self.chat_template)
-            return self._template.render(messages=[{"role": "user", "content": user_text}],
+            messages = [{"role": "user", "content": user_text}] if isinstance(user_text, str) else user_text
+            return self._template.render(messages=messages,
                                          add_generation_prompt=True,
                                          bos_token=self.config.get("bos_token", ""),
                                          eos_token=self.config.get("eos_token", ""))

@@ -76,7 +76,7 @@ class SummaryStore:
 
     def save(self, summaries: BlockSummaries, lane: int, logical: list[int], blocks: list[int]) -> None:
         """Lane `lane`'s summaries of its logical blocks -> the store's entries of pool `blocks`."""
-        rows = torch.tensor(logical, dtype=torch.long, device=summaries.device) + lane * summaries.max_blocks
+        rows, = to_device(summaries.device, torch.tensor(logical, dtype=torch.long) + lane * summaries.max_blocks)
         ids = torch.tensor(blocks, dtype=torch.long)
         for mine, theirs in ((self.kmin, summaries.kmin), (self.kmax, summaries.kmax)):
             mine[:, ids] = to_host(theirs[:, rows], "prefix cache: a named block's summaries")
