@@ -515,7 +515,9 @@ def run_link_sweep(args) -> int:
           f"{info['loadavg_start'][0]:.1f} -> {info['loadavg_end'][0]:.1f}; total {time.perf_counter() - t0:.0f}s\n")
     print(lib.format_link_table(rows, h200))
     print(f"\nsatisfied: the same steps with the link infinitely fast; copy-alone: the real steps' copies "
-          f"replayed through the link with no compute; hidden = 1 - (ms/step - satisfied) / copy-alone. "
+          f"replayed through the link with no compute; hidden = 1 - (ms/step - satisfied) / copy-alone; "
+          f"hidden (stall): the same over the stall (real stall - wake - satisfied stall); wake: what the "
+          f"link's sleeps overshot (a thread woken on a loaded CPU). "
           f"link/RAM: the link over the {device_gbps:.1f} GB/s RAM bandwidth (an H200: 1/{1 / lib.H200_RATIO:.0f}).")
     for t in targets:
         if t["link_gbps"] is None:
@@ -524,7 +526,8 @@ def run_link_sweep(args) -> int:
         so = t["sparse_ondemand_ms_per_step"]
         print(f"target {t['mode']}: at {t['link_gbps']:g} GB/s (copies alone {t['copy_alone_ms']:.1f} ms <= compute "
               f"{t['compute_ms']:.1f} ms): hidden {100 * (t['hidden_share'] or 0):.0f}% "
-              f"({'met' if t['hidden_met'] else 'NOT met'}, >= {100 * lib.HIDDEN_TARGET:.0f}%); "
+              f"({'met' if t['hidden_met'] else 'NOT met'}, >= {100 * lib.HIDDEN_TARGET:.0f}%; from the stall "
+              f"{100 * (t['hidden_share_stall'] or 0):.0f}%); "
               f"{t['ms_per_step']:.1f} ms/step vs sparse-ondemand "
               + (f"{so:.1f} ({'beats it' if t['beats_sparse_ondemand'] else 'does NOT beat it'})" if so else "n/a"))
     if args.json:

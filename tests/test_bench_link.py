@@ -79,12 +79,13 @@ def test_table_marks_the_h200_point_and_says_it_is_a_model():
             r = {"mode": m, "link_gbps": g, "link_over_device": g / 44.0, "ms_per_step": 50.0, "stall_ms_per_step": 1.0,
                  "satisfied_ms_per_step": 49.0, "copy_alone_ms_per_step": None if m == "dense" else 10.0,
                  "link_busy_ms_per_step": None if m == "dense" else 9.0, "exposed_ms_per_step": 1.0,
-                 "hidden_share": None if m == "dense" else 0.9, "h2d_bytes_per_step": 2**20}
+                 "hidden_share": None if m == "dense" else 0.9, "h2d_bytes_per_step": 2**20,
+                 "hidden_share_stall": None if m == "dense" else 0.75, "sleep_overshoot_ms_per_step": 0.5}
             rows.append(r)
     text = lib.format_link_table(rows, h200_gbps=44.0 * lib.H200_RATIO)      # 0.504 GB/s
     marked = [line for line in text.splitlines() if "H200" in line]
     assert len(marked) == 3 and all(line.lstrip().startswith("0.5 ") for line in marked)
-    assert "90%" in text and "1/88" in text and "1.00x" in text
+    assert "90%" in text and "75%" in text and "1/88" in text and "1.00x" in text
     assert "MODEL" in lib.MODEL_NOTE and "not a GPU measurement" in lib.MODEL_NOTE
 
 
@@ -119,6 +120,8 @@ def test_link_sweep_smoke_on_a_tiny_engine(tmp_path, monkeypatch, capsys):
         assert r["link_busy_ms_per_step"] >= r["h2d_bytes_per_step"] / 0.5e6          # bytes / (0.0005 GB/s), ms
         assert r["copy_alone_ms_per_step"] >= r["copy_alone_link_ms_per_step"] * 0.999
         assert r["hidden_share"] is None or 0.0 <= r["hidden_share"] <= 1.0
+        assert r["hidden_share_stall"] is None or 0.0 <= r["hidden_share_stall"] <= 1.0
+        assert 0.0 <= r["sleep_overshoot_ms_per_step"] <= r["stall_ms_per_step"]
     # on demand every copy is urgent and waited for: the stall is the link's time, less only the
     # caller's own work between a job's submit and its wait (microseconds against milliseconds here)
     assert slow["sparse-ondemand"]["stall_ms_per_step"] >= slow["sparse-ondemand"]["link_busy_ms_per_step"] * 0.9
