@@ -10,6 +10,9 @@ lookahead mode, their answers and numbers side by side, then the load test (what
    is checkable: RULER's scorer says whether the model found the needle.
 2. `scripts/serve.sh start --mode dense`, the question over HTTP `/v2/models/lookahead_llm/
    generate_stream` (streamed, so TTFT and decode tokens/s are measured at the client), `serve.sh stop`.
+   Then two more questions on the same document (`FOLLOW_UPS`): the server's prefix cache holds
+   the document's KV blocks, so only the new question is prefilled; each one's TTFT and cached
+   prompt tokens are shown beside the first's.
 3. The same with `--mode lookahead`. Its numbers come from the server's metrics endpoint
    (serving/metrics.py), read before and after the request: counters as deltas; the rate
    gauges (hit rate, accept rate, agreement) are cumulative since the server started, and the
@@ -154,6 +157,14 @@ class Question:
     task: str
     context_len: int
     prompt_tokens: int
+    follow_ups: list["Question"] = field(default_factory=list)   # more questions on the same document
+
+
+# Asked after the first question, on the same document (its prompt's prefix): the engine's prefix
+# cache serves the document's KV, so only the new question is prefilled. (label, question, checked?)
+FOLLOW_UPS = (("2. the number, asked again",
+               "What is the special magic number mentioned in the provided text? Answer with the number only.", True),
+              ("3. what is the text about", "In one sentence, what is the text above about?", False))
 
 
 def make_question(engine_dir: str | Path, task: str, context_len: int, index: int = 0) -> Question:
@@ -161,14 +172,18 @@ def make_question(engine_dir: str | Path, task: str, context_len: int, index: in
     from runtime.tokenizer import TextTokenizer
     tok = TextTokenizer(Path(engine_dir) / "tokenizer")
     count = lambda s: len(tok.encode(s))  # noqa: E731
-    wrap = tok.apply_chat_template if tok.chat_template else None
+    wrap = tok.apply_chat_template if tok.chat_template else (lambda s: s)
     s = data.ruler_samples(task, context_len, index + 1, count, wrap)[index]
-    return Question(s.prompt, s.answers, s.metric, task, context_len, count(s.prompt))
+    document = s.user.rsplit("\n", 1)[0]            # RULER's question is the user turn's last line
+    follow = [Question(wrap(f"{document}\n{text}"), s.answers if checked else [], s.metric, task, context_len,
+                       count(wrap(f"{document}\n{text}"))) for _, text, checked in FOLLOW_UPS]
+    return Question(s.prompt, s.answers, s.metric, task, context_len, count(s.prompt), follow)
 
 
-def found(answer: str, q: Question) -> bool:
+def found(answer: str, q: Question) -> bool | None:
+    """Whether the answer has the expected one (None: a question whose answer is not checked)."""
     import longctx_data as data
-    return data.score(answer, q.answers, q.metric) >= 1.0
+    return data.score(answer, q.answers, q.metric) >= 1.0 if q.answers else None
 
 
 # ---- one request over HTTP generate_stream ---------------------------------------------------------
@@ -179,6 +194,7 @@ class Answer:
     output_tokens: int = 0
     finish_reason: str | None = None
     ttft_s: float | None = None
+    cached_tokens: int = 0               # prompt tokens the server's prefix cache served
     total_s: float | None = None
     decode_tokens_per_s: float | None = None
     error: str | None = None
@@ -222,6 +238,7 @@ def stream_generate(http_port: int, prompt: str, max_tokens: int, timeout: float
                 ans.token_times.extend([clock()] * n)
             ans.output_tokens += n
             ans.prompt_tokens = int(ev.get("num_input_tokens", ans.prompt_tokens))
+            ans.cached_tokens = int(ev.get("num_cached_tokens", ans.cached_tokens))
             parts.append(ev.get("text_output", ""))
             if ev.get("finish_reason"):
                 ans.finish_reason = ev["finish_reason"]
@@ -277,6 +294,37 @@ def ask(http_port: int, metrics_port: int, q: Question, max_tokens: int, log=pri
         time.sleep(0.25)
         after = scrape(metrics_port)
     return ans, request_numbers(before, after)
+
+
+def ask_follow_ups(args: argparse.Namespace, q: Question, mode: str, log=print) -> list[dict]:
+    """The follow-up questions on the same document, one after another: each one's TTFT and the
+    prompt tokens the prefix cache served."""
+    out = []
+    for i, f in enumerate(q.follow_ups, 2):
+        ans, _ = ask(args.http_port, args.metrics_port, f, args.max_tokens, log=log)
+        if ans.error:
+            raise DemoError(f"[{mode}] question {i} failed: {ans.error}")
+        log(f"demo: [{mode}] question {i}: TTFT {ans.ttft_s:.2f} s with {ans.cached_tokens} of {f.prompt_tokens} "
+            f"prompt tokens cached: {' '.join(ans.text.split())!r}", flush=True)
+        out.append({"answer": {k: v for k, v in asdict(ans).items() if k != "token_times"}, "found": found(ans.text, f)})
+    return out
+
+
+def format_follow_ups(q: Question, results: dict[str, dict], modes: list[str]) -> str:
+    """One row per question on the document: TTFT and cached prompt tokens in each mode."""
+    head = f"{'question on the same document':<34}" + "".join(f"{m + ' TTFT':>16}{'cached':>9}{'found':>7}"
+                                                              for m in modes)
+    lines = [head, "-" * len(head)]
+    texts = ["1. the RULER question (first)"] + [label for label, _, _ in FOLLOW_UPS]
+    for i, text in enumerate(texts[: 1 + len(q.follow_ups)]):
+        cells = ""
+        for m in modes:
+            r = results[m] if i == 0 else results[m].get("follow_ups", [{}] * i)[i - 1]
+            a = r.get("answer", {})
+            f = {True: "yes", False: "NO", None: "-"}[r.get("found")]
+            cells += f"{_num(a.get('ttft_s'), '.2f', ' s'):>16}{a.get('cached_tokens', 0):>9}{f:>7}"
+        lines.append(f"{text:<34}{cells}")
+    return "\n".join(lines)
 
 
 # ---- serve.sh ----------------------------------------------------------------------------------
@@ -444,6 +492,9 @@ def print_report(q: Question, results: dict[str, dict], mem: dict, modes: list[s
         log(f"{m:>9} answer: {text!r}" + (f"  [error: {r['answer']['error']}]" if r["answer"]["error"] else ""))
     log("")
     log(format_table(build_rows(results, mem), modes))
+    if q.follow_ups and all("follow_ups" in results[m] for m in modes):
+        log("\nPrefix caching: the later questions reuse the document's KV (only the new question is prefilled):")
+        log(format_follow_ups(q, results, modes))
     c = mem["config"]
     log(f"\nlookahead settings: top_k {c['top_k']} blocks of {c['block_size']} tokens, fetch_ratio "
         f"{c['fetch_ratio']}, residency {c['residency']}, miss policy {c['miss_policy']}, draft {c['draft']}; "
@@ -527,6 +578,7 @@ def main(argv: list[str] | None = None, log=print) -> int:
                 results[m] = {"answer": {k: v for k, v in asdict(ans).items() if k != "token_times"},
                               "found": found(ans.text, q), "numbers": numbers if m == "lookahead" else None}
                 log(f"demo: [{m}] answered in {ans.total_s:.1f} s: {' '.join(ans.text.split())!r}", flush=True)
+                results[m]["follow_ups"] = ask_follow_ups(args, q, m, log)
                 if m == "lookahead" and args.load_test:
                     print_report(q, results, mem, [x for x in modes if x in results], log)
                     log("\ndemo: load test against the lookahead server (served over gRPC streaming vs the same "
@@ -536,7 +588,7 @@ def main(argv: list[str] | None = None, log=print) -> int:
             print_report(q, results, mem, modes, log)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({"question": {**asdict(q), "prompt": None}, "memory": mem,
+            Path(args.json).write_text(json.dumps({"question": {**asdict(q), "prompt": None, "follow_ups": FOLLOW_UPS}, "memory": mem,
                                                    "results": results}, indent=2))
         log(f"\ndemo: done in {time.monotonic() - t_start:.0f} s"
             + (f"; the results are in {args.json}" if args.json else ""))

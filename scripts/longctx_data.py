@@ -99,6 +99,7 @@ class Sample:
     answers: list[str]
     metric: str                # "all" | "part"
     max_new_tokens: int        # what RULER reserves for the answer
+    user: str = ""             # the user turn (document and question), before any chat template
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -242,7 +243,7 @@ def ruler_samples(task: str, context_len: int, num_samples: int, count_tokens: C
         user, prefix = text.split(_ANSWER_SEP)
         prompt = wrap(user) + prefix.lstrip() if wrap else user + prefix
         out.append(Sample(task, context_len, i, prompt, list(answers), metric,
-                          spec["tokens_to_generate"]))
+                          spec["tokens_to_generate"], user))
     return out
 
 

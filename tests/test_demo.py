@@ -219,7 +219,9 @@ def fake_triton():
         s.close()
 
 
-QUESTION = demo.Question("<haystack> What is the number?", ["7761348"], "all", "niah_single", 128, 100)
+QUESTION = demo.Question("<haystack> What is the number?", ["7761348"], "all", "niah_single", 128, 100,
+                         [demo.Question("<haystack> The number?", ["7761348"], "all", "niah_single", 128, 98),
+                          demo.Question("<haystack> About?", [], "all", "niah_single", 128, 97)])
 
 
 def test_ask_streams_times_and_reads_the_metrics(fake_triton):
@@ -292,11 +294,15 @@ def test_main_runs_dense_then_lookahead_then_the_load_test_and_stops_each(stubbe
     out = tmp_path / "demo.json"
     rc = demo.main(["--engine", str(stubbed.dir), "--http-port", "18000", "--json", str(out)], log=log)
     assert rc == 0
-    assert stubbed.calls == [("serve.sh", "start", "dense"), ("ask", ("dense",)), ("serve.sh", "stop", None),
-                             ("serve.sh", "start", "lookahead"), ("ask", ("lookahead",)),
+    # three questions on the document in each mode: the first, then two that hit its cached KV
+    assert stubbed.calls == [("serve.sh", "start", "dense"), *[("ask", ("dense",))] * 3, ("serve.sh", "stop", None),
+                             ("serve.sh", "start", "lookahead"), *[("ask", ("lookahead",))] * 3,
                              ("load_test", ("lookahead",)), ("serve.sh", "stop", None)]
     text = log.text
     assert "needle found" in text and "What the numbers mean" in text and "expected answer: 7761348" in text
+    table = text[text.index("Prefix caching"):]
+    assert "2. the number, asked again" in table and "3. what is the text about" in table
+    assert "cached" in table.splitlines()[1]
     assert text.index("What the numbers mean") < text.index("load test against the lookahead server")
     saved = json.loads(out.read_text())
     assert saved["results"]["lookahead"]["numbers"]["h2d_bytes"] == 8192.0
