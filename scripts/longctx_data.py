@@ -343,3 +343,38 @@ def essay_prompt(context_len: int, count_tokens: CountTokens, index: int = 0,
         else:
             hi = mid - 1
     return make(lo)
+
+
+CONVERSATION_OPENER = "I will paste parts of some essays, one per message. Answer each message briefly."
+CONVERSATION_ASK = "Now think back to my first message. What was that part about, and how does it relate to the last one?"
+
+
+def conversation_prompt(context_len: int, count_tokens: CountTokens, render: Callable[[list[dict]], str],
+                        index: int = 0, turn_words: int = 220, essays: list[str] | None = None) -> str:
+    """A multi-turn chat filling at most `context_len` tokens: turns of ~`turn_words` words of
+    essay text (from essay `index` on), each answered by the assistant with the part's first
+    sentence (an extractive reply, so the trace needs no generation), then a last user turn that
+    asks about the first part. `render(messages)` applies the chat template (ready to generate).
+    The case the look-ahead's reviewers name: a context that shifts turn by turn."""
+    essays = essays or load_essays()
+    words = " ".join(essays[(index + i) % len(essays)] for i in range(len(essays))).split()
+    turns, at = [], 0
+    while at < len(words):
+        part = " ".join(words[at:at + turn_words])
+        reply = split_sentences(part)[0] if split_sentences(part) else part[:200]
+        turns.append((part, reply))
+        at += turn_words
+
+    def make(n: int) -> str:
+        msgs = [{"role": "user", "content": CONVERSATION_OPENER}, {"role": "assistant", "content": "Understood."}]
+        for part, reply in turns[:n]:
+            msgs += [{"role": "user", "content": part}, {"role": "assistant", "content": reply}]
+        return render(msgs + [{"role": "user", "content": CONVERSATION_ASK}])
+    lo, hi = 0, len(turns)
+    while lo < hi:                       # the most turns that fit
+        mid = (lo + hi + 1) // 2
+        if count_tokens(make(mid)) <= context_len:
+            lo = mid
+        else:
+            hi = mid - 1
+    return make(lo)

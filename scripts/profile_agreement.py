@@ -49,7 +49,7 @@ from runtime.observe import Observer  # noqa: E402
 
 SWEEP = (16, 32, 64, 128, 256)
 DRAFTS = ("dual_token", "oracle", "random", "context_seed")   # context_seed: the chain before pre-decoding
-SOURCES = ("ruler", "essay")
+SOURCES = ("ruler", "essay", "multiturn")
 PRODUCTION_K = 128
 
 
@@ -209,6 +209,12 @@ def make_prompts(source: str, ctx: int, samples: int, factory: EngineFactory, wr
         essays = data.load_essays()
         room = min(ctx, factory.base.max_model_len - steps - 1)     # the model's 8K limit holds all
         return [data.essay_prompt(room, factory.count_tokens, 7 * i, wrap, essays) for i in range(samples)]
+    if source == "multiturn":  # a chat whose context shifts turn by turn (essay parts, short replies)
+        essays = data.load_essays()
+        room = min(ctx, factory.base.max_model_len - steps - 1)
+        render = factory.tokenizer.apply_chat_template
+        return [data.conversation_prompt(room, factory.count_tokens, render, 7 * i, essays=essays)
+                for i in range(samples)]
     raise ValueError(f"source {source!r} is unknown; known: {', '.join(SOURCES)}")
 
 
@@ -284,7 +290,7 @@ def plot(rows: list[dict], ks: tuple, path: Path, k_layers: int = PRODUCTION_K) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     colors = {"dual_token": "tab:blue", "oracle": "tab:green", "random": "tab:red", "context_seed": "tab:gray"}
-    styles = {"ruler": "-", "essay": "--"}
+    styles = {"ruler": "-", "essay": "--", "multiturn": ":"}
     written = []
     for traj in sorted({r["trajectory"] for r in rows}):
         rs = [r for r in rows if r["trajectory"] == traj]
@@ -337,8 +343,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8192],
                    help="context lengths in tokens: a RULER prompt + RULER's answer budget fits it; "
                         "an essay prompt fills it (up to the model's limit minus --steps)")
-    p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES,
-                   help="ruler: single-needle essay haystack (RULER); essay: essays + 'summarize'")
+    p.add_argument("--sources", nargs="+", default=["ruler", "essay"], choices=SOURCES,
+                   help="ruler: single-needle essay haystack (RULER); essay: essays + 'summarize'; multiturn: a chat of "
+                        "essay parts and short replies, then a question about the first part")
     p.add_argument("--drafts", nargs="+", default=list(DRAFTS[:3]), choices=DRAFTS,
                    help="context_seed: the draft chain as it was seeded before pre-decoding (the 'before')")
     p.add_argument("--trajectories", nargs="+", default=["production"], choices=("production", "full"),

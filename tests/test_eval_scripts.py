@@ -161,6 +161,17 @@ def test_eval_accuracy_modes_set_config_fields(capsys):
 
 
 # ---- profile_agreement end to end -------------------------------------------------------------
+@needs_essays
+def test_profile_agreement_takes_a_multiturn_chat(tiny_dir, tmp_path):
+    """The source the reviewers name: a chat whose context shifts turn by turn."""
+    res = profile_agreement.main(["--engine", str(tiny_dir), "--contexts", "3000", "--steps", "4", "--ks", "4", "8",
+                                  "--production-k", "8", "--sources", "multiturn", "--drafts", "dual_token",
+                                  "--threads", "1", "--jsonl", str(tmp_path / "mt.jsonl"),
+                                  "--json", str(tmp_path / "mt.json"), "--plot", ""])
+    assert [(r["source"], r["draft"]) for r in res["summary"]] == [("multiturn", "dual_token")]
+    assert 1500 < res["records"][0]["prompt_tokens"] <= 3000       # two turns of ~1.3K bytes fit
+
+
 @needs_ruler
 @needs_essays
 def test_profile_agreement_runs_checks_and_resumes(tiny_dir, tmp_path, small_wordlist, monkeypatch):
