@@ -587,6 +587,8 @@ def plot_link(rows: list[dict[str, Any]], path: str, h200_gbps: float | None) ->
             ax.plot(xs, [r["stall_ms_per_step"] for r in mine], ls="--", color=line.get_color(), label=f"{m} stall")
         if m.startswith("lookahead"):
             ax2.plot(xs, [100 * (r["hidden_share"] or 0) for r in mine], marker="o", color=line.get_color(), label=m)
+            ax2.plot(xs, [100 * (r.get("hidden_share_stall") or 0) for r in mine], ls="--", color=line.get_color(),
+                     label=f"{m} (from the stall)")
     for a in (ax, ax2):
         a.set_xscale("log")
         a.set_xlabel("modeled link, GB/s")
