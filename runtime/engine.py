@@ -178,12 +178,13 @@ class Engine:
         `observers.remove(observer)` unregisters it."""
         return self.observers.add(observer)
 
-    def sibling(self, prefill_cache: PrefillCache | None = None, **overrides: Any) -> "Engine":
+    def sibling(self, prefill_cache: PrefillCache | None = None, transfer: str | TransferEngine | None = None,
+                **overrides: Any) -> "Engine":
         """A new engine over this one's loaded model (no second weight load) with its own KV pool,
         `overrides` applied to this engine's config; engines sharing a `prefill_cache` replay each
-        other's prompts."""
+        other's prompts. transfer: its lookahead copy engine (as `Engine`'s; default by device)."""
         return Engine(self.manifest, self.model, self.tokenizer, self.config.replace(**overrides),
-                      prefill_cache=prefill_cache, debug_checks=self.debug_checks)
+                      transfer=transfer, prefill_cache=prefill_cache, debug_checks=self.debug_checks)
 
     def close(self) -> None:
         """Stop background workers (the transfer engine's thread)."""
