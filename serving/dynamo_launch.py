@@ -684,6 +684,10 @@ class Watcher:
             if name not in self._due:             # a death seen for the first time
                 rc = child.returncode if child is not None and child.pid == pid else None
                 what = f"{name} (pid {pid}) died" + (f" with code {rc}" if rc is not None else "")
+                if name.startswith("worker-"):
+                    gone = self.forget(name)
+                    if gone:
+                        what += f"; removed its {len(gone)} discovery entries"
                 self.state["deaths"][name] = what
                 quick = now - self._started.get(name, -1e9) < QUICK_DEATH_S
                 self._quick[name] = self._quick.get(name, 0) + 1 if quick else 0
@@ -701,6 +705,23 @@ class Watcher:
             self._restart(name)
             started.append(name)
         return started
+
+    def forget(self, name: str) -> list[Path]:
+        """Remove a dead worker's entries from file discovery (its ready file names its instance):
+        a SIGKILLed worker cannot unregister, and until its entries go the frontend may still
+        route to it (503s). Returns the files removed."""
+        try:
+            instance = json.loads((self.run_dir / f"{name}.ready").read_text()).get("instance_id")
+        except (OSError, ValueError, AttributeError):
+            return []
+        if not instance or self.dep.get("discovery", "file") != "file":
+            return []
+        removed = []
+        for f in (self.run_dir / "kv").rglob("*"):
+            if f.is_file() and f.name.lower().endswith(f"%2f{instance}".lower()):
+                f.unlink(missing_ok=True)
+                removed.append(f)
+        return removed
 
     def _restart(self, name: str) -> None:
         spec = self.dep["commands"][name]

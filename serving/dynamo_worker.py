@@ -683,7 +683,11 @@ async def _run_worker(runtime, args: argparse.Namespace, state: dict[str, Any]) 
                          str(state["model_dir"]), args.model_name, worker_type=WorkerType.Aggregated,
                          kv_cache_block_size=engine.config.block_size, runtime_config=rc)
     ready = state["run_dir"] / f"worker-{args.worker_index}.ready"
-    _atomic_write(ready, json.dumps({"pid": os.getpid(), "model": args.model_name,
+    try:                # names this worker's discovery entries (the watcher removes a dead one's)
+        instance = f"{endpoint.connection_id():x}"
+    except Exception:
+        instance = None
+    _atomic_write(ready, json.dumps({"pid": os.getpid(), "model": args.model_name, "instance_id": instance,
                                      "endpoint": f"{args.namespace}.{args.component}.{args.endpoint}"}))
     stats.update(engine.stats() | {"total_blocks": engine.allocator.num_blocks, "tokens_per_s": 0.0})
     log.info("serving model %r on %s.%s.%s", args.model_name, args.namespace, args.component, args.endpoint)

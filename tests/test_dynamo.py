@@ -835,8 +835,17 @@ class TestKvRouting:
         rc, out = status()
         assert rc == 1 and ("worker-1: DOWN" in out or "worker-1: starting" in out) and "worker-0: up" in out, out
         client = openai.OpenAI(base_url=dep.url, api_key="unused", max_retries=0, timeout=120)
-        r = client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=2, temperature=0)
-        assert r.choices[0].finish_reason == "length"           # the frontend and worker-0 still serve
+        # the frontend and worker-0 still serve; a request the router sends to the dead worker before
+        # it is dropped gets a 503 (Dynamo's "temporarily unavailable": retry), for a few seconds at most
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                r = client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=2, temperature=0)
+                break
+            except openai.InternalServerError as e:
+                assert e.status_code == 503 and time.monotonic() < deadline, e
+                time.sleep(0.5)
+        assert r.choices[0].finish_reason == "length"
         deadline = time.monotonic() + 120
         while True:
             rc, out = status()

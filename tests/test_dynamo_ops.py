@@ -163,7 +163,7 @@ def _fake_run_dir(tmp_path: Path, workers: int = 2, watch: bool = True) -> tuple
     while not all(dl._alive(p.pid, dl._marker(n)) for n, p in procs.items()):
         assert time.monotonic() < deadline, "the stand-in processes did not start"
         time.sleep(0.02)
-    dep = {"url": "http://127.0.0.1:1/v1", "model": "m", "http_port": 1, "internal_http_port": 1,
+    dep = {"url": "http://127.0.0.1:1/v1", "model": "m", "http_port": 1, "internal_http_port": 1, "discovery": "file",
            "worker_pids": [procs[f"worker-{i}"].pid for i in range(workers)], "worker_system_ports": [],
            "router_mode": "kv", "watch": watch, "env": {}, "cwd": str(ROOT), "commands": commands}
     (run / "deployment.json").write_text(json.dumps(dep))
@@ -207,6 +207,33 @@ def test_watcher_restarts_a_killed_worker_and_status_follows(tmp_path):
         (run / "worker-1.ready").write_text("{}")
         assert dl.status(run)["workers"]["worker-1"]["up"] is True
         assert "---- watch: restarting worker-1" in (run / "worker-1.log").read_text()
+    finally:
+        _kill(procs)
+        for child in watcher.children.values():
+            child.kill()
+            child.wait()
+
+
+@pytest.mark.timeout(60)
+def test_watcher_removes_a_dead_workers_discovery_entries(tmp_path):
+    """A SIGKILLed worker cannot unregister: its file-discovery entries (named by the instance id in
+    its ready file) go before it is restarted, so the frontend stops routing to it."""
+    run, procs = _fake_run_dir(tmp_path)
+    dep = json.loads((run / "deployment.json").read_text())
+    inst = run / "kv" / "v1" / "instances"
+    inst.mkdir(parents=True)
+    dead, other = inst / "lookahead%2Fbackend%2Fgenerate%2F5f00c0ffee", inst / "lookahead%2Fbackend%2Fgenerate%2Fabc1"
+    dead.write_text("{}")
+    other.write_text("{}")
+    (inst / "lookahead%2Fbackend%2Fworker%5Fkv%5Fquery%5Fsource%5F12%2F5f00c0ffee").write_text("{}")
+    (run / "worker-1.ready").write_text(json.dumps({"instance_id": "5f00c0ffee"}))
+    watcher = dl.Watcher(run, dep, say=lambda m: None)
+    try:
+        os.killpg(procs["worker-1"].pid, signal.SIGKILL)
+        procs["worker-1"].wait()
+        assert watcher.check() == ["worker-1"]
+        assert sorted(p.name for p in inst.iterdir()) == [other.name]
+        assert "removed its 2 discovery entries" in watcher.state["deaths"]["worker-1"]
     finally:
         _kill(procs)
         for child in watcher.children.values():
