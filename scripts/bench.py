@@ -218,8 +218,10 @@ def load_engines(args: argparse.Namespace) -> dict[str, Engine | str]:
     """
     batch, ctx = max(args.batches), max(args.contexts)
     # prefill_chunk covers the whole batch: every sequence decodes from the same step on
+    # prefix caching off: every point prefills its prompts in full (a longer point's prompt starts
+    # with a shorter one's text, which a cache would serve); scripts/bench_prefix.py measures the cache
     base = Engine.from_dir(args.engine, max_batch_size=batch, max_model_len=ctx + 64,
-                           prefill_chunk=batch * ctx, num_host_blocks=1)
+                           prefill_chunk=batch * ctx, num_host_blocks=1, prefix_caching=False)
     cache = PrefillCache(max_prompts=batch)
     engines: dict[str, Engine | str] = {}
     for mode in args.modes:
@@ -406,7 +408,7 @@ def link_engines(args, ctx: int, batch: int, total_steps: int) -> tuple[Engine, 
     """The sweep's engines over one loaded model and one prefill cache: each lookahead mode on a
     recording modeled link of its own (bench_lib.make_recording_link), the others as siblings."""
     base = Engine.from_dir(args.engine, max_batch_size=batch, max_model_len=ctx + total_steps + 8,
-                           prefill_chunk=batch * ctx, num_host_blocks=1)
+                           prefill_chunk=batch * ctx, num_host_blocks=1, prefix_caching=False)
     cache = PrefillCache(max_prompts=batch)
     engines: dict[str, Engine | str] = {}
     for mode in args.link_modes:
