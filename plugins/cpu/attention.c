@@ -220,9 +220,11 @@ static int64_t key_splits(int64_t units, int64_t N, int nthreads) {
  * plane of a paged pool: key n lies in block btab[n / bs] at offset n % bs. The order is kept, so
  * the attention is the same sum as over a run of blocks. */
 static void page_ids(int32_t *vis, int64_t nv, int64_t n0, const int64_t *btab, int64_t bs) {
+    const int sh = __builtin_ctzll((unsigned long long)bs);      /* block sizes are powers of two */
+    const int64_t low = bs - 1;
     for (int64_t i = 0; i < nv; i++) {
         const int64_t n = n0 + vis[i];
-        vis[i] = (int32_t)(btab[n / bs] * bs + n % bs);
+        vis[i] = (int32_t)((btab[n >> sh] << sh) | (n & low));
     }
 }
 

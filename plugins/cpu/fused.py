@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .loader import library
 from .ops import (KV_DTYPES, MAX_INT8_ROWS, MAX_LINEAR_ROWS, MAX_GROUP_ROWS, block_tables, int8_group_size,
-                  int8_kernel_group, packed_weight, traced)
+                  int8_kernel_group, packed_weight, runs_or_tables, traced)
 
 MAX_ROWS = min(MAX_LINEAR_ROWS, MAX_INT8_ROWS)      # decode.c's MAX_ROWS: the Python path's C linears
 MAX_KV_ROW = 4096                                   # decode.c's MAX_KV_ROW
@@ -345,6 +345,8 @@ class FusedDecoder:
             self._bind()
         N = max(lens)
         views, mask, boff = self._workspace(B, N)
+        if tables is not None:                  # runs take the run entry (no per-key table lookup)
+            run_starts, tables = runs_or_tables(tables, lens, self._model.block_size)
         meta = (ctypes.c_int64 * (2 * B))(*(run_starts or [0] * B), *lens)
         table = None if tables is None else block_tables(tables, lens, self._model.block_size)
         step = _Step(B, N, tokens.data_ptr(), positions.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),

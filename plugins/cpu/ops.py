@@ -233,17 +233,20 @@ def attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: l
     B, H, D = q.shape
     kvh, nb, bs, _ = k.shape
     if tables is not None:
-        starts = [run_of(t, n, bs) for t, n in zip(tables, lens)] if len(tables) == len(lens) else []
-        if all(s is not None for s in starts) and starts:
-            tables = None                       # every sequence one run: the run entry, as before
-        elif not all(len(t) * bs >= n and all(0 <= b < nb for b in t[: -(-n // bs)]) for t, n in zip(tables, lens)):
+        if len(tables) != len(lens):
             return None
-    if not (len(starts) == len(lens) == B > 0 and kvh > 0 and H % kvh == 0 and H // kvh <= MAX_GROUP_ROWS
+        starts, tables = runs_or_tables(tables, lens, bs)     # every sequence one run: the run entry
+        covered = tables is None or all(len(t) * bs >= n and all(0 <= b < nb for b in t[: -(-n // bs)])
+                                        for t, n in zip(tables, lens))
+        if not covered:
+            return None
+    if not (len(lens) == B > 0 and kvh > 0 and H % kvh == 0 and H // kvh <= MAX_GROUP_ROWS
             and D % 32 == 0 and k.shape[3] == D and v.shape == k.shape
             and q.dtype == torch.float32 and k.dtype in KV_DTYPES and v.dtype == k.dtype
             and all(t.device.type == "cpu" for t in (q, k, v))
             and k.is_contiguous() and v.is_contiguous() and nb * bs < 1 << 31
-            and (tables is not None or all(0 <= s and 0 < n and s * bs + n <= nb * bs for s, n in zip(starts, lens)))):
+            and (tables is not None or (len(starts) == B
+                                        and all(0 <= s and 0 < n and s * bs + n <= nb * bs for s, n in zip(starts, lens))))):
         return None
     if mask is None:
         mask = paged_mask(lens, kvh)
@@ -274,6 +277,13 @@ def run_of(table: list[int], n: int, bs: int) -> int | None:
     need = -(-n // bs)
     ids = table[:need]
     return ids[0] if len(ids) == need > 0 and ids == list(range(ids[0], ids[0] + need)) else None
+
+
+def runs_or_tables(tables: list[list[int]], lens: list[int], bs: int) -> tuple[list[int] | None, list[list[int]] | None]:
+    """(run starts, None) when every sequence's blocks are one run (the kernels' run entry: no
+    per-key table lookup), else (None, tables)."""
+    starts = [run_of(t, n, bs) for t, n in zip(tables, lens)]
+    return (starts, None) if starts and all(s is not None for s in starts) else (None, tables)
 
 
 def block_tables(tables: list[list[int]], lens: list[int], bs: int) -> torch.Tensor:
