@@ -268,7 +268,9 @@ class MeteredTransfer(TransferEngine):
 
     @wait_s.setter
     def wait_s(self, value: float) -> None:
-        self._own_wait_s = value
+        # `wait_s += x` (account_inline) reads the sum and writes it back: keep only our own part,
+        # or the inner engine's wait is counted twice
+        self._own_wait_s = value - self.inner.wait_s
 
     @property
     def transfer_s(self) -> float | None:
