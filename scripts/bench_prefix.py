@@ -1,0 +1,400 @@
+#!/usr/bin/env python3
+"""Prefix-caching bench, in-process (the Engine API: add_request/step from one thread).
+
+Workloads, each run with prefix caching off and on (one engine per setting, the same requests):
+- dqa: D documents x Q questions (Paul Graham essays, each document a different slice of
+  --doc-tokens tokens), the D*Q prompts in a seeded shuffle, admitted as they arrive at
+  concurrency C (a new request enters when one ends), like a RAG / document-QA service.
+- second: one document, a first then a second question (sequential): the second's TTFT / the first's.
+- multiturn: T turns of ~--turn-tokens new tokens each; each turn's prompt is the chat template over
+  every earlier turn including the model's own replies (their text). It also checks whether turn
+  N+1's token ids extend turn N's (the template) and turn N's prompt + generated ids (the reply
+  re-tokenized from its text), and reports where they first differ.
+- n: n = 4 vs n = 1 on fresh documents of the same length (one prefill for n choices).
+
+Reports TTFT p50/p90, output tokens/s, hit rate and prefill tokens computed (engine.counters
+["prompt_tokens"]), as a table, --json and --plot. Timings are wall clock on a shared CPU: the load
+average at start and end is recorded beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))      # longctx_data, as the other scripts import it
+
+QUESTIONS = ["What is the main argument of the text above?", "Who is the intended reader of the text above?",
+             "List three concrete examples the text above gives.", "What does the author recommend doing?",
+             "What is the tone of the text above?", "Which claim in the text above is the most surprising?",
+             "Summarize the text above in one sentence.", "What problem does the text above describe?",
+             "What would a critic say about the text above?", "Give the text above a title."]
+
+
+def pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * p
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def make_docs(tokenizer, count: int, lengths: list[int], seed: int) -> list[str]:
+    """`count` documents, each a different slice of the essays' words, cut to its token length."""
+    import longctx_data
+    words = " ".join(longctx_data.load_essays()).split()
+    rng = random.Random(seed)
+    docs = []
+    for i in range(count):
+        n = lengths[i % len(lengths)]
+        start = (i * len(words) // max(count, 1) + rng.randrange(100)) % max(1, len(words) - 2 * n)
+        chunk = words[start:start + 2 * n]
+        lo, hi = 1, len(chunk)
+        while lo < hi:                          # the most words whose tokens fit n
+            mid = (lo + hi + 1) // 2
+            if len(tokenizer.encode(" ".join(chunk[:mid]))) <= n:
+                lo = mid
+            else:
+                hi = mid - 1
+        docs.append(" ".join(chunk[:lo]))
+    return docs
+
+
+def drive(engine, requests: list[tuple[str, list[int], object]], concurrency: int, max_steps: int) -> dict:
+    """Admit requests in order at `concurrency` (one enters when one ends), step until all end."""
+    pending = list(requests)
+    live: dict[str, dict] = {}
+    done: dict[str, dict] = {}
+    c0 = dict(engine.counters)
+    t0 = time.perf_counter()
+
+    def admit() -> None:
+        while pending and len(live) < concurrency:
+            rid, ids, params = pending.pop(0)
+            engine.add_request(ids, params, request_id=rid)
+            live[rid] = {"t_add": time.perf_counter(), "ttft_s": None, "out": {}, "cached": None,
+                         "prompt_tokens": len(ids), "n": getattr(params, "n", 1)}
+
+    admit()
+    steps = 0
+    while live and steps < max_steps:
+        outs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for o in outs:
+            r = live.get(o.request_id)
+            if r is None:
+                continue
+            if o.new_token_ids and r["ttft_s"] is None:
+                r["ttft_s"] = now - r["t_add"]
+            r["out"].setdefault(o.index, []).extend(o.new_token_ids)
+            r["cached"] = o.num_cached_tokens if r["cached"] is None else min(r["cached"], o.num_cached_tokens)
+            if o.request_finished or (o.finished and r["n"] == 1):
+                r["total_s"] = now - r["t_add"]
+                done[o.request_id] = live.pop(o.request_id)
+        admit()
+    if live:
+        raise RuntimeError(f"{len(live)} requests unfinished after {max_steps} steps")
+    wall = time.perf_counter() - t0
+    out_tokens = sum(len(v) for r in done.values() for v in r["out"].values())
+    return {"requests": done, "wall_s": wall, "output_tokens": out_tokens,
+            "prefill_tokens_computed": engine.counters["prompt_tokens"] - c0["prompt_tokens"],
+            "prompt_tokens_total": sum(r["prompt_tokens"] for r in done.values()),
+            "cached_tokens_total": sum(r["cached"] or 0 for r in done.values())}
+
+
+def summarize(res: dict, engine, stats0: dict) -> dict:
+    ttfts = [r["ttft_s"] for r in res["requests"].values() if r["ttft_s"] is not None]
+    st = engine.stats()
+    q = (st.get("prefix_cache_queries") or 0) - (stats0.get("prefix_cache_queries") or 0)
+    h = (st.get("prefix_cache_hits") or 0) - (stats0.get("prefix_cache_hits") or 0)
+    return {"n_requests": len(res["requests"]), "ttft_p50_s": pct(ttfts, 0.5), "ttft_p90_s": pct(ttfts, 0.9),
+            "output_tokens": res["output_tokens"], "wall_s": res["wall_s"],
+            "output_tokens_per_s": res["output_tokens"] / res["wall_s"] if res["wall_s"] else None,
+            "prefill_tokens_computed": res["prefill_tokens_computed"],
+            "prompt_tokens_total": res["prompt_tokens_total"], "cached_tokens_total": res["cached_tokens_total"],
+            "hit_rate": (h / q) if q else (0.0 if res["prompt_tokens_total"] else None),
+            "cached_blocks": st.get("cached_blocks"), "evictions": st.get("prefix_cache_evictions")}
+
+
+def chat_prompt(tok, text: str) -> list[int]:
+    return tok.encode(tok.apply_chat_template(text))
+
+
+def run_dqa(engine, args, docs: list[str]) -> dict:
+    from runtime.sampling import SamplingParams
+    tok = engine.tokenizer
+    pairs = [(d, q) for d in range(len(docs)) for q in range(args.questions)]
+    random.Random(args.seed).shuffle(pairs)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    reqs = [(f"dqa-{d}-{q}-{time.monotonic_ns()}", chat_prompt(tok, f"{docs[d]}\n\n{QUESTIONS[q % len(QUESTIONS)]}"),
+             params) for d, q in pairs]
+    s0 = engine.stats()
+    res = drive(engine, reqs, args.concurrency, args.max_steps)
+    return summarize(res, engine, s0)
+
+
+def run_second(engine, args, doc: str) -> dict:
+    from runtime.sampling import SamplingParams
+    tok = engine.tokenizer
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    rows = []
+    for i, q in enumerate(QUESTIONS[:2]):
+        ids = chat_prompt(tok, f"{doc}\n\n{q}")
+        r = drive(engine, [(f"second-{i}-{time.monotonic_ns()}", ids, params)], 1, args.max_steps)
+        rr = next(iter(r["requests"].values()))
+        rows.append({"prompt_tokens": len(ids), "ttft_s": rr["ttft_s"], "cached_tokens": rr["cached"],
+                     "prefill_tokens_computed": r["prefill_tokens_computed"]})
+    return {"questions": rows, "ttft_ratio_second_over_first": rows[1]["ttft_s"] / rows[0]["ttft_s"]}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_multiturn(engine, args, parts: list[str]) -> dict:
+    from runtime.sampling import SamplingParams
+    tok = engine.tokenizer
+    params = SamplingParams(max_tokens=args.reply_tokens)
+    messages: list[dict] = []
+    turns = []
+    prev_ids: list[int] | None = None
+    prev_gen: list[int] | None = None
+    for t, part in enumerate(parts):
+        messages.append({"role": "user", "content": f"{part}\n\nIn a sentence, what does this part add?"})
+        ids = tok.encode(tok.apply_chat_template(messages))
+        r = drive(engine, [(f"turn-{t}-{time.monotonic_ns()}", ids, params)], 1, args.max_steps)
+        rr = next(iter(r["requests"].values()))
+        gen = rr["out"].get(0, [])
+        reply = tok.decode(gen)
+        row = {"turn": t + 1, "prompt_tokens": len(ids), "ttft_s": rr["ttft_s"], "cached_tokens": rr["cached"],
+               "prefill_tokens_computed": r["prefill_tokens_computed"], "output_tokens": len(gen)}
+        if prev_ids is not None:
+            # the template: does this prompt extend the last one? with the reply: does it extend the
+            # last prompt + the ids the model generated?
+            row["prefix_vs_prev_prompt"] = common_prefix(prev_ids, ids)
+            row["prev_prompt_tokens"] = len(prev_ids)
+            seen = prev_ids + prev_gen
+            k = common_prefix(seen, ids)
+            row["prefix_vs_prev_prompt_and_reply"] = k
+            row["prev_prompt_and_reply_tokens"] = len(seen)
+            if k < len(seen):
+                row["diverges_at"] = {"pos": k, "position_in": "prompt" if k < len(prev_ids) else "reply",
+                                      "seen": tok.decode(seen[max(0, k - 4):k + 6]),
+                                      "now": tok.decode(ids[max(0, k - 4):k + 6]),
+                                      "seen_ids": seen[k:k + 6], "now_ids": ids[k:k + 6]}
+            # the most a block cache can reuse: the common prefix, down to whole blocks
+            bs = engine.config.block_size
+            row["reusable_tokens"] = (k // bs) * bs
+            row["gap_tokens"] = row["reusable_tokens"] - (rr["cached"] or 0)
+        turns.append(row)
+        messages.append({"role": "assistant", "content": reply})
+        prev_ids, prev_gen = ids, gen
+    ratio = turns[-1]["ttft_s"] / turns[0]["ttft_s"] if turns and turns[0]["ttft_s"] else None
+    return {"turns": turns, "ttft_ratio_last_over_first": ratio}
+
+
+def run_n(engine, args, docs: list[str]) -> dict:
+    from runtime.sampling import SamplingParams
+    tok = engine.tokenizer
+    rows = {}
+    for n, doc in zip((1, 4), docs):
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, n=n, temperature=0.8, seed=1)
+        ids = chat_prompt(tok, f"{doc}\n\n{QUESTIONS[0]}")
+        r = drive(engine, [(f"n{n}-{time.monotonic_ns()}", ids, params)], 1, args.max_steps)
+        rr = next(iter(r["requests"].values()))
+        rows[f"n{n}"] = {"prompt_tokens": len(ids), "ttft_s": rr["ttft_s"], "total_s": rr.get("total_s"),
+                         "prefill_tokens_computed": r["prefill_tokens_computed"],
+                         "choices": len(rr["out"]), "output_tokens": r["output_tokens"]}
+    rows["ttft_ratio_n4_over_n1"] = rows["n4"]["ttft_s"] / rows["n1"]["ttft_s"]
+    return rows
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+def commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def fmt(x, spec=".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_report(rep: dict) -> None:
+    print(f"\nengine {rep['engine']}  commit {rep['commit']}  load avg start {rep['loadavg_start']} "
+          f"end {rep['loadavg_end']}  (2-core box shared with other work: timings are wall clock)")
+    if "dqa" in rep:
+        w = rep["workload"]["dqa"]
+        print(f"\ndocument QA: {w['docs']} docs x {w['questions']} questions, {w['doc_tokens']} tokens, "
+              f"concurrency {w['concurrency']}, {w['max_tokens']} output tokens each")
+        hdr = ("caching", "TTFT p50 s", "TTFT p90 s", "out tok/s", "hit rate", "prefill computed", "prompt tokens",
+               "wall s")
+        print(" | ".join(hdr))
+        for k in ("off", "on"):
+            s = rep["dqa"].get(k)
+            if s:
+                print(" | ".join([k, fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]), fmt(s["output_tokens_per_s"], ".2f"),
+                                  fmt(s["hit_rate"], ".3f"), str(s["prefill_tokens_computed"]),
+                                  str(s["prompt_tokens_total"]), fmt(s["wall_s"], ".1f")]))
+        if rep["dqa"].get("off") and rep["dqa"].get("on"):
+            off, on = rep["dqa"]["off"], rep["dqa"]["on"]
+            print(f"TTFT p50 off/on {fmt(off['ttft_p50_s'] / on['ttft_p50_s'], '.1f')}x, "
+                  f"output tok/s on/off {fmt(on['output_tokens_per_s'] / off['output_tokens_per_s'], '.2f')}x")
+    if "second" in rep:
+        for k, s in rep["second"].items():
+            q1, q2 = s["questions"]
+            print(f"\nsecond question ({k}): first TTFT {fmt(q1['ttft_s'])} s ({q1['prompt_tokens']} tokens, "
+                  f"{q1['cached_tokens']} cached), second {fmt(q2['ttft_s'])} s ({q2['cached_tokens']} cached): "
+                  f"ratio 1/{fmt(1 / s['ttft_ratio_second_over_first'], '.1f')}")
+    if "multiturn" in rep:
+        for k, s in rep["multiturn"].items():
+            print(f"\nmulti-turn ({k}): turn | prompt tokens | cached | computed | TTFT s | extends prev prompt | "
+                  f"extends prev prompt+reply | block-reusable | gap")
+            for r in s["turns"]:
+                print(f"{r['turn']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['prefill_tokens_computed']} | "
+                      f"{fmt(r['ttft_s'])} | {r.get('prefix_vs_prev_prompt', '-')}/{r.get('prev_prompt_tokens', '-')} | "
+                      f"{r.get('prefix_vs_prev_prompt_and_reply', '-')}/{r.get('prev_prompt_and_reply_tokens', '-')} | "
+                      f"{r.get('reusable_tokens', '-')} | {r.get('gap_tokens', '-')}")
+                if "diverges_at" in r:
+                    d = r["diverges_at"]
+                    print(f"    diverges at {d['pos']} (in the {d['position_in']}): was {d['seen']!r} {d['seen_ids']}, "
+                          f"now {d['now']!r} {d['now_ids']}")
+            print(f"turn {len(s['turns'])} TTFT / turn 1: {fmt(s['ttft_ratio_last_over_first'], '.2f')}")
+    if "n" in rep:
+        for k, s in rep["n"].items():
+            print(f"\nn ({k}): n=1 TTFT {fmt(s['n1']['ttft_s'])} s, n=4 TTFT {fmt(s['n4']['ttft_s'])} s "
+                  f"(prefill computed {s['n1']['prefill_tokens_computed']} / {s['n4']['prefill_tokens_computed']}, "
+                  f"{s['n4']['choices']} choices): ratio {fmt(s['ttft_ratio_n4_over_n1'], '.2f')}")
+
+
+def plot(rep: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no plot")
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    if "dqa" in rep:
+        ks = [k for k in ("off", "on") if rep["dqa"].get(k)]
+        axes[0].bar([f"{k}\np50" for k in ks], [rep["dqa"][k]["ttft_p50_s"] for k in ks])
+        axes[0].bar([f"{k}\np90" for k in ks], [rep["dqa"][k]["ttft_p90_s"] for k in ks])
+        axes[0].set_ylabel("TTFT s"); axes[0].set_title("document QA TTFT")
+        axes[1].bar(ks, [rep["dqa"][k]["output_tokens_per_s"] for k in ks])
+        axes[1].set_title("document QA output tokens/s")
+    for k, s in rep.get("multiturn", {}).items():
+        axes[2].plot([r["turn"] for r in s["turns"]], [r["ttft_s"] for r in s["turns"]], marker="o", label=k)
+    axes[2].set_xlabel("turn"); axes[2].set_ylabel("TTFT s"); axes[2].set_title("multi-turn TTFT"); axes[2].legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    print(f"plot: {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", default=str(ROOT / "engines/default"))
+    p.add_argument("--workloads", default="dqa,second,multiturn,n", help="comma list of dqa,second,multiturn,n")
+    p.add_argument("--settings", default="off,on", help="prefix caching settings to run: off,on (dqa runs both; "
+                   "second/multiturn/n run each listed)")
+    p.add_argument("--docs", type=int, default=4)
+    p.add_argument("--questions", type=int, default=8)
+    p.add_argument("--doc-tokens", default="4096,8000", help="document lengths in tokens, cycled over documents")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per DQA request (ignore_eos)")
+    p.add_argument("--second-doc-tokens", type=int, default=8000)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--turn-tokens", type=int, default=300)
+    p.add_argument("--reply-tokens", type=int, default=48)
+    p.add_argument("--n-doc-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=200000, help="bound on engine steps per run")
+    p.add_argument("--num-host-blocks", type=int, default=None)
+    p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a LookaheadConfig override (e.g. mode=lookahead); int/float/bool parsed")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    args = p.parse_args(argv)
+
+    from runtime.engine import Engine
+    overrides = {}
+    for kv in args.engine_arg:
+        k, v = kv.split("=", 1)
+        for conv in (int, float):
+            try:
+                v = conv(v)
+                break
+            except ValueError:
+                pass
+        if v in ("true", "false"):
+            v = v == "true"
+        overrides[k] = v
+    workloads = [w for w in args.workloads.split(",") if w]
+    settings = [s for s in args.settings.split(",") if s]
+    lengths = [int(x) for x in args.doc_tokens.split(",")]
+    rep: dict = {"engine": args.engine, "commit": commit(), "loadavg_start": loadavg(), "argv": sys.argv[1:],
+                 "workload": {}}
+    t_start = time.perf_counter()
+    for setting in settings:
+        engine = Engine.from_dir(args.engine, num_host_blocks=args.num_host_blocks,
+                                 prefix_caching=(setting == "on"), **overrides)
+        try:
+            tok = engine.tokenizer
+            # each workload gets its own documents (never a prefix another workload left cached)
+            if "dqa" in workloads:
+                docs = make_docs(tok, args.docs, lengths, args.seed)
+                rep["workload"]["dqa"] = {"docs": args.docs, "questions": args.questions, "doc_tokens": lengths,
+                                          "concurrency": args.concurrency, "max_tokens": args.max_tokens}
+                rep.setdefault("dqa", {})[setting] = run_dqa(engine, args, docs)
+                print(f"[{time.perf_counter() - t_start:.0f}s] dqa {setting}: {rep['dqa'][setting]}", flush=True)
+            if "second" in workloads:
+                doc = make_docs(tok, 1, [args.second_doc_tokens], args.seed + 101)[0]
+                rep.setdefault("second", {})[setting] = run_second(engine, args, doc)
+                print(f"[{time.perf_counter() - t_start:.0f}s] second {setting} done", flush=True)
+            if "multiturn" in workloads:
+                parts = make_docs(tok, args.turns, [args.turn_tokens], args.seed + 202)
+                rep.setdefault("multiturn", {})[setting] = run_multiturn(engine, args, parts)
+                print(f"[{time.perf_counter() - t_start:.0f}s] multiturn {setting} done", flush=True)
+            if "n" in workloads:
+                docs = make_docs(tok, 2, [args.n_doc_tokens], args.seed + 303)
+                rep.setdefault("n", {})[setting] = run_n(engine, args, docs)
+                print(f"[{time.perf_counter() - t_start:.0f}s] n {setting} done", flush=True)
+        finally:
+            engine.close() if hasattr(engine, "close") else None
+    rep["loadavg_end"] = loadavg()
+    print_report(rep)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rep, indent=1, default=str))
+        print(f"json: {args.json}")
+    if args.plot:
+        plot(rep, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""scripts/bench_prefix.py on a tiny random-weights engine: the JSON's fields, and caching on computes
+fewer prefill tokens than off (no timed assertions)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiny_engine import make_tiny_engine
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "bench_prefix.py"
+
+
+def _essays_installed() -> bool:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import longctx_data
+        longctx_data.load_essays()
+        return True
+    except ModuleNotFoundError:
+        return False
+    finally:
+        sys.path.pop(0)
+
+
+def test_help():
+    r = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--concurrency" in r.stdout
+
+
+@pytest.mark.skipif(not _essays_installed(), reason="no essays installed (make data)")
+def test_tiny_run(tmp_path):
+    eng = make_tiny_engine(tmp_path / "tiny")
+    out = tmp_path / "o.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--engine", str(eng), "--docs", "2", "--questions", "3",
+                        "--doc-tokens", "96,160", "--concurrency", "2", "--max-tokens", "4",
+                        "--second-doc-tokens", "128", "--turns", "3", "--turn-tokens", "40", "--reply-tokens", "6",
+                        "--n-doc-tokens", "64", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "document QA" in r.stdout
+    rep = json.loads(out.read_text())
+    for k in ("engine", "commit", "loadavg_start", "loadavg_end", "workload", "dqa", "second", "multiturn", "n"):
+        assert k in rep
+    off, on = rep["dqa"]["off"], rep["dqa"]["on"]
+    for s in (off, on):
+        for f in ("ttft_p50_s", "ttft_p90_s", "output_tokens_per_s", "hit_rate", "prefill_tokens_computed",
+                  "prompt_tokens_total", "n_requests"):
+            assert f in s
+        assert s["n_requests"] == 6
+    assert off["prompt_tokens_total"] == on["prompt_tokens_total"]
+    assert off["prefill_tokens_computed"] == off["prompt_tokens_total"]
+    assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"]
+    assert off["hit_rate"] == 0 and on["hit_rate"] > 0
+    assert rep["second"]["on"]["questions"][1]["cached_tokens"] > 0
+    turns = rep["multiturn"]["on"]["turns"]
+    assert len(turns) == 3 and all("prefix_vs_prev_prompt" in t for t in turns[1:])
+    assert sum(t["prefill_tokens_computed"] for t in turns) < sum(
+        t["prefill_tokens_computed"] for t in rep["multiturn"]["off"]["turns"])
+    assert rep["n"]["on"]["n4"]["choices"] == 4
+    assert rep["n"]["on"]["n4"]["prefill_tokens_computed"] < rep["n"]["off"]["n4"]["prefill_tokens_computed"]
