@@ -257,9 +257,9 @@ class MeteredTransfer(TransferEngine):
     the inner engine's (the stall, the copy streams' busy time)."""
 
     def __init__(self, inner: TransferEngine):
-        self._own_wait_s = 0.0
+        self.inner, self._own_wait_s = inner, 0.0      # before the base sets wait_s
         super().__init__()
-        self.inner, self.satisfied = inner, False
+        self.satisfied = False
         self.recorder: CopyRecorder | None = None     # only where the engine has no Engine.observe
 
     @property

@@ -886,7 +886,7 @@ class TestEtcdNats:
             assert text == ref.text and finishes[-1] == ref.finish_reason
         finally:
             stopped = dynamo_launch.stop(run_dir, progress=None)
-        assert set(stopped) == {"etcd", "nats", "frontend", "worker-0"}
+        assert set(stopped) == {"etcd", "nats", "front", "frontend", "worker-0"}   # front: the public port
         assert dynamo_launch.status(run_dir)["running"] == {}
 
 
