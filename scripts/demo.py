@@ -167,6 +167,9 @@ FOLLOW_UPS = (("2. the number, asked again",
               ("3. what is the text about", "In one sentence, what is the text above about?", False))
 
 
+FOLLOW_UP_TOKENS = 32
+
+
 def make_question(engine_dir: str | Path, task: str, context_len: int, index: int = 0) -> Question:
     import longctx_data as data
     from runtime.tokenizer import TextTokenizer
@@ -301,7 +304,8 @@ def ask_follow_ups(args: argparse.Namespace, q: Question, mode: str, log=print) 
     prompt tokens the prefix cache served."""
     out = []
     for i, f in enumerate(q.follow_ups, 2):
-        ans, _ = ask(args.http_port, args.metrics_port, f, args.max_tokens, log=log)
+        # room for the answer's preamble ("The special magic number ... is 7761348"): 16 tokens cut it
+        ans, _ = ask(args.http_port, args.metrics_port, f, max(args.max_tokens, FOLLOW_UP_TOKENS), log=log)
         if ans.error:
             raise DemoError(f"[{mode}] question {i} failed: {ans.error}")
         log(f"demo: [{mode}] question {i}: TTFT {ans.ttft_s:.2f} s with {ans.cached_tokens} of {f.prompt_tokens} "
