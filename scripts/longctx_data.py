@@ -370,11 +370,5 @@ def conversation_prompt(context_len: int, count_tokens: CountTokens, render: Cal
         for part, reply in turns[:n]:
             msgs += [{"role": "user", "content": part}, {"role": "assistant", "content": reply}]
         return render(msgs + [{"role": "user", "content": CONVERSATION_ASK}])
-    lo, hi = 0, len(turns)
-    while lo < hi:                       # the most turns that fit
-        mid = (lo + hi + 1) // 2
-        if count_tokens(make(mid)) <= context_len:
-            lo = mid
-        else:
-            hi = mid - 1
-    return make(lo)
+    fits = lambda n: count_tokens(make(n)) <= context_len  # noqa: E731
+    return make(_largest_fit(fits, 1, len(turns)) if turns and fits(1) else 0)      # the most turns that fit
