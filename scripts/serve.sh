@@ -23,11 +23,11 @@
 # starts, in one line naming `device` and the fix.
 #
 # --frontend dynamo: the OpenAI API (/v1) from NVIDIA Dynamo's frontend and N engine workers on
-# 127.0.0.1 (serving/dynamo_launch.py; install it with scripts/install_dynamo.sh or
+# 127.0.0.1 (deploy/dynamo_launch.py; install it with scripts/install_dynamo.sh or
 # `make dynamo`); its run dir is build/dynamo unless --run-dir is given. stop and status find it.
 #
 # The tritonserver is the one bundled in the nvidia-pytriton wheel, run by a supervisor
-# (serving/supervisor.py) that stays in the background: the HTTP port is its front, which
+# (deploy/supervisor.py) that stays in the background: the HTTP port is its front, which
 # refuses bodies over --max-body-bytes (413; default 2 MiB: tritonserver 2.51 crashes on bodies over
 # ~4 MB) and malformed or deeply nested JSON (400); gRPC and metrics are tritonserver's own ports.
 # --watch restarts the server when it or its python stub dies (or stops answering the probe); with
@@ -126,7 +126,7 @@ EOF
 
 start() {
   local pid
-  if pid="$(alive_pid "$SUP_PID_FILE" serving.supervisor)"; then die "already running (supervisor pid $pid, see $STATE); run: scripts/serve.sh stop${RUN_DIR:+ --run-dir \"$RUN_DIR\"}"; fi
+  if pid="$(alive_pid "$SUP_PID_FILE" deploy.supervisor)"; then die "already running (supervisor pid $pid, see $STATE); run: scripts/serve.sh stop${RUN_DIR:+ --run-dir \"$RUN_DIR\"}"; fi
   if pid="$(alive_pid "$PID_FILE" tritonserver)"; then die "a tritonserver of $RUN_DIR still runs (pid $pid) without its supervisor; run: scripts/serve.sh stop --run-dir \"$RUN_DIR\""; fi
   case "$MODE" in ""|dense|lookahead|sparse) ;; *) die "--mode must be dense, lookahead or sparse, got '$MODE'" ;; esac
   case "$MAX_BODY" in ''|*[!0-9]*) die "--max-body-bytes must be a number of bytes, got '$MAX_BODY'" ;; esac
@@ -165,7 +165,7 @@ print(dev)" "$DEVICE" "$ENGINE")" || exit 1
   local watch_flag=(); [ "$WATCH" = 1 ] && watch_flag=(--watch)
   # The supervisor rotates tritonserver.log before each server start, cleans up what a killed run
   # left, and runs the HTTP front. setsid: it outlives this shell and its terminal's signals.
-  setsid "$PY" -m serving.supervisor run --run-dir "$RUN_DIR" --http-port "$HTTP" \
+  setsid "$PY" -m deploy.supervisor run --run-dir "$RUN_DIR" --http-port "$HTTP" \
       --grpc-port "$GRPC" --metrics-port "$METRICS" --instances "$INSTANCES" --timeout "$TIMEOUT" \
       --max-body-bytes "$MAX_BODY" "${watch_flag[@]}" --info "ENGINE=$ENGINE" --info "MODE=${MODE:-engine default}" --info "DEVICE=$device" \
       --info "PREFIX_CACHING=${PREFIX_CACHING:-engine default}" \
@@ -182,7 +182,7 @@ print(dev)" "$DEVICE" "$ENGINE")" || exit 1
       die "start failed: $(state_of LAST_DEATH | grep . || echo "the supervisor exited (log above)")"
     fi
     if [ $SECONDS -ge $deadline ]; then
-      log_tail 30; "$PY" -m serving.supervisor stop --run-dir "$RUN_DIR" >&2 || true
+      log_tail 30; "$PY" -m deploy.supervisor stop --run-dir "$RUN_DIR" >&2 || true
       die "not ready after ${TIMEOUT}s (log above); stopped it"
     fi
     sleep 0.25
@@ -198,7 +198,7 @@ dynamo_start() {   # the launcher checks the port, the engine dir and the settin
   local mode_flag=(); [ -n "$MODE" ] && mode_flag=(--mode "$MODE")
   local router_flag=(); [ -n "$ROUTER" ] && router_flag=(--router "$ROUTER")
   local watch_flag=(); [ "$WATCH" = 1 ] && watch_flag=(--watch)
-  "$PY" -m serving.dynamo_launch start --engine "$ENGINE" --device "$DEVICE" --workers "$WORKERS" --http-port "$HTTP" \
+  "$PY" -m deploy.dynamo_launch start --engine "$ENGINE" --device "$DEVICE" --workers "$WORKERS" --http-port "$HTTP" \
       --run-dir "$DYN_RUN_DIR" --discovery "$DISCOVERY" --max-queue "$MAX_QUEUE" --timeout "$TIMEOUT" \
       "${router_flag[@]}" "${watch_flag[@]}" "${mode_flag[@]}" "${PC_FLAG[@]}" "${EXTRA[@]}"
 }
@@ -206,11 +206,11 @@ dynamo_start() {   # the launcher checks the port, the engine dir and the settin
 stop() {
   local rc=0 dyn=0
   if [ "$FRONTEND" = dynamo ] || dynamo_running; then
-    dyn=1; "$PY" -m serving.dynamo_launch stop --run-dir "$DYN_RUN_DIR" || rc=$?
+    dyn=1; "$PY" -m deploy.dynamo_launch stop --run-dir "$DYN_RUN_DIR" || rc=$?
   fi
   # a Triton server too, unless this was a Dynamo run dir with no Triton supervisor in it
   if [ "$FRONTEND" = triton ] && { [ "$dyn" = 0 ] || [ -f "$SUP_PID_FILE" ]; }; then
-    "$PY" -m serving.supervisor stop --run-dir "$RUN_DIR" || rc=$?
+    "$PY" -m deploy.supervisor stop --run-dir "$RUN_DIR" || rc=$?
   fi
   return "$rc"
 }
@@ -219,11 +219,11 @@ status() {
   local rc=0
   # a Dynamo deployment's run dir (named, or the default one while no Triton supervisor runs here)
   if [ "$FRONTEND" = dynamo ] || { [ "$RUN_DIR_SET" = 1 ] && dynamo_dir; } \
-      || { ! alive_pid "$SUP_PID_FILE" serving.supervisor >/dev/null && dynamo_running; }; then
-    "$PY" -m serving.dynamo_launch status --run-dir "$DYN_RUN_DIR" || rc=$?
+      || { ! alive_pid "$SUP_PID_FILE" deploy.supervisor >/dev/null && dynamo_running; }; then
+    "$PY" -m deploy.dynamo_launch status --run-dir "$DYN_RUN_DIR" || rc=$?
     return "$rc"
   fi
-  "$PY" -m serving.supervisor status --run-dir "$RUN_DIR" || rc=$?
+  "$PY" -m deploy.supervisor status --run-dir "$RUN_DIR" || rc=$?
   [ -f "$STATE" ] && [ "$rc" != 3 ] && sed 's/^/  /' "$STATE"
   return "$rc"
 }

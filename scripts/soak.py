@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from load_workload import Prompts  # noqa: E402
-from serving.triton_env import free_ports  # noqa: E402
+from deploy.triton_env import free_ports  # noqa: E402
 
 MODEL = "lookahead_llm"
 TARGET_RSS_GROWTH_PCT = 5.0

@@ -4,8 +4,8 @@
         [--mode lookahead --top-k 128 ... (any LookaheadConfig field)] \\
         [--model-name lookahead_llm] [--namespace lookahead] [--run-dir build/dynamo] [--worker-index 0]
 
-`serving/dynamo_launch.py` starts the frontend and N of these with the right environment
-(`dynamo_launch.base_env`); run by hand, set the same DYN_* variables first.
+`deploy/dynamo_launch.py` starts the frontend and N of these with the right environment
+(`deploy.dynamo_launch.base_env`); run by hand, set the same DYN_* variables first.
 
 How a request flows
 - The worker registers the model in *tokens* mode for chat and completions

@@ -5,7 +5,7 @@ Three parts:
 - the handler on a real EngineLoop over a tiny engine, and the launcher facing a worker that dies
   at start (Dynamo needed, no real model);
 - one real deployment (TestLive: a frontend and two workers on the default engine, started by
-  serving.dynamo_launch, stopped even on failure) driven with the official `openai` client:
+  deploy.dynamo_launch, stopped even on failure) driven with the official `openai` client:
   models list, greedy equality with the in-process engine (chat and completions, streaming and
   not), sampling parameters, stop strings, usage counts, 16 concurrent streams, 4xx answers while
   another stream goes on, a cancelled stream freeing its KV blocks, and both workers serving; then
@@ -26,7 +26,7 @@ import urllib.request
 import pytest
 
 from runtime.errors import RequestError
-from serving import dynamo_launch
+from deploy import dynamo_launch
 from serving.dynamo_worker import make_model_dir, sampling_params_from_request
 
 MODEL = "lookahead_llm"

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from serving import dynamo_launch as dl
-from serving.http_front import Front, HttpError
-from serving.openai_front import check_openai_body, openai_error_body
+from deploy import dynamo_launch as dl
+from deploy.http_front import Front, HttpError
+from deploy.openai_front import check_openai_body, openai_error_body
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -100,7 +100,7 @@ def test_the_front_passes_what_is_off_or_served(path, body):
 
 def test_the_front_answers_its_refusals_before_the_upstream(tmp_path):
     """A refused body never reaches the frontend; others are proxied unchanged."""
-    from serving.openai_front import check_openai_request
+    from deploy.openai_front import check_openai_request
 
     async def main():
         seen = []
@@ -150,7 +150,7 @@ def _fake_run_dir(tmp_path: Path, workers: int = 2, watch: bool = True) -> tuple
     run.mkdir()
     commands = {"frontend": {"cmd": _stand_in("dynamo.frontend"), "env": {}}}
     procs = {"frontend": subprocess.Popen(commands["frontend"]["cmd"], start_new_session=True),
-             "front": subprocess.Popen(_stand_in("serving.dynamo_launch"), start_new_session=True)}
+             "front": subprocess.Popen(_stand_in("deploy.dynamo_launch"), start_new_session=True)}
     for i in range(workers):
         commands[f"worker-{i}"] = {"cmd": _stand_in("serving.dynamo_worker"), "env": {"DYN_SYSTEM_PORT": "1"}}
         procs[f"worker-{i}"] = subprocess.Popen(commands[f"worker-{i}"]["cmd"], start_new_session=True)

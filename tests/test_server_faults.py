@@ -22,8 +22,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from serving.supervisor import pid_alive, shm_prefix_for
-from serving.triton_env import shm_regions
+from deploy.supervisor import pid_alive, shm_prefix_for
+from deploy.triton_env import shm_regions
 from triton_fixtures import ServeSh, triton_backend_dir, triton_engine_dir  # noqa: F401
 
 pytestmark = [pytest.mark.triton, pytest.mark.timeout(180)]
@@ -356,7 +356,7 @@ def test_the_shm_prefix_is_the_run_dirs_own(tmp_path):
 
 # -- the front's parsing, without a server --------------------------------------------------------
 def test_the_front_refuses_ambiguous_framing_and_bad_json():
-    from serving.http_front import HttpError, body_framing, check_json, parse_head
+    from deploy.http_front import HttpError, body_framing, check_json, parse_head
 
     assert body_framing([("Content-Length", "12")]) == ("length", 12)
     assert body_framing([("Transfer-Encoding", "chunked")]) == ("chunked", 0)
@@ -384,7 +384,7 @@ def test_the_front_refuses_ambiguous_framing_and_bad_json():
 def test_the_front_turns_a_full_queue_into_503_with_retry_after():
     """tritonserver 2.51 answers every model error 400; the front makes the retryable one 503."""
     import asyncio
-    from serving.http_front import Front
+    from deploy.http_front import Front
 
     full = b'{"error":"the waiting queue is full (4 requests); retry later"}'
     sse = b'data: {"error":"the waiting queue is full (4 requests); retry later"}\n\n'

@@ -134,7 +134,7 @@ def test_model_py_places_each_instance_where_triton_puts_it():
 
 def test_device_flags_parse_the_same_everywhere():
     from runtime.cli import build_parser as runtime_parser
-    from serving.dynamo_launch import build_parser as launch_parser
+    from deploy.dynamo_launch import build_parser as launch_parser
     from serving.dynamo_worker import build_parser as worker_parser
 
     gen = ["generate", "--engine", "E", "--prompt", "p"]
@@ -153,7 +153,7 @@ NO_CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="ne
 @NO_CUDA
 def test_a_missing_device_fails_every_start_in_one_line(tiny_dir, tmp_path, capsys):
     from runtime.cli import main as runtime_main
-    from serving import dynamo_launch
+    from deploy import dynamo_launch
 
     assert runtime_main(["generate", "--engine", str(tiny_dir), "--prompt", "x", "--device", "cuda"]) == 2
     assert ct.main(["--engine", str(tiny_dir), "--out", str(tmp_path / "r"), "--device", "cuda:1"]) == 2

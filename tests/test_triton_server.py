@@ -14,7 +14,7 @@ import pytest
 
 from runtime.engine import Engine
 from runtime.sampling import SamplingParams
-from serving.triton_env import shm_regions
+from deploy.triton_env import shm_regions
 from triton_fixtures import triton_backend_dir, triton_engine_dir, triton_server  # noqa: F401
 
 pytestmark = [pytest.mark.triton, pytest.mark.timeout(180)]

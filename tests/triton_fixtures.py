@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.triton_env import free_ports
+from deploy.triton_env import free_ports
 from tiny_engine import make_tiny_engine
 
 READY_TIMEOUT_S = 120
@@ -79,7 +79,7 @@ def _ready(url: str) -> bool:
 def start_server(workdir: Path, engine_dir: Path, backend_dir: Path, **lookahead_overrides) -> TritonServer:
     """Write a model repository for `engine_dir` and start tritonserver on it; waits until ready."""
     from serving.config_template import write_model_repo
-    from serving.triton_env import ServerOptions, server_env
+    from deploy.triton_env import ServerOptions, server_env
 
     repo = write_model_repo(workdir / "model_repo", engine_dir, lookahead_overrides=lookahead_overrides)
     http, grpc, metrics = free_ports(3)
@@ -104,7 +104,7 @@ def start_server(workdir: Path, engine_dir: Path, backend_dir: Path, **lookahead
 @pytest.fixture(scope="session")
 def triton_backend_dir(tmp_path_factory) -> Path:
     pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install -e '.[serve]')")
-    from serving.triton_env import TritonNotFound, make_backend_dir
+    from deploy.triton_env import TritonNotFound, make_backend_dir
     try:
         return make_backend_dir(tmp_path_factory.mktemp("triton_backends"))
     except TritonNotFound as e:
@@ -123,7 +123,7 @@ def triton_server(tmp_path_factory, triton_engine_dir, triton_backend_dir):
     try:
         server.stop()
     finally:                         # whatever a failed test left: stubs of this prefix, its regions
-        from serving.supervisor import clean_run
+        from deploy.supervisor import clean_run
         clean_run(server.shm_prefix)
 
 
@@ -150,7 +150,7 @@ class ServeSh:
 
     @property
     def shm_prefix(self) -> str:
-        from serving.supervisor import shm_prefix_for
+        from deploy.supervisor import shm_prefix_for
         return shm_prefix_for(self.run_dir)
 
     def sh(self, action: str, *args: str, timeout: float = 120, env: dict | None = None,
@@ -166,31 +166,31 @@ class ServeSh:
         return r
 
     def state(self) -> dict[str, str]:
-        from serving.supervisor import RunFiles
+        from deploy.supervisor import RunFiles
         return RunFiles(self.run_dir).read_state()
 
     def server_pid(self) -> int:
         return int((self.run_dir / "tritonserver.pid").read_text())
 
     def stub_pids(self) -> list[int]:
-        from serving.supervisor import live_stubs
+        from deploy.supervisor import live_stubs
         return live_stubs(self.server_pid())
 
     def run_processes(self) -> list[int]:
         """Live processes of this run: its supervisor, tritonserver and stubs (by their command lines)."""
-        from serving.supervisor import all_pids, pid_alive, proc_cmdline
+        from deploy.supervisor import all_pids, pid_alive, proc_cmdline
         mine = []
         for pid in all_pids():
             argv = proc_cmdline(pid)
             if pid != os.getpid() and pid_alive(pid) and (
                     any(a.startswith(self.shm_prefix) or a.endswith("=" + self.shm_prefix) for a in argv)
-                    or ("serving.supervisor" in argv and str(self.run_dir) in argv)):
+                    or ("deploy.supervisor" in argv and str(self.run_dir) in argv)):
                 mine.append(pid)
         return mine
 
     def cleanup(self) -> None:
         """Stop the run (serve.sh stop), then SIGKILL anything of it still there; remove its regions."""
-        from serving.supervisor import clean_run
+        from deploy.supervisor import clean_run
         try:
             self.sh("stop", timeout=60)
         finally:

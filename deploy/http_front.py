@@ -20,7 +20,7 @@ Everything else passes through unchanged, responses streamed as they come (chunk
 closed: a streaming client gets an error instead of waiting. gRPC does not go through here: its
 messages (protobuf, 50 MB tested) do not crash the server.
 
-    python -m serving.http_front --listen 127.0.0.1:8000 --upstream 127.0.0.1:8100
+    python -m deploy.http_front --listen 127.0.0.1:8000 --upstream 127.0.0.1:8100
 """
 from __future__ import annotations
 
@@ -472,7 +472,7 @@ def _hostport(text: str) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m serving.http_front", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m deploy.http_front", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--listen", required=True, help="HOST:PORT to listen on (the public HTTP port)")
     p.add_argument("--upstream", required=True, help="HOST:PORT of tritonserver's HTTP port")

@@ -2,14 +2,14 @@
 
 `scripts/serve.sh` drives this module; it is the process `serve.sh start` leaves running:
 
-    python -m serving.supervisor run --run-dir R --http-port 8000 --grpc-port 8001 \\
+    python -m deploy.supervisor run --run-dir R --http-port 8000 --grpc-port 8001 \\
         --metrics-port 8002 [--watch] [--instances N] [--max-body-bytes B] [--timeout S]
-    python -m serving.supervisor stop --run-dir R      # seconds, even with a dead stub
-    python -m serving.supervisor status --run-dir R    # 0 serving, 1 running but not serving, 3 not running
+    python -m deploy.supervisor stop --run-dir R      # seconds, even with a dead stub
+    python -m deploy.supervisor status --run-dir R    # 0 serving, 1 running but not serving, 3 not running
 
 `run` expects R/model_repo (written by `serving.config_template`). It
 
-- binds the public HTTP port with `serving.http_front` (body-size cap, JSON check) and starts
+- binds the public HTTP port with `deploy.http_front` (body-size cap, JSON check) and starts
   tritonserver on an internal loopback HTTP port; gRPC and metrics are tritonserver's own ports;
 - keeps each run's log: R/tritonserver.log is rotated to .1 ... .5 before every server start;
 - names the python backend's /dev/shm regions with a prefix unique to R (`lkv_<hash of R>_`), so after
@@ -202,7 +202,7 @@ def is_our_server(pid: int, prefix: str) -> bool:
 
 def is_our_supervisor(pid: int, run_dir: Path) -> bool:
     argv = proc_cmdline(pid)
-    if "serving.supervisor" not in argv or "run" not in argv or "--run-dir" not in argv[:-1]:
+    if "deploy.supervisor" not in argv or "run" not in argv or "--run-dir" not in argv[:-1]:
         return False
     return os.path.abspath(argv[argv.index("--run-dir") + 1]) == os.path.abspath(run_dir) and pid_alive(pid)
 
@@ -622,7 +622,7 @@ def _read_pid(path: Path) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m serving.supervisor", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m deploy.supervisor", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="action", required=True)
     r = sub.add_parser("run", help="serve R/model_repo until SIGTERM")

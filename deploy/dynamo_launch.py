@@ -1,10 +1,10 @@
 """Start and stop an NVIDIA Dynamo deployment of an engine: one OpenAI frontend and N workers.
 
-    python -m serving.dynamo_launch start --engine engines/default [--workers 2] [--http-port 8000]
+    python -m deploy.dynamo_launch start --engine engines/default [--workers 2] [--http-port 8000]
         [--router kv|round-robin|random] [--watch] [--device cpu|cuda|cuda:N] [--run-dir build/dynamo]
         [--discovery file|etcd] [--mode lookahead --top-k 64 --prefix-caching false ...]
-    python -m serving.dynamo_launch status [--run-dir build/dynamo]
-    python -m serving.dynamo_launch stop   [--run-dir build/dynamo]
+    python -m deploy.dynamo_launch status [--run-dir build/dynamo]
+    python -m deploy.dynamo_launch stop   [--run-dir build/dynamo]
 
 From Python: `start(engine_dir, workers=2, http_port=P, run_dir=..., lookahead_overrides={...})`
 returns a `Deployment` (url, model, pids); `stop(run_dir)` ends it.
@@ -13,8 +13,8 @@ Everything listens on 127.0.0.1. `start` runs `python -m dynamo.frontend --http-
 --http-port <internal> --discovery-backend file --request-plane tcp --event-plane zmq --router-mode
 R`, N `python -m serving.dynamo_worker` processes with the environment the frontend and workers
 need (every *_HOST = 127.0.0.1, DYN_FILE_KV under the run dir), and the front
-(`python -m serving.dynamo_launch front`) on the public port P: serving.http_front with the checks
-of serving/openai_front.py (OpenAI fields no worker sees are refused by name) and, with `watch`,
+(`python -m deploy.dynamo_launch front`) on the public port P: deploy.http_front with the checks
+of deploy/openai_front.py (OpenAI fields no worker sees are refused by name) and, with `watch`,
 the `Watcher`, which restarts a worker or the frontend that dies. It waits until every worker has
 registered and `/v1/models` lists the model, printing progress, and writes PID files, logs and
 `deployment.json` (the commands and environment, for the watcher) under the run dir. `stop` sends
@@ -154,7 +154,7 @@ def worker_command(python: str, engine_dir: str, index: int, *, run_dir: Path, m
 
 
 def front_command(python: str, run_dir: Path) -> list[str]:
-    return [python, "-m", "serving.dynamo_launch", "front", "--run-dir", str(run_dir)]
+    return [python, "-m", "deploy.dynamo_launch", "front", "--run-dir", str(run_dir)]
 
 
 # ---- checks ------------------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def _alive(pid: int, marker: str) -> bool:
 
 def _markers() -> dict[str, str]:
     return {"frontend": "dynamo.frontend", "worker": "serving.dynamo_worker", "etcd": "etcd",
-            "nats": "nats-server", "front": "serving.dynamo_launch"}
+            "nats": "nats-server", "front": "deploy.dynamo_launch"}
 
 
 def _marker(name: str) -> str:
@@ -328,7 +328,7 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
     running = _running_pids(run_dir)
     if running:
         raise LaunchError(f"a deployment is already running from {run_dir} (pids {sorted(running.values())}): "
-                          f"stop it first (python -m serving.dynamo_launch stop --run-dir {run_dir})")
+                          f"stop it first (python -m deploy.dynamo_launch stop --run-dir {run_dir})")
     check_device(device)
     check_engine(engine_dir, lookahead_overrides)
     check_port_free(http_port)
@@ -383,7 +383,7 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
         _terminate(procs, infra)
         raise
     say(f"dynamo: ready: model {model_name!r} at {dep.url} ({workers} worker(s), router {router_mode}); "
-        f"stop: python -m serving.dynamo_launch stop --run-dir {run_dir}")
+        f"stop: python -m deploy.dynamo_launch stop --run-dir {run_dir}")
     return dep
 
 
@@ -751,8 +751,8 @@ class Watcher:
 
 
 def run_front(run_dir: str | Path) -> int:
-    """The front process of a deployment (started by `start`): serving.http_front on the public
-    port, refusing what the engine cannot serve (serving/openai_front.py) before the frontend on
+    """The front process of a deployment (started by `start`): deploy.http_front on the public
+    port, refusing what the engine cannot serve (deploy/openai_front.py) before the frontend on
     its internal port sees it, plus, with watch, the Watcher."""
     import asyncio
     import logging
@@ -800,7 +800,7 @@ def run_front(run_dir: str | Path) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from runtime.cli import add_lookahead_flags
 
-    p = argparse.ArgumentParser(prog="python -m serving.dynamo_launch", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m deploy.dynamo_launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="action", required=True)
     s = sub.add_parser("start", help="start the frontend and N workers, wait until they serve")

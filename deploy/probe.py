@@ -3,7 +3,7 @@
 tritonserver's /v2/health/ready and model-ready keep answering 200 after the python stub died (every
 request then fails with "Stub process ... is not healthy"), so readiness here is a generation:
 
-    python -m serving.probe --url http://127.0.0.1:8000 [--timeout 10]   # exit 0: serving
+    python -m deploy.probe --url http://127.0.0.1:8000 [--timeout 10]   # exit 0: serving
     scripts/probe.py --http-port 8000                                             # the same
 
 Exit status: 0 serving, 1 not serving (the reason on stderr), 2 bad arguments.
@@ -127,7 +127,7 @@ def probe(url: str, timeout: float = 10.0, model: str = MODEL) -> ProbeResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m serving.probe", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m deploy.probe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="the server's HTTP URL (default http://127.0.0.1:<--http-port>)")
     p.add_argument("--http-port", type=int, default=8000)

@@ -4,7 +4,7 @@ Dynamo 1.6.1's frontend, in Tokens mode, turns a request into token ids, stop co
 sampling/output options for the worker. Some OpenAI fields never reach a worker: `tools`,
 `tool_choice`, `functions`, `logit_bias`, `suffix`, ... are accepted by the frontend and either
 dropped or rendered into the prompt, and the answer then reads as if they had been honoured. A
-worker cannot refuse what it does not see, so `dynamo_launch` puts `serving.http_front` in front of
+worker cannot refuse what it does not see, so `dynamo_launch` puts `deploy.http_front` in front of
 the frontend with `check_openai_request` as its check: such a field gets a 400 naming it before
 the frontend sees the request. Fields that do reach the worker (penalties, `response_format` as
 guided decoding, `n`, `logprobs`, ...) are checked there (serving/dynamo_worker.py); here only
@@ -75,7 +75,7 @@ def check_openai_body(path: str, doc: Any) -> None:
 
 
 def check_openai_request(req) -> None:
-    """serving.http_front's check: the JSON body of a POST to the OpenAI completion routes."""
+    """deploy.http_front's check: the JSON body of a POST to the OpenAI completion routes."""
     if req.method != "POST" or not req.body:
         return
     path = req.target.split("?", 1)[0].rstrip("/")

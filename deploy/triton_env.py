@@ -12,8 +12,8 @@ RECIPES.md ("Triton Inference Server, CPU-only, from PyPI") lists what this enco
   a space (or any shell character) is split, or worse, run. `shell_safe_alias` gives such a directory a
   plain symlink name (under /tmp/lookahead-kv-<uid>/), and `ServerOptions.argv` refuses unsafe paths.
 
-    python -m serving.triton_env exec --repo R --backend-dir B --http-port 8000 ... # becomes tritonserver
-    python -m serving.triton_env print --repo R --backend-dir B                      # shows env + argv
+    python -m deploy.triton_env exec --repo R --backend-dir B --http-port 8000 ... # becomes tritonserver
+    python -m deploy.triton_env print --repo R --backend-dir B                      # shows env + argv
 """
 from __future__ import annotations
 
@@ -217,7 +217,7 @@ def remove_shm_regions(prefix: str) -> list[Path]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m serving.triton_env", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m deploy.triton_env", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=["exec", "print"], help="exec: become tritonserver; print: show it")
     p.add_argument("--repo", required=True, help="model repository")
