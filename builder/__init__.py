@@ -5,7 +5,8 @@
 
 The command line is `python scripts/build_engine.py --help` (derived from `BuildConfig`).
 """
-from .pipeline import BuildResult, build
+from .pipeline import build
+from .result import BuildResult
 from .config import BuildConfig
 from .errors import BuildError, OutputError, SourceError, VerifyError
 

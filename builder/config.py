@@ -8,6 +8,7 @@ from runtime.config import KV_DTYPES
 
 from .errors import BuildError
 from .quantize import DEFAULT_GROUP_SIZE, check_group_size
+from .shapes import SHAPES
 
 DEFAULT_MODEL = "default"
 ENGINE_DTYPES = ("float32", "bfloat16")
@@ -44,7 +45,7 @@ class BuildConfig:
                 "one scale per output channel (as engines built before groups)", "metavar": "G"})
     random_weights: str | None = field(default=None, metadata={
         "help": "instead of --model: an engine of random weights in a real model's shape (see "
-                "builder/random_weights.py: SHAPES), for timing; no weights file is written, the "
+                "builder/shapes.py), for timing; no weights file is written, the "
                 "runtime generates them on its device at load, and nothing is verified",
         "metavar": "SHAPE"})
     kv_dtype: str | None = field(default=None, metadata={
@@ -99,8 +100,6 @@ class BuildConfig:
                              value=repr(self.name))
 
     def _check_random(self) -> None:
-        from .random_weights import SHAPES
-
         if self.random_weights not in SHAPES:
             raise BuildError("is not a known shape", field="random_weights", value=self.random_weights,
                              fix=f"use one of: {', '.join(SHAPES)}")

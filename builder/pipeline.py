@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -32,19 +31,13 @@ from .hf_config import model_config_from_hf
 from .output import staged_output
 from .progress import Log, Stages, print_line
 from .quantize import quantize_weights
+from .random_weights import build_random
 from .report import build_report, versions
+from .result import BuildResult
 from .sources import Source, checksum, resolve_source
 from .tokenizer import save_tokenizer
 from .verify import verify
 from .verify_int8 import summary as int8_summary, verify_int8
-
-
-@dataclass
-class BuildResult:
-    """What a build produced: the engine dir and its build report (also in build_report.json)."""
-
-    path: Path
-    report: dict[str, Any]
 
 
 def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
@@ -62,7 +55,6 @@ def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
     """
     log = log or print_line
     if config.random_weights is not None:
-        from .random_weights import build_random
         return build_random(config, log)
     stages = Stages(log)
     quantization = None

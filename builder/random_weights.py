@@ -31,28 +31,11 @@ from .gguf_cache import cached_hf_dir
 from .output import staged_output
 from .progress import Log, Stages
 from .report import build_report_random, versions
+from .result import BuildResult
+from .shapes import shape_config
 from .sources import checksum, resolve_source
 from .tokenizer import save_tokenizer
 
-# Model shapes (ModelConfig fields), from each model's config.json.
-SHAPES: dict[str, dict[str, Any]] = {
-    # HuggingFaceTB/SmolLM2-135M-Instruct: the default model's geometry
-    "smollm2-135m": dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
-                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
-                         eos_token_ids=(2,)),
-    # meta-llama/Llama-3.1-8B(-Instruct): Llama-3-8B's layers with the 128K llama3 RoPE scaling
-    "llama3-8b": dict(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                      num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
-                      rms_norm_eps=1e-5, rope_theta=500000.0,
-                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                      tie_word_embeddings=False, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
-    # a tiny model with the default tokenizer's vocab: fast tests of the recipe path
-    "tiny": dict(architecture="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
-                 num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096, rope_theta=10000.0,
-                 tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
-}
 # engine.yaml's default max_model_len (a run overrides it): the shape's context, capped where the
 # dense KV of a batch at the full 128K would not fit any device.
 MAX_MODEL_LEN_CAP = 32768
@@ -61,18 +44,12 @@ STAGES = ("shape", "tokenizer", "checksum")
 BYTES_TOKENIZER = "bytes"
 
 
-def shape_config(shape: str) -> ModelConfig:
-    return ModelConfig(**SHAPES[shape])
-
-
 def num_parameters(cfg: ModelConfig) -> int:
     return sum(math.prod(s) for s in expected_shapes(cfg).values())
 
 
-def build_random(config: BuildConfig, log: Log):
+def build_random(config: BuildConfig, log: Log) -> BuildResult:
     """Write the engine dir `config.output` for `config.random_weights` (a recipe, no weights)."""
-    from .pipeline import BuildResult
-
     stages = Stages(log, STAGES)
     with staged_output(config.output, config.force) as tmp:
         with stages("shape") as note:
