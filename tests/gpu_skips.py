@@ -41,7 +41,7 @@ def trt_plugin_library_missing() -> str | None:
            "&& cmake --build build/tensorrt")
     if not root:
         why = ("TENSORRT_ROOT is unset: the plugins compile only against a TensorRT install with headers, "
-               "which are not obtainable on this project's machines (RECIPES.md)")
+               "which no package on PyPI ships (docs/INSTALL.md, TensorRT)")
     elif not (Path(root) / "include" / "NvInfer.h").is_file():
         why = f"TENSORRT_ROOT={root} has no include/NvInfer.h (TensorRT headers are needed to build the plugins)"
     else:

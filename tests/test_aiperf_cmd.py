@@ -1,4 +1,4 @@
-"""scripts/aiperf_run.py builds aiperf command lines that match RECIPES.md and our servers' contracts
+"""scripts/aiperf_run.py builds aiperf command lines that match aiperf 0.13's flags and our servers' contracts
 (aiperf itself is not installed for the tests: its own venv, see the script's docstring)."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from script_loader import load_script
 
-import aiperf_run  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+aiperf_run = load_script("scripts/aiperf_run.py")
 
 
 def flag(cmd: list[str], name: str) -> str:
