@@ -149,6 +149,71 @@ def check_json(body: bytes, headers: list[tuple[str, str]]) -> None:
         raise HttpError(400, f"request body is not valid JSON: {str(e)[:120]}")
 
 
+@dataclass
+class Response:
+    """An upstream response's head as read (`lower`: its headers by lower-case name, the last one
+    of a name kept) and its body's framing: "length" (`length` bytes), "chunked", "eof" or "none"."""
+    version: str
+    status: int
+    reason: str
+    headers: list[tuple[str, str]]
+    lower: dict[str, str]
+    kind: str = "none"
+    length: int = 0
+
+    @property
+    def closes(self) -> bool:
+        """The upstream closes the connection after this response."""
+        conn = self.lower.get("connection", "").lower()
+        return "close" in conn or self.version == "HTTP/1.0" and "keep-alive" not in conn
+
+
+def upstream_head(req: Request) -> bytes:
+    """The head `req` goes upstream with: hop-by-hop headers dropped, its (de-chunked) body's length
+    stated, and HTTP/1.0 asked to keep the upstream connection open."""
+    lines = [f"{req.method} {req.target} {req.version}"]
+    lines += [f"{k}: {v}" for k, v in req.headers if k.lower() not in HOP_BY_HOP]
+    if req.body or req.method in ("POST", "PUT", "PATCH") or req.header("content-length") is not None \
+            or req.header("transfer-encoding") is not None:
+        lines.append(f"Content-Length: {len(req.body)}")
+    if req.version == "HTTP/1.0":
+        lines.append("Connection: keep-alive")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+async def _read_response_head(reader: asyncio.StreamReader) -> Response:
+    """The upstream's final response head (interim 1xx responses skipped; 101 is final)."""
+    while True:
+        head = await reader.readuntil(b"\r\n\r\n")
+        status_line, _, rest = head[:-4].decode("latin-1").partition("\r\n")
+        parts = status_line.split(" ", 2)
+        status = int(parts[1])
+        if not 100 <= status < 200 or status == 101:
+            break
+    headers = [tuple(p.strip() for p in h.split(":", 1)) for h in rest.split("\r\n") if ":" in h]
+    return Response(parts[0], status, parts[2] if len(parts) > 2 else "", headers,
+                    {k.lower(): v for k, v in headers})
+
+
+def response_framing(method: str, resp: Response) -> tuple[str, int]:
+    """How the response body is delimited: (kind, length) as in `Response`."""
+    if method == "HEAD" or resp.status in (204, 304):
+        return "none", 0
+    if "chunked" in resp.lower.get("transfer-encoding", "").lower():
+        return "chunked", 0
+    if resp.lower.get("content-length", "").isdigit():
+        return "length", int(resp.lower["content-length"])
+    return "eof", 0
+
+
+def client_head(req: Request, resp: Response, keep: bool) -> bytes:
+    """The response head sent to the client, in its HTTP version, saying whether the connection stays."""
+    out = [f"{'HTTP/1.1' if req.version == 'HTTP/1.1' else 'HTTP/1.0'} {resp.status} {resp.reason}".rstrip()]
+    out += [f"{k}: {v}" for k, v in resp.headers if k.lower() not in ("connection", "keep-alive")]
+    out.append("Connection: keep-alive" if keep else "Connection: close")
+    return ("\r\n".join(out) + "\r\n\r\n").encode("latin-1")
+
+
 class Front:
     """One proxy: `await Front(...).serve()`; `close()` stops accepting and ends open connections."""
 
@@ -302,103 +367,98 @@ class Front:
     async def _forward(self, req: Request, up, writer) -> bool:
         """Send `req` upstream and stream the response back; True when the connection stays open."""
         up_reader, up_writer = up
-        lines = [f"{req.method} {req.target} {req.version}"]
-        lines += [f"{k}: {v}" for k, v in req.headers if k.lower() not in HOP_BY_HOP]
-        if req.body or req.method in ("POST", "PUT", "PATCH") or req.header("content-length") is not None \
-                or req.header("transfer-encoding") is not None:
-            lines.append(f"Content-Length: {len(req.body)}")
-        if req.version == "HTTP/1.0":
-            lines.append("Connection: keep-alive")
         try:
-            up_writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + req.body)
+            up_writer.write(upstream_head(req) + req.body)
             await up_writer.drain()
-            while True:                                      # skip interim 1xx responses
-                head = await up_reader.readuntil(b"\r\n\r\n")
-                status_line, _, rest = head[:-4].decode("latin-1").partition("\r\n")
-                parts = status_line.split(" ", 2)
-                status = int(parts[1])
-                if not 100 <= status < 200 or status == 101:
-                    break
+            resp = await _read_response_head(up_reader)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError) as e:
             self.refused += 1
             await self._answer(writer, 502, f"{self.upstream_name} closed the connection ({type(e).__name__}); "
                                             f"it may have died or be restarting: retry")
             return False
-        headers = [tuple(p.strip() for p in h.split(":", 1)) for h in rest.split("\r\n") if ":" in h]
-        lower = {k.lower(): v for k, v in headers}
-        up_close = "close" in lower.get("connection", "").lower() or parts[0] == "HTTP/1.0" \
-            and "keep-alive" not in lower.get("connection", "").lower()
-        if req.method == "HEAD" or status in (204, 304):
-            kind, length = "none", 0
-        elif "chunked" in lower.get("transfer-encoding", "").lower():
-            kind, length = "chunked", 0
-        elif lower.get("content-length", "").isdigit():
-            kind, length = "length", int(lower["content-length"])
-        else:
-            kind, length = "eof", 0
-        keep = req.keep_alive and kind != "eof"
-        reason = parts[2] if len(parts) > 2 else ""
-        peeked, first_line = b"", None
-        if status == 400 and (kind == "chunked" or kind == "length" and length <= PEEK_BYTES):
-            # tritonserver 2.51 answers every model error 400 (it reads the code of a freed error);
-            # a full queue is retryable: 503 with Retry-After, told by the model's stable message
-            try:
-                peeked, first_line = await _peek(up_reader, kind, length)
-            except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-                self.refused += 1
-                await self._answer(writer, 502, f"{self.upstream_name} closed the connection mid-response: retry")
-                return False
-            if QUEUE_FULL in peeked:
-                status, reason = 503, REASONS[503]
-                headers.append(("Retry-After", str(RETRY_AFTER_S)))
-        out = [f"{'HTTP/1.1' if req.version == 'HTTP/1.1' else 'HTTP/1.0'} {status} {reason}".rstrip()]
-        out += [f"{k}: {v}" for k, v in headers if k.lower() not in ("connection", "keep-alive")]
-        out.append("Connection: keep-alive" if keep else "Connection: close")
-        writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + peeked)
+        resp.kind, resp.length = response_framing(req.method, resp)
+        keep = req.keep_alive and resp.kind != "eof"
+        start = await self._map_model_error(up_reader, resp, writer)
+        if start is None:
+            return False
+        peeked, first_line = start
+        writer.write(client_head(req, resp, keep) + peeked)
         await writer.drain()
         # From here on an upstream failure can only cut the response short: close both sides.
-        if kind == "length":
-            await _copy(up_reader, writer, length - len(peeked))
-        elif kind == "chunked":
-            sse = lower.get("content-type", "").startswith("text/event-stream")
-            at_boundary = True
-            try:
-                while True:
-                    line = first_line if first_line is not None else await up_reader.readuntil(b"\r\n")
-                    first_line = None
-                    size = int(line[:-2].split(b";", 1)[0].strip(), 16)
-                    writer.write(line)
-                    at_boundary = False
-                    if size == 0:
-                        while True:
-                            trailer = await up_reader.readuntil(b"\r\n")
-                            writer.write(trailer)
-                            if trailer == b"\r\n":
-                                break
-                        await writer.drain()
-                        break
-                    await _copy(up_reader, writer, size + 2)
-                    at_boundary = True
-            except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-                if sse and at_boundary and not writer.is_closing():
-                    # An SSE client gets an error event, as tritonserver sends them; the connection is
-                    # then closed without the last chunk, so an HTTP client sees the response cut short.
-                    cut = STREAM_CUT if self.upstream_name == "tritonserver" else \
-                        f"{self.upstream_name} closed the stream before it finished; the request did not complete: retry"
-                    event = b"data: " + json.dumps({"error": cut}).encode() + b"\n\n"
-                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-                    try:
-                        await writer.drain()
-                    except ConnectionError:
-                        pass
-                raise
-        elif kind == "eof":
+        await self._relay_body(up_reader, writer, resp, len(peeked), first_line)
+        if resp.closes or resp.kind == "eof":
+            _close(up_writer)
+        return keep
+
+    async def _map_model_error(self, up_reader, resp: Response, writer) -> tuple[bytes, bytes | None] | None:
+        """-> (the body's start read here, a chunk-size line read but not sent) for the relay, or None
+        when the upstream broke off (answered 502 here). tritonserver 2.51 answers every model error
+        400 (it reads the code of a freed error); a full queue is retryable: this turns it into 503
+        with Retry-After, told by the model's stable message."""
+        if not (resp.status == 400 and (resp.kind == "chunked" or resp.kind == "length" and resp.length <= PEEK_BYTES)):
+            return b"", None
+        try:
+            peeked, first_line = await _peek(up_reader, resp.kind, resp.length)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+            self.refused += 1
+            await self._answer(writer, 502, f"{self.upstream_name} closed the connection mid-response: retry")
+            return None
+        if QUEUE_FULL in peeked:
+            resp.status, resp.reason = 503, REASONS[503]
+            resp.headers.append(("Retry-After", str(RETRY_AFTER_S)))
+        return peeked, first_line
+
+    async def _relay_body(self, up_reader, writer, resp: Response, sent: int, first_line: bytes | None) -> None:
+        """Copy the response body on as it comes, after the `sent` bytes the head went out with."""
+        if resp.kind == "length":
+            await _copy(up_reader, writer, resp.length - sent)
+        elif resp.kind == "chunked":
+            sse = resp.lower.get("content-type", "").startswith("text/event-stream")
+            await self._relay_chunks(up_reader, writer, first_line, sse)
+        elif resp.kind == "eof":
             while data := await up_reader.read(65536):
                 writer.write(data)
                 await writer.drain()
-        if up_close or kind == "eof":
-            _close(up_writer)
-        return keep
+
+    async def _relay_chunks(self, up_reader, writer, first_line: bytes | None, sse: bool) -> None:
+        """Copy a chunked body chunk by chunk, trailers included (`first_line`: a size line read
+        already); cut off between two chunks, an SSE stream gets an error event first."""
+        at_boundary = True
+        try:
+            while True:
+                line = first_line if first_line is not None else await up_reader.readuntil(b"\r\n")
+                first_line = None
+                size = int(line[:-2].split(b";", 1)[0].strip(), 16)
+                writer.write(line)
+                at_boundary = False
+                if size == 0:
+                    while True:
+                        trailer = await up_reader.readuntil(b"\r\n")
+                        writer.write(trailer)
+                        if trailer == b"\r\n":
+                            break
+                    await writer.drain()
+                    return
+                await _copy(up_reader, writer, size + 2)
+                at_boundary = True
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+            if sse and at_boundary:
+                await self._send_cut_event(writer)
+            raise
+
+    async def _send_cut_event(self, writer) -> None:
+        """An SSE client gets an error event, as tritonserver sends them; the connection is then
+        closed without the last chunk, so an HTTP client sees the response cut short."""
+        if writer.is_closing():
+            return
+        cut = STREAM_CUT if self.upstream_name == "tritonserver" else \
+            f"{self.upstream_name} closed the stream before it finished; the request did not complete: retry"
+        event = b"data: " + json.dumps({"error": cut}).encode() + b"\n\n"
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        try:
+            await writer.drain()
+        except ConnectionError:
+            pass
 
 
 async def _peek(reader: asyncio.StreamReader, kind: str, length: int) -> tuple[bytes, bytes | None]:
