@@ -1,6 +1,7 @@
 """Run the tritonserver that ships inside the `nvidia-pytriton` wheel (no container, no GPU needed).
 
-RECIPES.md ("Triton Inference Server, CPU-only, from PyPI") lists what this encodes:
+The wheel's server runs outside NVIDIA's container, on a machine without a GPU too, once it is given
+what follows (installing the wheel: docs/INSTALL.md, "Triton Inference Server"); this module builds it:
 - a backend dir `<dir>/python/` holding libtriton_python.so, triton_python_backend_utils.py and the
   stub built for this interpreter's Python version;
 - `LD_LIBRARY_PATH=<LIBDIR of this python>:<site-packages>/nvidia_pytriton.libs`, or the stub loads the
