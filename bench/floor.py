@@ -1,4 +1,4 @@
-"""The floors of a decode step, for scripts/bench.py.
+"""The floors of a decode step, for scripts/bench_decode.py.
 
 A decode step must at least read its weights and the KV it attends over once; at the machine's
 memory bandwidth, measured in the same run, that takes
@@ -136,7 +136,7 @@ def memory_bandwidth(gib: float = 1.0, reps: int = 3, device: str | torch.device
 
 class BandwidthProbe:
     """The memory bandwidth *while* a benchmark runs: `sample()` times one `sum` over a `gib` GiB
-    fp32 tensor on torch's current threads and returns GB/s read. bench.py takes one sample after
+    fp32 tensor on torch's current threads and returns GB/s read. bench_decode.py takes one sample after
     each round of timed decode steps. On a machine whose speed drifts by tens of percent within
     minutes (a shared VM), a floor that divides by a bandwidth measured once at the start is tied
     to that minute, not to the minutes the steps ran in. The floor divides by the samples'

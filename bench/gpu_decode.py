@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Decode-step timing of the real engine, dense vs lookahead, under one device KV budget.
 
-    python scripts/gpu_decode_bench.py --engines llama3-8b=out/engines/llama3-8b --out out/bench   # GPU, 32K
-    python scripts/gpu_decode_bench.py --device cpu --engines tiny=/tmp/tiny --context 256 \\
+    python -m bench.gpu_decode --engines llama3-8b=out/engines/llama3-8b --out out/bench   # GPU, 32K
+    python -m bench.gpu_decode --device cpu --engines tiny=/tmp/tiny --context 256 \\
         --steps 2 --warmup 1 --top-k 2 --recent-window 16 --bandwidth-gib 0.0625 --out /tmp/b   # CPU smoke
 
 The engines are engine dirs (`NAME=DIR`, comma-separated), normally the random-weights dirs of
@@ -13,10 +12,10 @@ as chance, so the lookahead rows copy more than a trained model's would.
 
 Each engine dir runs in a child process of its own (a sticky CUDA fault in one loses none of the
 others' rows); every row is written to `<out>/decode_bench.json` as soon as it is measured
-(scripts/gpu_results.py), and the table is printed last.
+(bench/gpu_results.py), and the table is printed last.
 
 Per shape (one child process):
-1. the bandwidths of this run (bench_floor.device_bandwidths): a device-to-device copy (the
+1. the bandwidths of this run (bench.floor.device_bandwidths): a device-to-device copy (the
    device's memory) and a pinned host-to-device copy (the host link);
 2. one model, loaded once: `Engine.from_dir(DIR, device=...)`, and every measured engine is an
    `Engine(...)` over that model (as `Engine.sibling` makes them) with its own config and pools;
@@ -60,7 +59,7 @@ Timing (the same code on CPU, where StreamClock reads perf_counter):
   cloned) replayed through the same transfer engine with nothing else running: its wall time,
   first submit to last landing on the compute stream (the two copy streams run at once, so the
   sum of their busy times, kept as `copy_alone.busy_s`, would count overlapping copies twice).
-- floor = max(device bytes / device bandwidth, H2D bytes / H2D bandwidth) (bench_floor.step_floor),
+- floor = max(device bytes / device bandwidth, H2D bytes / H2D bandwidth) (bench.floor.step_floor),
   with device bytes = the weights once + per sequence all KV at the context (dense) or the
   working set each layer attends over + the block summaries (lookahead) + the step's H2D bytes;
   x floor = ms/step over it.
@@ -105,24 +104,21 @@ from typing import Any
 
 import torch
 
+from bench.floor import StreamClock, device_bandwidths, step_floor, step_read_bytes, weight_bytes
+from bench.gpu_results import ResultFile
+from runtime.config import LookaheadConfig
+from runtime.engine import Engine
+from runtime.engine_dir import load_manifest
+from runtime.kv_pool import KVPool
+from runtime.lookahead.layout import num_buffers
+from runtime.memory_plan import DTYPE_BYTES, available_host_bytes, plan_memory
+from runtime.prefill_cache import PrefillCache
+from runtime.sampling import SamplingParams
+from runtime.step import StepBatch, StepItem
+from runtime.transfer import Ticket, TransferEngine, make_transfer_engine
+from runtime.transfer.overlap import hidden_share, share_or_none
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_floor import StreamClock, device_bandwidths, step_floor, step_read_bytes, weight_bytes  # noqa: E402
-from gpu_results import ResultFile  # noqa: E402
-
-from runtime.config import LookaheadConfig  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
-from runtime.engine_dir import load_manifest  # noqa: E402
-from runtime.kv_pool import KVPool  # noqa: E402
-from runtime.lookahead.layout import num_buffers  # noqa: E402
-from runtime.memory_plan import DTYPE_BYTES, available_host_bytes, plan_memory  # noqa: E402
-from runtime.prefill_cache import PrefillCache  # noqa: E402
-from runtime.sampling import SamplingParams  # noqa: E402
-from runtime.step import StepBatch, StepItem  # noqa: E402
-from runtime.transfer import Ticket, TransferEngine, make_transfer_engine  # noqa: E402
-from runtime.transfer.overlap import hidden_share, share_or_none  # noqa: E402
 
 try:                                             # the observation hooks (runtime/observe.py)
     from runtime.observe import Observer
@@ -141,11 +137,11 @@ TARGETS = {"speedup_at_equal_budget": 2.0, "hidden_share": 0.90, "x_floor": 1.6}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_decode", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", required=True, help="NAME=DIR[,NAME=DIR...]: engine dirs, in the order they run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", type=Path, default=Path("out/gpu_decode_bench"), help=f"directory for {RESULTS}")
+    p.add_argument("--out", type=Path, default=Path("out/gpu_decode"), help=f"directory for {RESULTS}")
     p.add_argument("--modes", default="dense,resident,pingpong")
     p.add_argument("--context", type=int, default=32768,
                    help="prompt tokens per sequence (capped by the engine's max_position_embeddings, with a note)")
@@ -519,14 +515,14 @@ def sizing(mcfg, cfg: LookaheadConfig, dtype_bytes: int, device_type: str) -> Si
 
 
 def weight_read_bytes(model) -> int:
-    """bench_floor.weight_bytes for our model: an untied input embedding is left out."""
+    """bench.floor.weight_bytes for our model: an untied input embedding is left out."""
     emb = model.embed_tokens.weight
     return weight_bytes(model, emb, emb if model.lm_head is None else model.lm_head.weight)
 
 
 def floor_fields(weights: int, kv_bytes_per_token: int, context: int, batch: int, mode: str, size: Sizing,
                  h2d_per_step: float, ms_per_step: float, bw: dict[str, Any]) -> dict[str, Any]:
-    """The step's device bytes (bench_floor.step_read_bytes), its floor over both links and ms/step
+    """The step's device bytes (bench.floor.step_read_bytes), its floor over both links and ms/step
     over it."""
     sparse = None if mode == "dense" else (size.attended[mode], size.summaries)
     device_bytes = step_read_bytes(weights, kv_bytes_per_token, context, batch, sparse, h2d_per_step)
@@ -836,7 +832,7 @@ def print_table(doc: dict[str, Any]) -> None:
 
 
 def child_argv(args, name: str) -> list[str]:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child-shape", name]
+    argv = [sys.executable, "-m", "bench.gpu_decode", "--child-shape", name]
     if args.deadline:
         argv += ["--deadline", str(args.deadline)]
     for key, value in vars(args).items():
@@ -851,7 +847,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_decode_bench: --device cuda but torch.cuda.is_available() is False "
+        print("gpu_decode: --device cuda but torch.cuda.is_available() is False "
               "(use --device cpu for the smoke run)", file=sys.stderr)
         return 2
     out = args.out / RESULTS

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """One-shot check of the lookahead CUDA kernels (the kernel part of the H200 check).
 
-    python scripts/gpu_kernel_check.py --out out/gpu_kernel_check [--no-large]
-    python scripts/gpu_kernel_check.py --device cpu --out /tmp/k     # CPU smoke: the same machinery
+    python -m bench.gpu_kernels --out out/gpu_kernels [--no-large]
+    python -m bench.gpu_kernels --device cpu --out /tmp/k     # CPU smoke: the same machinery
 
 1. Loads the kernels through ``plugins.cuda.loader`` (the torch extension: in scripts/gpu_check.sh
    built by the kbuild step before this runs, and imported here with ``LOOKAHEAD_CUDA_PREBUILT=1``,
@@ -20,7 +19,7 @@
    child process of this script with a timeout, so a sticky CUDA fault or a hang there cannot
    take the other results with it.
 
-Every check is appended to ``<out>/kernel_check.json`` as soon as it has run (scripts/gpu_results.py;
+Every check is appended to ``<out>/kernel_check.json`` as soon as it has run (bench/gpu_results.py;
 the child appends to the same file), and a short table is printed last. Exits 2 without CUDA
 (unless ``--device cpu``), 1 if any numerics check fails.
 
@@ -50,12 +49,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_floor import StreamClock  # noqa: E402
-from gpu_results import ResultFile  # noqa: E402
+from bench.floor import StreamClock
+from bench.gpu_results import ResultFile
 
 RESULTS = "kernel_check.json"
 OPS = ("block_gather", "block_topk", "update_summaries", "lookahead_attention")
@@ -286,7 +281,7 @@ def run_child(args, results: ResultFile, device: torch.device) -> int:
 
 def spawn_child(case_set: str, args, results: ResultFile) -> dict:
     """This script as a child process running one case set; its checks land in the same JSON."""
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", case_set, "--out", str(args.out),
+    argv = [sys.executable, "-m", "bench.gpu_kernels", "--child", case_set, "--out", str(args.out),
             "--device", args.device]
     t0 = time.perf_counter()
     try:
@@ -348,8 +343,8 @@ def print_table(doc: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("out/gpu_kernel_check"), help=f"directory for {RESULTS}")
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("out/gpu_kernels"), help=f"directory for {RESULTS}")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cuda (the check), or cpu (a smoke run of the same code against the torch ops)")
     parser.add_argument("--no-large", action="store_true", help="skip the >2^31-element cases (~16 GB)")
@@ -362,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_kernel_check: no CUDA device (torch.cuda.is_available() is False); this check runs on the GPU "
+        print("gpu_kernels: no CUDA device (torch.cuda.is_available() is False); this check runs on the GPU "
               "machine (use --device cpu for the smoke run)", file=sys.stderr)
         return 2
     cuda = device.type == "cuda"
@@ -388,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - the build log is the one thing worth keeping here
             results.update(build_s=time.perf_counter() - t0, build_error=f"{type(e).__name__}: {e}"[-4000:],
                            build_dir=str(loader.build_dir()), targets_met={"numerics": False})
-            print(f"gpu_kernel_check: the extension did not build: {type(e).__name__}: {e}", file=sys.stderr)
+            print(f"gpu_kernels: the extension did not build: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
     else:
         ext = DispatchEntryPoints()

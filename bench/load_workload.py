@@ -71,7 +71,7 @@ class Prompts:
 
 def load_essays() -> str:
     """Paul Graham's essays as one document (the loader the accuracy scripts use)."""
-    from longctx_data import load_essays as essays
+    from bench.longctx_data import load_essays as essays
     try:
         return "\n\n".join(essays())
     except ModuleNotFoundError as e:

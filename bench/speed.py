@@ -1,5 +1,5 @@
-"""Helpers of scripts/bench.py: prompts, our step-wise decoder, profiling, machine info, table and
-plot (transformers' decoders are in scripts/bench_hf.py, the bandwidth floor in bench_floor.py).
+"""Helpers of scripts/bench_decode.py: prompts, our step-wise decoder, profiling, machine info, table and
+plot (transformers' decoders are in bench/hf.py, the bandwidth floor in bench/floor.py).
 
 Every decoder exposes the same two calls, `prefill()` and `step()`, so the benchmark can interleave
 them step by step: a burst of load from another process then slows every side alike.
@@ -128,7 +128,7 @@ class ContextSeedDraft(DraftSource):
     """The draft chain as it was seeded before pre-decoding (commit 116b2bd and earlier): the
     first draft is the current token itself, and a wrong draft's successor is kept. With
     `resync_after=0` the engine then runs exactly the old chain, so old and new are timed side by
-    side in one process (bench.py's `+context-seed` modes)."""
+    side in one process (bench_decode.py's `+context-seed` modes)."""
 
     def propose(self, context: list[int], model_guess: int | None) -> int:
         return model_guess if model_guess is not None else context[-1]
@@ -320,7 +320,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-# ---- the modeled link sweep (bench.py --link-sweep) ---------------------------------------------
+# ---- the modeled link sweep (bench_decode.py --link-sweep) ---------------------------------------------
 # An H200's host link against its device memory: PCIe Gen5 x16, ~55 GB/s achievable, against
 # HBM3e at ~4.8 TB/s. The sweep marks the link bandwidth whose ratio to this machine's device-tier
 # (RAM) bandwidth is the same.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What a sparse decode step's attention costs where the KV lies, against dense, on this CPU.
 
-    .venv/bin/python scripts/attention_sparsity.py --engine engines/int8 --context 8192 --batch 4 --threads 2 \\
+    .venv/bin/python experiments/attention_sparsity.py --engine engines/int8 --context 8192 --batch 4 --threads 2 \\
         --json build/attention_sparsity.json
 
 Times, per step and per layer, the kernels a sparse step could run in place of the device tier's
@@ -25,15 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from plugins import cpu  # noqa: E402
-from plugins.cpu import ops  # noqa: E402
-from runtime.engine_dir import load_manifest  # noqa: E402
-from runtime.lookahead.layout import SlotLayout  # noqa: E402
+from plugins import cpu
+from plugins.cpu import ops
+from runtime.engine_dir import load_manifest
+from runtime.lookahead.layout import SlotLayout
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How much of a dense decode step is spent outside the C kernels, with the fused step off and on.
 
-    .venv/bin/python scripts/step_overhead.py --engine engines/default engines/int8 --context 2048 8192 \\
+    .venv/bin/python experiments/step_overhead.py --engine engines/default engines/int8 --context 2048 8192 \\
         --batch 1 4 --steps 20 --repeats 5 --threads 1 --fused off on --json build/step_overhead.json
 
 For each (engine, context, batch) it makes one engine per `--fused` setting over the same loaded
@@ -32,15 +32,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from plugins.cpu import loader  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
-from runtime.model import FUSED_ENV  # noqa: E402
-from runtime.sampling import SamplingParams  # noqa: E402
+from plugins.cpu import loader
+from runtime.engine import Engine
+from runtime.model import FUSED_ENV
+from runtime.sampling import SamplingParams
 
 
 class KernelClock:

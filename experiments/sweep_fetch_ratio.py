@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prefetch hit rate and on-demand fetches against `fetch_ratio` (capped eviction), on one prompt.
 
-    python scripts/sweep_fetch_ratio.py --context 8192 --ratios 0.05 0.1 0.15 0.2 0.25 --json results/fetch_ratio_8k.json
+    python experiments/sweep_fetch_ratio.py --context 8192 --ratios 0.05 0.1 0.15 0.2 0.25 --json results/fetch_ratio_8k.json
 
 One RULER single-needle prompt of `--context` tokens is prefilled once; every (miss policy,
 fetch ratio) pair decodes `--tokens` greedy tokens from a replay of that prefill
@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+from bench import longctx_data as data
+from bench.runs import EngineFactory, set_threads
 
-import longctx_data as data  # noqa: E402
-from eval_accuracy import EngineFactory, set_threads  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -5,8 +5,8 @@
     scripts/aiperf_run.py --target triton --url http://127.0.0.1:8000              # run it, print the summary
     scripts/aiperf_run.py --target both --openai-url http://127.0.0.1:8100 --triton-url http://127.0.0.1:8000
 
-Targets (RECIPES.md, "aiperf"):
-- `openai`: the OpenAI endpoint (the Dynamo frontend: serving/dynamo_launch.py), streaming
+Targets:
+- `openai`: the OpenAI endpoint (the Dynamo frontend: deploy/dynamo_launch.py), streaming
   chat (`--endpoint-type chat --streaming`);
 - `triton`: Triton's HTTP `/v2/models/lookahead_llm/generate_stream`, through aiperf's template
   endpoint: a Jinja payload template (written to the artifact dir) renders each request as the
@@ -37,7 +37,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 TRITON_MODEL = "lookahead_llm"
 EXPORT = "profile_export_aiperf.json"
@@ -169,15 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
 def our_load_test(args: argparse.Namespace, target: str, url: str) -> dict[str, dict]:
     """scripts/load_test.py's served summary for the aiperf workload, in aiperf's metric names."""
     import tempfile
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import load_test
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "load.json"
         where = ["--openai-url", url] if target == "openai" else ["--url", url]
-        load_test.main([*where, "--engine", args.engine, "--concurrency", str(args.concurrency),
-                        "--num-requests", str(args.request_count), "--prompt-len", str(args.isl),
-                        "--prompt-len-std", "0", "--max-tokens", str(args.osl), "--seed", str(args.seed),
-                        "--no-progress", "--json", str(out)] + ([] if args.ignore_eos else ["--no-ignore-eos"]))
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "load_test.py"), *where, "--engine", args.engine,
+                        "--concurrency", str(args.concurrency), "--num-requests", str(args.request_count),
+                        "--prompt-len", str(args.isl), "--prompt-len-std", "0", "--max-tokens", str(args.osl),
+                        "--seed", str(args.seed), "--no-progress", "--json", str(out)]
+                       + ([] if args.ignore_eos else ["--no-ignore-eos"]))   # its exit status: errors, still summarized
         r = json.loads(out.read_text())["results"]["served"]
     pct = lambda d, unit: {"unit": unit, "avg": d.get("mean", d.get("p50")), "p50": d["p50"], "p99": d["p99"]}  # noqa: E731
     return {"time_to_first_token": pct(r["ttft_ms"], "ms"), "inter_token_latency": pct(r["itl_ms"], "ms"),

@@ -1,4 +1,4 @@
-"""Old commit against new: bench.py from two commits, run alternately in one session (ABBA order).
+"""Old commit against new: bench_decode.py from two commits, run alternately in one session (ABBA order).
 
     python scripts/bench_ab.py --old ddb024d --new HEAD --rounds 2 --json results/ab.json -- \
         --contexts 8192 --batches 4 --hf-impls default --decode-steps 16 --modes all
@@ -40,7 +40,10 @@ def worktree(ref: str) -> tuple[str, Path]:
 
 def run_once(path: Path, bench_args: list[str], out: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, str(path / "scripts" / "bench.py"), *bench_args, "--json", str(out)]
+    script = path / "scripts" / "bench_decode.py"
+    if not script.exists():                 # a commit from before its rename
+        script = path / "scripts" / "bench.py"
+    cmd = [sys.executable, str(script), *bench_args, "--json", str(out)]
     print(f"$ ({path.name}) {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, cwd=path, env=env, check=True)
     return json.loads(out.read_text())

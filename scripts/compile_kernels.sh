@@ -2,12 +2,14 @@
 # Compile-check the lookahead CUDA kernels for sm_90 (H100 / H200) with plain nvcc; no GPU needed.
 #
 #   scripts/compile_kernels.sh [OUTDIR]        (default: build/cuda)
+#   scripts/compile_kernels.sh --help          this text
 #
 # Writes OUTDIR/liblookahead_kernels.so (the extern "C" launchers of plugins/cuda/lookahead_kernels.h),
 # OUTDIR/ptxas.log (the full -Xptxas -v report) and OUTDIR/ptxas_summary.txt (one line per kernel:
 # registers, stack frame, spill stores / loads). Exits non-zero if nvcc fails or any kernel spills.
 # NVCC overrides the compiler (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc).
 set -euo pipefail
+case "${1:-}" in -h | --help) sed -n '2,/^set -euo pipefail/{/^set -euo/d; s/^# \{0,1\}//; p}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SRC="$ROOT/plugins/cuda"

@@ -5,7 +5,7 @@ lookahead mode, their answers and numbers side by side, then the load test (what
     scripts/demo.py [--engine engines/default] [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
                     [--task niah_single --context 5120 --max-tokens 16] [--no-load-test] [--dry-run]
 
-1. The question: a RULER needle-in-a-haystack sample (`scripts/longctx_data.py`: a 7-digit "magic
+1. The question: a RULER needle-in-a-haystack sample (`bench/longctx_data.py`: a 7-digit "magic
    number" hidden in Paul Graham essays, ~5K tokens with the engine's chat template). The answer
    is checkable: RULER's scorer says whether the model found the needle.
 2. `scripts/serve.sh start --mode dense`, the question over HTTP `/v2/models/lookahead_llm/
@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 MODEL = "lookahead_llm"
 MODES = ("dense", "lookahead")
@@ -171,7 +170,7 @@ FOLLOW_UP_TOKENS = 32
 
 
 def make_question(engine_dir: str | Path, task: str, context_len: int, index: int = 0) -> Question:
-    import longctx_data as data
+    from bench import longctx_data as data
     from runtime.tokenizer import TextTokenizer
     tok = TextTokenizer(Path(engine_dir) / "tokenizer")
     count = lambda s: len(tok.encode(s))  # noqa: E731
@@ -185,7 +184,7 @@ def make_question(engine_dir: str | Path, task: str, context_len: int, index: in
 
 def found(answer: str, q: Question) -> bool | None:
     """Whether the answer has the expected one (None: a question whose answer is not checked)."""
-    import longctx_data as data
+    from bench import longctx_data as data
     return data.score(answer, q.answers, q.metric) >= 1.0 if q.answers else None
 
 
@@ -522,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--run-dir", help=f"serve.sh's --run-dir (default: serve.sh's, {DEFAULT_RUN_DIR})")
-    p.add_argument("--task", default="niah_single", help="a RULER task of scripts/longctx_data.py")
+    p.add_argument("--task", default="niah_single", help="a RULER task of bench/longctx_data.py")
     p.add_argument("--context", type=int, default=5120,
                    help="RULER length: prompt + RULER's answer reserve (5120: a ~5K-token prompt)")
     p.add_argument("--index", type=int, default=0, help="which sample of the task")

@@ -3,7 +3,7 @@
 
     python scripts/eval_accuracy.py --engine engines/default --contexts 2048 4096 --samples 2
 
-Tasks come from RULER's packaged generators (scripts/longctx_data.py): single-key, multi-key and
+Tasks come from RULER's packaged generators (bench/longctx_data.py): single-key, multi-key and
 multi-value needles in Paul Graham essays, variable tracking, SQuAD and HotpotQA QA. Every mode
 decodes greedily from the same prompt; RULER's scorer (substring match of the expected values)
 grades the output. Per-task accuracy and its paired delta vs dense are printed last and written
@@ -31,11 +31,11 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))          # run from a checkout without pip install
-sys.path.insert(0, str(ROOT / "scripts"))
+from bench import longctx_data as data
+from bench.runs import (EngineFactory, add_run_args, append_record, engine_policy, machine_info, mode_overrides,
+                        set_threads)
 
-import longctx_data as data  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 ALL_MODES = ("dense", "resident:urgent", "resident:drop", "pingpong:urgent", "pingpong:drop")
 # Answer lengths: a 7-digit number is ~9 tokens here (digits are single tokens); four of them
@@ -46,56 +46,6 @@ STAT_KEYS = ("agreement_mean", "prefetch_hit_rate", "draft_accept_rate", "urgent
 
 
 # ---- engines ----------------------------------------------------------------------------------
-def mode_overrides(mode: str, top_k: int) -> dict[str, Any]:
-    """'dense' or 'RESIDENCY:MISS_POLICY[@FIELD=VALUE,...]' -> LookaheadConfig overrides, e.g.
-    'resident:urgent@group_score=max,top_k=64' (a field set there wins over --top-k)."""
-    if mode == "dense":
-        return {"mode": "dense"}
-    base, _, extra = mode.partition("@")
-    residency, _, miss = base.partition(":")
-    out: dict[str, Any] = {"mode": "lookahead", "residency": residency, "miss_policy": miss, "top_k": top_k}
-    for item in filter(None, extra.split(",")):
-        name, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"{item!r} in mode {mode!r}: expected FIELD=VALUE")
-        out[name] = _typed(value)
-    return out
-
-
-def _typed(value: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
-
-
-class EngineFactory:
-    """Engines that share one loaded model (it holds no per-request state) and one prefill cache.
-
-    A fresh engine per run gives per-run stats and costs a KV-pool allocation, not a weight load.
-    The modes of a sample run back to back on the same prompt: the first prefills it, the others
-    replay that prefill (runtime/prefill_cache.py; decoding is bit-identical to a fresh prefill).
-    """
-
-    def __init__(self, engine_dir: str | Path, max_model_len: int):
-        from runtime.engine import Engine
-        from runtime.prefill_cache import PrefillCache
-        self.max_model_len = max_model_len
-        self.prefill_cache = PrefillCache(max_prompts=1)
-        self.base = Engine.from_dir(engine_dir, max_batch_size=1, max_model_len=max_model_len,
-                                    num_host_blocks=1)
-        self.tokenizer = self.base.tokenizer
-
-    def make(self, **overrides: Any):
-        return self.base.sibling(self.prefill_cache, max_batch_size=1, max_model_len=self.max_model_len,
-                                 **overrides)
-
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text))
-
-
 def num_candidates(cfg, context_len: int) -> int:
     """Blocks the top-K chooses from at `context_len` tokens (full blocks between sink and window)."""
     from runtime.lookahead.layout import SlotLayout
@@ -126,17 +76,6 @@ def settings_key(args: argparse.Namespace) -> str:
     return hashlib.sha1(json.dumps(s, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def engine_policy(engine_dir: str | Path) -> dict[str, Any]:
-    """The lookahead config a mode starts from (engine.yaml + the runtime's defaults): records made
-    under other defaults (e.g. before group_score's default changed) are not comparable."""
-    from runtime.engine_dir import load_manifest
-    from runtime.errors import EngineDirError
-    try:
-        return load_manifest(engine_dir, verify_checksums=False).lookahead.to_dict()
-    except EngineDirError:      # no engine: nothing to run, and --report-only finds no records
-        return {}
-
-
 def record_key(task: str, context: int, index: int, mode: str) -> str:
     return f"{task}|{context}|{index}|{mode}"
 
@@ -153,12 +92,6 @@ def load_records(path: Path, settings: str) -> dict[str, dict]:
         if r.get("settings") == settings:
             recs[record_key(r["task"], r["context"], r["index"], r["mode"])] = r
     return recs
-
-
-def append_record(path: Path, rec: dict) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(rec) + "\n")
-        f.flush()
 
 
 # ---- summary ----------------------------------------------------------------------------------
@@ -348,32 +281,6 @@ def run_missing(args: argparse.Namespace, settings: str, jsonl: Path, done: dict
                     done[key] = rec
                     bar.update(1)
     bar.close()
-
-
-def add_run_args(p, stem: str, unit: str, report: str) -> None:
-    """The flags every resumable evaluation script shares (this one and profile_agreement.py)."""
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads; 1 because on a shared 2-core machine OpenMP's spin-waiting "
-                        "threads made runs 3-15x slower (measured), 2 on an idle machine")
-    p.add_argument("--report-only", action="store_true", help=f"run nothing: {report}")
-    p.add_argument("--jsonl", default=str(ROOT / "results" / f"{stem}.jsonl"),
-                   help=f"{unit} results, appended (the resume state)")
-    p.add_argument("--json", default=str(ROOT / "results" / f"{stem}.json"), help="summary")
-
-
-def set_threads(n: int) -> None:
-    import torch
-    torch.set_num_threads(n)
-
-
-def machine_info() -> dict:
-    import os
-    import platform
-
-    import torch
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "platform": platform.platform(), "python": platform.python_version()}
 
 
 if __name__ == "__main__":

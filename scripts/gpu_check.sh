@@ -5,6 +5,7 @@
 #   scripts/gpu_check.sh                    # results under ${OUT:-out/gpu_check}
 #   scripts/gpu_check.sh --dry-run          # here, without a GPU: every Python stage on CPU, small shapes
 #   scripts/gpu_check.sh --prepare          # here, with the network: fill build/wheelhouse (pytest)
+#   scripts/gpu_check.sh --help             # this text
 #
 # On the GPU machine (the `run` tool; its $OUT is the folder that comes back, and this script writes
 # there), with the wheelhouse carried (ignored by git, so it must be named):
@@ -19,9 +20,9 @@
 #   summary.txt          the stage table, replaced after every stage (a kill keeps what finished)
 #   setup.log            the env and build stages' output
 #   kernels.log          the extension build (kbuild) and the kernel checks
-#   kernel_check.json    scripts/gpu_kernel_check.py's results
+#   kernel_check.json    python -m bench.gpu_kernels's results
 #   tests.log            pytest's output
-#   bench.log            scripts/gpu_decode_bench.py's output and table
+#   bench.log            python -m bench.gpu_decode's output and table
 #   decode_bench.json    its results
 # Every JSON is replaced atomically (temporary file + rename) after each check or row, so a
 # sticky CUDA fault or a kill at any moment loses nothing recorded before it.
@@ -40,12 +41,12 @@
 #                   build/torch_ext/lock removed first; the torch extension, all .cu + the
 #                   bindings, for sm_90); from then on every process imports the built module
 #                   (LOOKAHEAD_CUDA_PREBUILT=1: no compile, no lock)             -> kernels.log
-#   kernels    85   scripts/gpu_kernel_check.py: numerics through the extension,
+#   kernels    85   python -m bench.gpu_kernels: numerics through the extension,
 #                   torch.ops and the wrappers, bandwidths; the >2^31-element cases
 #                   in a child process (50 s)                                     -> kernels.log, kernel_check.json
 #   tests      60   pytest -m "not slow" tests/test_transfer_cuda.py tests/test_cuda_kernels.py
 #                                                                                 -> tests.log
-#   bench     150   scripts/gpu_decode_bench.py: the real engine, dense vs lookahead under one
+#   bench     150   python -m bench.gpu_decode: the real engine, dense vs lookahead under one
 #                   device KV budget at 32K, each shape in a child process         -> bench.log, decode_bench.json
 # The summary table is printed last (summary.txt). Exit status: 0 when every stage passed, 2
 # without a usable GPU, 1 otherwise.
@@ -54,9 +55,9 @@
 # repository's .venv, under limits shifted for a shared 2-core machine (env 25, build 30, kbuild 20,
 # bench 200; the same 420 s in all): env without the GPU requirement; build writes the `tiny` random-weights shape;
 # kbuild removes a stale lock and prints its plan (no CUDA build of torch here); kernels runs
-# gpu_kernel_check.py --device cpu (the checks' machinery against the torch ops, a child process,
+# bench.gpu_kernels --device cpu (the checks' machinery against the torch ops, a child process,
 # the bandwidth code); tests collects the CUDA test files (through the wheelhouse when there is
-# one); bench runs gpu_decode_bench.py on CPU over the tiny engine (256 tokens, every row, the
+# one); bench runs bench.gpu_decode on CPU over the tiny engine (256 tokens, every row, the
 # satisfied-transfer round, the copy replay, the graph path's eager half).
 # GPU_CHECK_STAGES (default env,build,kbuild,kernels,tests,bench) runs only the stages it names
 # (tests/test_gpu_import.py runs the env stage with a GPU reported).
@@ -71,11 +72,15 @@ DRY=0 PREPARE=0
 case "${1:-}" in
     --dry-run) DRY=1 ;;
     --prepare) PREPARE=1 ;;
+    -h | --help) sed -n '2,/^set -uo pipefail/{/^set -uo/d; s/^# \{0,1\}//; p}' "${BASH_SOURCE[0]}"; exit 0 ;;
     "") ;;
-    *) echo "gpu_check: unknown option $1 (use --dry-run, --prepare, or nothing)" >&2; exit 2 ;;
+    *) echo "gpu_check: unknown option $1 (use --dry-run, --prepare, --help, or nothing)" >&2; exit 2 ;;
 esac
 PY="${PYTHON:-python3}"
 if [[ ($DRY == 1 || $PREPARE == 1) && -z "${PYTHON:-}" && -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; fi
+# The repository's packages (runtime, builder, plugins, bench) for every python this starts, also
+# where they are not pip-installed (the GPU machine's python): the stages run `python -m bench.x`.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 WHEELHOUSE="${WHEELHOUSE:-$ROOT/build/wheelhouse}"
 WHEELHOUSE_MAX_MIB=16               # of the 64 MiB the working tree may take to the GPU machine
 
@@ -185,9 +190,9 @@ run_stage() {
     fi
 }
 
-# summary KIND JSON: one line about a stage's JSON (scripts/gpu_results.py; empty when there is none)
+# summary KIND JSON: one line about a stage's JSON (bench/gpu_results.py; empty when there is none)
 summary() {
-    [[ -f "$2" ]] && "$PY" scripts/gpu_results.py "$1" "$2" 2>/dev/null
+    [[ -f "$2" ]] && "$PY" -m bench.gpu_results "$1" "$2" 2>/dev/null
 }
 
 # ---- env: checks only (the imports compile nothing) --------------------------------------------
@@ -309,13 +314,13 @@ wait_cpu_library
 if wanted kernels; then
     kernel_args=(--out "$OUT" --child-timeout 50)
     [[ $DRY == 1 ]] && kernel_args+=(--device cpu)
-    run_stage kernels "$T_KERNELS" "$OUT/kernels.log" "$PY" scripts/gpu_kernel_check.py "${kernel_args[@]}"
+    run_stage kernels "$T_KERNELS" "$OUT/kernels.log" "$PY" -m bench.gpu_kernels "${kernel_args[@]}"
     record kernels "$STAGE_STATUS" "$STAGE_SECS" "$(summary kernels "$OUT/kernel_check.json")"
 fi
 
 # ---- tests -------------------------------------------------------------------------------------
 # pytest from the wheelhouse when the machine's python has none (the dry run takes it whenever the
-# wheelhouse is there, to exercise this path); its PYTHONPATH is the tests stage's alone.
+# wheelhouse is there, to exercise this path), first on the tests stage's PYTHONPATH alone.
 if wanted tests; then
     TEST_ENV=(env)
     if compgen -G "$WHEELHOUSE/pytest-*.whl" >/dev/null && { [[ $DRY == 1 ]] || ! "$PY" -c 'import pytest' 2>/dev/null; }; then
@@ -351,7 +356,7 @@ if wanted bench; then
     else
         bench_args+=(--steps 16 --warmup 3 --equal-batch-modes resident)
     fi
-    run_stage bench "$T_BENCH" "$OUT/bench.log" "$PY" scripts/gpu_decode_bench.py "${bench_args[@]}"
+    run_stage bench "$T_BENCH" "$OUT/bench.log" "$PY" -m bench.gpu_decode "${bench_args[@]}"
     record bench "$STAGE_STATUS" "$STAGE_SECS" "$(summary bench "$OUT/decode_bench.json")"
 fi
 

@@ -4,16 +4,18 @@
 #
 #   scripts/install_dynamo.sh                 # .venv/bin/python
 #   scripts/install_dynamo.sh /path/to/python
+#   scripts/install_dynamo.sh --help          # this text
 #
 # Why not `pip install ai-dynamo`: it requires `aisimulate`, a stub wheel that downloads from a host
-# outside the package registries (only `dynamo.planner` imports it), so the install fails. What works
-# (RECIPES.md, "NVIDIA Dynamo"): `ai-dynamo-runtime` plus ai-dynamo's other requirements, then
-# `ai-dynamo` itself with --no-deps.
+# outside the package registries (only `dynamo.planner` imports it), so the install fails. What works:
+# `ai-dynamo-runtime` plus ai-dynamo's other requirements, then `ai-dynamo` itself with --no-deps
+# (docs/INSTALL.md).
 #
 # Idempotent: exits at once when `import dynamo.frontend, dynamo.llm, openai` already works.
 # The torch and numpy already installed are pinned through a constraints file, so pip never swaps
 # the CPU torch for a multi-GB CUDA build, nor numpy 1.x (Triton's python stub needs it) for 2.x.
 set -euo pipefail
+case "${1:-}" in -h | --help) sed -n '2,/^set -euo pipefail/{/^set -euo/d; s/^# \{0,1\}//; p}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 
 DYNAMO_VERSION=1.6.1
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -47,7 +49,7 @@ EOF
 echo "install_dynamo: constraints: $(tr '\n' ' ' < "$CONSTRAINTS")"
 
 t0=$(date +%s)
-# ai-dynamo 1.6.1's requirements, less aisimulate (RECIPES.md), plus the official OpenAI client.
+# ai-dynamo 1.6.1's requirements, less aisimulate (the stub above), plus the official OpenAI client.
 "$PY" -m pip install -q -c "$CONSTRAINTS" \
   "ai-dynamo-runtime==$DYNAMO_VERSION" \
   "aiohttp>=3.14.3,<4" "certifi>=2026.10.19" "kubernetes>=32.0.1,<33" "msgspec>=0.19" \

@@ -34,13 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+from bench.load_report import plot, print_table
+from bench.load_workload import (Prompts, Record, Run, Schedule, concat_runs, process_tree_cpu_s,  # noqa: F401
+                                 summarize)
+from serving.grpc_stream import is_final, stream_request
 
-from load_report import plot, print_table  # noqa: E402
-from load_workload import (Prompts, Record, Run, Schedule, concat_runs, process_tree_cpu_s,  # noqa: E402,F401
-                           summarize)
-from serving.grpc_stream import is_final, stream_request  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 WARMUP_ID = 1_000_000          # warm-up prompts come from ids the measured run never uses
 

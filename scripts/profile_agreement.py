@@ -28,24 +28,19 @@ import argparse
 import hashlib
 import json
 import math
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
-from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))          # run from a checkout without pip install
-sys.path.insert(0, str(ROOT / "scripts"))
+from bench import longctx_data as data
+from bench.runs import EngineFactory, add_run_args, append_record, engine_policy, machine_info, set_threads
+from runtime.draft import DraftSource, DualTokenDraft, RandomDraft
+from runtime.observe import Observer
 
-import longctx_data as data  # noqa: E402
-from eval_accuracy import (EngineFactory, add_run_args, append_record, engine_policy, machine_info,  # noqa: E402
-                           set_threads)
-from runtime.draft import DraftSource, DualTokenDraft, RandomDraft  # noqa: E402
-from runtime.observe import Observer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SWEEP = (16, 32, 64, 128, 256)
 DRAFTS = ("dual_token", "oracle", "random", "context_seed")   # context_seed: the chain before pre-decoding
@@ -86,7 +81,7 @@ def make_draft(kind: str, vocab_size: int, prompt_len: int, continuation: list[i
     if kind == "random":
         return RandomDraft(vocab_size, seed=seed)
     if kind == "context_seed":          # run with resync_after 0: the old chain, exactly
-        from bench_lib import ContextSeedDraft
+        from bench.speed import ContextSeedDraft
         return ContextSeedDraft()
     raise ValueError(f"draft {kind!r} is unknown; known: {', '.join(DRAFTS)}")
 

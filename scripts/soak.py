@@ -44,11 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+from bench.load_workload import Prompts
+from deploy.triton_env import free_ports
 
-from load_workload import Prompts  # noqa: E402
-from deploy.triton_env import free_ports  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MODEL = "lookahead_llm"
 TARGET_RSS_GROWTH_PCT = 5.0

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from script_loader import load_script
 
-import aiperf_run  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+aiperf_run = load_script("scripts/aiperf_run.py")
 
 
 def flag(cmd: list[str], name: str) -> str:

@@ -1,19 +1,17 @@
-"""bench.py --link-sweep: the modeled-link sweep's helpers (scripts/bench_lib.py) and a smoke run on a
+"""bench_decode.py --link-sweep: the modeled-link sweep's helpers (bench/speed.py) and a smoke run on a
 tiny random engine (no timing is asserted: only what the sweep must hold whatever the speed)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(Path(__file__).parent))
+import bench.speed as lib
+from script_loader import load_script
 
-import bench  # noqa: E402
-import bench_lib as lib  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+bench_py = load_script("scripts/bench_decode.py")
 
 
 def test_parse_link_sweep():
@@ -21,14 +19,14 @@ def test_parse_link_sweep():
     for bad in ("", "0", "-1", "x", "inf", "1,,0"):
         with pytest.raises(ValueError):
             lib.parse_link_sweep(bad)
-    args = bench.parse_args(["--link-sweep", "1,h200", "--link-latency-us", "5", "--link-modes", "dense,lookahead-drop"])
+    args = bench_py.parse_args(["--link-sweep", "1,h200", "--link-latency-us", "5", "--link-modes", "dense,lookahead-drop"])
     assert args.link_sweep == [1.0, "h200"] and args.link_latency_us == 5.0
     assert args.link_modes == ["dense", "lookahead-drop"]
-    assert bench.parse_args([]).link_sweep is None
+    assert bench_py.parse_args([]).link_sweep is None
     for bad in (["--link-sweep", "0"], ["--link-sweep", "1", "--link-modes", "warp"],
                 ["--link-sweep", "1", "--link-latency-us", "-1"]):
         with pytest.raises(SystemExit):
-            bench.parse_args(bad)
+            bench_py.parse_args(bad)
 
 
 def test_h200_equivalent_is_pcie_over_hbm_of_the_measured_ram():
@@ -98,9 +96,9 @@ def test_link_sweep_smoke_on_a_tiny_engine(tmp_path, monkeypatch, capsys):
     # the RAM bandwidth is measured on 1 GiB tensors: a fixed one here (the sweep's logic, not its speed)
     monkeypatch.setattr(bench, "memory_bandwidth", lambda: {"bandwidth_gbps": 40.0, "sum_read_gbps": 40.0,
                                                             "copy_read_write_gbps": 30.0})
-    monkeypatch.setattr(bench.BandwidthProbe, "sample", lambda self: 40.0)
+    monkeypatch.setattr(bench_py.BandwidthProbe, "sample", lambda self: 40.0)
     out = tmp_path / "link.json"
-    rc = bench.main(["--engine", str(path), "--contexts", "96", "--batches", "2", "--decode-steps", "2",
+    rc = bench_py.main(["--engine", str(path), "--contexts", "96", "--batches", "2", "--decode-steps", "2",
                      "--warmup-steps", "1", "--link-sweep", "0.0005,h200", "--link-latency-us", "20",
                      "--json", str(out), "--plot", str(tmp_path / "link.png")])
     assert rc == 0

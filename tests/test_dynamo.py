@@ -741,10 +741,8 @@ class TestLive:
         assert "cancelled after" in log and "KV blocks are freed" in log
 
     def test_load_test_drives_the_openai_endpoint(self, deployment, tmp_path):
-        import sys
-        from pathlib import Path
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-        import load_test
+        from script_loader import load_script
+        load_test = load_script("scripts/load_test.py")
         out = tmp_path / "load.json"
         rc = load_test.main(["--openai-url", deployment.url.removesuffix("/v1"), "--concurrency", "2",
                              "--num-requests", "4", "--max-tokens", "6", "--prompt-len", "40", "--warmup", "0",

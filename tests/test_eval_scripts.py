@@ -1,5 +1,5 @@
 """The accuracy, agreement and speed scripts: their data helpers, the first two end to end on a tiny
-engine, and a one-point smoke run of the speed benchmark (scripts/bench.py) on the real model."""
+engine, and a one-point smoke run of the speed benchmark (scripts/bench_decode.py) on the real model."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import longctx_data as data
+from bench.floor import step_flops, step_read_bytes
+from bench.speed import format_table
+from script_loader import load_script
 from tiny_engine import make_tiny_engine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import bench  # noqa: E402
-import eval_accuracy  # noqa: E402
-from bench_floor import step_flops, step_read_bytes  # noqa: E402
-from bench_lib import format_table  # noqa: E402
-import longctx_data as data  # noqa: E402
-import profile_agreement  # noqa: E402
-import sweep_fetch_ratio  # noqa: E402
+bench_py = load_script("scripts/bench_decode.py")
+eval_accuracy = load_script("scripts/eval_accuracy.py")
+profile_agreement = load_script("scripts/profile_agreement.py")
+sweep_fetch_ratio = load_script("experiments/sweep_fetch_ratio.py")
 
 needs_ruler = pytest.mark.skipif(not data.ruler_available(),
                                  reason=f"RULER's generators are not installed ({data.RULER_PIP})")
@@ -222,14 +222,14 @@ def test_top_k_mask_breaks_ties_to_the_lower_block():
 
 # ---- bench ------------------------------------------------------------------------------------
 def test_bench_args():
-    args = bench.parse_args(["--modes", "all"])
-    assert args.modes == list(bench.MODES) and "sparse-ondemand" in args.modes
-    assert bench.MODES["sparse-ondemand"]["draft"] == "none"
+    args = bench_py.parse_args(["--modes", "all"])
+    assert args.modes == list(bench_py.MODES) and "sparse-ondemand" in args.modes
+    assert bench_py.MODES["sparse-ondemand"]["draft"] == "none"
     assert args.hf_impls == ["default", "static-compile", "offloaded"]
-    assert bench.parse_args(["--hf-impls", "default"]).hf_impls == ["default"]
+    assert bench_py.parse_args(["--hf-impls", "default"]).hf_impls == ["default"]
     for bad in (["--hf-impls", "static-compile"], ["--hf-impls", "default,eager"], ["--modes", "sparse-inplace"]):
         with pytest.raises(SystemExit):
-            bench.parse_args(bad)
+            bench_py.parse_args(bad)
 
 
 def test_bench_step_read_bytes():
@@ -240,7 +240,7 @@ def test_bench_step_read_bytes():
 
 
 def test_bench_stored_weight_bytes_counts_the_engine_dtype_and_a_tied_weight_once():
-    from bench_floor import stored_weight_bytes
+    from bench.floor import stored_weight_bytes
     m = torch.nn.Module()
     m.emb = torch.nn.Embedding(10, 4)
     m.head = torch.nn.Linear(4, 10, bias=False)
@@ -259,7 +259,7 @@ def test_bench_step_flops():
 
 
 def test_bench_kernels_reports_every_row(tmp_path, capsys):
-    import bench_kernels
+    bench_kernels = load_script("scripts/bench_kernels.py")
     out = tmp_path / "k.json"
     assert bench_kernels.main(["--rows", "2", "--json", str(out)]) == 0
     rows = [r for rs in json.loads(out.read_text())["rows"].values() for r in rs]
@@ -301,7 +301,7 @@ def test_gpu_decode_bench_sizes_rows_and_floors_from_the_memory_plan():
     largest batch its budget fits (lookahead also capped by the host pool), then equal batches;
     its floor is max(device bytes / device bandwidth, H2D bytes / H2D bandwidth)."""
     import types as _types
-    import gpu_decode_bench as gdb
+    from bench import gpu_decode as gdb
     from runtime.config import LookaheadConfig, ModelConfig
     from runtime.memory_plan import plan_memory
     from runtime.model import LlamaModel
@@ -350,7 +350,7 @@ def test_gpu_decode_bench_sizes_rows_and_floors_from_the_memory_plan():
 
 
 def test_gpu_floor_takes_the_slower_link_and_bandwidths_are_measured_here():
-    from bench_floor import StreamClock, device_bandwidths, step_floor
+    from bench.floor import StreamClock, device_bandwidths, step_floor
     f = step_floor(4e9, 1e9, device_gbps=4000.0, h2d_gbps=50.0)
     assert f["device_ms"] == pytest.approx(1.0) and f["h2d_ms"] == pytest.approx(20.0)
     assert f["floor_ms"] == f["h2d_ms"] and f["bound"] == "h2d"
@@ -365,7 +365,7 @@ def test_gpu_floor_takes_the_slower_link_and_bandwidths_are_measured_here():
 def test_gpu_metered_transfer_answers_copies_as_landed_when_satisfied():
     """The bench's injected transfer engine: real copies through the runtime's engine, or, when
     satisfied, every copy counted and answered as landed with no byte moved."""
-    import gpu_decode_bench as gdb
+    from bench import gpu_decode as gdb
     from runtime.transfer import CopyJob, SyncTransferEngine
     src = torch.arange(4 * 2 * 1 * 3, dtype=torch.float32).view(4, 2, 1, 3)        # [blocks, KVH, bs, D]
     dst_k, dst_v = torch.zeros(1, 2, 2, 1, 3), torch.zeros(1, 2, 2, 1, 3)          # [lanes, KVH, slots, bs, D]
@@ -390,15 +390,14 @@ def test_gpu_metered_transfer_answers_copies_as_landed_when_satisfied():
 
 def test_gpu_results_file_keeps_each_write_and_takes_a_childs_rows(tmp_path):
     import subprocess
-    from gpu_results import ResultFile, bench_summary, kernels_summary
+    from bench.gpu_results import ResultFile, bench_summary, kernels_summary
     path = tmp_path / "r.json"
     r = ResultFile(path, fresh=True)
     r.update(device="x")
     r.append("checks", {"ok": True})
     r.put("shapes", "a", {"n": 1})
-    code = ("import sys; sys.path.insert(0, sys.argv[2]); from gpu_results import ResultFile; "
-            "ResultFile(sys.argv[1]).append('checks', {'ok': False})")
-    subprocess.run([sys.executable, "-c", code, str(path), str(Path(bench.__file__).parent)], check=True)
+    code = "import sys; from bench.gpu_results import ResultFile; ResultFile(sys.argv[1]).append('checks', {'ok': False})"
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, cwd=Path(__file__).resolve().parents[1])
     doc = json.loads(path.read_text())
     assert doc == {"device": "x", "checks": [{"ok": True}, {"ok": False}], "shapes": {"a": {"n": 1}}}
     assert ResultFile(path).load() == doc                     # a child's open keeps the file
@@ -412,7 +411,7 @@ def test_gpu_decode_bench_cpu_smoke(tmp_path, capsys):
     """The GPU bench on CPU over the builder's tiny random-weights engine: every row through the real
     engine, the satisfied round, the copy replay and the graph path's eager half; a shape whose
     child fails leaves an error row and the other shape's rows."""
-    import gpu_decode_bench as gdb
+    from bench import gpu_decode as gdb
     engine = _random_tiny_engine(tmp_path / "tiny")
     rc = gdb.main(["--device", "cpu", "--engines", f"tiny={engine},missing={tmp_path / 'nope'}", "--context", "256",
                    "--steps", "2", "--warmup", "1", "--modes", "dense,resident", "--top-k", "2", "--recent-window",
@@ -446,7 +445,7 @@ def test_gpu_decode_bench_cpu_smoke(tmp_path, capsys):
 
 
 def test_bandwidth_probe_divisor_is_robust_to_a_stalled_sample():
-    from bench_floor import BandwidthProbe
+    from bench.floor import BandwidthProbe
     assert BandwidthProbe.divisor([25.0, 2.7, 31.0, 28.0, 26.0]) == 26.0      # one stalled sample moves nothing
     assert BandwidthProbe(gib=1 / 64).sample() > 0
 
@@ -458,7 +457,7 @@ def test_bench_smoke(default_engine_dir, tmp_path, capsys):
     static-compile row is timed or "not available (...)" (compile capped by --compile-timeout, so
     the test does not depend on torch.compile); offloaded needs CUDA. Under ~2 minutes on 2 cores."""
     out = tmp_path / "bench.json"
-    rc = bench.main(["--engine", str(default_engine_dir), "--contexts", "512", "--batches", "2",
+    rc = bench_py.main(["--engine", str(default_engine_dir), "--contexts", "512", "--batches", "2",
                      "--decode-steps", "2", "--warmup-steps", "1", "--modes", "dense,sparse-ondemand",
                      "--hf-impls", "default,static-compile,offloaded", "--compile-timeout", "60",
                      "--threads", "1", "--json", str(out)])
@@ -544,13 +543,13 @@ def test_gpu_check_dry_run_runs_every_stage_on_cpu(tmp_path):
 
 
 def test_bench_python_layers_suffix_names_a_mode():
-    assert bench.mode_spec("sparse-ondemand+python") == ("sparse-ondemand", False, {})
-    assert bench.mode_spec("lookahead-drop+context-seed+python@fetch_ratio=0.1") == \
+    assert bench_py.mode_spec("sparse-ondemand+python") == ("sparse-ondemand", False, {})
+    assert bench_py.mode_spec("lookahead-drop+context-seed+python@fetch_ratio=0.1") == \
         ("lookahead-drop", True, {"fetch_ratio": 0.1})
 
 
 def test_attention_sparsity_runs_and_writes_json(tmp_path, capsys):
-    import attention_sparsity
+    attention_sparsity = load_script("experiments/attention_sparsity.py")
     from plugins import cpu
     if not cpu.available():
         pytest.skip("no CPU kernels")

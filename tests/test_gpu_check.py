@@ -4,7 +4,6 @@ clamped, step rates beside tokens/s) and its pinned pools, and the output layout
 scripts/gpu_check.sh leaves under $OUT (what comes back from the GPU machine)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from runtime.errors import ConfigError
 from runtime.memory_plan import check_memory, pinned_bytes, plan_memory
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
 # Llama-3.1-8B's geometry, where the first H200 run's pingpong row was refused
 LLAMA8B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -55,8 +53,8 @@ def test_gpu_bench_rows_time_at_temperature_0_and_report_honest_numbers(tmp_path
     (the warm-up at 1 diverges the batch), copy-alone is the replay's wall time, the hidden share
     is the shared formula clamped to [0, 1], and each row carries its step rate, emitted share and
     the round's draft accept rate beside tokens/s, and the host memory around it."""
-    import gpu_decode_bench as gdb
-    from gpu_results import ResultFile
+    from bench import gpu_decode as gdb
+    from bench.gpu_results import ResultFile
     from runtime.transfer.overlap import hidden_share
     from tiny_engine import make_tiny_engine
 
@@ -101,7 +99,7 @@ def test_gpu_bench_registers_the_lookahead_host_pool_instead_of_allocating_it_pi
 
     import torch
 
-    import gpu_decode_bench as gdb
+    from bench import gpu_decode as gdb
     import runtime.transfer.cuda as transfer_cuda
     from runtime.kv_pool import KVPool
     from tiny_engine import TINY
@@ -124,7 +122,7 @@ def test_gpu_bench_registers_the_lookahead_host_pool_instead_of_allocating_it_pi
 
 
 def test_gpu_results_summaries_name_the_prebuilt_load_and_the_hidden_shares():
-    from gpu_results import bench_summary, kernels_summary
+    from bench.gpu_results import bench_summary, kernels_summary
     assert kernels_summary({"checks": [{"ok": True}], "build_s": 2, "prebuilt": True}) == \
         "numerics 1/1; extension load 2s"
     rows = [{"hidden_share": 0.25}, {"hidden_share": None}, {"hidden_share": 0.9}, {}]
@@ -134,7 +132,7 @@ def test_gpu_results_summaries_name_the_prebuilt_load_and_the_hidden_shares():
 def test_gpu_bench_sizes_the_host_cap_by_what_a_registered_pool_pins():
     """The bench's per-sequence host share on a GPU is the pool's bytes (its pools are registered),
     not torch's power-of-two rounding of one sequence's pool, which would halve the host cap."""
-    import gpu_decode_bench as gdb
+    from bench import gpu_decode as gdb
     cfg = LookaheadConfig(max_model_len=32768 + 64, kv_dtype="bfloat16", top_k=128)
     cpu, gpu = gdb.sizing(LLAMA8B, cfg, 2, "cpu"), gdb.sizing(LLAMA8B, cfg, 2, "cuda")
     assert gpu.host == cpu.host and pinned_bytes(gpu.host // 2) != gpu.host // 2

