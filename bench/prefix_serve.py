@@ -1,0 +1,248 @@
+"""Prefix-caching workloads over HTTP: the same document-QA prompts sent to an OpenAI
+/v1/completions server at a fixed concurrency (bench_prefix.py --peer / --dynamo).
+
+- `complete()` posts one streaming completion and times it (TTFT = the first chunk with text);
+  usage gives the prompt and cached tokens, and llama-server's `timings.prompt_n` the prompt tokens it
+  really computed.
+- `run_dqa()` sends the prompts in order at concurrency C (a new one starts when one ends) and
+  returns the same summary as the in-process bench.
+- `LlamaServer` runs llama.cpp's `llama-server` (built by llama_cpp_peer.py `build --server`) on a
+  GGUF, one slot per concurrent request, its prompt cache on.
+- `DynamoDeployment` runs `scripts/serve.sh start --frontend dynamo` with N workers, a router and a
+  host pool size, and stops it.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ServerError(RuntimeError):
+    """The server refused a request or did not come up."""
+
+
+@dataclass
+class Reply:
+    text: str
+    ttft_s: float | None
+    total_s: float
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    completion_tokens: int | None
+    computed_tokens: int | None         # prompt tokens the server says it computed (llama-server), else None
+
+
+def _split(url: str) -> tuple[str, int, str]:
+    u = urllib.parse.urlsplit(url)
+    return u.hostname or "127.0.0.1", u.port or 80, u.path.rstrip("/")
+
+
+def complete(url: str, model: str, prompt: str, max_tokens: int, extra: dict | None = None,
+             timeout: float = 900.0) -> Reply:
+    """One streaming /v1/completions request at temperature 0, `ignore_eos` so every reply has
+    `max_tokens` tokens."""
+    host, port, base = _split(url)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, **(extra or {})}
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    t0 = time.perf_counter()
+    ttft = None
+    text: list[str] = []
+    usage: dict = {}
+    timings: dict = {}
+    try:
+        conn.request("POST", f"{base}/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise ServerError(f"{url}: HTTP {resp.status}: {resp.read()[:400]!r}")
+        for raw in resp:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise ServerError(f"{url}: {chunk['error']}")
+            for c in chunk.get("choices") or []:
+                if c.get("text"):
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(c["text"])
+            usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings
+    finally:
+        conn.close()
+    details = usage.get("prompt_tokens_details") or {}
+    return Reply(text="".join(text), ttft_s=ttft, total_s=time.perf_counter() - t0,
+                 prompt_tokens=usage.get("prompt_tokens"), cached_tokens=details.get("cached_tokens"),
+                 completion_tokens=usage.get("completion_tokens"),
+                 computed_tokens=timings.get("prompt_n"))
+
+
+def pct(xs: list[float], p: float) -> float | None:
+    """The p-quantile of xs, linearly interpolated (None for no values)."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * p
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def computed(r: Reply) -> int | None:
+    if r.computed_tokens is not None:
+        return r.computed_tokens
+    if r.prompt_tokens is not None:
+        return r.prompt_tokens - (r.cached_tokens or 0)
+    return None
+
+
+def run_dqa(url: str, model: str, prompts: list[tuple[str, str]], concurrency: int, max_tokens: int,
+            extra: dict | None = None, log=print) -> dict:
+    """`prompts` (id, text) in order at `concurrency`; the summary bench_prefix prints."""
+    work: queue.Queue = queue.Queue()
+    for item in prompts:
+        work.put(item)
+    replies: dict[str, Reply] = {}
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            try:
+                rid, text = work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                r = complete(url, model, text, max_tokens, extra)
+            except Exception as e:      # noqa: BLE001 — reported with the request id, the run goes on
+                with lock:
+                    errors.append(f"{rid}: {e}")
+                continue
+            with lock:
+                replies[rid] = r
+                if len(replies) % max(1, len(prompts) // 8) == 0:
+                    log(f"  {len(replies)}/{len(prompts)} done")
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise ServerError(f"{len(errors)} of {len(prompts)} requests failed; first: {errors[0]}")
+    ttfts = [r.ttft_s for r in replies.values() if r.ttft_s is not None]
+    out = sum(r.completion_tokens or 0 for r in replies.values())
+    comp = [computed(r) for r in replies.values()]
+    prompt_total = sum(r.prompt_tokens or 0 for r in replies.values())
+    cached_total = sum(r.cached_tokens or 0 for r in replies.values())
+    return {"n_requests": len(replies), "ttft_p50_s": pct(ttfts, 0.5), "ttft_p90_s": pct(ttfts, 0.9),
+            "output_tokens": out, "wall_s": wall, "output_tokens_per_s": out / wall if wall else None,
+            "prefill_tokens_computed": sum(c for c in comp if c is not None) if all(c is not None for c in comp)
+            else None,
+            "prompt_tokens_total": prompt_total, "cached_tokens_total": cached_total,
+            "hit_rate": cached_total / prompt_total if prompt_total else None,
+            "texts": {rid: r.text for rid, r in replies.items()}}
+
+
+def wait_http(url: str, path: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    host, port, base = _split(url)
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise ServerError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            conn = http.client.HTTPConnection(host, port, timeout=5)
+            conn.request("GET", base + path)
+            r = conn.getresponse()
+            r.read()
+            conn.close()
+            if r.status == 200:
+                return
+            last = f"HTTP {r.status}"
+        except OSError as e:
+            last = str(e)
+        time.sleep(0.5)
+    raise ServerError(f"{url}{path} not ready after {timeout:.0f}s ({last})")
+
+
+class LlamaServer:
+    """llama.cpp's server on `model` with `slots` parallel slots of `ctx_per_slot` tokens each and its
+    prompt cache on (the default: `cache_prompt` per request, slots reused by prompt similarity, a RAM
+    cache of earlier prompts)."""
+
+    def __init__(self, binary: Path, model: Path, slots: int, ctx_per_slot: int, threads: int = 2,
+                 port: int = 8090, cache_ram_mib: int = 8192, log_path: Path | None = None):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path or ROOT / "build" / "llama.cpp" / "server.log"
+        self.command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                        "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot),
+                        "--cache-ram", str(cache_ram_mib), "-fa", "off", "--no-webui"]
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "LlamaServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_http(self.url, "/health", 300, self.proc)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise ServerError(f"llama-server did not start: see {self.log_path} "
+                              f"({' '.join(self.command)})") from None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+class DynamoDeployment:
+    """`scripts/serve.sh start --frontend dynamo` with `workers` workers and `router`, each worker's host
+    pool `num_host_blocks` blocks; stopped on exit."""
+
+    def __init__(self, engine: str, workers: int, router: str, num_host_blocks: int | None, port: int = 8070,
+                 run_dir: Path | None = None, extra: list[str] | None = None):
+        self.url = f"http://127.0.0.1:{port}"
+        self.run_dir = run_dir or ROOT / "build" / f"bench_prefix_dynamo_{router}"
+        self.start_cmd = ["bash", str(ROOT / "scripts" / "serve.sh"), "start", "--frontend", "dynamo",
+                          "--engine", engine, "--workers", str(workers), "--router", router, "--http-port", str(port),
+                          "--run-dir", str(self.run_dir), "--timeout", "600", "--"]
+        if num_host_blocks:
+            self.start_cmd += ["--num-host-blocks", str(num_host_blocks)]
+        self.start_cmd += list(extra or [])
+        self.stop_cmd = ["bash", str(ROOT / "scripts" / "serve.sh"), "stop", "--run-dir", str(self.run_dir)]
+
+    def __enter__(self) -> "DynamoDeployment":
+        r = subprocess.run(self.start_cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            subprocess.run(self.stop_cmd, capture_output=True)
+            raise ServerError(f"Dynamo did not start ({' '.join(self.start_cmd)}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        subprocess.run(self.stop_cmd, capture_output=True)
