@@ -28,8 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+from bench.prefix_serve import pct
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))      # longctx_data, as the other scripts import it
 
 QUESTIONS = ["What is the main argument of the text above?", "Who is the intended reader of the text above?",
              "List three concrete examples the text above gives.", "What does the author recommend doing?",
@@ -38,19 +39,9 @@ QUESTIONS = ["What is the main argument of the text above?", "Who is the intende
              "What would a critic say about the text above?", "Give the text above a title."]
 
 
-def pct(xs: list[float], p: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def make_docs(tokenizer, count: int, lengths: list[int], seed: int) -> list[str]:
     """`count` documents, each a different slice of the essays' words, cut to its token length."""
-    import longctx_data
+    from bench import longctx_data
     words = " ".join(longctx_data.load_essays()).split()
     rng = random.Random(seed)
     docs = []
@@ -130,17 +121,66 @@ def chat_prompt(tok, text: str) -> list[int]:
     return tok.encode(tok.apply_chat_template(text))
 
 
+def dqa_prompts(tok, docs: list[str], questions: int, seed: int) -> list[tuple[str, str]]:
+    """(id, chat-templated text) for every document x question, in a seeded shuffle."""
+    pairs = [(d, q) for d in range(len(docs)) for q in range(questions)]
+    random.Random(seed).shuffle(pairs)
+    return [(f"dqa-{d}-{q}", tok.apply_chat_template(f"{docs[d]}\n\n{QUESTIONS[q % len(QUESTIONS)]}"))
+            for d, q in pairs]
+
+
 def run_dqa(engine, args, docs: list[str]) -> dict:
     from runtime.sampling import SamplingParams
     tok = engine.tokenizer
-    pairs = [(d, q) for d in range(len(docs)) for q in range(args.questions)]
-    random.Random(args.seed).shuffle(pairs)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    reqs = [(f"dqa-{d}-{q}-{time.monotonic_ns()}", chat_prompt(tok, f"{docs[d]}\n\n{QUESTIONS[q % len(QUESTIONS)]}"),
-             params) for d, q in pairs]
+    reqs = [(f"{rid}-{time.monotonic_ns()}", tok.encode(text), params)
+            for rid, text in dqa_prompts(tok, docs, args.questions, args.seed)]
     s0 = engine.stats()
     res = drive(engine, reqs, args.concurrency, args.max_steps)
     return summarize(res, engine, s0)
+
+
+def run_llama_server(args, tok, docs: list[str]) -> dict:
+    """The DQA prompts against llama.cpp's server (prompt cache on), then the first --check-uncached of
+    them again with `cache_prompt: false`: do its cached answers equal its uncached ones?"""
+    from bench import llama_cpp as llama_cpp_peer
+    from bench.prefix_serve import LlamaServer, complete, run_dqa as http_dqa
+    binary = llama_cpp_peer.ensure_built(targets=llama_cpp_peer.SERVER_TARGETS)["llama-server"]
+    quantize = llama_cpp_peer.ensure_built()["llama-quantize"]
+    gguf = llama_cpp_peer.ensure_gguf(args.peer_weights, quantize)
+    prompts = dqa_prompts(tok, docs, args.questions, args.seed)
+    longest = max(len(tok.encode(t)) for _, t in prompts) + args.max_tokens + 64
+    with LlamaServer(binary, gguf, slots=args.concurrency, ctx_per_slot=longest, threads=args.peer_threads) as srv:
+        print(f"llama-server: {' '.join(srv.command)}", flush=True)
+        res = http_dqa(srv.url, "default", prompts, args.concurrency, args.max_tokens, log=print)
+        same, checked = 0, []
+        for rid, text in prompts[:args.check_uncached]:
+            r = complete(srv.url, "default", text, args.max_tokens, {"cache_prompt": False})
+            checked.append({"id": rid, "cached_text": res["texts"][rid], "uncached_text": r.text,
+                            "equal": r.text == res["texts"][rid]})
+            same += r.text == res["texts"][rid]
+    res["uncached_check"] = {"checked": len(checked), "equal": same, "rows": checked}
+    res["server"] = {"command": srv.command, "gguf": str(gguf), "weights": args.peer_weights}
+    return res
+
+
+def run_dynamo_routing(args, tok) -> dict:
+    """D documents x Q questions on Dynamo with 2 workers whose host pools hold about --dynamo-pool-docs
+    documents each (fewer than D, so a worker that sees every document evicts): kv vs round-robin."""
+    from bench.prefix_serve import DynamoDeployment, run_dqa as http_dqa
+    docs = make_docs(tok, args.dynamo_docs, [args.dynamo_doc_tokens], args.seed + 404)
+    prompts = dqa_prompts(tok, docs, args.dynamo_questions, args.seed)
+    blocks = int(args.dynamo_pool_docs * (args.dynamo_doc_tokens + 64) / 16) + 4 * args.concurrency
+    out: dict = {"workload": {"docs": args.dynamo_docs, "questions": args.dynamo_questions,
+                              "doc_tokens": args.dynamo_doc_tokens, "workers": args.dynamo_workers,
+                              "pool_docs": args.dynamo_pool_docs, "num_host_blocks": blocks,
+                              "concurrency": args.concurrency, "max_tokens": args.max_tokens}}
+    for router in args.dynamo_routers.split(","):
+        with DynamoDeployment(args.engine, args.dynamo_workers, router, blocks) as dep:
+            print(f"dynamo {router}: {dep.url} ({args.dynamo_workers} workers, {blocks} host blocks each)", flush=True)
+            out[router] = http_dqa(dep.url, "lookahead_llm", prompts, args.concurrency, args.max_tokens, log=print)
+            print(f"  {router}: {({k: v for k, v in out[router].items() if k != 'texts'})}", flush=True)
+    return out
 
 
 def run_second(engine, args, doc: str) -> dict:
@@ -253,7 +293,7 @@ def print_report(rep: dict) -> None:
         hdr = ("caching", "TTFT p50 s", "TTFT p90 s", "out tok/s", "hit rate", "prefill computed", "prompt tokens",
                "wall s")
         print(" | ".join(hdr))
-        for k in ("off", "on"):
+        for k in ("off", "on", "llama-server"):
             s = rep["dqa"].get(k)
             if s:
                 print(" | ".join([k, fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]), fmt(s["output_tokens_per_s"], ".2f"),
@@ -263,6 +303,32 @@ def print_report(rep: dict) -> None:
             off, on = rep["dqa"]["off"], rep["dqa"]["on"]
             print(f"TTFT p50 off/on {fmt(off['ttft_p50_s'] / on['ttft_p50_s'], '.1f')}x, "
                   f"output tok/s on/off {fmt(on['output_tokens_per_s'] / off['output_tokens_per_s'], '.2f')}x")
+        peer = rep["dqa"].get("llama-server")
+        if peer and rep["dqa"].get("on"):
+            on = rep["dqa"]["on"]
+            print(f"ours (caching on) vs llama-server: TTFT p50 {fmt(peer['ttft_p50_s'] / on['ttft_p50_s'], '.2f')}x "
+                  f"better, output tok/s {fmt(on['output_tokens_per_s'] / peer['output_tokens_per_s'], '.2f')}x")
+        if peer:
+            u = peer["uncached_check"]
+            print(f"llama-server: {u['equal']} of {u['checked']} cached replies equal the same prompt's uncached reply"
+                  f" ({peer['server']['weights']} GGUF)")
+    if "dynamo" in rep:
+        d = rep["dynamo"]
+        w = d["workload"]
+        print(f"\nDynamo routing: {w['workers']} workers, {w['docs']} docs x {w['questions']} questions of "
+              f"{w['doc_tokens']} tokens, each worker's pool {w['num_host_blocks']} blocks (~{w['pool_docs']} docs), "
+              f"concurrency {w['concurrency']}")
+        print("router | TTFT p50 s | TTFT p90 s | out tok/s | hit rate | prefill computed | prompt tokens | wall s")
+        for k, s in d.items():
+            if k == "workload":
+                continue
+            print(" | ".join([k, fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]), fmt(s["output_tokens_per_s"], ".2f"),
+                              fmt(s["hit_rate"], ".3f"), str(s["prefill_tokens_computed"]),
+                              str(s["prompt_tokens_total"]), fmt(s["wall_s"], ".1f")]))
+        if d.get("kv") and d.get("round-robin") and d["round-robin"]["prefill_tokens_computed"]:
+            kv, rr = d["kv"], d["round-robin"]
+            print(f"kv / round-robin: prefill computed {kv['prefill_tokens_computed'] / rr['prefill_tokens_computed']:.2f}, "
+                  f"TTFT p50 {fmt(kv['ttft_p50_s'] / rr['ttft_p50_s'], '.2f')}")
     if "second" in rep:
         for k, s in rep["second"].items():
             q1, q2 = s["questions"]
@@ -300,7 +366,7 @@ def plot(rep: dict, path: str) -> None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     if "dqa" in rep:
-        ks = [k for k in ("off", "on") if rep["dqa"].get(k)]
+        ks = [k for k in ("off", "on", "llama-server") if rep["dqa"].get(k)]
         axes[0].bar([f"{k}\np50" for k in ks], [rep["dqa"][k]["ttft_p50_s"] for k in ks])
         axes[0].bar([f"{k}\np90" for k in ks], [rep["dqa"][k]["ttft_p90_s"] for k in ks])
         axes[0].set_ylabel("TTFT s"); axes[0].set_title("document QA TTFT")
@@ -336,6 +402,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-host-blocks", type=int, default=None)
     p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
                    help="a LookaheadConfig override (e.g. mode=lookahead); int/float/bool parsed")
+    p.add_argument("--peer", choices=("none", "llama-server"), default="none",
+                   help="also run the DQA workload against llama.cpp's server (prompt cache on; built once, "
+                        "~10 min: llama_cpp_peer.py build --server)")
+    p.add_argument("--peer-weights", default="Q8_0", help="the peer's GGUF weights (default: %(default)s)")
+    p.add_argument("--peer-threads", type=int, default=2)
+    p.add_argument("--check-uncached", type=int, default=4,
+                   help="peer replies re-asked with its cache off, to compare (default: %(default)s)")
+    p.add_argument("--dynamo", action="store_true", help="also run DQA on Dynamo, 2 workers, kv vs round-robin")
+    p.add_argument("--dynamo-routers", default="kv,round-robin")
+    p.add_argument("--dynamo-workers", type=int, default=2)
+    p.add_argument("--dynamo-docs", type=int, default=4)
+    p.add_argument("--dynamo-questions", type=int, default=6)
+    p.add_argument("--dynamo-doc-tokens", type=int, default=2048)
+    p.add_argument("--dynamo-pool-docs", type=float, default=2.2,
+                   help="each worker's host pool holds about this many documents (default: %(default)s)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
@@ -385,6 +466,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{time.perf_counter() - t_start:.0f}s] n {setting} done", flush=True)
         finally:
             engine.close() if hasattr(engine, "close") else None
+    if args.peer == "llama-server" or args.dynamo:
+        from runtime.engine import Engine as _E   # the tokenizer only (the engines above are closed)
+        tok = _E.from_dir(args.engine, num_host_blocks=64).tokenizer
+        if args.peer == "llama-server":
+            docs = make_docs(tok, args.docs, lengths, args.seed)     # the in-process DQA's documents
+            rep.setdefault("dqa", {})["llama-server"] = run_llama_server(args, tok, docs)
+            rep["workload"].setdefault("dqa", {"docs": args.docs, "questions": args.questions, "doc_tokens": lengths,
+                                               "concurrency": args.concurrency, "max_tokens": args.max_tokens})
+            print(f"[{time.perf_counter() - t_start:.0f}s] dqa llama-server done", flush=True)
+        if args.dynamo:
+            rep["dynamo"] = run_dynamo_routing(args, tok)
+            print(f"[{time.perf_counter() - t_start:.0f}s] dynamo routing done", flush=True)
     rep["loadavg_end"] = loadavg()
     print_report(rep)
     if args.json:
