@@ -27,6 +27,13 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 def test_router_mode_reaches_the_frontend_and_kv_is_the_default_with_two_workers():
     fe = dl.frontend_command("py", 9000, "file", "ns", "kv")
     assert fe[fe.index("--router-mode") + 1] == "kv"
+    # kv routing prices a block to prefill at KV_PREFILL_WEIGHT (CPU workers); other modes have no such flag
+    assert fe[fe.index("--router-prefill-load-scale") + 1] == "8"
+    assert "--router-prefill-load-scale" not in dl.frontend_command("py", 9000, "file", "ns", "round-robin")
+    fe2 = dl.frontend_command("py", 9000, "file", "ns", "kv", kv_prefill_weight=2.5)
+    assert fe2[fe2.index("--router-prefill-load-scale") + 1] == "2.5"
+    with pytest.raises(dl.LaunchError, match=r"^kv_prefill_weight: must be a number > 0"):
+        dl.frontend_command("py", 9000, "file", "ns", "kv", kv_prefill_weight=0)
     assert dl.default_router(1) == "round-robin" and dl.default_router(2) == "kv"
     with pytest.raises(dl.LaunchError, match=r"^router: 'nearest' is unknown"):
         dl.frontend_command("py", 9000, "file", "ns", "nearest")
