@@ -1,7 +1,7 @@
 """Import an entry point (scripts/*.py, experiments/*.py) as a module, by its path.
 
-scripts/ is never put on sys.path: scripts/bench.py would shadow the `bench` package for the
-whole test session. Each file is loaded once, as `script_<stem>` (e.g. `script_bench`).
+scripts/ is never put on sys.path: its files' names would shadow installed modules for the whole
+test session. Each file is loaded once, as `script_<stem>` (e.g. `script_bench_decode`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script(relpath: str) -> types.ModuleType:
-    """`load_script("scripts/bench.py")`: the module, registered in sys.modules (dataclasses need it)."""
+    """`load_script("scripts/bench_decode.py")`: the module, registered in sys.modules (dataclasses need it)."""
     path = ROOT / relpath
     name = f"script_{path.stem}"
     if name in sys.modules:

@@ -3,7 +3,9 @@
 - no file in scripts/, bench/ or experiments/ adds to the import path (`sys.path.insert`,
   `sys.path[:0] = ...`, `site.addsitedir`, ...): they import the installed packages; writing back a
   saved copy (what bench/longctx_data.py does after RULER's scripts append to it) is no addition;
-- no test puts scripts/ or experiments/ on sys.path (scripts/bench.py would shadow `bench`);
+- no test puts scripts/ or experiments/ on sys.path (their names would shadow installed modules);
+- no entry point is named like one of the project's packages: a script runs with its own folder
+  first on sys.path, so scripts/bench.py would be what `import bench` finds for every script there;
 - scripts/ has at most 16 files, every one listed in scripts/README.md;
 - every entry point answers `--help` with exit status 0: the scripts, the experiments, and the
   modules run as `python -m bench.x`.
@@ -117,6 +119,13 @@ def test_no_test_puts_scripts_on_the_import_path():
     found = [f"{p.relative_to(ROOT)}:{line}: {code}" for p in code_files("tests")
              for line, code in path_additions(p.read_text()) if "scripts" in code or "experiments" in code]
     assert not found, "load a script with tests/script_loader.py's load_script instead:\n" + "\n".join(found)
+
+
+def test_no_entry_point_is_named_like_a_package():
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert {"bench", "runtime"} <= packages
+    clash = [str(p.relative_to(ROOT)) for p in script_files() + code_files("experiments") if p.stem in packages]
+    assert not clash, f"{clash}: a sibling script would import this file for the package of that name"
 
 
 def test_scripts_holds_at_most_16_files_each_listed_in_its_readme():
