@@ -4,7 +4,7 @@ tritonserver's /v2/health/ready and model-ready keep answering 200 after the pyt
 request then fails with "Stub process ... is not healthy"), so readiness here is a generation:
 
     python -m deploy.probe --url http://127.0.0.1:8000 [--timeout 10]   # exit 0: serving
-    scripts/probe.py --http-port 8000                                             # the same
+    python -m deploy.probe --http-port 8000                              # the same
 
 Exit status: 0 serving, 1 not serving (the reason on stderr), 2 bad arguments.
 """
