@@ -94,7 +94,7 @@ def test_link_sweep_smoke_on_a_tiny_engine(tmp_path, monkeypatch, capsys):
     path = make_tiny_engine(tmp_path / "tiny", seed=3,
                             lookahead=LookaheadConfig(block_size=4, recent_window=8, num_sink_blocks=1, top_k=3))
     # the RAM bandwidth is measured on 1 GiB tensors: a fixed one here (the sweep's logic, not its speed)
-    monkeypatch.setattr(bench, "memory_bandwidth", lambda: {"bandwidth_gbps": 40.0, "sum_read_gbps": 40.0,
+    monkeypatch.setattr(bench_py, "memory_bandwidth", lambda: {"bandwidth_gbps": 40.0, "sum_read_gbps": 40.0,
                                                             "copy_read_write_gbps": 30.0})
     monkeypatch.setattr(bench_py.BandwidthProbe, "sample", lambda self: 40.0)
     out = tmp_path / "link.json"

@@ -114,7 +114,7 @@ def test_build_commands():
     tools = {"cmake": "/usr/bin/cmake", "cc": "/usr/bin/gcc", "c++": "/usr/bin/g++", "make": "/usr/bin/make"}
     conf = peer.configure_command(tools, Path("/s"), Path("/b"))
     assert conf[:5] == ["/usr/bin/cmake", "-S", "/s", "-B", "/b"] and "-G" not in conf
-    for opt in ("-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+    for opt in ("-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON",
                 "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_CXX_COMPILER=/usr/bin/g++"):
         assert opt in conf
     no_make = {k: v for k, v in tools.items() if k != "make"} | {"ninja": "/usr/bin/ninja"}
