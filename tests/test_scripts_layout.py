@@ -6,7 +6,8 @@
 - no test puts scripts/ or experiments/ on sys.path (their names would shadow installed modules);
 - no entry point is named like one of the project's packages: a script runs with its own folder
   first on sys.path, so scripts/bench.py would be what `import bench` finds for every script there;
-- scripts/ has at most 16 files, every one listed in scripts/README.md;
+- scripts/ has at most 16 files, every one listed in scripts/README.md; experiments/README.md
+  names every experiment;
 - every entry point answers `--help` with exit status 0: the scripts, the experiments, and the
   modules run as `python -m bench.x`.
 """
@@ -137,6 +138,13 @@ def test_scripts_holds_at_most_16_files_each_listed_in_its_readme():
     assert not missing, f"scripts/README.md does not list {missing}"
     not_entry = [p.name for p in files if p.suffix == ".py" and "__main__" not in p.read_text()]
     assert not not_entry, f"not entry points (no __main__): {not_entry}; a library goes to bench/"
+
+
+def test_every_experiment_is_in_its_readme():
+    readme = (ROOT / "experiments" / "README.md").read_text()
+    assert "not maintained" in readme
+    missing = [p.name for p in code_files("experiments") if f"`{p.name}`" not in readme]
+    assert not missing, f"experiments/README.md does not say how to run {missing} or what result it re-makes"
 
 
 @pytest.fixture(scope="module")
