@@ -412,10 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dynamo", action="store_true", help="also run DQA on Dynamo, 2 workers, kv vs round-robin")
     p.add_argument("--dynamo-routers", default="kv,round-robin")
     p.add_argument("--dynamo-workers", type=int, default=2)
-    p.add_argument("--dynamo-docs", type=int, default=4)
+    p.add_argument("--dynamo-docs", type=int, default=6)
     p.add_argument("--dynamo-questions", type=int, default=6)
-    p.add_argument("--dynamo-doc-tokens", type=int, default=2048)
-    p.add_argument("--dynamo-pool-docs", type=float, default=2.2,
+    p.add_argument("--dynamo-doc-tokens", type=int, default=1024)
+    p.add_argument("--dynamo-pool-docs", type=float, default=3.5,
                    help="each worker's host pool holds about this many documents (default: %(default)s)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
