@@ -357,6 +357,8 @@ def print_report(rep: dict) -> None:
 
 
 def plot(rep: dict, path: str) -> None:
+    """One panel per measured thing: DQA TTFT and output tokens/s (caching off, on, llama-server),
+    multi-turn TTFT per turn, Dynamo routing (prefill computed and TTFT p50 per router)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -364,17 +366,43 @@ def plot(rep: dict, path: str) -> None:
     except ImportError:
         print("no matplotlib: no plot")
         return
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    panels = []
     if "dqa" in rep:
         ks = [k for k in ("off", "on", "llama-server") if rep["dqa"].get(k)]
-        axes[0].bar([f"{k}\np50" for k in ks], [rep["dqa"][k]["ttft_p50_s"] for k in ks])
-        axes[0].bar([f"{k}\np90" for k in ks], [rep["dqa"][k]["ttft_p90_s"] for k in ks])
-        axes[0].set_ylabel("TTFT s"); axes[0].set_title("document QA TTFT")
-        axes[1].bar(ks, [rep["dqa"][k]["output_tokens_per_s"] for k in ks])
-        axes[1].set_title("document QA output tokens/s")
-    for k, s in rep.get("multiturn", {}).items():
-        axes[2].plot([r["turn"] for r in s["turns"]], [r["ttft_s"] for r in s["turns"]], marker="o", label=k)
-    axes[2].set_xlabel("turn"); axes[2].set_ylabel("TTFT s"); axes[2].set_title("multi-turn TTFT"); axes[2].legend()
+
+        def dqa_ttft(ax):
+            x = range(len(ks))
+            ax.bar([i - 0.2 for i in x], [rep["dqa"][k]["ttft_p50_s"] for k in ks], 0.4, label="p50")
+            ax.bar([i + 0.2 for i in x], [rep["dqa"][k]["ttft_p90_s"] for k in ks], 0.4, label="p90")
+            ax.set_xticks(list(x), ks); ax.set_yscale("log"); ax.set_ylabel("TTFT s (log)")
+            ax.set_title("document QA: TTFT"); ax.legend()
+
+        def dqa_tps(ax):
+            ax.bar(ks, [rep["dqa"][k]["output_tokens_per_s"] for k in ks])
+            ax.set_ylabel("output tokens/s"); ax.set_title("document QA: throughput")
+        panels += [dqa_ttft, dqa_tps]
+    if rep.get("multiturn"):
+        def turns(ax):
+            for k, s in rep["multiturn"].items():
+                ax.plot([r["turn"] for r in s["turns"]], [r["ttft_s"] for r in s["turns"]], marker="o", label=k)
+            ax.set_xlabel("turn"); ax.set_ylabel("TTFT s"); ax.set_title("multi-turn TTFT"); ax.legend()
+        panels.append(turns)
+    if rep.get("dynamo"):
+        routers = [k for k in rep["dynamo"] if k != "workload"]
+
+        def routing(ax):
+            ax.bar(routers, [rep["dynamo"][k]["prefill_tokens_computed"] for k in routers])
+            ax.set_ylabel("prefill tokens computed"); ax.set_title("Dynamo, 2 workers: prefill")
+
+        def routing_ttft(ax):
+            ax.bar(routers, [rep["dynamo"][k]["ttft_p50_s"] for k in routers])
+            ax.set_ylabel("TTFT p50 s"); ax.set_title("Dynamo, 2 workers: TTFT p50")
+        panels += [routing, routing_ttft]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.3 * len(panels), 4), squeeze=False)
+    for fn, ax in zip(panels, axes[0]):
+        fn(ax)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -419,7 +447,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="each worker's host pool holds about this many documents (default: %(default)s)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--from-json", default=None, metavar="JSON",
+                   help="run nothing: print the table of an earlier --json file (and --plot it)")
     args = p.parse_args(argv)
+    if args.from_json:
+        rep = json.loads(Path(args.from_json).read_text())
+        print_report(rep)
+        if args.plot:
+            plot(rep, args.plot)
+        return 0
 
     from runtime.engine import Engine
     overrides = {}
