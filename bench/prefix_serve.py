@@ -6,7 +6,7 @@
   really computed.
 - `run_dqa()` sends the prompts in order at concurrency C (a new one starts when one ends) and
   returns the same summary as the in-process bench.
-- `LlamaServer` runs llama.cpp's `llama-server` (built by llama_cpp_peer.py `build --server`) on a
+- `LlamaServer` runs llama.cpp's `llama-server` (built by `python -m bench.llama_cpp build --server`) on a
   GGUF, one slot per concurrent request, its prompt cache on.
 - `DynamoDeployment` runs `scripts/serve.sh start --frontend dynamo` with N workers, a router and a
   host pool size, and stops it.

@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a LookaheadConfig override (e.g. mode=lookahead); int/float/bool parsed")
     p.add_argument("--peer", choices=("none", "llama-server"), default="none",
                    help="also run the DQA workload against llama.cpp's server (prompt cache on; built once, "
-                        "~10 min: llama_cpp_peer.py build --server)")
+                        "~10 min: python -m bench.llama_cpp build --server)")
     p.add_argument("--peer-weights", default="Q8_0", help="the peer's GGUF weights (default: %(default)s)")
     p.add_argument("--peer-threads", type=int, default=2)
     p.add_argument("--check-uncached", type=int, default=4,

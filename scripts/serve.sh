@@ -48,6 +48,7 @@ FRONTEND=triton; WORKERS=1; DISCOVERY=file; RUN_DIR_SET=0; EXTRA=(); DEVICE=auto
 
 usage() { sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 die() { echo "serve.sh: error: $*" >&2; exit 1; }
+case "$ACTION" in -h|--help|help) usage 0 ;; esac
 
 while [ $# -gt 0 ]; do
   case "$1" in

@@ -93,7 +93,7 @@ class Workload:
         k = rng.randint(self.min_tokens, self.max_tokens)
         # Cancelled within the first half of its tokens, so that the cancel lands well before the
         # final response: tritonserver 2.51 loses a cancel that lands just after it, and then its
-        # stop waits out the exit timeout (README, "gRPC streaming clients").
+        # stop waits out the exit timeout (docs/SERVING.md, "gRPC streaming clients").
         cancel = rng.randint(1, max(1, k // 2)) if k > 1 and rng.random() < self.cancel_share else None
         return Plan(n, k, cancel)
 

@@ -352,7 +352,7 @@ def test_load_test_against_the_server_and_in_process(triton_server, tmp_path):
 def test_soak_smoke(triton_server, tmp_path):
     """scripts/soak.py against the running server for a few seconds: no errors, cancels counted,
     the stub's RSS sampled and the blocks back to full after the load. Long outputs: a cancel lands
-    100+ tokens before the final response, not just after it (the 2.51 bug the README describes,
+    100+ tokens before the final response, not just after it (the 2.51 bug docs/SERVING.md describes,
     which would make the next test's stop wait out the exit timeout)."""
     import importlib.util
     from pathlib import Path
