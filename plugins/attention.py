@@ -5,7 +5,6 @@ import math
 
 import torch
 
-from . import cpu
 from ._common import FLOAT_DTYPES, check_same, check_shape, check_tensor, define_op, fail
 
 
@@ -45,9 +44,6 @@ def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: 
     return out.view(B, num_kv_heads, R, G, D).transpose(1, 2).reshape(B, R, H, D).to(q.dtype)
 
 
-# fp32 queries on CPU (K/V fp32, fp16 or bf16): plugins/cpu's C kernel (one pass over the visible
-# keys, masked ones never read); tests switch it off to check the torch path below on the same inputs
-USE_CPU_KERNEL = True
 KV_STORAGE_DTYPES = (torch.float16, torch.bfloat16)   # K/V stored narrower than a float32 q
 _FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -55,13 +51,11 @@ _FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 def _lookahead_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor,
                               k_extra: torch.Tensor, v_extra: torch.Tensor, extra_mask: torch.Tensor,
                               scale: float) -> torch.Tensor:
-    """CPU, where plugins.cpu does not run it: torch's fused (flash) attention over the gathered
+    """CPU (plugins.cpu's kernel table entry runs its C kernel in its place where it takes the
+    arguments): torch's fused (flash) attention over the gathered
     KV, which also returns each row's log-sum-exp, then the few extra keys merged in by that
     log-sum-exp. K/V are read once, by one fused kernel, with the GQA group's heads and both rows
     folded into the query dim."""
-    if (q.device.type == "cpu" and USE_CPU_KERNEL
-            and cpu.attention_supported(q, k, v, k_extra, v_extra, kv_mask, extra_mask)):
-        return cpu.attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale)
     if _FUSED is None or q.device.type != "cpu" or k.shape[2] == 0:
         return _attention_math(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale)
     if k.dtype != q.dtype:          # fp16 / bf16 K/V storage under fp32 queries: fp32 math, widened copies
@@ -101,7 +95,7 @@ define_op("lookahead_attention", _lookahead_attention_impl, _lookahead_attention
 
 def lookahead_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor,
                         k_extra: torch.Tensor, v_extra: torch.Tensor, extra_mask: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, *, impl=None) -> torch.Tensor:
     """Sparse attention of R query rows per sequence over gathered KV plus the rows' fresh K/V.
 
     Row r of sequence b, query head h (KV head ``h // (H // KVH)``) attends to ``k[b, kvh, n]``
@@ -126,6 +120,8 @@ def lookahead_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ma
         Which extra keys row r sees (shared by all heads).
     scale : float
         Softmax scale, usually ``D ** -0.5``.
+    impl : callable, optional
+        What runs the checked arguments (an engine's kernel table entry); default the dispatcher.
 
     Returns
     -------
@@ -171,5 +167,5 @@ def lookahead_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ma
         # the CUDA kernels (plugins/cuda) read every float input as q's dtype: widen a narrower
         # K/V storage to it here (a copy) rather than hand them mixed dtypes
         k, v, k_extra, v_extra = (t.to(q.dtype) for t in (k, v, k_extra, v_extra))
-    return torch.ops.lookahead.lookahead_attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask,
-                                                   float(scale))
+    return (impl or torch.ops.lookahead.lookahead_attention)(q, k, v, kv_mask, k_extra, v_extra, extra_mask,
+                                                             float(scale))

@@ -3,14 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu
 from ._common import FLOAT_DTYPES, check_same, check_shape, check_tensor, define_op, fail
 
 
 GROUP_SCORES = ("sum", "max")      # how a GQA group's query heads combine into a KV head's score
-# fp32 on CPU: plugins/cpu's C kernel (scores and selection in one call); tests switch it off to
-# check the torch path below on the same inputs
-USE_CPU_KERNEL = True
 
 
 def _group_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, group_score: str) -> torch.Tensor:
@@ -62,9 +58,6 @@ def _block_topk_impl(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, va
     B, num_blocks, num_kv_heads, _ = kmin.shape
     rows = q.dim() == 4                          # [B, R, H, D]: R query rows per sequence
     q4, v3 = (q, valid) if rows else (q.unsqueeze(1), valid.unsqueeze(1))
-    if q.device.type == "cpu" and USE_CPU_KERNEL and cpu.block_topk_supported(q4, kmin, kmax, v3, k):
-        top, scores = cpu.block_topk(q4, kmin, kmax, v3, k, group_score)
-        return (top, scores) if rows else (top[:, 0], scores[:, 0])
     R = q4.shape[1]
     # Masked after scoring: an empty block's +-inf summary may score NaN; the fill overwrites it.
     scores = _group_scores(q4, kmin, kmax, group_score).masked_fill_(~v3.unsqueeze(2), float("-inf"))
@@ -94,7 +87,7 @@ define_op("block_topk", _block_topk_impl, _block_topk_fake)
 
 
 def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
-               k: int, group_score: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
+               k: int, group_score: str = "sum", *, impl=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Score blocks by the Quest upper bound and select the top ``k`` per KV head.
 
     For query head h and block n, ``s_h(n) = sum_d max(q[h,d]*kmin[n,d], q[h,d]*kmax[n,d])``
@@ -116,6 +109,8 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
         Blocks to select per (sequence, KV head), ``1 <= k <= NB``.
     group_score : str
         ``"sum"`` or ``"max"`` over the GQA group's query heads.
+    impl : callable, optional
+        What runs the checked arguments (an engine's kernel table entry); default the dispatcher.
 
     Returns
     -------
@@ -145,4 +140,4 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
         fail("k", f"must be an int in [1, NB={num_blocks}], got {k!r}")
     if group_score not in GROUP_SCORES:
         fail("group_score", f"{group_score!r} is unknown: use one of {GROUP_SCORES}")
-    return torch.ops.lookahead.block_topk(q, kmin, kmax, valid, k, group_score)
+    return (impl or torch.ops.lookahead.block_topk)(q, kmin, kmax, valid, k, group_score)

@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from plugins import cpu
-
 from .kv_pool import KVPool
 from .step import StepBatch
 
+from .ops import paged_mask
+
 if TYPE_CHECKING:
+    from .ops import Ops
     from .sparse import BlockSelection
 
 
@@ -26,18 +27,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """One query row per head without repeating K/V across the GQA group.
 
     q: [H, D]; k, v: [KVH, L, D] -> [H, D] in q's dtype. mask: bool [KVH, L], the keys each KV
-    head's queries see (sparse mode's selection; None: all; at least one per head). fp32 on CPU:
-    plugins/cpu's C kernel (one pass over K and V, ~2x torch's matmuls here) where it builds and
-    takes the layout. K/V stored in another dtype than q's (a half-precision cache) are read in fp32.
+    head's queries see (sparse mode's selection; None: all; at least one per head). A decode row
+    the paged kernel does not take (or a table without it) comes here. K/V stored in another
+    dtype than q's (a half-precision cache) are read in fp32.
     """
     kvh = k.shape[0]
-    if q.device.type == "cpu" and cpu.available():
-        q4, k4, v4 = q[None, None], k.unsqueeze(0), v.unsqueeze(0)
-        none = k4[:, :, :0]                                       # no extra keys
-        if cpu.attention_supported(q4, k4, v4, none, none):
-            every = torch.ones(1, kvh, k.shape[1], dtype=torch.bool) if mask is None else mask[None]
-            out = cpu.attention(q4, k4, v4, every, none, none, torch.zeros(1, 1, 0, dtype=torch.bool), scale)
-            return out[0, 0].to(q.dtype)
     if k.dtype != q.dtype or v.dtype != q.dtype:            # the stored values, upcast: fp32 math
         return decode_attention(q.float(), k.float(), v.float(), scale, mask).to(q.dtype)
     qg = q.view(kvh, -1, q.shape[-1])                       # [KVH, G, D]
@@ -70,44 +64,46 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 class DenseAttention:
     """Dense mode's attention over a KVPool. `step(batch)` gives one step's AttentionBackend; the
     batch is an argument, never state set from outside. `selection`: sparse mode's
-    (runtime/sparse.py): decode rows attend to their selected keys only, in place."""
+    (runtime/sparse.py): decode rows attend to their selected keys only, in place. `ops`: the
+    engine's kernel table (its decode and paged attention entries)."""
 
-    def __init__(self, pool: KVPool, scale: float, selection: "BlockSelection | None" = None):
-        self.pool, self.scale, self.selection = pool, scale, selection
+    def __init__(self, pool: KVPool, scale: float, ops: "Ops", selection: "BlockSelection | None" = None):
+        self.pool, self.scale, self.ops, self.selection = pool, scale, ops, selection
 
     def step(self, batch: StepBatch) -> "DenseStep":
-        return DenseStep(self.pool, self.scale, batch, self.selection)
+        return DenseStep(self.pool, self.scale, batch, self.ops, self.selection)
 
 
 class DenseStep:
     """One step's dense attention: stores each layer's rows where `batch` says, then attends.
     `fused_items` says whether the runner may run the step as one fused C call instead."""
 
-    def __init__(self, pool: KVPool, scale: float, batch: StepBatch, selection: "BlockSelection | None" = None):
-        self.pool, self.scale, self.batch, self.selection = pool, scale, batch, selection
+    def __init__(self, pool: KVPool, scale: float, batch: StepBatch, ops: "Ops",
+                 selection: "BlockSelection | None" = None):
+        self.pool, self.scale, self.batch, self.ops, self.selection = pool, scale, batch, ops, selection
         self._paged: tuple | None = None     # the step's batched decode items, see _paged_decode
 
     def _paged_decode(self) -> tuple:
         """(rows, tables, lens, mask, row set) of the step's decode items, for one kernel call a
-        layer (plugins.cpu.attention_paged, which shares their (sequence, head) units out over the
+        layer (the table's `paged_attention`, which shares their (sequence, head) units out over the
         threads; their blocks anywhere in the pool, e.g. a prefix shared with other sequences);
-        rows is None when there are none or no kernel. Worked out once a step: every layer's
+        rows is None when there are none or the table has no paged kernel. Worked out once a step: every layer's
         lengths are the same."""
         if self._paged is not None:
             return self._paged
         rows, tables, lens = [], [], []
-        if self.pool.k.device.type == "cpu" and cpu.available():
+        if self.ops.paged_attention is not None:
             for it in self.batch.items:
                 if it.num_tokens == 1:
                     rows.append(it.row_start), tables.append(it.block_table), lens.append(it.context_len)
         self._paged = ((torch.tensor(rows, dtype=torch.long), tables, lens,
-                        cpu.paged_mask(lens, self.pool.num_kv_heads), frozenset(rows)) if rows
+                        paged_mask(lens, self.pool.num_kv_heads), frozenset(rows)) if rows
                        else (None, [], [], None, frozenset()))
         return self._paged
 
     def fused_items(self) -> tuple[list[list[int]], list[int]] | None:
         """(each item's block table, its context length) when the fused decode step
-        (plugins/cpu/fused.py) can run this step in place of the layers' `forward` calls: every
+        (the table's `fused_decoder`) can run this step in place of the layers' `forward` calls: every
         item one token, item i at row i (what `_paged_decode` sends to one kernel call, for every
         item); else None."""
         if self.batch.store_only or not self.batch.items:
@@ -128,7 +124,7 @@ class DenseStep:
         if rows is not None:
             if sel is not None:         # the step's summaries: every selected block is a full one
                 mask = sel.mask(layer_idx, q[rows], None, lens, tables)
-            o = cpu.attention_paged(q[rows], self.pool.k[layer_idx], self.pool.v[layer_idx], None, lens,
+            o = self.ops.paged_attention(q[rows], self.pool.k[layer_idx], self.pool.v[layer_idx], None, lens,
                                     self.scale, mask, tables)
             if o is None:
                 done = frozenset()

@@ -87,7 +87,7 @@ class Engine:
     def __init__(self, manifest: Manifest, model: LlamaModel, tokenizer: TextTokenizer,
                  config: LookaheadConfig, num_host_blocks: int | None = None, max_queue: int = 256,
                  transfer: str | TransferEngine | None = None, prefill_cache: PrefillCache | None = None,
-                 debug_checks: bool = False):
+                 debug_checks: bool = False, fused: bool = True):
         """The engine runs where `model` lives (`model.device`) with the model's ops; it places
         everything else it makes there too: the dense KV pool, or the lookahead device tier, its
         summaries and bookkeeping (the lookahead host pool stays in host memory, pinned when the
@@ -97,9 +97,11 @@ class Engine:
         on a GPU, else "thread") or an instance (tests: one that records what it moves).
         prefill_cache: shared by engines over the same `model`, a prompt prefilled by one is
         replayed by the others (runtime/prefill_cache.py), e.g. one prompt under several modes.
-        debug_checks: the lookahead backend verifies its device slots before every attention."""
+        debug_checks: the lookahead backend verifies its device slots before every attention.
+        fused: a decode step may run as the kernel table's fused C step or layer (False: the
+        model's Python layers, the reference, every step)."""
         mcfg = manifest.model
-        self.device, self.ops, self.debug_checks = model.device, model.ops, debug_checks
+        self.device, self.ops, self.debug_checks, self.fused = model.device, model.ops, debug_checks, fused
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
         config = clamp_top_k(config, self.max_model_len).with_kv_dtype(manifest.dtype)   # unset: the weights'
         self.manifest, self.model, self.tokenizer, self.config = manifest, model, tokenizer, config
@@ -155,8 +157,8 @@ class Engine:
         mcfg, cfg = self.manifest.model, self.config
         if cfg.mode in ("dense", "sparse"):
             selection = BlockSelection(mcfg, cfg, self.pool, self.ops) if cfg.mode == "sparse" else None
-            return DenseRunner(self.model, DenseAttention(self.pool, mcfg.head_dim ** -0.5, selection), cfg.block_size,
-                               self.prefill_cache, self.observers)
+            return DenseRunner(self.model, DenseAttention(self.pool, mcfg.head_dim ** -0.5, self.ops, selection),
+                               cfg.block_size, self.prefill_cache, self.observers, fused=self.fused)
         from .draft import DraftChain, make_draft
         from .lookahead.attention import LookaheadAttention
         from .lookahead.runner import LookaheadRunner
@@ -166,11 +168,11 @@ class Engine:
         # allocation
         attn = LookaheadAttention(mcfg, cfg, self.pool, cfg.max_batch_size,
                                   blocks_needed(self.max_model_len, cfg.block_size), transfer, self.device,
-                                  self.ops, self.debug_checks, self.observers)
+                                  self.ops, self.debug_checks, self.observers, fused=self.fused)
         source = make_draft(cfg.draft)
         chain = DraftChain(source, cfg.resync_after) if source is not None else None
         return LookaheadRunner(self.model, attn, cfg.block_size, chain, cfg.max_batch_size, self.prefill_cache,
-                               self.observers)
+                               self.observers, fused=self.fused)
 
     def observe(self, observer: Observer) -> Observer:
         """Register an `Observer` (runtime/observe.py): its hooks see this engine's step batches,
@@ -179,12 +181,14 @@ class Engine:
         return self.observers.add(observer)
 
     def sibling(self, prefill_cache: PrefillCache | None = None, transfer: str | TransferEngine | None = None,
-                **overrides: Any) -> "Engine":
+                fused: bool | None = None, **overrides: Any) -> "Engine":
         """A new engine over this one's loaded model (no second weight load) with its own KV pool,
         `overrides` applied to this engine's config; engines sharing a `prefill_cache` replay each
-        other's prompts. transfer: its lookahead copy engine (as `Engine`'s; default by device)."""
+        other's prompts. transfer: its lookahead copy engine (as `Engine`'s; default by device).
+        fused: as `Engine`'s (default: this engine's)."""
         return Engine(self.manifest, self.model, self.tokenizer, self.config.replace(**overrides),
-                      transfer=transfer, prefill_cache=prefill_cache, debug_checks=self.debug_checks)
+                      transfer=transfer, prefill_cache=prefill_cache, debug_checks=self.debug_checks,
+                      fused=self.fused if fused is None else fused)
 
     def close(self) -> None:
         """Stop background workers (the transfer engine's thread)."""
@@ -197,12 +201,14 @@ class Engine:
     def from_dir(cls, path: str | Path, *, device: str | torch.device | None = None, verify_checksums: bool = True,
                  num_host_blocks: int | None = None, max_queue: int = 256,
                  transfer: str | TransferEngine | None = None, ops: Ops | None = None,
-                 debug_checks: bool = False, **overrides: Any) -> "Engine":
+                 impl: str = "auto", debug_checks: bool = False, fused: bool = True,
+                 **overrides: Any) -> "Engine":
         """Load an engine dir (refusing an incomplete, incompatible or tampered one).
 
         device: where the engine runs (None: CUDA when torch has a GPU, else CPU); a device that
-        is not there is a ConfigError naming `device`. ops: the op implementations (default:
-        `select_ops(device, dtype)`, the checked wrappers with `debug_checks`).
+        is not there is a ConfigError naming `device`. ops: the kernel table (default:
+        `select_ops(device, dtype, impl)`; "auto" is "checked" with `debug_checks`). fused: as
+        `Engine`'s.
         `overrides` replace fields of the engine's LookaheadConfig (e.g. mode="lookahead", top_k=64).
         """
         device = resolve_device(device)
@@ -218,12 +224,13 @@ class Engine:
                                  packed_weights=False if manifest.quantization else None,
                                  device_type=device.type, weight_saving=max(0, saving)))
         dtype = DTYPES[manifest.dtype]
-        ops = ops or select_ops(device, dtype, checked=debug_checks, quantized=manifest.quantization is not None)
+        impl = "checked" if debug_checks and impl == "auto" else impl
+        ops = ops or select_ops(device, dtype, impl, quantized=manifest.quantization is not None)
         # weights.safetensors read onto `device`, or a random_weights recipe generated there
         model = load_model(manifest, device, ops, dtype)
         tokenizer = TextTokenizer(Path(path) / TOKENIZER_DIR)
         return cls(manifest, model, tokenizer, config, num_host_blocks, max_queue, transfer,
-                   debug_checks=debug_checks)
+                   debug_checks=debug_checks, fused=fused)
 
     # ---- requests (thread-safe) ---------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -2,13 +2,14 @@
 
 Attention is delegated: every layer calls `attn.forward(layer_idx, q, k, v)` on the step's
 `AttentionBackend`, which stores K/V and computes attention the way the current mode wants
-(dense paged, or lookahead sparse). The model never sees a cache.
+(dense paged, or lookahead sparse). The model never sees a cache. Every kernel it calls (the
+projections, the norms, the fused decode step) is an entry of its `ops`, the engine's kernel
+table (runtime/ops.py).
 
 Weight-only int8 (an engine.yaml `quantization:` section): the quantized roles' modules are
 `Int8Linear` / `Int8Embedding`, whose `.weight` is an `Int8Weight` (qweight int8 [N, K], scale
 fp32 [N] or [N, K // G]) instead of a tensor; the projections pass it to `ops.linear` like any
-weight, and the quantized engine's ops (`select_ops(..., quantized=True)`) send it to
-`plugins.cpu.linear_int8`.
+weight, and the quantized engine's table (`select_ops(..., quantized=True)`) takes it.
 The fp32 modules and their path are unchanged.
 
 `load_model(manifest, device, ops)` builds the model an engine dir describes: weights read from
@@ -17,27 +18,18 @@ weights.safetensors, or, for a `random_weights:` recipe, generated on `device` t
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Protocol
+from typing import Any, Iterator, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.cpu import linear as cpu_linear, linear_int8 as cpu_linear_int8, rms_norm
-from plugins.cpu.ops import dequantize_int8, int8_group_size
-
 from .config import ModelConfig
 from .engine_dir import WEIGHTS, Manifest, expected_shapes
 from .errors import EngineDirError
-from .ops import Ops, select_ops
+from .ops import Ops, dequantize_int8, int8_group_size, select_ops
 from .rope import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from plugins.cpu.fused import FusedDecoder
-
-FUSED_ENV = "LOOKAHEAD_FUSED_DECODE"      # "0": dense decode steps keep the Python path
 
 
 class AttentionBackend(Protocol):
@@ -52,9 +44,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return rms_norm(x, self.weight, self.eps)      # one C call (plugins.cpu) or F.rms_norm
+            return ops.rms_norm(x, self.weight, self.eps)      # one C call, or F.rms_norm
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(x.dtype) * self.weight
@@ -159,7 +151,7 @@ class DecoderLayer(nn.Module):
                 ops: Ops) -> torch.Tensor:
         c, linear = self.cfg, ops.linear
         T = x.shape[0]
-        qkv = linear(self.attn_norm(x), self.wqkv.weight, self.wqkv.bias)  # [T, q + 2kv]
+        qkv = linear(self.attn_norm(x, ops), self.wqkv.weight, self.wqkv.bias)  # [T, q + 2kv]
         # q and k are adjacent in qkv: one rotation covers both heads' sets (half the small ops)
         qk = rope.apply(qkv[:, : c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim),
                         positions, rope_tables)
@@ -167,7 +159,7 @@ class DecoderLayer(nn.Module):
         v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim)
         o = attn.forward(self.layer_idx, q, k, v)                           # [T, H, D]
         x = x + linear(o.reshape(T, c.q_size), self.wo.weight)
-        gate, up = linear(self.mlp_norm(x), self.w13.weight).chunk(2, dim=-1)
+        gate, up = linear(self.mlp_norm(x, ops), self.w13.weight).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.w2.weight)
 
 
@@ -208,7 +200,7 @@ class LlamaModel(nn.Module):
         tables = self.rope.tables(positions)
         for layer in self.layers:
             x = layer(x, positions, self.rope, attn, tables, self.ops)
-        return self.norm(x)
+        return self.norm(x, self.ops)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -219,22 +211,15 @@ class LlamaModel(nn.Module):
         return self.norm.weight.device
 
     def fused_decoder(self, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float,
-                      silu: str = "auto", selection=None) -> tuple["FusedDecoder | None", str | None]:
+                      silu: str = "auto", selection=None) -> tuple[Any, str | None]:
         """(the fused dense decode step over this model and a KV pool's K/V, None) when this model
-        takes it, else (None, why). The fused step (plugins/cpu/fused.py: one C call a step) runs
-        what `forward` runs over `attention_dense.DenseStep` on a decode step, for an fp32 CPU model
-        whose projections are fp32 or int8 and whose ops are the engine's default CPU ops (a test's
-        own or checked ops keep the Python path, so every call still goes through them).
-        LOOKAHEAD_FUSED_DECODE=0 in the environment turns it off."""
-        from plugins.cpu import fused
-
-        if os.environ.get(FUSED_ENV, "1") == "0":
-            return None, f"{FUSED_ENV}=0"
-        c, ops = self.cfg, self.ops
-        default_linear = (getattr(ops.linear, "parts", None) == (cpu_linear, cpu_linear_int8)
-                          if self.quantized else ops.linear is cpu_linear)
-        if self.device.type != "cpu" or ops.name != "direct/cpu" or not default_linear:
-            return None, f"ops {ops.name or 'custom'} on {self.device.type}"
+        takes it, else (None, why). The fused step (the table's `fused_decoder`: one C call a
+        step) runs what `forward` runs over `attention_dense.DenseStep` on a decode step, for an
+        fp32 CPU model on a C kernel table (a torch, checked or test's own table has none, so
+        every call still goes through its entries)."""
+        c, bind = self.cfg, self.ops.fused_decoder
+        if bind is None or self.device.type != "cpu":
+            return None, f"ops {self.ops.name or 'custom'} on {self.device.type}"
         if not (type(self.norm) is RMSNorm and type(self.embed_tokens) in (nn.Embedding, Int8Embedding)
                 and all(type(layer) is DecoderLayer for layer in self.layers)):
             return None, "modules other than the model's own"
@@ -244,16 +229,15 @@ class LlamaModel(nn.Module):
         def weight(m: nn.Module):
             w = m.weight
             return w if isinstance(w, torch.Tensor) else (w.qweight, w.scale)
-        layers = [fused.LayerWeights(layer.attn_norm.weight, layer.mlp_norm.weight, weight(layer.wqkv), layer.wqkv.bias,
-                                     weight(layer.wo), weight(layer.w13), weight(layer.w2)) for layer in self.layers]
+        layers = [(layer.attn_norm.weight, layer.mlp_norm.weight, weight(layer.wqkv), layer.wqkv.bias,
+                   weight(layer.wo), weight(layer.w13), weight(layer.w2)) for layer in self.layers]
         eps = {m.eps for m in self.modules() if isinstance(m, RMSNorm)}
         if len(eps) != 1:
             return None, "RMSNorm eps differ"
-        dims = fused.Dims(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                          c.vocab_size, eps.pop(), scale)
-        args = (dims, weight(self.embed_tokens), layers, self.norm.weight, self.rope.cos, self.rope.sin, pool_k, pool_v)
-        why = fused.unsupported(*args) or fused.selection_unsupported(selection, dims, pool_k)
-        return (None, why) if why is not None else (fused.FusedDecoder(*args, silu=silu, selection=selection), None)
+        dims = dict(num_layers=c.num_layers, hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads,
+                    head_dim=c.head_dim, inter=c.intermediate_size, vocab=c.vocab_size, eps=eps.pop(), scale=scale)
+        return bind(dims, weight(self.embed_tokens), layers, self.norm.weight, self.rope.cos, self.rope.sin,
+                    pool_k, pool_v, silu=silu, selection=selection)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load runtime-layout tensors (see engine_dir.WEIGHT_LAYOUT); strict on names and shapes.

@@ -53,47 +53,39 @@ class Observer:
         emit a token this step (the logits they are sampled from)."""
 
 
-class Observers:
-    """The registered observers. False when empty: call sites test it before building arguments."""
-
-    def __init__(self) -> None:
-        self._all: list[Observer] = []
+class Observers(list):
+    """The registered observers (a list: False when empty, so call sites test it before
+    building arguments, with no Python call)."""
 
     def add(self, observer: Observer) -> Observer:
         if not isinstance(observer, Observer):
             raise TypeError(f"observe: expected a runtime.observe.Observer, got {type(observer).__name__}")
-        self._all.append(observer)
+        self.append(observer)
         return observer
-
-    def remove(self, observer: Observer) -> None:
-        self._all.remove(observer)
-
-    def __bool__(self) -> bool:
-        return bool(self._all)
 
     def wants(self, hook: str) -> bool:
         """Whether a registered observer overrides `hook` (e.g. "on_scores"): a fused path that
         cannot call it must leave the step to the path that does."""
         base = getattr(Observer, hook)
-        return any(getattr(type(o), hook) is not base for o in self._all)
+        return any(getattr(type(o), hook) is not base for o in self)
 
     def batch(self, batch) -> None:
-        for o in self._all:
+        for o in self:
             o.on_batch(batch)
 
     def plan(self, plan) -> None:
-        for o in self._all:
+        for o in self:
             o.on_plan(plan)
 
     def scores(self, layer: int, rows: tuple[str, ...], lanes: list[int], idx: torch.Tensor,
                scores: torch.Tensor) -> None:
-        for o in self._all:
+        for o in self:
             o.on_scores(layer, rows, lanes, idx, scores)
 
     def copy(self, job, urgent: bool) -> None:
-        for o in self._all:
+        for o in self:
             o.on_copy(job, urgent)
 
     def step_end(self, logits: dict[int, Any]) -> None:
-        for o in self._all:
+        for o in self:
             o.on_step_end(logits)

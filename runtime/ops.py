@@ -1,55 +1,65 @@
-"""The op implementations one engine calls, chosen once from its (device, dtype).
+"""The kernel table: every op one engine calls, chosen once from (device, dtype, impl).
 
-    ops = select_ops(torch.device("cpu"), torch.float32)
-    ops.block_topk(q, kmin, kmax, valid, k, "max")      # plugins.direct: no dispatcher on CPU
+    ops = select_ops(torch.device("cpu"), torch.float32)     # impl="auto"
+    ops.block_topk(q, kmin, kmax, valid, k, "max")
 
-Every caller on the decode path (the model's projections, the lookahead backend's scoring,
-attention and summaries) reads its ops from the engine's `Ops`, never from a module global, so
-the choice follows the device the tensors live on: on CPU the ops' implementations are called
-directly (`plugins.direct`: a `torch.ops` dispatch costs about what a decode-size op computes
-in), on CUDA through `torch.ops.lookahead`, whose CUDA key `plugins.cuda` registers its kernels
-for: `select_ops` for a CUDA device is where that happens (`plugins.ensure_cuda_kernels()`, once
-per process; importing `plugins` compiles nothing). `checked=True` gives the argument-checking wrappers (`plugins.<op>`) on the same arguments,
-for tests. A test may pass an `Ops` of its own (e.g. one that records or checks every argument).
-
-A weight-only int8 engine (`quantized=True`) gets a `linear` that also takes an `Int8Weight`
-(runtime/model.py: qweight int8 [N, K], scale fp32 [N, K // G] or [N]) and sends it to `plugins.cpu.linear_int8`
-(on CPU; a dequantizing torch path elsewhere); its fp32 tensors take the fp32 path as before.
-An fp32 engine's `linear` is exactly what it was, with no extra check per call.
+The one door to `plugins`: the model, the backends, the slot table and the copy jobs call their
+engine's `Ops`, never `plugins`. impl "c": plugins/cpu's C kernels (fp32 on CPU; ValueError where
+they do not build); "torch": the torch implementations (the references the C paths equal), no C
+entry; "auto": "c" where it applies, else "torch" (on a GPU `torch.ops.lookahead`, whose CUDA key
+`plugins.cuda` registers, built here once per process); "checked": auto's kernels behind the
+argument-checking wrappers (`plugins.<op>`), no fused entry (tests, `debug_checks`). An entry only
+C has is None in a torch table (its caller runs its torch path). `wrapped`: a test's table that
+records or checks every call. A quantized engine's `linear` also takes an `Int8Weight`.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
 
 import plugins  # defines torch.ops.lookahead.* (no CUDA build: select_ops registers the kernels)
 from plugins import cpu
+from plugins.cpu import bookkeeping, fused, lookahead_layer
+from plugins.cpu.ops import dequantize_int8, int8_group_size, paged_mask  # noqa: F401  (the runtime's helpers)
+
+IMPLS = ("auto", "c", "torch", "checked")
+FUSED = ("fused_decoder", "lookahead_layer")     # entries that bind a whole step or layer to C
 
 
 @dataclass(frozen=True)
 class Ops:
-    """One callable per op; the signatures are those of `plugins/CONTRACTS.md` and F.linear."""
+    """One callable per op; signatures: `plugins/CONTRACTS.md`, F.linear, F.rms_norm's (x, weight,
+    eps), and the plugins.cpu functions named beside the entries."""
 
     block_gather: Callable
     block_topk: Callable
     update_summaries: Callable
     lookahead_attention: Callable
     linear: Callable            # (x [M, K], weight [N, K] | Int8Weight, bias [N] | None) -> [M, N]
+    rms_norm: Callable = lambda x, weight, eps: F.rms_norm(x, weight.shape, weight, eps)
+    paged_attention: Callable | None = None     # plugins.cpu.attention_paged (None: per item)
+    plan_slots: Callable | None = None          # bookkeeping.plan (None: SlotTable.plan_torch)
+    copy_blocks: Callable | None = None         # bookkeeping.copy_blocks (None: torch indexing)
+    fused_decoder: Callable | None = None       # fused.bind: a dense decode step in one C call
+    lookahead_layer: Callable | None = None     # LookaheadLayer.bind: a lookahead layer in one
     name: str = ""
 
     def wrapped(self, wrap: Callable[[str, Callable], Callable], name: str | None = None) -> "Ops":
-        """These ops with each callable replaced by `wrap(op_name, fn)` (tests: check, record)."""
-        ops = {f.name: wrap(f.name, getattr(self, f.name)) for f in fields(self) if f.name != "name"}
-        return Ops(**ops, name=name or f"{self.name}+wrapped")
+        """These ops with each callable replaced by `wrap(op_name, fn)` and no fused entries
+        (tests: check, record every call)."""
+        ops = {f.name: wrap(f.name, getattr(self, f.name)) for f in fields(self)
+               if f.name not in ("name", *FUSED) and getattr(self, f.name) is not None}
+        return replace(self, **ops, **dict.fromkeys(FUSED), name=name or f"{self.name}+wrapped")
 
 
 def linear_int8_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """linear_int8's contract off the CPU: dequantize on the tensors' device, then F.linear."""
-    return F.linear(x, cpu.ops.dequantize_int8(qweight, scale, x.dtype), bias)
+    """linear_int8's contract off the C table: dequantize on the tensors' device, then F.linear."""
+    return F.linear(x, dequantize_int8(qweight, scale, x.dtype), bias)
 
 
 def quantized_linear(dense: Callable, int8: Callable) -> Callable:
@@ -61,27 +71,43 @@ def quantized_linear(dense: Callable, int8: Callable) -> Callable:
         return int8(x, weight.qweight, weight.scale, bias)
 
     linear.__qualname__ = linear.__name__ = f"quantized_linear[{getattr(int8, '__name__', 'int8')}]"
-    linear.parts = (dense, int8)       # what it dispatches to (the fused step checks them by identity)
     return linear
 
 
-def select_ops(device: torch.device, dtype: torch.dtype, checked: bool = False, quantized: bool = False) -> Ops:
-    """The ops for tensors of `dtype` on `device`. checked: the validating wrappers (tests).
-    quantized: the model holds int8 weights (`Int8Weight`), which `linear` must also take.
-    On a CUDA device the first call of a process builds (or loads) and registers the CUDA kernels."""
+def c_applies(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why plugins/cpu's table does not apply to (device, dtype) (None: it does)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"the C kernels take fp32 on CPU, not {dtype} on {device.type}"
+    return None if cpu.available() else f"no CPU kernels ({cpu.loader.unavailable_reason()})"
+
+
+def select_ops(device: torch.device, dtype: torch.dtype, impl: str = "auto", quantized: bool = False) -> Ops:
+    """The kernel table for tensors of `dtype` on `device` (see the module docstring for `impl`).
+    quantized: the model holds int8 weights (`Int8Weight`), which `linear` must also take."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl: one of {IMPLS}, got {impl!r}")
+    why = c_applies(device, dtype)
+    if impl == "c" and why is not None:
+        raise ValueError(f"impl='c': {why}")
     if device.type == "cuda":
         plugins.ensure_cuda_kernels()
-    # plugins.cpu.linear runs its C kernel for a decode step's few fp32 rows and is F.linear
-    # otherwise; on a GPU F.linear is cuBLAS
-    linear = cpu.linear if device.type == "cpu" and dtype == torch.float32 else F.linear
-    if quantized:
-        linear = quantized_linear(linear, cpu.linear_int8 if device.type == "cpu" else linear_int8_torch)
-    if checked:
-        return Ops(plugins.block_gather, plugins.block_topk, plugins.update_summaries,
-                   plugins.lookahead_attention, linear, name=f"checked/{device.type}")
-    if device.type == "cpu":
+    use_c = impl != "torch" and why is None
+    if not use_c:
+        d = plugins.direct if device.type == "cpu" else torch.ops.lookahead   # CPU: no dispatcher
+        ops = Ops(d.block_gather, d.block_topk, d.update_summaries, d.lookahead_attention,
+                  quantized_linear(F.linear, linear_int8_torch) if quantized else F.linear,
+                  name=f"torch/{device.type}")
+    else:
         d = plugins.direct
-        return Ops(d.block_gather, d.block_topk, d.update_summaries, d.lookahead_attention, linear, name="direct/cpu")
-    o = torch.ops.lookahead
-    return Ops(o.block_gather, o.block_topk, o.update_summaries, o.lookahead_attention, linear,
-               name=f"dispatch/{device.type}")
+        ops = Ops(d.block_gather, cpu.ops.block_topk_op, d.update_summaries, cpu.ops.lookahead_attention_op,
+                  quantized_linear(cpu.linear, cpu.linear_int8) if quantized else cpu.linear,
+                  rms_norm=cpu.rms_norm, paged_attention=cpu.attention_paged, plan_slots=bookkeeping.plan,
+                  copy_blocks=bookkeeping.copy_blocks, fused_decoder=fused.bind,
+                  lookahead_layer=lookahead_layer.LookaheadLayer.bind, name="c/cpu")
+    if impl != "checked":
+        return ops
+    return replace(ops, block_gather=plugins.block_gather, update_summaries=plugins.update_summaries,
+                   block_topk=functools.partial(plugins.block_topk, impl=ops.block_topk if use_c else None),
+                   lookahead_attention=functools.partial(plugins.lookahead_attention,
+                                                         impl=ops.lookahead_attention if use_c else None),
+                   **dict.fromkeys(FUSED), name=f"checked/{ops.name}")

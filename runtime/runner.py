@@ -16,29 +16,32 @@ from .step import StepBatch, StepItem
 class DenseRunner:
     """Dense mode: every row attends to its sequence's full cached context.
 
-    A decode step whose items are one token each, each sequence's blocks one run of the pool
-    (`DenseStep.fused_items`), runs as one C call (`fused`: plugins/cpu/fused.py, chosen once here
-    by `LlamaModel.fused_decoder`; None, with `fused_reason`, where the model or the pool do not
-    take it, or with LOOKAHEAD_FUSED_DECODE=0). Every other step, and a step the C path refuses,
-    runs the Python path (the model's layers over `DenseStep`), which is the reference.
+    A decode step whose items are one token each (`DenseStep.fused_items`) runs as one C call
+    (`fused`: the kernel table's fused decoder, bound once here by `LlamaModel.fused_decoder`;
+    None, with `fused_reason`, where the model, its table or the pool do not take it, or the
+    engine was built with `fused=False`). Every other step, and a step the C path refuses, runs
+    the Python path (the model's layers over `DenseStep`), which is the reference.
 
     Sparse mode (`attn.selection`, runtime/sparse.py) is the same runner: its decode rows attend to
     their top-K selection in place (the fused step does the selection in C too), and after every
     step the rows it stored fold into their blocks' summaries."""
 
     def __init__(self, model: LlamaModel, attn: DenseAttention, block_size: int,
-                 prefill_cache: PrefillCache | None = None, observers: Observers | None = None):
+                 prefill_cache: PrefillCache | None = None, observers: Observers | None = None,
+                 fused: bool = True):
         self.model, self.attn, self.block_size = model, attn, block_size
         self.selection = attn.selection           # sparse mode's (runtime/sparse.py), or None
         self.prefill_cache = prefill_cache
         self.observers = observers if observers is not None else Observers()
+        self._want_fused = fused
         self._bind_fused()
 
     def _bind_fused(self) -> None:
         pool = self.attn.pool
-        self.fused, self.fused_reason = self.model.fused_decoder(pool.k, pool.v, self.attn.scale,
-                                                                 selection=self.selection)
-        self._fused_pool, self._fused_weights = pool, self.model.weights_version
+        self.fused, self.fused_reason = (self.model.fused_decoder(pool.k, pool.v, self.attn.scale,
+                                                                  selection=self.selection)
+                                         if self._want_fused else (None, "fused=False"))
+        self._fused_weights = self.model.weights_version
 
     def release(self, seq: Sequence) -> None:
         """Nothing per sequence to free beyond its blocks (the scheduler frees those)."""
@@ -103,7 +106,7 @@ class DenseRunner:
         """The step's hidden states from the fused C step, or None (the Python path runs)."""
         if self._fused_weights != self.model.weights_version:       # load_weights replaced the tensors
             self._bind_fused()
-        if self.fused is None or not isinstance(step, DenseStep) or step.pool is not self._fused_pool:
+        if self.fused is None:
             return None
         items = step.fused_items()
         if items is None:

@@ -2,10 +2,6 @@
 passes them (strided views of the device tier and the summaries), and their fallbacks."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +11,7 @@ from plugins import cpu
 from plugins import reference as ref
 from plugins.attention import _attention_math
 from plugins.cpu import loader
+from runtime.ops import select_ops
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"plugins.cpu: {loader.unavailable_reason()}")
 
@@ -220,12 +217,16 @@ def test_block_topk_on_runtime_layouts(seed, group_score):
     assert (idx[2, 1, :, 5:] == -1).all()                                            # padding
 
 
-def test_disabled_by_environment_names_the_switch():
-    code = "from plugins.cpu import loader; print(loader.library() is None, loader.unavailable_reason())"
-    env = {**os.environ, loader.ENV_SWITCH: "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                         cwd=loader.SOURCES[0].parents[2]).stdout
-    assert out.startswith("True") and f"{loader.ENV_SWITCH}=0" in out
+def test_the_torch_table_has_no_c_entry():
+    """impl="torch" (what LOOKAHEAD_CPU_KERNELS=0 was): no entry of the table is a C kernel's."""
+    c, t = select_ops(torch.device("cpu"), torch.float32, "c"), select_ops(torch.device("cpu"), torch.float32, "torch")
+    assert c.fused_decoder is not None and c.plan_slots is not None and c.linear is cpu.linear
+    for name in ("paged_attention", "plan_slots", "copy_blocks", "fused_decoder", "lookahead_layer"):
+        assert getattr(t, name) is None, name
+    assert t.linear is F.linear and t.block_topk is plugins.direct.block_topk
+    assert all(getattr(t, f) is not getattr(c, f) for f in ("linear", "rms_norm", "block_topk", "lookahead_attention"))
+    with pytest.raises(ValueError, match="impl='c'"):
+        select_ops(torch.device("cpu"), torch.float16, "c")
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -321,7 +322,7 @@ def test_unvalidated_op_entry_never_hands_the_kernels_inconsistent_shapes():
             torch.ops.lookahead.lookahead_attention(q, args[0], args[1], args[2], kx, vx, args[3], 0.125)
 
 
-def test_dense_backend_batches_decode_rows_into_one_paged_call(monkeypatch):
+def test_dense_backend_batches_decode_rows_into_one_paged_call():
     # A step with two decode items in runs of blocks (one paged kernel call a layer), one whose
     # blocks are scattered and a prefill chunk (their own paths): every row as attention alone gives.
     from runtime.attention_dense import DenseAttention
@@ -341,14 +342,11 @@ def test_dense_backend_batches_decode_rows_into_one_paged_call(monkeypatch):
     batch = StepBatch.build(items, [0] * 6, bs)
     q, k, v = (torch.randn(6, h, 64, generator=g) for h in (6, 2, 2))
     calls = []
-    real = cpu.attention_paged
-    monkeypatch.setattr(cpu, "attention_paged", lambda *a, **kw: calls.append(a[7]) or real(*a, **kw))
-    attn = DenseAttention(pool, 0.125)
-    if hasattr(attn, "step"):            # one step's backend, the batch its argument
-        attn = attn.step(batch)
-    else:
-        attn.batch = batch
-    out = attn.forward(1, q, k, v)
+
+    def record(name, fn):               # the table's paged kernel, its block tables noted
+        return (lambda *a, **kw: calls.append(a[7]) or fn(*a, **kw)) if name == "paged_attention" else fn
+    ops = select_ops(torch.device("cpu"), torch.float32).wrapped(record)
+    out = DenseAttention(pool, 0.125, ops).step(batch).forward(1, q, k, v)
     # every decode item in one call, the scattered blocks' too (their block tables)
     assert calls == [[list(range(2, 12)), [50, 40, 41, 44], [20, 21]]]
     for it in items:

@@ -110,7 +110,7 @@ def plan_tensors(plan):
 def test_every_tensor_a_step_touches_is_on_the_engine_device(tiny_dir, mode, device):
     dev = resolve_device(device)
     check = DeviceCheck(dev)
-    ops = select_ops(dev, torch.float32, checked=True).wrapped(check, "device-checked")
+    ops = select_ops(dev, torch.float32, "checked").wrapped(check, "device-checked")
     lookahead = mode != "dense"
     transfer = InlineTransfer(dev) if lookahead else None
     engine = Engine.from_dir(tiny_dir, device=device, ops=ops, transfer=transfer, **MODES[mode])

@@ -28,7 +28,7 @@ from plugins import cpu
 from runtime.config import LookaheadConfig, ModelConfig
 from runtime.engine import Engine
 from runtime.engine_dir import TOKENIZER_DIR, WEIGHTS, write_manifest
-from runtime.model import FUSED_ENV, LlamaModel
+from runtime.model import LlamaModel
 from runtime.observe import Observer
 from runtime.sampling import SamplingParams
 from tiny_engine import TINY, byte_tokenizer, make_tiny_engine, random_prompts
@@ -98,11 +98,10 @@ class Record(Observer):
         self.logits.append({k: v.clone() for k, v in logits.items()})
 
 
-def engine(d: Path, monkeypatch, fused: str, **kw) -> Engine:
-    """fused: "off" (LOOKAHEAD_FUSED_DECODE=0), "auto" (the default), or the decoder rebound with
+def engine(d: Path, fused: str, **kw) -> Engine:
+    """fused: "off" (`fused=False`), "auto" (the default), or the decoder rebound with
     silu "torch" (SiLU by torch between C calls) or "own" (common.h's exp)."""
-    monkeypatch.setenv(FUSED_ENV, "0" if fused == "off" else "1")
-    eng = Engine.from_dir(d, **kw)
+    eng = Engine.from_dir(d, fused=fused != "off", **kw)
     if fused in ("torch", "own"):
         eng.runner.fused, _ = eng.model.fused_decoder(eng.pool.k, eng.pool.v, eng.runner.attn.scale, silu=fused)
     assert (eng.runner.fused is None) == (fused == "off"), eng.runner.fused_reason
@@ -130,14 +129,14 @@ def run(eng: Engine, prompts, params=GREEDY):
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("model", ["fp32", "int8", "int8g16", "int8pc"])
 @pytest.mark.parametrize("batch,context,block_size", [(1, 1, 4), (1, 37, 4), (3, 64, 16), (3, 300, 4)])
-def test_fused_step_equals_python_path(dirs, monkeypatch, model, kv_dtype, batch, context, block_size):
+def test_fused_step_equals_python_path(dirs, model, kv_dtype, batch, context, block_size):
     prompts = random_prompts(*([context] if batch == 1 else [context, max(1, context // 3), context - 5]),
                              seed=context)
     kw = dict(kv_dtype=kv_dtype, block_size=block_size, max_batch_size=4)
-    ref_eng = engine(dirs[model], monkeypatch, "off", **kw)
+    ref_eng = engine(dirs[model], "off", **kw)
     ref_tokens, ref = run(ref_eng, prompts)
     for mode in ("torch", "auto", "own"):
-        eng = engine(dirs[model], monkeypatch, mode, **kw)
+        eng = engine(dirs[model], mode, **kw)
         tokens, got = run(eng, prompts)
         assert eng.runner.fused.steps == got.eligible > 0, (mode, eng.runner.fused.steps, got.eligible)
         assert tokens == ref_tokens, mode
@@ -154,14 +153,14 @@ def test_fused_step_equals_python_path(dirs, monkeypatch, model, kv_dtype, batch
 
 
 @pytest.mark.parametrize("model", ["fp32", "int8", "int8g16"])
-def test_bit_equal_at_two_threads(dirs, monkeypatch, model):
+def test_bit_equal_at_two_threads(dirs, model):
     torch.set_num_threads(2)
     prompts = random_prompts(600, 41, seed=5)       # 600 keys: the attention kernel splits key ranges
     kw = dict(kv_dtype="float16", block_size=16, max_batch_size=2)
-    ref_eng = engine(dirs[model], monkeypatch, "off", **kw)
+    ref_eng = engine(dirs[model], "off", **kw)
     ref_tokens, ref = run(ref_eng, prompts)
     for mode in ("torch", "auto"):
-        eng = engine(dirs[model], monkeypatch, mode, **kw)
+        eng = engine(dirs[model], mode, **kw)
         tokens, got = run(eng, prompts)
         assert tokens == ref_tokens and eng.runner.fused.steps == got.eligible > 0
         if eng.runner.fused.exact:
@@ -169,7 +168,7 @@ def test_bit_equal_at_two_threads(dirs, monkeypatch, model):
             assert torch.equal(eng.pool.k, ref_eng.pool.k) and torch.equal(eng.pool.v, ref_eng.pool.v)
 
 
-def test_steps_it_cannot_take_run_the_python_path(dirs, monkeypatch):
+def test_steps_it_cannot_take_run_the_python_path(dirs):
     """A prefill chunk next to decode rows: those steps run the layers in Python, the others
     fused, scattered blocks (a fragmented free list) too; the tokens are the Python path's."""
     prompts = random_prompts(9, 30, 14, seed=3)
@@ -182,16 +181,15 @@ def test_steps_it_cannot_take_run_the_python_path(dirs, monkeypatch):
         eng.allocator.free(hole)                    # the next sequence's blocks are not one run
         return eng
 
-    ref_tokens, _ = run(fragmented(engine(dirs["fp32"], monkeypatch, "off", **kw)), prompts)
-    eng = fragmented(engine(dirs["fp32"], monkeypatch, "auto", **kw))
+    ref_tokens, _ = run(fragmented(engine(dirs["fp32"], "off", **kw)), prompts)
+    eng = fragmented(engine(dirs["fp32"], "auto", **kw))
     tokens, got = run(eng, prompts)
     assert tokens == ref_tokens
     assert eng.runner.fused.steps == got.eligible
     assert 0 < got.eligible < got.steps           # some steps fused, some (prefill) not
 
 
-def test_models_and_ops_it_does_not_take(dirs, tmp_path, monkeypatch):
-    monkeypatch.setenv(FUSED_ENV, "1")
+def test_models_and_ops_it_does_not_take(dirs, tmp_path):
     assert Engine.from_dir(dirs["fp32"]).runner.fused is not None
     small = make_tiny_engine(tmp_path / "d16", seed=1)               # head_dim 16: no C attention
     eng = Engine.from_dir(small)
@@ -200,9 +198,11 @@ def test_models_and_ops_it_does_not_take(dirs, tmp_path, monkeypatch):
     assert eng.runner.fused is None and "checked" in eng.runner.fused_reason
     eng = Engine.from_dir(dirs["fp32"], mode="lookahead", block_size=4)
     assert eng.runner.fused is not None          # lookahead: the layers around its attention (test_fused_lookahead)
-    monkeypatch.setenv(FUSED_ENV, "0")
-    eng = Engine.from_dir(dirs["fp32"])
-    assert eng.runner.fused is None and eng.runner.fused_reason == f"{FUSED_ENV}=0"
+    eng = Engine.from_dir(dirs["fp32"], fused=False)
+    assert eng.runner.fused is None and eng.runner.fused_reason == "fused=False"
+    assert eng.sibling().runner.fused is None and eng.sibling(fused=True).runner.fused is not None
+    eng = Engine.from_dir(dirs["fp32"], impl="torch")                # the torch table: no C entry
+    assert eng.runner.fused is None and "torch" in eng.runner.fused_reason
 
 
 def test_groups_the_kernel_does_not_take_run_the_python_path(tmp_path, monkeypatch):
@@ -213,7 +213,6 @@ def test_groups_the_kernel_does_not_take_run_the_python_path(tmp_path, monkeypat
 
     monkeypatch.setattr(quantize_mod, "GROUP_MULTIPLE", 4)
     d = make_int8_engine(tmp_path / "g4", seed=25, group_size=4)
-    monkeypatch.setenv(FUSED_ENV, "1")
     eng = Engine.from_dir(d)
     assert eng.runner.fused is None and "layers.0.wqkv" in eng.runner.fused_reason
     assert eng.model.layers[0].wqkv.weight.group_size == 4
@@ -221,11 +220,11 @@ def test_groups_the_kernel_does_not_take_run_the_python_path(tmp_path, monkeypat
     assert [len(t) for t in tokens] == [GREEDY.max_tokens] * 2 and rec.eligible > 0
 
 
-def test_a_wrong_binding_is_caught(dirs, monkeypatch):
+def test_a_wrong_binding_is_caught(dirs):
     """The comparison is sensitive: a decoder bound with another attention scale gives other logits."""
     prompts = random_prompts(20, seed=9)
-    _, ref = run(engine(dirs["fp32"], monkeypatch, "off"), prompts)
-    eng = engine(dirs["fp32"], monkeypatch, "torch")
+    _, ref = run(engine(dirs["fp32"], "off"), prompts)
+    eng = engine(dirs["fp32"], "torch")
     eng.runner.fused, _ = eng.model.fused_decoder(eng.pool.k, eng.pool.v, eng.runner.attn.scale * 1.01, silu="torch")
     _, got = run(eng, prompts)
     assert eng.runner.fused.steps > 0
@@ -233,10 +232,10 @@ def test_a_wrong_binding_is_caught(dirs, monkeypatch):
     assert torch.equal(flat(got)[0], flat(ref)[0])                  # the prefill's logits (Python path)
 
 
-def test_weights_changed_in_place_are_rebound(dirs, monkeypatch):
+def test_weights_changed_in_place_are_rebound(dirs):
     """A weight changed in place (its version counter) is re-packed before the next fused step."""
     prompts = random_prompts(25, seed=4)
-    engines = [engine(dirs[m], monkeypatch, mode) for m in ("fp32", "int8") for mode in ("off", "torch")]
+    engines = [engine(dirs[m], mode) for m in ("fp32", "int8") for mode in ("off", "torch")]
     assert all(e.runner.fused.exact for e in engines[1::2])
     for eng in engines:
         run(eng, prompts)                       # bound and used once
@@ -253,11 +252,11 @@ def test_weights_changed_in_place_are_rebound(dirs, monkeypatch):
     assert len(r4.logits) == len(r0.logits) and not same(r4, r0)
 
 
-def test_a_step_the_kernel_refuses_writes_nothing(dirs, monkeypatch):
+def test_a_step_the_kernel_refuses_writes_nothing(dirs):
     """Inconsistent step metadata (the new row's slot outside its run, a position past the RoPE
     table, a run past the pool, a token past the vocabulary) is refused in C before anything is
     written: run() returns None, the pool is untouched."""
-    eng = engine(dirs["fp32"], monkeypatch, "auto", block_size=4)
+    eng = engine(dirs["fp32"], "auto", block_size=4)
     dec, pool = eng.runner.fused, eng.pool
     pool.k.normal_(), pool.v.normal_()
     k0, v0 = pool.k.clone(), pool.v.clone()
@@ -283,7 +282,7 @@ INT8_ENGINE = Path(__file__).resolve().parents[1] / "engines" / "int8"
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("which", ["default", "int8"])
-def test_real_model_fused_step_equals_python_path(default_engine, monkeypatch, which):
+def test_real_model_fused_step_equals_python_path(default_engine, which):
     """SmolLM2 (30 layers, D = 64, GQA 3): the default engine (fp32 weights, fp32 and fp16 KV) and
     the int8 engine where `make engine-int8` has built it; batch 2 over prompts of 300 and 40
     tokens. torch's SiLU: bit-equal logits, tokens and pool; the default: the same tokens, and
@@ -299,8 +298,7 @@ def test_real_model_fused_step_equals_python_path(default_engine, monkeypatch, w
     for kv in (["float32", "float16"] if which == "default" else ["float16"]):
         results = {}
         for mode in ("off", "torch", "auto"):
-            monkeypatch.setenv(FUSED_ENV, "0" if mode == "off" else "1")
-            eng = base.sibling(max_batch_size=2, max_model_len=512, kv_dtype=kv)
+            eng = base.sibling(max_batch_size=2, max_model_len=512, kv_dtype=kv, fused=mode != "off")
             if mode == "torch":
                 eng.runner.fused, _ = eng.model.fused_decoder(eng.pool.k, eng.pool.v, eng.runner.attn.scale,
                                                               silu="torch")
@@ -335,19 +333,19 @@ def test_silu_binding_reproduces_torch_or_falls_back(dirs, monkeypatch):
         assert torch.equal(silu_mul(c), want) or c != chunk, c
     monkeypatch.setattr(fused, "_silu_bindings", {})
     monkeypatch.setattr(fused, "torch_vector_exp", lambda: None)
-    eng = engine(dirs["int8"], monkeypatch, "auto")
+    eng = engine(dirs["int8"], "auto")
     assert not eng.runner.fused.exact
     prompts = random_prompts(33, 12, seed=8)
     tokens, got = run(eng, prompts)
-    ref_tokens, ref = run(engine(dirs["int8"], monkeypatch, "off"), prompts)
+    ref_tokens, ref = run(engine(dirs["int8"], "off"), prompts)
     assert tokens == ref_tokens and eng.runner.fused.steps == got.eligible > 0
     assert max(float((a - b).abs().max()) for a, b in zip(flat(got), flat(ref))) <= LOGIT_TOL["float32"]
 
 
-def test_load_weights_rebinds(dirs, monkeypatch):
+def test_load_weights_rebinds(dirs):
     """load_weights replaces the tensors (assign=True): the runner re-binds its fused step."""
     prompts = random_prompts(19, 7, seed=6)
-    engines = [engine(dirs["int8"], monkeypatch, mode) for mode in ("off", "auto")]
+    engines = [engine(dirs["int8"], mode) for mode in ("off", "auto")]
     for eng in engines:
         run(eng, prompts)
         state = {k: v.clone() for k, v in eng.model.state_dict().items()}

@@ -7,7 +7,7 @@ Checked on fresh random tiny models (fp32, and weight-only int8 with a qkv bias)
 sequences, for every residency and miss policy and for sparse attention without look-ahead
 (`draft none`), with fp32 and fp16 KV, at 1 and 2 threads:
 - every emitted logit and token, every byte of the host pool, the device tier, the slot tables and
-  the summaries, and the look-ahead metrics equal the Python path's (LOOKAHEAD_FUSED_DECODE=0),
+  the summaries, and the look-ahead metrics equal the Python path's (`Engine.from_dir(..., fused=False)`),
   bit for bit, where the fused SiLU is exact (`runner.fused.exact`);
 - the path ran: `runner.fused.steps` equals the decode-only steps, and prefill steps ran the
   Python path; under the resident policy every layer of the packed decode steps was one C call
@@ -24,7 +24,6 @@ import torch
 
 from plugins import cpu
 from runtime.engine import Engine
-from runtime.model import FUSED_ENV
 from runtime.observe import Observer
 from runtime.sampling import SamplingParams
 from test_fused_decode import fp32_and_int8_dirs
@@ -59,9 +58,8 @@ class Record(Observer):
         self.logits.append({k: v.clone() for k, v in logits.items()})
 
 
-def engine(d, monkeypatch, fused: bool, **kw) -> Engine:
-    monkeypatch.setenv(FUSED_ENV, "1" if fused else "0")
-    eng = Engine.from_dir(d, mode="lookahead", **kw)
+def engine(d, fused: bool, **kw) -> Engine:
+    eng = Engine.from_dir(d, mode="lookahead", fused=fused, **kw)
     assert (eng.runner.fused is not None) == fused, eng.runner.fused_reason
     return eng
 
@@ -124,27 +122,27 @@ def check_equal(eng, ref_eng, got, ref, tokens, ref_tokens):
 @pytest.mark.parametrize("model", ["fp32", "int8"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("batch", [1, 3])
-def test_fused_layers_equal_python_path(dirs, monkeypatch, mode, model, kv_dtype, batch):
+def test_fused_layers_equal_python_path(dirs, mode, model, kv_dtype, batch):
     torch.set_num_threads(1)
     prompts = random_prompts(*([70] if batch == 1 else [70, 23, 51]), seed=batch)
     kw = dict(SMALL_LOOKAHEAD, top_k=4, kv_dtype=kv_dtype, max_batch_size=4, **MODES[mode])
     kw.pop("mode")
-    ref_eng = engine(dirs[model], monkeypatch, False, **kw)
+    ref_eng = engine(dirs[model], False, **kw)
     ref_tokens, ref = run(ref_eng, prompts)
-    eng = engine(dirs[model], monkeypatch, True, **kw)
+    eng = engine(dirs[model], True, **kw)
     tokens, got = run(eng, prompts)
     check_equal(eng, ref_eng, got, ref, tokens, ref_tokens)
 
 
 @pytest.mark.parametrize("mode", ["resident-drop", "sparse-ondemand"])
-def test_bit_equal_at_two_threads(dirs, monkeypatch, mode):
+def test_bit_equal_at_two_threads(dirs, mode):
     torch.set_num_threads(2)
     prompts = random_prompts(300, 41, seed=7)
     kw = dict(SMALL_LOOKAHEAD, top_k=8, kv_dtype="float16", max_batch_size=2, **MODES[mode])
     kw.pop("mode")
-    ref_eng = engine(dirs["int8"], monkeypatch, False, **kw)
+    ref_eng = engine(dirs["int8"], False, **kw)
     ref_tokens, ref = run(ref_eng, prompts)
-    eng = engine(dirs["int8"], monkeypatch, True, **kw)
+    eng = engine(dirs["int8"], True, **kw)
     tokens, got = run(eng, prompts)
     check_equal(eng, ref_eng, got, ref, tokens, ref_tokens)
 
@@ -162,17 +160,17 @@ class ScoreTap(Observer):
 
 @pytest.mark.parametrize("mode,kv_dtype", [("sparse-ondemand", "float32"), ("sparse-ondemand", "float16"),
                                            ("resident-drop", "float16")])
-def test_fused_layer_yields_to_observers_and_debug_checks(dirs, monkeypatch, mode, kv_dtype):
+def test_fused_layer_yields_to_observers_and_debug_checks(dirs, mode, kv_dtype):
     """An observer of scores, or debug checks, keep the backend's Python layer: the tokens and
     the state are those of the C layer, which did not run (its observers saw every layer)."""
     torch.set_num_threads(1)
     prompts = random_prompts(90, 37, seed=5)
     kw = dict(SMALL_LOOKAHEAD, top_k=4, kv_dtype=kv_dtype, max_batch_size=2, **MODES[mode])
     kw.pop("mode")
-    eng = engine(dirs["int8"], monkeypatch, True, **kw)
+    eng = engine(dirs["int8"], True, **kw)
     tokens, _ = run(eng, prompts)
     assert eng.runner.attn.fused_layer.layer.calls > 0
-    tapped = engine(dirs["int8"], monkeypatch, True, **kw)
+    tapped = engine(dirs["int8"], True, **kw)
     tap = tapped.observe(ScoreTap())
     tapped_tokens, _ = run(tapped, prompts)
     assert tapped_tokens == tokens and tap.idx
@@ -181,7 +179,7 @@ def test_fused_layer_yields_to_observers_and_debug_checks(dirs, monkeypatch, mod
         assert torch.equal(t, state(eng)[name]), name
     checked = Engine.from_dir(dirs["int8"], mode="lookahead", debug_checks=True, **kw)   # checked ops: no fused layers
     assert run(checked, prompts)[0] == tokens
-    assert checked.runner.attn.fused_layer.layer.calls == 0
+    assert checked.runner.attn.fused_layer is None and checked.runner.fused is None
 
 
 def test_a_perturbed_fused_layer_is_caught(dirs, monkeypatch):
@@ -191,9 +189,9 @@ def test_a_perturbed_fused_layer_is_caught(dirs, monkeypatch):
     prompts = random_prompts(120, seed=9)
     kw = dict(SMALL_LOOKAHEAD, top_k=4, max_batch_size=1, **MODES["sparse-ondemand"])
     kw.pop("mode")
-    ref_eng = engine(dirs["fp32"], monkeypatch, False, **kw)
+    ref_eng = engine(dirs["fp32"], False, **kw)
     _, ref = run(ref_eng, prompts)
-    eng = engine(dirs["fp32"], monkeypatch, True, **kw)
+    eng = engine(dirs["fp32"], True, **kw)
     od = eng.runner.attn.fused_layer
     real = od.layer.run
 
@@ -215,9 +213,9 @@ def test_a_perturbed_attention_is_caught(dirs, monkeypatch):
     prompts = random_prompts(40, seed=11)
     kw = dict(SMALL_LOOKAHEAD, top_k=4, max_batch_size=2)
     kw.pop("mode")
-    ref_eng = engine(dirs["fp32"], monkeypatch, False, **kw)
+    ref_eng = engine(dirs["fp32"], False, **kw)
     _, ref = run(ref_eng, prompts)
-    eng = engine(dirs["fp32"], monkeypatch, True, **kw)
+    eng = engine(dirs["fp32"], True, **kw)
     fused, forward = eng.runner.fused, eng.runner.attn.forward
 
     def nudged(layer, q, k, v):
@@ -230,11 +228,11 @@ def test_a_perturbed_attention_is_caught(dirs, monkeypatch):
     assert any(not torch.equal(a[s], b[s]) for a, b in zip(got.logits, ref.logits) for s in a)
 
 
-def test_a_bad_attention_output_is_a_clear_error(dirs, monkeypatch):
+def test_a_bad_attention_output_is_a_clear_error(dirs):
     torch.set_num_threads(1)
     kw = dict(SMALL_LOOKAHEAD, top_k=4)
     kw.pop("mode")
-    eng = engine(dirs["fp32"], monkeypatch, True, **kw)
+    eng = engine(dirs["fp32"], True, **kw)
     t = torch.tensor([1, 2], dtype=torch.long)
     with torch.inference_mode(), pytest.raises(ValueError, match="attend: expected o"):
         eng.runner.fused.run_layers(t, t, lambda layer, q, k, v: q[:, :1])

@@ -153,8 +153,8 @@ def test_a_decode_step_reads_the_device_once_the_sampled_ids(tiny_dir, name, pla
     path. `torch`: the slot plan as it runs on a GPU (fixed-capacity lists, plan_torch). The
     copies run inline (SyncTransferEngine), on the thread the detector watches."""
     engine = Engine.from_dir(tiny_dir, device="cpu", transfer=SyncTransferEngine(), top_k=3, max_batch_size=3,
-                             prefill_chunk=32, **SMALL_LOOKAHEAD, **CONFIGS[name])
-    engine.runner.attn.residency.slots.use_kernel = plan_path == "cpu_kernel"
+                             prefill_chunk=32, **SMALL_LOOKAHEAD, **CONFIGS[name],
+                             impl="auto" if plan_path == "cpu_kernel" else "torch")
     params = SamplingParams(max_tokens=10, temperature=0.7, seed=2, ignore_eos=True)
     steps = run_counting(engine, random_prompts(70, 45, 20, seed=3), params)
     decode = [(counts, seen) for is_decode, counts, seen in steps if is_decode]
@@ -192,17 +192,18 @@ def test_metrics_are_read_when_asked_for_not_per_step(tiny_dir):
 
 
 # ---- the checks can fail ---------------------------------------------------------------------------------
-def test_the_detector_catches_a_host_read_in_the_step(tiny_dir, monkeypatch):
-    """An `.item()` slipped into the step's path is caught, and names where it is."""
-    from runtime.lookahead import residency
-    real = residency.ResidencyManager.take_tickets
+class ReadsScores(Observer):
+    """The mistake, through the engine's seam: a host read per layer (an observer of scores)."""
 
-    def take_tickets(self, layer):
-        if self.has_pred[layer].any().item():          # the mistake: a host read per layer
+    def on_scores(self, layer, rows, lanes, idx, scores):
+        if scores.isfinite().any().item():
             pass
-        return real(self, layer)
-    monkeypatch.setattr(residency.ResidencyManager, "take_tickets", take_tickets)
+
+
+def test_the_detector_catches_a_host_read_in_the_step(tiny_dir):
+    """An `.item()` slipped into the step's path is caught, and names where it is."""
     engine = Engine.from_dir(tiny_dir, device="cpu", top_k=3, **SMALL_LOOKAHEAD)
+    engine.observe(ReadsScores())
     steps = run_counting(engine, random_prompts(40, seed=2), SamplingParams(max_tokens=4, ignore_eos=True))
     seen = [s for _, _, step in steps for s in step]
     assert seen and all(s.startswith("item at tests/test_host_syncs.py") for s in seen)

@@ -219,8 +219,9 @@ def test_random_draft_under_drop_never_corrupts_the_cache(tiny_dir):
 @pytest.mark.parametrize("residency", ["resident", "pingpong"])
 def test_h2d_bytes_equal_the_bytes_copied(tiny_dir, residency, top_k, plan_path):
     transfer = CountingTransfer()
-    eng = Engine.from_dir(tiny_dir, **CHECKED, top_k=top_k, residency=residency, transfer=transfer)
-    eng.runner.attn.residency.slots.use_kernel = plan_path == "cpu_kernel"
+    # torch: the torch table's slot plan (fixed-capacity lists, as on a GPU)
+    eng = Engine.from_dir(tiny_dir, **CHECKED, top_k=top_k, residency=residency, transfer=transfer,
+                          impl="checked" if plan_path == "cpu_kernel" else "torch")
     run(eng, prompts(140, 75, seed=7))               # check_integrity: the copies landed where told
     unit = 2 * 4 * 16 * 4                            # K+V of one (block, head): 2 * bs * D * fp32
     st = eng.stats()
@@ -358,7 +359,7 @@ def test_summaries_are_fp32_minmax_of_the_stored_keys():
     from runtime.lookahead.summaries import BlockSummaries
     from runtime.ops import select_ops
     cpu = torch.device("cpu")
-    s = BlockSummaries(2, 1, 4, 2, 8, torch.float16, cpu, select_ops(cpu, torch.float32, checked=True))
+    s = BlockSummaries(2, 1, 4, 2, 8, torch.float16, cpu, select_ops(cpu, torch.float32, "checked"))
     assert s.kmin.dtype == s.kmax.dtype == torch.float32
     keys = torch.randn(2, 8, 2, 8) * 3                        # [L, T, KVH, D]: two blocks of 4
     lanes, logical = torch.zeros(8, dtype=torch.long), torch.arange(8) // 4

@@ -3,6 +3,7 @@ the references against independent checks (dense SDPA, brute force), argument va
 the torch.library registration (opcheck, compile)."""
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import logging
@@ -14,8 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import plugins
+from plugins import cpu
 from plugins import reference as ref
 from plugins.reference import TOLERANCES
+from runtime.ops import select_ops
 
 FLOATS = [torch.float32, torch.bfloat16]
 
@@ -73,10 +76,13 @@ def test_block_gather_large_block_ids():
 # ---------------------------------------------------------------- block_topk
 
 @pytest.fixture(params=["cpu_kernel", "torch"])
-def topk_path(request, monkeypatch):
-    """fp32 CPU inputs with D % 8 == 0 go to plugins.cpu's C kernel where it builds: run both."""
-    monkeypatch.setattr(plugins.topk, "USE_CPU_KERNEL", request.param == "cpu_kernel")
-    return request.param
+def topk_path(request):
+    """The checked op over the C table's entry (fp32 CPU inputs with D % 8 == 0: its C kernel) or
+    the torch table's: each test runs both."""
+    if request.param == "cpu_kernel" and not cpu.available():
+        pytest.skip("no CPU kernels")
+    impl = "c" if request.param == "cpu_kernel" else "torch"
+    return functools.partial(plugins.block_topk, impl=select_ops(torch.device("cpu"), torch.float32, impl).block_topk)
 
 
 def _summaries(g, B, NB, KVH, D, dtype):
@@ -96,7 +102,7 @@ def test_block_topk_matches_reference(seed, dtype, group, k, group_score, topk_p
     kmin, kmax = _summaries(g, B, NB, KVH, D, dtype)
     valid = torch.rand(B, NB, generator=g) < 0.8
     valid[1, 25:] = False                                                 # a shorter sequence
-    idx, scores = plugins.block_topk(q, kmin, kmax, valid, k, group_score)
+    idx, scores = topk_path(q, kmin, kmax, valid, k, group_score)
     idx_ref, scores_ref = ref.block_topk_ref(q, kmin, kmax, valid, k, group_score)
     assert idx.dtype == torch.int64 and scores.dtype == torch.float32
     assert torch.equal(idx, idx_ref)
@@ -113,13 +119,13 @@ def test_block_topk_rows_match_reference_row_by_row(seed, dtype, topk_path):
     kmin, kmax = _summaries(g, B, NB, KVH, D, dtype)
     valid = torch.rand(B, R, NB, generator=g) < 0.8
     valid[2, :, 6:] = False                                               # fewer valid blocks than k
-    idx, scores = plugins.block_topk(q, kmin, kmax, valid, k)
+    idx, scores = topk_path(q, kmin, kmax, valid, k)
     assert idx.shape == (B, R, KVH, k) and scores.shape == (B, R, KVH, NB)
     idx_ref, scores_ref = ref.block_topk_ref(q, kmin, kmax, valid, k)
     assert torch.equal(idx, idx_ref)
     _assert_close(scores, scores_ref, torch.float32)
     for r in range(R):                                                    # = the one-row op
-        one_idx, one_scores = plugins.block_topk(q[:, r].contiguous(), kmin, kmax, valid[:, r].contiguous(), k)
+        one_idx, one_scores = topk_path(q[:, r].contiguous(), kmin, kmax, valid[:, r].contiguous(), k)
         assert torch.equal(idx[:, r], one_idx)
         _assert_close(scores[:, r], one_scores, torch.float32)
     assert not torch.equal(idx[:, 0], idx[:, 1])                          # the rows are really distinct
@@ -134,12 +140,12 @@ def test_block_topk_max_keeps_a_block_only_one_head_wants(topk_path):
     keys[0, :, 0, 1] = torch.arange(NB, dtype=torch.float32) / NB                   # heads 1, 2: later is better
     keys[0, 5, 0, 0], keys[0, 5, 0, 1] = 1.5, -1.0                                   # head 0's block
     valid = torch.ones(1, NB, dtype=torch.bool)
-    top_max, _ = plugins.block_topk(q, keys, keys, valid, 2, "max")
-    top_sum, _ = plugins.block_topk(q, keys, keys, valid, 2, "sum")
+    top_max, _ = topk_path(q, keys, keys, valid, 2, "max")
+    top_sum, _ = topk_path(q, keys, keys, valid, 2, "sum")
     assert top_max.tolist() == [[[5, 7]]]
     assert 5 not in top_sum.flatten().tolist()
     with pytest.raises(ValueError, match=r"^group_score: 'mean' is unknown"):
-        plugins.block_topk(q, keys, keys, valid, 2, "mean")
+        topk_path(q, keys, keys, valid, 2, "mean")
 
 
 def test_block_topk_rows_need_a_mask_per_row():
@@ -162,7 +168,7 @@ def test_block_topk_ties_go_to_lower_block_id(seed, dtype, group_score, topk_pat
     b = torch.randint(-2, 3, (B, NB, KVH, D), generator=g).to(dtype)
     kmin, kmax = torch.minimum(a, b), torch.maximum(a, b)
     valid = torch.ones(B, NB, dtype=torch.bool)
-    idx, scores = plugins.block_topk(q, kmin, kmax, valid, 10, group_score)
+    idx, scores = topk_path(q, kmin, kmax, valid, 10, group_score)
     idx_ref, scores_ref = ref.block_topk_ref(q, kmin, kmax, valid, 10, group_score)
     assert torch.equal(scores, scores_ref)
     assert torch.equal(idx, idx_ref)
@@ -192,7 +198,7 @@ def test_block_topk_against_brute_force(seed, group, topk_path):
     q = _randn(g, B, KVH * group, D)
     kmin, kmax = _summaries(g, B, NB, KVH, D, torch.float32)
     valid = torch.rand(B, NB, generator=g) < 0.7
-    idx, scores = plugins.block_topk(q, kmin, kmax, valid, k)
+    idx, scores = topk_path(q, kmin, kmax, valid, k)
 
     bound = _bound_by_corners(q, kmin, kmax)
     vmask = valid.unsqueeze(1).expand_as(bound)
@@ -219,7 +225,7 @@ def test_block_topk_pads_with_minus_one(topk_path):
     valid = torch.zeros(B, NB, dtype=torch.bool)
     valid[0, [2, 5, 9]] = True
     valid[0, 5] = False
-    idx, scores = plugins.block_topk(q, kmin, kmax, valid, 6)
+    idx, scores = topk_path(q, kmin, kmax, valid, 6)
     assert idx.tolist() == [[[2, 9, -1, -1, -1, -1]] * KVH]
     assert torch.isfinite(scores[0, :, [2, 9]]).all() and (scores[0, :, 5] == float("-inf")).all()
     assert torch.equal(idx, ref.block_topk_ref(q, kmin, kmax, valid, 6)[0])
@@ -349,10 +355,14 @@ SHAPES = [  # B, R, H, KVH, N, E, D
 
 
 @pytest.fixture(params=["cpu_kernel", "torch"])
-def attention_path(request, monkeypatch):
-    """fp32 CPU inputs go to plugins.cpu's C kernel where it builds: run each test both ways."""
-    monkeypatch.setattr(plugins.attention, "USE_CPU_KERNEL", request.param == "cpu_kernel")
-    return request.param
+def attention_path(request):
+    """The checked op over the C table's entry (fp32 CPU inputs: its C kernel) or the torch
+    table's: each test runs both."""
+    if request.param == "cpu_kernel" and not cpu.available():
+        pytest.skip("no CPU kernels")
+    impl = "c" if request.param == "cpu_kernel" else "torch"
+    return functools.partial(plugins.lookahead_attention,
+                             impl=select_ops(torch.device("cpu"), torch.float32, impl).lookahead_attention)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -360,7 +370,7 @@ def attention_path(request, monkeypatch):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_lookahead_attention_matches_reference(seed, dtype, shape, attention_path):
     args = _attention_inputs(seed, *shape, dtype=dtype)
-    out = plugins.lookahead_attention(*args)
+    out = attention_path(*args)
     assert out.shape == args[0].shape and out.dtype == dtype
     _assert_close(out, ref.lookahead_attention_ref(*args), dtype)
 
@@ -384,7 +394,7 @@ def test_lookahead_attention_reference_equals_dense_sdpa(seed, shape, attention_
     args = _attention_inputs(seed + 10, *shape, dtype=torch.float32)
     expected = _dense_sdpa(*args)
     _assert_close(ref.lookahead_attention_ref(*args), expected, torch.float32)
-    _assert_close(plugins.lookahead_attention(*args), expected, torch.float32)
+    _assert_close(attention_path(*args), expected, torch.float32)
 
 
 def test_lookahead_attention_draft_row_sees_real_row_not_reverse():
@@ -404,7 +414,7 @@ def test_lookahead_attention_row_without_keys_is_zero(attention_path):
     args = list(_attention_inputs(8, 2, 2, 6, 2, 20, 2, 32, torch.float32))
     args[3][0] = False                    # kv_mask: sequence 0 selected nothing
     args[6][0, 0] = False                 # extra_mask: its real row does not see itself either
-    out = plugins.lookahead_attention(*args)
+    out = attention_path(*args)
     expected = ref.lookahead_attention_ref(*args)
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
     assert torch.equal(expected[0, 0], torch.zeros_like(expected[0, 0]))

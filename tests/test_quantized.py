@@ -183,7 +183,7 @@ def test_quantized_linear_matches_reference_and_fp32_ops_are_unchanged():
     torch.testing.assert_close(ops.linear(x, Int8Weight(q, s), b), linear_int8_ref(x, q, s, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))   # fp32 weights too
     assert select_ops(torch.device("cpu"), torch.float32).linear is cpu.linear              # fp32 engines: as before
-    assert select_ops(torch.device("cpu"), torch.float32, checked=True).linear is cpu.linear
+    assert select_ops(torch.device("cpu"), torch.float32, "checked").linear is cpu.linear
 
 
 @pytest.mark.parametrize("group_size", [0, 32])

@@ -9,6 +9,7 @@ import torch
 from plugins import cpu
 from plugins.cpu import loader
 from runtime.lookahead.residency import SlotTable
+from runtime.ops import select_ops
 
 PATHS = ["torch", pytest.param("cpu_kernel", marks=pytest.mark.skipif(
     not cpu.available(), reason=f"plugins.cpu: {loader.unavailable_reason()}"))]
@@ -33,13 +34,12 @@ def plan_ref(held: list[int], last: list[int], want: list[int], prio: list[float
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_plan_matches_the_rule_and_keeps_the_inverse_map_true(path, monkeypatch):
+def test_plan_matches_the_rule_and_keeps_the_inverse_map_true(path):
     rng = random.Random(0)
     B, KVH, K, NB, bufs = 3, 2, 6, 20, 2
-    table = SlotTable(bufs, B, KVH, K, NB)
-    table.use_kernel = path == "cpu_kernel"
-    if table.use_kernel:        # the C plan must really run: its torch twin would fail the test
-        monkeypatch.setattr(table, "plan_torch", None)
+    # the C table's plan kernel, or none (plan_torch)
+    kernel = select_ops(torch.device("cpu"), torch.float32, "c").plan_slots if path == "cpu_kernel" else None
+    table = SlotTable(bufs, B, KVH, K, NB, kernel=kernel)
     held = [[[[-1] * K for _ in range(KVH)] for _ in range(B)] for _ in range(bufs)]
     last = [[[[-1] * K for _ in range(KVH)] for _ in range(B)] for _ in range(bufs)]
     total = 0
@@ -57,7 +57,7 @@ def test_plan_matches_the_rule_and_keeps_the_inverse_map_true(path, monkeypatch)
         adm = table.plan(buf, torch.tensor(lanes), want, prio, cap, step)
         entries = list(zip(adm.lanes.tolist(), adm.heads.tolist(), adm.slots.tolist(), adm.blocks.tolist()))
         if adm.valid is not None:       # plan_torch: a fixed-capacity list, B x KVH x min(cap, K') entries
-            assert table.use_kernel is False and len(adm) == len(lanes) * KVH * min(cap, kw)
+            assert table.kernel is None and len(adm) == len(lanes) * KVH * min(cap, kw)
             assert len({e[:3] for e in entries}) == len(entries)            # distinct destinations
             assert all(0 <= b < NB and 0 <= s < K for _, _, s, b in entries)  # skipped ones are in range
             entries = [e for e, ok in zip(entries, adm.valid.tolist()) if ok]
@@ -121,7 +121,7 @@ def test_metrics_agreement_and_hits_count_the_overlap():
 
 @pytest.mark.skipif(not cpu.available(), reason=f"plugins.cpu: {loader.unavailable_reason()}")
 def test_kernel_plan_refuses_out_of_range_indices_and_leaves_the_table():
-    table = SlotTable(1, 2, 1, 4, 10)
+    table = SlotTable(1, 2, 1, 4, 10, kernel=select_ops(torch.device("cpu"), torch.float32, "c").plan_slots)
     table.plan(0, torch.tensor([0]), torch.tensor([[[3, 7]]]), torch.ones(1, 1, 2), 2, step=1)
     before = [t.clone() for t in (table.block, table.last_used, table.slot_of)]
     for lanes, want in ((torch.tensor([2]), torch.tensor([[[1]]])), (torch.tensor([0]), torch.tensor([[[10]]]))):

@@ -21,7 +21,6 @@ from plugins.reference import block_topk_ref
 from runtime.config import LookaheadConfig
 from runtime.engine import Engine
 from runtime.lookahead.layout import SlotLayout
-from runtime.model import FUSED_ENV
 from runtime.ops import select_ops
 from runtime.sampling import SamplingParams
 from runtime.sparse import BlockSelection
@@ -46,9 +45,8 @@ def run(eng: Engine, prompts):
     return tokens, [step[s] for step in rec.logits for s in sorted(step)]
 
 
-def engine(d, monkeypatch, fused: bool, **kw) -> Engine:
-    monkeypatch.setenv(FUSED_ENV, "1" if fused else "0")
-    eng = Engine.from_dir(d, **{**GEOMETRY, **kw})
+def engine(d, fused: bool, **kw) -> Engine:
+    eng = Engine.from_dir(d, fused=fused, **{**GEOMETRY, **kw})
     assert (eng.runner.fused is not None) == fused, eng.runner.fused_reason
     return eng
 
@@ -61,8 +59,8 @@ PROMPTS = {1: (70,), 3: (70, 23, 51)}
 def test_every_block_selected_is_dense_bit_for_bit(dirs, monkeypatch, model, kv_dtype):
     prompts = random_prompts(*PROMPTS[3], seed=1)
     for fused in (False, True):
-        ref_tokens, ref = run(engine(dirs[model], monkeypatch, fused, mode="dense", kv_dtype=kv_dtype), prompts)
-        eng = engine(dirs[model], monkeypatch, fused, mode="sparse", top_k=64, kv_dtype=kv_dtype)
+        ref_tokens, ref = run(engine(dirs[model], fused, mode="dense", kv_dtype=kv_dtype), prompts)
+        eng = engine(dirs[model], fused, mode="sparse", top_k=64, kv_dtype=kv_dtype)
         tokens, got = run(eng, prompts)
         assert tokens == ref_tokens and len(got) == len(ref)
         assert all(torch.equal(a, b) for a, b in zip(got, ref))
@@ -76,9 +74,9 @@ def test_fused_step_equals_python_path(dirs, monkeypatch, model, kv_dtype, batch
     torch.set_num_threads(threads)
     prompts = random_prompts(*PROMPTS[batch], seed=batch)
     kw = dict(mode="sparse", top_k=2, kv_dtype=kv_dtype)
-    ref_eng = engine(dirs[model], monkeypatch, False, **kw)
+    ref_eng = engine(dirs[model], False, **kw)
     ref_tokens, ref = run(ref_eng, prompts)
-    eng = engine(dirs[model], monkeypatch, True, **kw)
+    eng = engine(dirs[model], True, **kw)
     tokens, got = run(eng, prompts)
     assert eng.runner.fused.steps > 0 and eng.runner.fused.exact
     assert tokens == ref_tokens and len(got) == len(ref)
@@ -92,8 +90,8 @@ def test_fused_step_equals_python_path(dirs, monkeypatch, model, kv_dtype, batch
 def test_sparse_differs_from_dense_when_it_selects(dirs, monkeypatch):
     """The comparisons above can fail: with 2 of ~14 candidate blocks, sparse is not dense."""
     prompts = random_prompts(*PROMPTS[3], seed=2)
-    _, dense = run(engine(dirs["fp32"], monkeypatch, True, mode="dense"), prompts)
-    _, sparse = run(engine(dirs["fp32"], monkeypatch, True, mode="sparse", top_k=2), prompts)
+    _, dense = run(engine(dirs["fp32"], True, mode="dense"), prompts)
+    _, sparse = run(engine(dirs["fp32"], True, mode="sparse", top_k=2), prompts)
     assert any(not torch.equal(a, b) for a, b in zip(dense, sparse))
 
 
@@ -101,9 +99,9 @@ def test_sparse_differs_from_dense_when_it_selects(dirs, monkeypatch):
 def test_selects_what_lookahead_without_a_draft_selects(dirs, monkeypatch, kv_dtype):
     prompts = random_prompts(*PROMPTS[3], seed=3)
     kw = dict(top_k=3, kv_dtype=kv_dtype)
-    la_tokens, la = run(engine(dirs["fp32"], monkeypatch, True, mode="lookahead", draft="none", miss_policy="urgent",
+    la_tokens, la = run(engine(dirs["fp32"], True, mode="lookahead", draft="none", miss_policy="urgent",
                                residency="resident", **kw), prompts)
-    tokens, got = run(engine(dirs["fp32"], monkeypatch, True, mode="sparse", **kw), prompts)
+    tokens, got = run(engine(dirs["fp32"], True, mode="sparse", **kw), prompts)
     assert tokens == la_tokens and len(got) == len(la)
     # the same keys, summed in another order (slots vs positions); under fp16 KV lookahead mode also
     # attends to the step's own row in fp32 (an extra key, stored after the step), sparse mode to
@@ -151,7 +149,7 @@ def test_mask_equals_a_brute_force_selection():
 
 
 def test_summaries_are_the_stored_keys_min_and_max(dirs, monkeypatch):
-    eng = engine(dirs["int8"], monkeypatch, True, mode="sparse", top_k=2, kv_dtype="float16")
+    eng = engine(dirs["int8"], True, mode="sparse", top_k=2, kv_dtype="float16")
     for p in random_prompts(*PROMPTS[3], seed=4):
         eng.add_request(p, GREEDY)
     sel, checked = eng.runner.attn.selection, 0
@@ -168,7 +166,7 @@ def test_summaries_are_the_stored_keys_min_and_max(dirs, monkeypatch):
 
 def test_memory_plan_counts_the_summaries(dirs, monkeypatch):
     from runtime.memory_plan import plan_memory
-    eng = engine(dirs["fp32"], monkeypatch, True, mode="sparse", top_k=2)
+    eng = engine(dirs["fp32"], True, mode="sparse", top_k=2)
     plan = plan_memory(eng.manifest.model, eng.config, eng.pool.num_blocks, 4, eng.max_model_len, weights=False)
     assert plan.summaries == eng.runner.attn.selection.nbytes() > 0
     assert plan.device_tier == 0

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .loader import library
-from .ops import traced
+from .ops import loaded as library, traced
 
 
 def plan(block: torch.Tensor, last_used: torch.Tensor, slot_of: torch.Tensor, lanes: torch.Tensor,

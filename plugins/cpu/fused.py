@@ -177,6 +177,18 @@ def selection_unsupported(sel, dims: Dims, pool_k: torch.Tensor) -> str | None:
     return None
 
 
+def bind(dims: dict, embed, layers: list[tuple], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         pool_k: torch.Tensor, pool_v: torch.Tensor, silu: str = "auto", selection=None):
+    """The kernel table's `fused_decoder` entry: (a FusedDecoder over these tensors, None), or
+    (None, why) where the fused step does not take them. dims: `Dims`' fields by name; layers:
+    each layer's `LayerWeights` fields, in order."""
+    d, lws = Dims(**dims), [LayerWeights(*t) for t in layers]
+    why = unsupported(d, embed, lws, final_norm, cos, sin, pool_k, pool_v) or selection_unsupported(selection, d, pool_k)
+    if why is not None:
+        return None, why
+    return FusedDecoder(d, embed, lws, final_norm, cos, sin, pool_k, pool_v, silu=silu, selection=selection), None
+
+
 def torch_vector_exp() -> int | None:
     """The address of torch's own 8-wide exp (Sleef's, exported by libtorch_cpu), or None."""
     try:
@@ -228,15 +240,11 @@ class FusedDecoder:
     def __init__(self, dims: Dims, embed, layers: list[LayerWeights], final_norm: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, silu: str = "auto",
                  selection=None):
-        """selection: sparse mode's `runtime.sparse.BlockSelection` (its summaries over this pool's
-        blocks): each layer's attention sees the keys it selects (decode.c select_keys)."""
-        why = unsupported(dims, embed, layers, final_norm, cos, sin, pool_k, pool_v) or \
-            selection_unsupported(selection, dims, pool_k)
-        if why is not None:
-            raise ValueError(f"the fused decode step does not take these tensors: {why}")
+        """Tensors `bind` has checked (`unsupported`). selection: sparse mode's `BlockSelection` (its
+        summaries over this pool's blocks): each layer's attention sees the keys it selects."""
         if silu not in ("auto", "own", "torch"):
             raise ValueError(f"silu: 'auto', 'own' or 'torch', got {silu!r}")
-        self.dims, self.silu = dims, silu
+        self.dims, self.silu, self._lib = dims, silu, library()
         # "auto": torch's exp where it reproduces F.silu bit for bit here, else common.h's ("own")
         self._exp8, self._silu_chunk = silu_binding(dims.inter) if silu == "auto" else (None, 0)
         self.exact = silu == "torch" or self._exp8 is not None      # bit-identical to the Python path
@@ -355,7 +363,7 @@ class FusedDecoder:
         out = torch.empty(B, self.dims.hidden, dtype=torch.float32)
         work = _Work(*(views[n].data_ptr() for n in ("x", "h", "qkv", "q", "o", "t", "gu", "act")), out.data_ptr(),
                      mask.data_ptr(), boff.data_ptr(), *self._selection_scratch(B, N))
-        lib, L, nt = library(), self.dims.num_layers, torch.get_num_threads()
+        lib, L, nt = self._lib, self.dims.num_layers, torch.get_num_threads()
         m, s, w = ctypes.byref(self._model), ctypes.byref(step), ctypes.byref(work)
         with traced("decode_step"):
             if self.silu != "torch":
@@ -396,7 +404,7 @@ class FusedDecoder:
         out = torch.empty(B, d.hidden, dtype=torch.float32)
         work = _Work(*(views[n].data_ptr() for n in ("x", "h", "qkv", "q", "o", "t", "gu", "act")), out.data_ptr(),
                      None, boff.data_ptr())
-        lib, nt = library(), torch.get_num_threads()
+        lib, nt = self._lib, torch.get_num_threads()
         m, s, w = ctypes.byref(self._model), ctypes.byref(step), ctypes.byref(work)
         if lib.lkv_ext_begin(m, s, w) != 0:
             return None

@@ -2,8 +2,9 @@
 
 The library lands in build/cpu/ (git-ignored), named by a hash of the source and flags, so an
 edited kernel is rebuilt and a stale one never loaded. It needs AVX2, FMA and F16C (x86-64
-since 2013); without them, a compiler, or with LOOKAHEAD_CPU_KERNELS=0 in the environment, `library()`
-returns None with the reason in `unavailable_reason()` and callers use the torch paths.
+since 2013); without them or a compiler `library()` returns None with the reason in
+`unavailable_reason()`, and an engine's kernel table is the torch one (runtime/ops.py; `impl="torch"`
+chooses it anyway). The library is built and loaded where a table is chosen (an engine's start).
 """
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ SOURCES = [Path(__file__).with_name(name)
 HEADERS = [Path(__file__).with_name("common.h")]
 BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cpu"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
-ENV_SWITCH = "LOOKAHEAD_CPU_KERNELS"
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str, object] = {}       # "lib" (once built or refused), "reason"
+LOADED = _state
 
 _i64, _p, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {       # (restype, argtypes) of each kernel; see the C sources for the arguments
@@ -54,7 +55,8 @@ SIGNATURES = {       # (restype, argtypes) of each kernel; see the C sources for
 }
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """This machine's CPU feature flags (/proc/cpuinfo; empty where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -65,14 +67,18 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def refusal(machine: str, flags: set[str]) -> str | None:
+    """Why the kernels do not build for this machine type and these CPU flags (None: they do)."""
+    if machine not in ("x86_64", "AMD64"):
+        return f"the kernels are x86-64 AVX2 code; this machine is {machine}"
+    missing = {"avx2", "fma", "f16c"} - flags
+    return f"the CPU lacks {', '.join(sorted(missing))}" if missing else None
+
+
 def _build() -> ctypes.CDLL:
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        raise RuntimeError(f"disabled by {ENV_SWITCH}=0")
-    if platform.machine() not in ("x86_64", "AMD64"):
-        raise RuntimeError(f"the kernels are x86-64 AVX2 code; this machine is {platform.machine()}")
-    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
-    if missing:
-        raise RuntimeError(f"the CPU lacks {', '.join(sorted(missing))}")
+    why = refusal(platform.machine(), cpu_flags())
+    if why is not None:
+        raise RuntimeError(why)
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (install gcc, or set CC)")

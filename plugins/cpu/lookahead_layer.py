@@ -13,9 +13,10 @@ caller keeps the accounting and queues the prediction's copies; `res` says how m
 copied urgently and in how many seconds, how many selected slots attention read, and how many
 predicted blocks were admitted (listed in `pred_adm`).
 
-The bound tensors are the backend's own, written in place by the call; `bind` checks their
-layouts once (None where the C library or a layout does not apply: the caller keeps its path),
-and `run` checks the call's tensors against them.
+The bound tensors are the backend's own (allocated once, never replaced), written in place by the
+call; `bind` (the kernel table's `lookahead_layer` entry) checks their layouts once (None where
+the C library or a layout does not apply: the caller keeps its path), and `run` checks the
+call's tensors against them.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class LayerResult:
 class LookaheadLayer:
     def __init__(self, tensors: tuple[torch.Tensor, ...], dims: _Tensors, scratch: list[torch.Tensor]):
         self._tensors, self._dims, self._scratch = tensors, dims, scratch
-        self._call = _Call()
+        self._call, self._lib = _Call(), library()
         self.calls = 0
 
     @classmethod
@@ -104,10 +105,6 @@ class LookaheadLayer:
                         *(t.data_ptr() for t in scratch))
         return cls(ts, dims, scratch)
 
-    def bound_to(self, *tensors: torch.Tensor) -> bool:
-        """Whether these are (still) the tensors bound, in bind's order."""
-        return len(tensors) == len(self._tensors) and all(a is b for a, b in zip(tensors, self._tensors))
-
     def run(self, layer: int, buf: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             cand: torch.Tensor, extra_mask: torch.Tensor, fetch: torch.Tensor, nb: int, k_sel: int, step: int,
             used_none: int, used_adm: int, scale: float, true_idx: torch.Tensor, resident: torch.Tensor,
@@ -146,7 +143,7 @@ class LookaheadLayer:
         c.true_idx, c.resident, c.urgent = true_idx.data_ptr(), resident.data_ptr(), urgent.data_ptr()
         c.predict_cap, c.pred_adm = predict_cap, pred_adm.data_ptr()
         with traced("lookahead_layer"):
-            rc = library().lkv_lookahead_layer(ctypes.byref(self._dims), ctypes.byref(c))
+            rc = self._lib.lkv_lookahead_layer(ctypes.byref(self._dims), ctypes.byref(c))
         if rc == -1:
             raise MemoryError("the lookahead layer (CPU kernel): scratch allocation failed")
         if rc != 0:

@@ -1,10 +1,10 @@
 """torch-facing wrappers of linear.c, linear_int8.c, attention.c and topk.c: each checks what its
 kernel assumes.
 
-`linear` falls back to `F.linear` itself, `linear_int8` to a chunked dequantization into it;
-`attention` and `block_topk` are called by the ops
-(plugins/attention.py, plugins/topk.py) only where `*_supported` says yes, else the ops run
-their torch paths. All follow torch's intra-op thread count.
+The kernel table's C entries (runtime/ops.py) `linear`, `linear_int8`, `rms_norm`, `block_topk_op`
+and `lookahead_attention_op` run their kernel where the arguments are what it reads (`*_supported`)
+and the torch formulation where not (a prefill's rows); `attention_paged` returns None there (its
+caller's per-sequence path runs). All follow torch's intra-op thread count.
 """
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch._C._autograd import _profiler_enabled
 
-from .loader import library
+from ..attention import _lookahead_attention_impl
+from ..topk import _block_topk_impl
+from .loader import LOADED, library
 
 MAX_LINEAR_ROWS = 16       # above this BLAS's own GEMM is as good (scripts/bench_kernels.py)
 MAX_INT8_ROWS = 16         # linear_int8: the C kernel up to here, chunked dequantization + BLAS above
@@ -25,6 +27,12 @@ MAX_GROUP_ROWS = 64        # R * H / KVH query rows per KV head, likewise
 
 def available() -> bool:
     return library() is not None
+
+
+def loaded():
+    """The built library, or None: `library()` without its lock once it has answered (every
+    kernel call asks)."""
+    return LOADED.get("lib") or library()
 
 
 def traced(name: str):
@@ -53,7 +61,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`; for 2-D fp32 CPU inputs of at most MAX_LINEAR_ROWS rows whose weight packs
     (N % 8 == 0, see `packed_weight`), through the C kernel."""
-    lib = library()
+    lib = loaded()
     if (lib is None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_LINEAR_ROWS or x.dtype != torch.float32
             or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.device.type != "cpu"
             or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.shape[0] % 8
@@ -135,7 +143,7 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     packed copy; a non-contiguous one is copied first). Anything else (more rows, other dtypes or
     devices, autograd): the weight dequantized in chunks, through F.linear. A scale whose shape
     fits neither layout: ValueError."""
-    lib = library()
+    lib = loaded()
     group = int8_kernel_group(qweight, scale) if qweight.dim() == 2 else None
     if (lib is None or x.dim() != 2 or not 0 < x.shape[0] <= MAX_INT8_ROWS or x.dtype != torch.float32
             or qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.shape[1] != x.shape[1]
@@ -172,7 +180,7 @@ def attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ext
         return False
     B, R, H, D = q.shape
     kvh, N, E = k.shape[1], k.shape[2], k_extra.shape[2]
-    return (library() is not None and q.device.type == "cpu" and kvh > 0 and H % kvh == 0
+    return (loaded() is not None and q.device.type == "cpu" and kvh > 0 and H % kvh == 0
             and q.dtype == torch.float32 and k.dtype in KV_DTYPES and v.dtype == k.dtype
             and all(t.dtype in (torch.float32, k.dtype) for t in (k_extra, v_extra))
             and all(t.device.type == "cpu" for t in (k, v, k_extra, v_extra))
@@ -199,7 +207,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.
         v_extra = v_extra.float()
     out = torch.empty(B, R, H, D, dtype=torch.float32)
     with traced("attention"):
-        rc = library().lkv_attention(
+        rc = loaded().lkv_attention(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), kv_mask.data_ptr(),
             k_extra.data_ptr(), *k_extra.stride()[:3], v_extra.data_ptr(), *v_extra.stride()[:3],
             extra_mask.data_ptr(), out.data_ptr(), B, R, H, kvh, N, E, D, float(scale), torch.get_num_threads(),
@@ -228,7 +236,7 @@ def attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: l
     in the kernel). `mask`: `paged_mask(lens, KVH)`, when the caller keeps it across layers ->
     [B, H, D] fp32, or None where the kernel does not take these arguments (the caller's
     per-sequence path runs)."""
-    if q.dim() != 3 or k.dim() != 4 or library() is None:
+    if q.dim() != 3 or k.dim() != 4 or loaded() is None:
         return None
     B, H, D = q.shape
     kvh, nb, bs, _ = k.shape
@@ -255,7 +263,7 @@ def attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: l
                          f"got {tuple(mask.shape)} {mask.dtype}")
     q = q.contiguous()
     out = torch.empty(B, H, D, dtype=torch.float32)
-    lib, nt, kd = library(), torch.get_num_threads(), KV_DTYPES[k.dtype]
+    lib, nt, kd = loaded(), torch.get_num_threads(), KV_DTYPES[k.dtype]
     with traced("attention_paged"):
         if tables is None:
             base = torch.tensor([s * bs * D for s in starts], dtype=torch.int64)
@@ -306,7 +314,7 @@ def block_topk_supported(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
         return False
     B, R, H, D = q.shape
     _, num_blocks, kvh, _ = kmin.shape
-    return (library() is not None and q.device.type == "cpu" and kvh > 0 and H % kvh == 0
+    return (loaded() is not None and q.device.type == "cpu" and kvh > 0 and H % kvh == 0
             and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, kmin, kmax))
             and kmin.shape == kmax.shape == (B, num_blocks, kvh, D)
             and valid.dtype == torch.bool and valid.shape == (B, R, num_blocks)
@@ -325,7 +333,7 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
     scores = torch.empty(B, R, kvh, num_blocks, dtype=torch.float32)
     idx = torch.empty(B, R, kvh, k, dtype=torch.int64)
     with traced("block_topk"):
-        rc = library().lkv_block_topk(
+        rc = loaded().lkv_block_topk(
             q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), kmin.stride(0), valid.data_ptr(), valid.stride(0),
             valid.stride(1), B, R, H, kvh, num_blocks, D, k, int(group_score == "max"), scores.data_ptr(),
             idx.data_ptr(), torch.get_num_threads())
@@ -336,10 +344,32 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
     return idx, scores
 
 
+def block_topk_op(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor, k: int,
+                  group_score: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
+    """`lookahead::block_topk` (plugins/topk.py's contract, q [B, H, D] or [B, R, H, D]): one C call
+    where `block_topk_supported`, else the op's torch implementation."""
+    rows = q.dim() == 4
+    q4, v3 = (q, valid) if rows else (q.unsqueeze(1), valid.unsqueeze(1))
+    if not block_topk_supported(q4, kmin, kmax, v3, k):
+        return _block_topk_impl(q, kmin, kmax, valid, k, group_score)
+    top, scores = block_topk(q4, kmin, kmax, v3, k, group_score)
+    return (top, scores) if rows else (top[:, 0], scores[:, 0])
+
+
+def lookahead_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor,
+                           k_extra: torch.Tensor, v_extra: torch.Tensor, extra_mask: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """`lookahead::lookahead_attention` (plugins/attention.py's contract): one C call where
+    `attention_supported`, else the op's torch implementation."""
+    if not attention_supported(q, k, v, k_extra, v_extra, kv_mask, extra_mask):
+        return _lookahead_attention_impl(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale)
+    return attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`F.rms_norm(x, weight.shape, weight, eps)`; for 2-D fp32 CPU rows (last dim contiguous,
     N % 8 == 0) in one C call (plugins/cpu/elementwise.c)."""
-    lib = library()
+    lib = loaded()
     if (lib is None or x.dim() != 2 or weight.shape != (x.shape[1],) or x.shape[1] % 8
             or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
             or weight.device.type != "cpu" or x.stride(1) != 1 or not weight.is_contiguous()

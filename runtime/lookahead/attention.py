@@ -48,11 +48,12 @@ ROWS = {2: ("real", "draft"), 1: ("real",)}     # the query rows of a decode lan
 class LookaheadAttention:
     def __init__(self, mcfg: ModelConfig, cfg: LookaheadConfig, pool: KVPool, num_lanes: int,
                  max_blocks: int, transfer: TransferEngine, device: torch.device, ops: Ops,
-                 debug_checks: bool = False, observers: Observers | None = None):
+                 debug_checks: bool = False, observers: Observers | None = None, fused: bool = True):
         """pool: the host tier (the whole cache); the device tier, the summaries and the
-        bookkeeping are allocated on `device`. ops: the engine's op implementations (this module
+        bookkeeping are allocated on `device`. ops: the engine's kernel table (this module
         builds every shape itself, so they may be the unchecked ones). debug_checks: verify the
-        slots' contents before every attention (tests). observers: the engine's hooks."""
+        slots' contents before every attention (tests). observers: the engine's hooks. fused: a
+        packed decode layer may run as the table's C lookahead layer (fused_layer.py)."""
         self.cfg, self.pool, self.transfer, self.device, self.ops = cfg, pool, transfer, device, ops
         self.observers = observers if observers is not None else Observers()
         self.layout = SlotLayout.from_config(cfg)
@@ -66,15 +67,15 @@ class LookaheadAttention:
                                         device, ops)
         self.metrics = LookaheadMetrics(mcfg.num_layers, num_lanes, device=device)
         self.residency = ResidencyManager(cfg, policy, mcfg.num_layers, num_lanes, self.kvh, max_blocks, pool,
-                                          self.tier, transfer, self.metrics, self.observers, device)
+                                          self.tier, transfer, self.metrics, self.observers, device, ops)
         # the summaries of named (cached) blocks, for sequences that share them (prefix caching)
         self.store = (SummaryStore(mcfg.num_layers, pool.num_blocks, self.kvh, self.hd)
                       if cfg.prefix_caching else None)
         self.step_idx = 0
         self.plan: StepPlan | None = None       # the current step's (read only)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # decode rows, stored at end_step
-        # a decode layer in one C call where it applies (fused_layer.py), decided per step
-        self.fused_layer, self.fused_layer_reason = FusedLayer.make(self)
+        # a decode layer in one C call where it applies (fused_layer.py), decided here
+        self.fused_layer, self.fused_layer_reason = FusedLayer.make(self) if fused else (None, "fused=False")
         self._fused: FusedLayer | None = None
 
     # ---- the parts' tensors and sizes (tests, the memory plan, the bench) ------------------------

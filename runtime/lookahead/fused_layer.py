@@ -1,4 +1,4 @@
-"""A lookahead decode layer in one C call (plugins/cpu/lookahead_layer.py), and its accounting.
+"""A lookahead decode layer in one C call (the kernel table's `lookahead_layer`), and its accounting.
 
 Under the resident policy on CPU (sparse-ondemand, lookahead-resident, lookahead-drop), a packed
 decode step's layer runs as one kernel call instead of the backend's ~40-60 torch ops around
@@ -10,43 +10,40 @@ call this keeps what the Python path does as it goes, from the call's outputs:
 - the transfer engine counts the urgent copy (bytes, a job, its seconds as stall); the
   prediction's admissions go to `ResidencyManager.submit` as a background job, as before;
 - the slot table's `high` grows as `SlotTable.plan` grows it;
-- drop's first-step fetch, and its seed flags, as `ResidencyManager.serve_misses` has them.
+- which lanes' misses are fetched is the miss policy's answer (`ResidencyManager.misses`, the
+  object the Python path asks), and so is what it keeps of the fetch (drop's seed flags).
 Everything equals the Python path's bit for bit (tests/test_fused_lookahead.py). That path stays
-the reference and runs wherever this does not apply: another device or residency, a step with
-prefill rows or inactive lanes, debug checks, an observer of scores or copies, or
-LOOKAHEAD_FUSED_DECODE=0.
+the reference and runs wherever this does not apply (decided once, in `make`: another device,
+residency or kernel table, debug checks, an engine built with `fused=False`; and per step: a
+step with prefill rows or inactive lanes, an observer of scores or copies).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from plugins.cpu.lookahead_layer import LookaheadLayer
-
-from ..model import FUSED_ENV
-from .residency import Admission
+from .residency import ALL_LANES, Admission
 from .step_plan import DecodePart
 
 
 class FusedLayer:
-    def __init__(self, attn, layer: LookaheadLayer):
+    def __init__(self, attn, layer):
         self.attn, self.layer = attn, layer
         self.rows = 1 if attn.cfg.draft == "none" else 2
+        self.fetch_cap = attn.cfg.fetch_cap
         self.steps = 0          # steps whose decode layers ran here
 
     @classmethod
     def make(cls, attn) -> tuple["FusedLayer | None", str | None]:
         """(the fused layer for this backend, None), or (None, why not)."""
-        cfg = attn.cfg
-        if os.environ.get(FUSED_ENV, "1") == "0":
-            return None, f"{FUSED_ENV}=0"
-        if attn.device.type != "cpu":
-            return None, f"device {attn.device.type}"
-        if cfg.residency != "resident" or cfg.miss_policy not in ("urgent", "drop"):
-            return None, f"residency {cfg.residency}, miss policy {cfg.miss_policy}"
-        layer = LookaheadLayer.bind(*cls._tensors(attn), heads=attn.num_heads, sel_start=attn.layout.selected_start,
-                                    group_max=cfg.group_score == "max")
+        cfg, bind = attn.cfg, attn.ops.lookahead_layer
+        if bind is None or attn.device.type != "cpu":
+            return None, f"ops {attn.ops.name or 'custom'} on {attn.device.type}"
+        if attn.debug_checks:
+            return None, "debug checks"
+        if cfg.residency != "resident":
+            return None, f"residency {cfg.residency}"
+        layer = bind(*cls._tensors(attn), heads=attn.num_heads, sel_start=attn.layout.selected_start,
+                     group_max=cfg.group_score == "max")
         if layer is None:
             return None, "the C kernels or the tensors' layouts"
         return cls(attn, layer), None
@@ -60,9 +57,8 @@ class FusedLayer:
     def takes(self, d: DecodePart) -> bool:
         """Whether this step's decode layers run here (checked once a step)."""
         a = self.attn
-        return (d.packed and d.rows == self.rows and not a.debug_checks and not a.plan.prefill
-                and not (a.observers and (a.observers.wants("on_scores") or a.observers.wants("on_copy")))
-                and self.layer.bound_to(*self._tensors(a)))
+        return (d.packed and d.rows == self.rows and not a.plan.prefill
+                and not (a.observers and (a.observers.wants("on_scores") or a.observers.wants("on_copy"))))
 
     def begin_step(self, d: DecodePart) -> None:
         a, n = self.attn, d.num_lanes
@@ -75,7 +71,8 @@ class FusedLayer:
         self._pred_adm = torch.empty(4, n * kvh * K, dtype=torch.int64)
         self._extra = d.extra_mask.contiguous()       # may be an expanded view
         self._cand = d.cand_masks if d.cand_masks.stride(-1) == 1 else d.cand_masks.contiguous()
-        self._fetch_all = torch.full((n,), a.cfg.miss_policy == "urgent", dtype=torch.bool)
+        self._fetch_all = torch.ones(n, dtype=torch.bool)
+        self._fetch_none = torch.zeros(n, dtype=torch.bool)
 
     def decode(self, layer: int, buf: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                d: DecodePart) -> None:
@@ -86,25 +83,22 @@ class FusedLayer:
         # without it there is no prediction to score, and end_step adds the hits at once)
         if self.rows == 2:
             pred, has = res.pred[layer, :n].clone(), res.has_pred[layer, :n].all()
-        fetch, reseeded = self._fetch_all, False
-        if a.cfg.miss_policy == "drop" and any(res.seeded_host[layer][lane] or pre
-                                               for lane, pre in zip(d.lane_list, d.predecode_list)):
-            fetch, reseeded = (res.seeded[layer, :n] | d.predecode[:n]).contiguous(), True
+        lanes = res.misses.fetch(res, layer, d)                          # the miss policy's answer
+        fetch = (self._fetch_all if lanes is ALL_LANES else self._fetch_none if lanes is None
+                 else lanes.contiguous())
         nb = min(max(d.context_lens) // a.layout.block_size + 1, a.summaries.max_blocks)
         high = slots.high[buf]
         grown = max(high, min(top_k, high + top_k, res.most))           # SlotTable.plan's bound, cap K
         o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
         r = self.layer.run(layer, buf, q.contiguous(), k.contiguous(), v.contiguous(), o, self._cand, self._extra,
                            fetch, nb, min(top_k, nb), res.step_idx, high, grown, a.scale, self._true[layer],
-                           self._resident[layer], self._urgent, a.cfg.fetch_cap, self._pred_adm)
+                           self._resident[layer], self._urgent, self.fetch_cap, self._pred_adm)
         if o is not out:
             out.copy_(o)
         if self.rows == 2:
             a.metrics.note_layer(layer, pred, has, self._true[layer], self._resident[layer])
-        if reseeded:
-            res.seeded[layer, :n] = False
-            for lane in d.lane_list:
-                res.seeded_host[layer][lane] = False
+        if lanes is not None:
+            res.misses.fetched(res, layer, d)
         if r.admitted:
             slots.high[buf] = grown
             a.transfer.account_inline(r.admitted, urgent=True, seconds=r.copy_s,
@@ -112,7 +106,7 @@ class FusedLayer:
             self._urgent_total += r.admitted
         if r.predicted:     # the resident policy's on_predict, after SlotTable.plan admitted them
             h = slots.high[buf]
-            slots.high[buf] = max(h, min(top_k, h + min(a.cfg.fetch_cap, top_k), res.most))
+            slots.high[buf] = max(h, min(top_k, h + min(self.fetch_cap, top_k), res.most))
             adm = Admission(*self._pred_adm.view(4, -1)[:, :r.predicted].clone().unbind(0))
             res.tickets.setdefault(layer, []).append(res.submit(layer, layer, adm))
 

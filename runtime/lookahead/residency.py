@@ -26,12 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from plugins.cpu import bookkeeping
-
 from ..config import LookaheadConfig
 from ..device import to_device
 from ..kv_pool import KVPool
 from ..observe import Observers
+from ..ops import Ops
 from ..transfer import CopyJob, Ticket, TransferEngine
 from .device_tier import DeviceTier
 from .metrics import LookaheadMetrics
@@ -61,16 +60,16 @@ class Admission:
 
 class SlotTable:
     def __init__(self, num_buffers: int, num_lanes: int, num_kv_heads: int, top_k: int, max_blocks: int,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), kernel=None):
+        """kernel: the kernel table's `plan_slots` (None: `plan_torch`)."""
         shape = (num_buffers, num_lanes, num_kv_heads, top_k)
-        self.top_k, self.max_blocks, self.device = top_k, max_blocks, device
+        self.top_k, self.max_blocks, self.device, self.kernel = top_k, max_blocks, device, kernel
         self.block = torch.full(shape, -1, dtype=torch.long, device=device)
         self.last_used = torch.full(shape, -1, dtype=torch.long, device=device)
         # slot_of[..., b] = slot holding logical block b, or -1; column max_blocks stands for "no
         # block" (-1 entries of a request) and stays -1
         self.slot_of = torch.full((num_buffers, num_lanes, num_kv_heads, max_blocks + 1), -1, dtype=torch.long,
                                   device=device)
-        self.use_kernel = True          # tests compare the C plan with plan_torch
         # per buffer: every selected slot at or past high[buf] is empty in every lane (a bound that
         # only grows: attention leaves those slots out without looking at the table). It is kept
         # on the host from what the host knows, never read from the table: slots fill from the
@@ -111,17 +110,17 @@ class SlotTable:
         `high`; default K).
 
         want, priority: [B, KVH, K'] (want -1 = padding, K' <= K). Updates the table in place.
-        On CPU this runs as one C call (plugins/cpu/residency.c, exact lists); elsewhere
+        With a `kernel` (a C table's `plan_slots`) this runs as one C call (exact lists); else
         `plan_torch`, the same rule in torch ops with fixed-capacity output (its reference in the
         tests).
         """
         adm = None
-        if self.use_kernel:
+        if self.kernel is not None:
             lane_ids = (torch.arange(lanes.start, lanes.start + want.shape[0], device=self.device)
                         if isinstance(lanes, slice)
                         else lanes)
-            out = bookkeeping.plan(self.block[buf], self.last_used[buf], self.slot_of[buf], lane_ids, want,
-                                   priority, cap, step)
+            out = self.kernel(self.block[buf], self.last_used[buf], self.slot_of[buf], lane_ids, want,
+                              priority, cap, step)
             adm = Admission(*out) if out is not None else None
         if adm is None:
             adm = self.plan_torch(buf, lanes, want, priority, cap, step)
@@ -176,14 +175,52 @@ class SlotTable:
                          slots.reshape(-1), blocks.reshape(-1), take.reshape(-1))
 
 
+ALL_LANES = object()        # a miss policy's answer: fetch the misses of every lane
+
+
+class UrgentMisses:
+    """urgent: every miss of the real query is fetched before attention."""
+
+    def fetch(self, mgr: "ResidencyManager", layer: int, d: DecodePart):
+        """The lanes whose misses layer `layer` fetches now: ALL_LANES, None (none), or a bool
+        [num_lanes] device mask (the host decides whether to fetch, the device which lanes)."""
+        return ALL_LANES
+
+    def fetched(self, mgr: "ResidencyManager", layer: int, d: DecodePart) -> None:
+        """After the fetch: what the policy keeps of it."""
+
+
+class DropMisses(UrgentMisses):
+    """drop tolerates a draft's misses, but a lane's first decode step was predicted by the seed
+    (the last prompt token's query), and a pre-decoding step by a draft known to be wrong: those
+    steps' misses are fetched (the next step's real row is then served exactly)."""
+
+    def fetch(self, mgr: "ResidencyManager", layer: int, d: DecodePart):
+        if not any(mgr.seeded_host[layer][lane] or pre for lane, pre in zip(d.lane_list, d.predecode_list)):
+            return None
+        return mgr.seeded[layer, d.lane_ix] | d.predecode[d.lane_ix]
+
+    def fetched(self, mgr: "ResidencyManager", layer: int, d: DecodePart) -> None:
+        mgr.seeded[layer, d.lane_ix] = False
+        for lane in d.lane_list:
+            mgr.seeded_host[layer][lane] = False
+
+
+MISS_POLICIES = {"urgent": UrgentMisses(), "drop": DropMisses()}
+
+
 class ResidencyManager:
     def __init__(self, cfg: LookaheadConfig, policy, num_layers: int, num_lanes: int, num_kv_heads: int,
                  max_blocks: int, pool: KVPool, tier: DeviceTier, transfer: TransferEngine,
-                 metrics: LookaheadMetrics, observers: Observers, device: torch.device):
-        """policy: `ResidentPolicy` or `PingPongPolicy` (policies.make_policy); pool: the host tier."""
+                 metrics: LookaheadMetrics, observers: Observers, device: torch.device, ops: Ops):
+        """policy: `ResidentPolicy` or `PingPongPolicy` (policies.make_policy); pool: the host tier;
+        ops: the engine's kernel table (the slot plan's and the copy jobs' kernels)."""
         self.cfg, self.policy, self.tier, self.transfer = cfg, policy, tier, transfer
         self.metrics, self.observers, self.max_blocks = metrics, observers, max_blocks
-        self.slots = SlotTable(policy.num_buffers, num_lanes, num_kv_heads, cfg.top_k, max_blocks, device)
+        self.misses = MISS_POLICIES[cfg.miss_policy]
+        self.slots = SlotTable(policy.num_buffers, num_lanes, num_kv_heads, cfg.top_k, max_blocks, device,
+                               ops.plan_slots)
+        self.copy_kernel = ops.copy_blocks
         long, bool_ = dict(dtype=torch.long, device=device), dict(dtype=torch.bool, device=device)
         self.pred = torch.full((num_layers, num_lanes, num_kv_heads, cfg.top_k), -1, **long)  # next step's sets
         self.has_pred = torch.zeros(num_layers, num_lanes, **bool_)
@@ -240,18 +277,11 @@ class ResidencyManager:
         resident = self.slots.resident(buf, L, t_idx)
         has = self.has_pred[layer, L].all() if d.rows == 2 else self.has_pred.new_zeros(())   # none to score
         self.metrics.note_layer(layer, self.pred[layer, L].clone(), has, t_idx, resident)  # pred is replaced below
-        if self.cfg.miss_policy == "urgent":
-            self.fetch_urgent(layer, buf, L, t_idx, true_scores[L])
-        elif any(self.seeded_host[layer][lane] or pre for lane, pre in zip(d.lane_list, d.predecode_list)):
-            # drop tolerates a draft's misses, but a lane's first decode step was predicted by the
-            # seed (the last prompt token's query), and a pre-decoding step by a draft known to be
-            # wrong: fetch those steps' misses (the next step's real row is then served exactly).
-            # The host decides whether to (its own flags); the device masks which lanes.
-            first = self.seeded[layer, L] | d.predecode[L]
-            self.fetch_urgent(layer, buf, L, torch.where(first[:, None, None], t_idx, -1), true_scores[L])
-            self.seeded[layer, L] = False
-            for lane in d.lane_list:
-                self.seeded_host[layer][lane] = False
+        fetch = self.misses.fetch(self, layer, d)
+        if fetch is not None:
+            want = t_idx if fetch is ALL_LANES else torch.where(fetch[:, None, None], t_idx, -1)
+            self.fetch_urgent(layer, buf, L, want, true_scores[L])
+            self.misses.fetched(self, layer, d)
 
     def fetch_urgent(self, layer: int, buf: int, lanes, want: torch.Tensor, scores: torch.Tensor) -> None:
         """Copy the blocks of `want` [lanes, KVH, K] missing from `buf` on the urgent queue, and wait."""
@@ -295,6 +325,7 @@ class ResidencyManager:
         return self.send(job, urgent)
 
     def send(self, job: CopyJob, urgent: bool = False) -> Ticket:
+        job.kernel = self.copy_kernel
         if self.observers:
             self.observers.copy(job, urgent)
         return self.transfer.submit(job, urgent=urgent)

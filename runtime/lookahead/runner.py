@@ -24,34 +24,27 @@ from .step_plan import StepPlan, StepRows, build_plan
 
 class LookaheadRunner:
     def __init__(self, model: LlamaModel, attn: LookaheadAttention, block_size: int, chain: DraftChain | None,
-                 num_lanes: int, prefill_cache: PrefillCache | None = None, observers: Observers | None = None):
-        """chain None: sparse attention without look-ahead (one row per sequence, no prediction)."""
+                 num_lanes: int, prefill_cache: PrefillCache | None = None, observers: Observers | None = None,
+                 fused: bool = True):
+        """chain None: sparse attention without look-ahead (one row per sequence, no prediction).
+        fused: a decode-only step runs the model's layers around the attention in C, where the
+        model's kernel table has the fused decoder."""
         self.model, self.attn, self.block_size, self.chain = model, attn, block_size, chain
         self.prefill_cache = prefill_cache
         self.observers = observers if observers is not None else Observers()
         self.free_lanes = list(range(num_lanes))
         self._draws: PendingDraws | None = None     # this step's draft draws, see take_draws
         self.lanes: dict[int, int] = {}
+        self._want_fused = fused
         self._bind_fused()
 
     def _bind_fused(self) -> None:
         """The model's layers around this backend's attention in C, where the model takes it
         (`LlamaModel.fused_decoder`; the host pool's K/V are bound but not used by these calls)."""
         pool = self.attn.pool
-        self.fused, self.fused_reason = self.model.fused_decoder(pool.k, pool.v, self.attn.scale)
+        self.fused, self.fused_reason = (self.model.fused_decoder(pool.k, pool.v, self.attn.scale)
+                                         if self._want_fused else (None, "fused=False"))
         self._fused_weights = self.model.weights_version
-
-    def _fused_layers(self, plan: StepPlan) -> torch.Tensor | None:
-        """A decode-only step's hidden states with every layer's non-attention stages in one C call
-        each side of the backend's attention (plugins/cpu/fused.py `run_layers`), or None: the
-        model's Python path runs (prefill rows, a model or device the C path does not take)."""
-        if plan.prefill or plan.decode is None:
-            return None
-        if self._fused_weights != self.model.weights_version:       # load_weights replaced the tensors
-            self._bind_fused()
-        if self.fused is None:
-            return None
-        return self.fused.run_layers(plan.batch.tokens, plan.batch.positions, self.attn.forward)
 
     def _lane(self, seq: Sequence) -> int:
         if seq.seq_id not in self.lanes:
@@ -100,7 +93,12 @@ class LookaheadRunner:
             self._advance(work, rows)
             return out
         rec = cache.record(self.model, work, rows.items, self.attn.pool.dtype) if cache is not None else None
-        hidden = self._fused_layers(plan) if rec is None else None
+        if self._fused_weights != self.model.weights_version:       # load_weights replaced the tensors
+            self._bind_fused()
+        hidden = None
+        if self.fused is not None and rec is None and not plan.prefill and plan.decode is not None:
+            # every layer's non-attention stages in one C call each side of the backend's attention
+            hidden = self.fused.run_layers(plan.batch.tokens, plan.batch.positions, self.attn.forward)
         if hidden is None:
             hidden = self.model(plan.batch.tokens, plan.batch.positions,
                                 rec.wrap(self.attn, num_layers) if rec else self.attn)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import abc
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
-from plugins.cpu import bookkeeping
 
 from ..device import host_list
 
@@ -24,6 +23,8 @@ class CopyJob:
     valid: None (all n entries are copied), or bool [n]: a fixed-capacity list made on the device
            without reading how many entries are real; the others are skipped. Such a list's
            destinations are distinct, and its skipped entries still name in-range indices.
+    kernel: the engine's copy kernel (its kernel table's `copy_blocks`, set by the residency
+           manager), or None: torch indexing.
     """
 
     src_k: torch.Tensor
@@ -34,6 +35,7 @@ class CopyJob:
     dst_index: tuple[torch.Tensor, ...]
     tag: tuple = ()                      # (step, layer, kind) for tracing
     valid: torch.Tensor | None = None
+    kernel: Callable | None = None
 
     @property
     def num_units(self) -> int:
@@ -56,10 +58,10 @@ class CopyJob:
         return self.num_units if self.valid is None else self.valid.sum()
 
     def execute(self) -> None:
-        """One memcpy per unit on CPU (plugins/cpu/residency.c, no gathered temporary), else indexing;
-        a fixed-capacity list's skipped entries keep their destination's contents."""
-        if not self.num_units or bookkeeping.copy_blocks(self.src_k, self.src_v, self.dst_k, self.dst_v,
-                                                         self.src_index, self.dst_index, self.valid):
+        """`kernel` (on CPU: one memcpy per unit, no gathered temporary) where it takes the layout,
+        else indexing; a fixed-capacity list's skipped entries keep their destination's contents."""
+        if not self.num_units or (self.kernel is not None and self.kernel(
+                self.src_k, self.src_v, self.dst_k, self.dst_v, self.src_index, self.dst_index, self.valid)):
             return
         for src, dst in ((self.src_k, self.dst_k), (self.src_v, self.dst_v)):
             rows = src[self.src_index]
