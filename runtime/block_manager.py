@@ -41,6 +41,17 @@ class BlockAllocator:
             heapq.heappush(self._free, i)
 
 
+class LaneAllocator(BlockAllocator):
+    """The lookahead backend's lanes (a sequence's rows in the device tier's buffers), lowest first:
+    the lanes a step computes over stay a small range. Called by the lookahead runner."""
+
+    def allocate_lane(self) -> int:
+        return self.allocate(1)[0]
+
+    def free_lane(self, lane: int) -> None:
+        self.free([lane])
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 

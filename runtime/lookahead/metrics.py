@@ -3,10 +3,25 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 
 from ..device import host_list, to_device
+
+
+class Col(IntEnum):
+    """The columns of the per-lane tallies (`LookaheadMetrics.lane`, a request's `RequestMetrics`)."""
+    TRUE = 0            # blocks in the real query's top-K
+    HITS = 1            # of those, resident before any urgent fetch
+    AGREE_SUM = 2       # sum of |pred ∩ true| / |true| over (layer, head) rows with a prediction
+    AGREE_COUNT = 3     # the count of such rows
+    URGENT = 4          # blocks fetched urgently
+    PREFETCHED = 5      # blocks prefetched
+
+
+HITS = slice(Col.TRUE, Col.HITS + 1)
+AGREEMENT = slice(Col.AGREE_SUM, Col.AGREE_COUNT + 1)
 
 
 @dataclass
@@ -29,8 +44,7 @@ class LookaheadMetrics:
         # blocks in the real query's top-K over steps/layers/heads, and those resident before any
         # urgent fetch
         self.blocks = torch.zeros(2, **f64)
-        # per lane: true blocks, hits, agreement sum, agreement count, urgent, prefetched
-        self.lane = torch.zeros(self.num_lanes, 6, **f64)
+        self.lane = torch.zeros(self.num_lanes, len(Col), **f64)        # per lane, by `Col`
         self._counts: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []   # count_blocks calls not yet added
         self._layers: list[tuple] = []                          # this step's note_layer calls
         # blocks admitted for copying, (urgent, prefetched): exact counts on the host, plus those
@@ -82,7 +96,7 @@ class LookaheadMetrics:
             counted = torch.zeros(2, dtype=torch.long, device=valid.device)
             counted[column] = valid.sum()
             self._blocks_dev = counted if self._blocks_dev is None else self._blocks_dev + counted
-        self.count_blocks(4 if urgent else 5, lanes, valid)
+        self.count_blocks(Col.URGENT if urgent else Col.PREFETCHED, lanes, valid)
 
     def add_hits(self, lanes, true: torch.Tensor, resident: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The true blocks and hits of a step's layers: lanes [B] (or a slice); true [L, B, KVH,
@@ -93,7 +107,7 @@ class LookaheadMetrics:
         n_true = valid.sum(-1).double()                                        # [L, B, KVH]
         hits = (resident & valid).sum(-1).double()
         self.blocks += torch.stack([n_true.sum(), hits.sum()])
-        self.lane[lanes, :2] += torch.stack([n_true.sum((0, 2)), hits.sum((0, 2))], -1)
+        self.lane[lanes, HITS] += torch.stack([n_true.sum((0, 2)), hits.sum((0, 2))], -1)
         return valid, n_true
 
     def add_urgent(self, per_lane: torch.Tensor, total: int) -> None:
@@ -101,17 +115,16 @@ class LookaheadMetrics:
         per_lane [n] for lanes 0..n-1, `total` their sum (what `add_blocks` gives its copies)."""
         self._blocks_host[0] += total
         if total:
-            self.lane[: per_lane.shape[0], 4] += per_lane.to(self.lane.dtype)
+            self.lane[: per_lane.shape[0], Col.URGENT] += per_lane.to(self.lane.dtype)
 
-    def count_blocks(self, column: int, lanes: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Add one per entry of `lanes` (where `valid`) to a per-lane column (4: urgent, 5:
-        prefetched). Added at `flush` (the end of a step, or before a lane is read): one
+    def count_blocks(self, column: Col, lanes: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Add one per entry of `lanes` (where `valid`) to a per-lane column (URGENT, PREFETCHED). Added at `flush` (the end of a step, or before a lane is read): one
         accumulation per column and step, not per layer."""
         self._counts.append((column, lanes, valid))
 
     def flush(self) -> None:
         counts, self._counts = self._counts, []
-        for column in (4, 5):
+        for column in (Col.URGENT, Col.PREFETCHED):
             rec = [(ln, v) for c, ln, v in counts if c == column]
             if rec:
                 lanes = torch.cat([ln for ln, _ in rec])
@@ -144,7 +157,7 @@ class LookaheadMetrics:
         at = (slice(layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1))
               else to_device(self.layer.device, torch.tensor(layers, dtype=torch.long))[0])
         self.layer[at] += torch.stack([frac.sum((1, 2)), rows.sum((1, 2)).double()], -1)
-        self.lane[lanes, 2:4] += torch.stack([frac.sum((0, 2)), rows.sum((0, 2)).double()], -1)
+        self.lane[lanes, AGREEMENT] += torch.stack([frac.sum((0, 2)), rows.sum((0, 2)).double()], -1)
 
     def per_layer_agreement(self) -> list[float | None]:
         return [s / c if c else None for s, c in host_list(self.layer, "metrics (agreement per layer)")]
@@ -168,12 +181,13 @@ class RequestMetrics(MutableMapping):
     is set on it (the draft chain's counts)."""
 
     def __init__(self, row: torch.Tensor):
-        self._row: torch.Tensor | None = row      # [6]: true, hits, agreement sum and count, urgent, prefetched
+        self._row: torch.Tensor | None = row      # [len(Col)]
         self._items: dict = {}
 
     def _read(self) -> dict:
         if self._row is not None:
-            true, hit, a_sum, a_cnt, urgent, pre = host_list(self._row, "metrics (a request's, when read)")
+            row = host_list(self._row, "metrics (a request's, when read)")
+            true, hit, a_sum, a_cnt, urgent, pre = (row[c] for c in Col)
             self._row = None
             self._items = {"prefetch_hit_rate": hit / true if true else None,
                            "agreement_mean": a_sum / a_cnt if a_cnt else None,

@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from ..block_manager import LaneAllocator
 from ..draft import DraftChain
 from ..model import LlamaModel
 from ..observe import Observers
@@ -32,7 +33,7 @@ class LookaheadRunner:
         self.model, self.attn, self.block_size, self.chain = model, attn, block_size, chain
         self.prefill_cache = prefill_cache
         self.observers = observers if observers is not None else Observers()
-        self.free_lanes = list(range(num_lanes))
+        self.lane_ids = LaneAllocator(num_lanes)
         self._draws: PendingDraws | None = None     # this step's draft draws, see take_draws
         self.lanes: dict[int, int] = {}
         self._want_fused = fused
@@ -48,9 +49,7 @@ class LookaheadRunner:
 
     def _lane(self, seq: Sequence) -> int:
         if seq.seq_id not in self.lanes:
-            lane = min(self.free_lanes)          # low lanes first: the computed lane range stays small
-            self.free_lanes.remove(lane)
-            self.lanes[seq.seq_id] = lane
+            lane = self.lanes[seq.seq_id] = self.lane_ids.allocate_lane()
             self.attn.attach(lane, seq.block_table, seq.num_prefix_hit, len(seq.prompt_ids))
         return self.lanes[seq.seq_id]
 
@@ -65,7 +64,7 @@ class LookaheadRunner:
         """Free the sequence's lane and file its per-request metrics on it."""
         lane = self.lanes.pop(seq.seq_id, None)
         if lane is not None:
-            self.free_lanes.append(lane)
+            self.lane_ids.free_lane(lane)
             seq.metrics = self.attn.metrics.take_lane(lane)
         if self.chain is not None:
             seq.metrics.update(self.chain.release(seq.seq_id))
