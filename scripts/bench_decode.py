@@ -224,14 +224,10 @@ def load_engines(args: argparse.Namespace) -> dict[str, Engine | str]:
     for mode in args.modes:
         try:
             name, old_chain, fields = mode_spec(mode)
-            engines[mode] = base.sibling(cache, **{**MODES[name], **fields,
-                                                   **({"resync_after": 0} if old_chain else {})})
+            engines[mode] = base.sibling(cache, fused=not mode.partition("@")[0].endswith(PYTHON_LAYERS),
+                                         **{**MODES[name], **fields, **({"resync_after": 0} if old_chain else {})})
             if old_chain:
                 engines[mode].runner.chain.source = ContextSeedDraft()
-            if mode.partition("@")[0].endswith(PYTHON_LAYERS):
-                engines[mode].runner.fused = None
-                if hasattr(engines[mode].runner, "attn"):       # the lookahead backend's own C layer
-                    engines[mode].runner.attn.fused_layer = None
         except Exception as e:  # noqa: BLE001 - any refusal means "not available" here
             engines[mode] = f"not available ({e.__class__.__name__}: {str(e).splitlines()[0][:80]})"
         else:
@@ -414,17 +410,14 @@ def link_engines(args, ctx: int, batch: int, total_steps: int) -> tuple[Engine, 
         try:
             if MODES[name]["mode"] == "lookahead":
                 eng = Engine(base.manifest, base.model, base.tokenizer, base.config.replace(**over),
-                             prefill_cache=cache, transfer=lib.make_recording_link(args.link_latency_us))
+                             prefill_cache=cache, transfer=lib.make_recording_link(args.link_latency_us),
+                             fused=not mode.partition("@")[0].endswith(PYTHON_LAYERS))
                 if type(eng.runner).__name__ == "DenseRunner":
                     raise RuntimeError("the engine runs dense for mode=lookahead")
             else:
-                eng = base.sibling(cache, **over)
+                eng = base.sibling(cache, fused=not mode.partition("@")[0].endswith(PYTHON_LAYERS), **over)
             if old_chain:
                 eng.runner.chain.source = ContextSeedDraft()
-            if mode.partition("@")[0].endswith(PYTHON_LAYERS):
-                eng.runner.fused = None
-                if hasattr(eng.runner, "attn"):
-                    eng.runner.attn.fused_layer = None
             engines[mode] = eng
         except Exception as e:  # noqa: BLE001 - any refusal means "not available" here
             engines[mode] = f"not available ({e.__class__.__name__}: {str(e).splitlines()[0][:80]})"
