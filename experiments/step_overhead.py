@@ -36,7 +36,6 @@ import torch
 
 from plugins.cpu import loader
 from runtime.engine import Engine
-from runtime.model import FUSED_ENV
 from runtime.sampling import SamplingParams
 
 
@@ -85,8 +84,7 @@ def ready_engine(base: Engine, fused: str, batch: int, context: int, steps_total
                  seed: int) -> Engine:
     """A sibling of `base` whose `batch` sequences have `context - 1` tokens in the pool (random
     K/V) and decode next (their last prompt token first, a one-token step like a decode step)."""
-    os.environ[FUSED_ENV] = "1" if fused == "on" else "0"
-    eng = base.sibling(max_batch_size=batch, max_model_len=max_len)
+    eng = base.sibling(max_batch_size=batch, max_model_len=max_len, fused=fused == "on")
     g = torch.Generator().manual_seed(seed)
     vocab = eng.manifest.model.vocab_size
     params = SamplingParams(max_tokens=steps_total + 1, ignore_eos=True)
