@@ -5,7 +5,7 @@
         --batch 1 4 --steps 20 --repeats 5 --threads 1 --fused off on --json build/step_overhead.json
 
 For each (engine, context, batch) it makes one engine per `--fused` setting over the same loaded
-model (LOOKAHEAD_FUSED_DECODE at the runner's creation), gives each `batch` sequences whose first
+model (`Engine.sibling(fused=...)`), gives each `batch` sequences whose first
 `context - 1` tokens are already in the pool (random K/V: the values do not change a dense step's
 work, and a real 8K x 4 prefill would take minutes), and then interleaves `--repeats` blocks of
 `--steps` decode steps between the settings (the order alternating), so that load on the machine

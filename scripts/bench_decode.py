@@ -107,7 +107,7 @@ PEERS = ("llama.cpp",)
 # current chain in the same process
 CONTEXT_SEED = "+context-seed"
 # `<mode>+python`: the mode with its model layers run by the Python path (no fused C step:
-# runner.fused and attn.fused_layer None, what LOOKAHEAD_FUSED_DECODE=0 gives), timed beside the fused one
+# the engine built with fused=False: no runner.fused, no attn.fused_layer), timed beside the fused one
 PYTHON_LAYERS = "+python"
 
 
