@@ -293,7 +293,7 @@ def test_dense_decode_attention_on_a_pool_view(length):
 
 
 def test_kernels_show_up_in_the_torch_profiler():
-    # bench.py --profile groups ops by name; ctypes calls are invisible unless they open a range
+    # bench_decode.py --profile groups ops by name; ctypes calls are invisible unless they open a range
     from torch.profiler import profile
     with profile() as prof:
         cpu.linear(torch.randn(2, 24), torch.randn(32, 24))
