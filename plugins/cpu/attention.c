@@ -87,7 +87,7 @@ static float dot1(const float *a, const float *b, int64_t D) {
 #define QK_PF 64     /* keys ahead in Q K^T: 4 blocks of 16, for a sparse mask's scattered blocks (16
                       * was one block ahead, shorter than a DRAM miss; at 8K x 4, 2 threads, every
                       * layer's K/V from memory: dense 19.8-23.0 -> 17.7 ms a step, top-K masked
-                      * 10.9-11.2 -> 9.5: scripts/attention_sparsity.py) */
+                      * 10.9-11.2 -> 9.5: experiments/attention_sparsity.py) */
 #define PV_TILE 32   /* keys per P @ V tile, which stays in L1 while the next one is prefetched */
 
 /* One (sequence, KV head), or one key range of it. qs [RG, D] (scaled), keys/values at kb/vb with

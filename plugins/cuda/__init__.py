@@ -4,7 +4,7 @@
     *.cu                  kernels in namespace lookahead_kv::cuda
     torch_bindings.cpp    thin torch wrappers over the launchers
     loader.py             register_cuda_kernels(): build the extension, register it for torch.ops
-    numerics.py           kernel-vs-reference checks (tests/test_cuda_kernels.py, scripts/gpu_kernel_check.py)
+    numerics.py           kernel-vs-reference checks (tests/test_cuda_kernels.py, bench/gpu_kernels.py)
 
 Nothing here touches CUDA at import time.
 """

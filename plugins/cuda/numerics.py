@@ -1,4 +1,4 @@
-"""Kernel-vs-reference checks for the CUDA kernels, shared by tests and `scripts/gpu_kernel_check.py`.
+"""Kernel-vs-reference checks for the CUDA kernels, shared by tests and `bench/gpu_kernels.py`.
 
 Every check draws fresh random inputs (never zeros) on the GPU, poisons each output first (NaN
 for floats, -7 for ids) so an element the kernel never writes fails, calls the extension entry
