@@ -34,7 +34,7 @@ def step_modules(engine) -> list[str]:
     return [str(Path(n).relative_to(REPO)) for n in seen]
 
 
-def warm_decode(engine, prompt_len: int = 48, batch: int = 2, steps: int = 4) -> None:
+def warm_decode(engine, prompt_len: int = 300, batch: int = 2, steps: int = 4) -> None:
     """Give `engine` `batch` requests and step until every prompt is done and `steps` decode steps ran."""
     from runtime.sampling import SamplingParams
 

@@ -236,3 +236,32 @@ def test_a_bad_attention_output_is_a_clear_error(dirs):
     t = torch.tensor([1, 2], dtype=torch.long)
     with torch.inference_mode(), pytest.raises(ValueError, match="attend: expected o"):
         eng.runner.fused.run_layers(t, t, lambda layer, q, k, v: q[:, :1])
+
+
+STEP_MODULES = 25       # the project modules a lookahead decode step enters (docs/ARCHITECTURE.md lists them)
+
+
+def test_a_decode_step_enters_few_modules(dirs):
+    """tests/step_modules.py over a fused lookahead decode step (the C layer, resident-urgent):
+    at most STEP_MODULES project files run a Python function, and plugins is entered only through
+    the kernel table's C entries. The checks can fail: the Python layers (fused=False) enter the
+    model's layers and the slot plan's wrapper."""
+    from step_modules import step_modules, warm_decode
+    torch.set_num_threads(1)
+    kw = dict(SMALL_LOOKAHEAD, top_k=4, max_batch_size=2, **MODES["resident-urgent"])
+    kw.pop("mode")
+    entered = {}
+    for fused in (True, False):
+        eng = engine(dirs["fp32"], fused, **kw)
+        with torch.inference_mode():
+            warm_decode(eng)
+            entered[fused] = step_modules(eng)
+        eng.close()
+    fused_plugins = {"plugins/cpu/fused.py", "plugins/cpu/ops.py", "plugins/cpu/lookahead_layer.py",
+                     "plugins/summaries.py"}
+    mods = entered[True]
+    assert len(mods) <= STEP_MODULES, mods
+    assert "runtime/transfer/thread.py" in mods                  # the prediction's copies were queued
+    assert {m for m in mods if m.startswith("plugins/")} <= fused_plugins, mods
+    python = entered[False]
+    assert "runtime/rope.py" in python and not {m for m in python if m.startswith("plugins/")} <= fused_plugins
