@@ -87,8 +87,7 @@ class FusedLayer:
         fetch = (self._fetch_all if lanes is ALL_LANES else self._fetch_none if lanes is None
                  else lanes.contiguous())
         nb = min(max(d.context_lens) // a.layout.block_size + 1, a.summaries.max_blocks)
-        high = slots.high[buf]
-        grown = max(high, min(top_k, high + top_k, res.most))           # SlotTable.plan's bound, cap K
+        high, grown = slots.high[buf], slots.grown(buf, top_k, res.most)     # the urgent plan's bound
         o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
         r = self.layer.run(layer, buf, q.contiguous(), k.contiguous(), v.contiguous(), o, self._cand, self._extra,
                            fetch, nb, min(top_k, nb), res.step_idx, high, grown, a.scale, self._true[layer],
@@ -105,8 +104,7 @@ class FusedLayer:
                                       unit_bytes=2 * a.layout.block_size * a.hd * a.pool.k.element_size())
             self._urgent_total += r.admitted
         if r.predicted:     # the resident policy's on_predict, after SlotTable.plan admitted them
-            h = slots.high[buf]
-            slots.high[buf] = max(h, min(top_k, h + min(self.fetch_cap, top_k), res.most))
+            slots.high[buf] = slots.grown(buf, self.fetch_cap, res.most)
             adm = Admission(*self._pred_adm.view(4, -1)[:, :r.predicted].clone().unbind(0))
             res.tickets.setdefault(layer, []).append(res.submit(layer, layer, adm))
 

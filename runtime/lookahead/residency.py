@@ -125,10 +125,13 @@ class SlotTable:
         if adm is None:
             adm = self.plan_torch(buf, lanes, want, priority, cap, step)
         if len(adm):
-            per_head = min(cap, want.shape[-1], self.top_k)
-            self.high[buf] = max(self.high[buf], min(self.top_k, self.high[buf] + per_head,
-                                                     self.top_k if most is None else most))
+            self.high[buf] = self.grown(buf, min(cap, want.shape[-1]), self.top_k if most is None else most)
         return adm
+
+    def grown(self, buf: int, per_head: int, most: int) -> int:
+        """`high[buf]` after a plan that admits up to `per_head` blocks per (lane, head) of lanes
+        with at most `most` distinct candidates (see `high`)."""
+        return max(self.high[buf], min(self.top_k, self.high[buf] + min(per_head, self.top_k), most))
 
     def plan_torch(self, buf: int, lanes: torch.Tensor, want: torch.Tensor, priority: torch.Tensor,
                    cap: int, step: int) -> Admission:
