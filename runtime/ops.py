@@ -4,8 +4,8 @@
     ops.block_topk(q, kmin, kmax, valid, k, "max")
 
 The one door to `plugins`: the model, the backends, the slot table and the copy jobs call their
-engine's `Ops`, never `plugins`. impl "c": plugins/cpu's C kernels (fp32 on CPU; ValueError where
-they do not build); "torch": the torch implementations (the references the C paths equal), no C
+engine's `Ops`, never `plugins`. impl "c": plugins/cpu's C kernels (on CPU; ValueError where they
+do not build); "torch": the torch implementations (the references the C paths equal), no C
 entry; "auto": "c" where it applies, else "torch" (on a GPU `torch.ops.lookahead`, whose CUDA key
 `plugins.cuda` registers, built here once per process); "checked": auto's kernels behind the
 argument-checking wrappers (`plugins.<op>`), no fused entry (tests, `debug_checks`). An entry only
@@ -74,10 +74,11 @@ def quantized_linear(dense: Callable, int8: Callable) -> Callable:
     return linear
 
 
-def c_applies(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why plugins/cpu's table does not apply to (device, dtype) (None: it does)."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return f"the C kernels take fp32 on CPU, not {dtype} on {device.type}"
+def c_applies(device: torch.device) -> str | None:
+    """Why plugins/cpu's table does not apply on `device` (None: it does; its entries take the
+    dtypes their kernels read, fp32 activations, and hand others to torch)."""
+    if device.type != "cpu":
+        return f"the C kernels run on CPU, not {device.type}"
     return None if cpu.available() else f"no CPU kernels ({cpu.loader.unavailable_reason()})"
 
 
@@ -86,7 +87,7 @@ def select_ops(device: torch.device, dtype: torch.dtype, impl: str = "auto", qua
     quantized: the model holds int8 weights (`Int8Weight`), which `linear` must also take."""
     if impl not in IMPLS:
         raise ValueError(f"impl: one of {IMPLS}, got {impl!r}")
-    why = c_applies(device, dtype)
+    why = c_applies(device)
     if impl == "c" and why is not None:
         raise ValueError(f"impl='c': {why}")
     if device.type == "cuda":
