@@ -44,6 +44,7 @@ class Scheduler:
         self.prefill_chunk, self.max_queue = prefill_chunk, max_queue
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._deferred_long = False       # the last step ran only short prompt tails
 
     def check_fits(self, seq: Sequence) -> None:
         """Raise CapacityError when `seq` could never run on this engine."""
@@ -166,15 +167,31 @@ class Scheduler:
         return [(logical[b], b) for b in named]
 
     def schedule(self) -> list[tuple[Sequence, int]]:
-        """Work for one step: (sequence, number of new tokens to run)."""
+        """Work for one step: (sequence, number of new tokens to run).
+
+        The prefill budget goes to the prompts with the fewest tokens left first (a prompt whose
+        prefix was cached has a few; a fresh document thousands), so a cache hit's first token
+        does not wait for another document's whole prefill. A step where some prompt has a short
+        tail (<= prefill_chunk / 8 tokens left) runs only the short tails, so its first token
+        costs a short step, not a full chunk; the long prefills resume the next step, and never
+        wait two steps in a row."""
         self._admit()
         work = [(s, 1) for s in self.running if not s.in_prefill]
+        left = sorted(((len(s.prompt_ids) - s.num_cached, i, s) for i, s in enumerate(self.running)
+                       if s.in_prefill), key=lambda t: t[:2])
+        short = max(1, self.prefill_chunk // 8)
+        if left and left[0][0] <= short < left[-1][0] and not self._deferred_long:
+            left = [t for t in left if t[0] <= short]
+            self._deferred_long = True
+        else:
+            self._deferred_long = False
         budget = self.prefill_chunk
-        for s in self.running:
-            if s.in_prefill and budget > 0:
-                n = min(budget, len(s.prompt_ids) - s.num_cached)
-                work.append((s, n))
-                budget -= n
+        for n_left, _, s in left:
+            if budget <= 0:
+                break
+            n = min(budget, n_left)
+            work.append((s, n))
+            budget -= n
         return work
 
     def finish(self, seq: Sequence) -> None:

@@ -280,3 +280,38 @@ def test_dense_names_decoded_blocks_so_a_next_turn_reuses_the_reply(tiny_dir):
         assert hit.cached_tokens == 20 + extra       # dense: (21 + 11 stored) // 4 = 8 blocks; else 21 // 4
         plain = Engine.from_dir(tiny_dir, prefix_caching=False, **MODES[mode]).generate([nxt], GREEDY)[0]
         assert hit.token_ids == plain.token_ids
+
+
+def test_a_cache_hits_tail_runs_before_a_long_prefill_in_a_short_step(tiny_dir):
+    """A long fresh prompt is prefilling (chunks of 48) when a question about a cached document
+    arrives: the question's few uncached tokens run first, in a step of their own (no long chunk
+    in it), so its first token comes while the long prompt still prefills; the long prompt loses
+    that one step only; every output equals its run alone."""
+    doc, long_doc = random_prompts(60, 160, seed=21)
+    q1, q2 = random_prompts(3, 5, seed=22)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    alone = Engine.from_dir(tiny_dir, prefix_caching=False, **MODES["dense"])
+    want = [w.token_ids for w in alone.generate([long_doc, doc + q2], params)]
+    eng = Engine.from_dir(tiny_dir, prefill_chunk=48, **MODES["dense"])   # short: <= 6 left
+    eng.generate([doc + q1], params)                                   # the document is cached
+    r_long = eng.add_request(long_doc, params)
+    eng.step()                                                         # the long prompt's first chunk
+    r_hit = eng.add_request(doc + q2, params)
+    got: dict[str, list[int]] = {}
+    first: dict[str, int] = {}
+    long_done: list[int] = []                  # the long prompt's computed tokens after each step
+    step = 0
+    while eng.has_unfinished():
+        outs = eng.step()
+        step += 1
+        for o in outs:
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.new_token_ids:
+                first.setdefault(o.request_id, step)
+        seq = next((s for s in eng.scheduler.running if s.request_id == r_long), None)
+        long_done.append(len(long_doc) if seq is None else min(seq.num_cached, len(seq.prompt_ids)))
+    assert [got[r_long], got[r_hit]] == want
+    assert first[r_hit] == 1                     # the hit's tail (5 tokens) ran in the first step after it came
+    assert long_done[0] == 48                    # ... a step with no long chunk in it
+    assert long_done[1] == 96                    # the long prompt resumed at once
+    assert first[r_long] == 4                    # 48 + 48 + 16 more after the deferred step
