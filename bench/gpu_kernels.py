@@ -244,8 +244,11 @@ def measure_transfer_engine(name: str, num_kv_heads: int, block_size: int, head_
         heads = torch.arange(num_kv_heads, device=device).repeat_interleave(per_head)
         slots = torch.arange(per_head, device=device).repeat(num_kv_heads)
         blocks = torch.randint(0, num_blocks, (heads.numel(),), device=device)
+        # the engine's copy kernel, as a residency manager hands it (on a CPU: the C memcpy)
+        from runtime.ops import select_ops
+        kernel = select_ops(torch.device(device), torch.bfloat16).copy_blocks
         job = CopyJob(pool_k.transpose(0, 1), pool_v.transpose(0, 1), dst_k, dst_v, (blocks, heads),
-                      (torch.zeros_like(heads), heads, slots), tag=("kernel_check",))
+                      (torch.zeros_like(heads), heads, slots), tag=("kernel_check",), kernel=kernel)
         nbytes = job.nbytes
         engine_ms = time_ms(lambda: eng.wait(eng.submit(job)), clock)
         flat = pool_k.view(-1)[: nbytes // 4], pool_v.view(-1)[: nbytes // 4]
