@@ -183,9 +183,12 @@ class PrefixCache:
 
     def free(self, ids: Sequence[int]) -> None:
         """Drop one reference from each block; a block nobody holds is reclaimable if it has a
-        name (most recently used last), else back on the free list."""
+        name (most recently used last), else back on the free list. `ids` is a sequence's block
+        table, walked from its end: its last blocks become the oldest, so eviction takes a chain
+        from its tail and what stays cached is still a prefix (evicting a head first would leave
+        its descendants unreachable, here and in a KV-aware router's tree)."""
         plain = []
-        for block in ids:
+        for block in reversed(ids):
             refs = self.refs.get(block, 0)
             if refs <= 0:
                 raise ValueError(f"block {block} is not allocated (double free?)")

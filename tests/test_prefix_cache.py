@@ -39,15 +39,15 @@ def test_named_blocks_are_shared_then_reclaimable_then_evicted_oldest_first():
     c.free(a)                                                        # the first sequence ends
     assert (c.refs, list(c.reclaimable)) == ({0: 1, 1: 1}, [2])      # block 3 had no name: free
     assert c.num_free == 4 and c.num_unnamed_free == 3 and c.num_reclaimable == 1
-    c.free([0, 1])
-    assert list(c.reclaimable) == [2, 0, 1] and c.num_free == 6
-    # room is taken from the free list first, then from the oldest cached blocks
+    c.free([0, 1])                               # walked from the end: 1 is older than 0
+    assert list(c.reclaimable) == [2, 1, 0] and c.num_free == 6
+    # room is taken from the free list first, then from the oldest cached blocks: a chain's tail
     assert c.allocate(3) == [3, 4, 5] and events[1:] == []
-    assert c.allocate(2) == [2, 0]
-    assert events[1:] == [BlockRemoved([h[2], h[0]])]
-    assert c.match(h) == [] and c.counters.evictions == 2
+    assert c.allocate(2) == [2, 1]
+    assert events[1:] == [BlockRemoved([h[2], h[1]])]
+    assert c.match(h) == [0] and c.counters.evictions == 2        # what stays is still a prefix
     with pytest.raises(MemoryError):
-        c.allocate(2)                                                # block 1 is the only one left
+        c.allocate(2)                                                # block 0 is the only one left
 
 
 def test_a_block_in_use_is_never_evicted_and_double_free_is_refused():
