@@ -170,15 +170,15 @@ def run_dynamo_routing(args, tok) -> dict:
     from bench.prefix_serve import DynamoDeployment, run_dqa as http_dqa
     docs = make_docs(tok, args.dynamo_docs, [args.dynamo_doc_tokens], args.seed + 404)
     prompts = dqa_prompts(tok, docs, args.dynamo_questions, args.seed)
-    blocks = int(args.dynamo_pool_docs * (args.dynamo_doc_tokens + 64) / 16) + 4 * args.concurrency
+    blocks = int(args.dynamo_pool_docs * (args.dynamo_doc_tokens + 64) / 16) + 4 * args.dynamo_concurrency
     out: dict = {"workload": {"docs": args.dynamo_docs, "questions": args.dynamo_questions,
                               "doc_tokens": args.dynamo_doc_tokens, "workers": args.dynamo_workers,
                               "pool_docs": args.dynamo_pool_docs, "num_host_blocks": blocks,
-                              "concurrency": args.concurrency, "max_tokens": args.max_tokens}}
+                              "concurrency": args.dynamo_concurrency, "max_tokens": args.max_tokens}}
     for router in args.dynamo_routers.split(","):
         with DynamoDeployment(args.engine, args.dynamo_workers, router, blocks) as dep:
             print(f"dynamo {router}: {dep.url} ({args.dynamo_workers} workers, {blocks} host blocks each)", flush=True)
-            out[router] = http_dqa(dep.url, "lookahead_llm", prompts, args.concurrency, args.max_tokens, log=print)
+            out[router] = http_dqa(dep.url, "lookahead_llm", prompts, args.dynamo_concurrency, args.max_tokens, log=print)
             print(f"  {router}: {({k: v for k, v in out[router].items() if k != 'texts'})}", flush=True)
     return out
 
@@ -440,10 +440,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dynamo", action="store_true", help="also run DQA on Dynamo, 2 workers, kv vs round-robin")
     p.add_argument("--dynamo-routers", default="kv,round-robin")
     p.add_argument("--dynamo-workers", type=int, default=2)
-    p.add_argument("--dynamo-docs", type=int, default=6)
-    p.add_argument("--dynamo-questions", type=int, default=6)
+    p.add_argument("--dynamo-docs", type=int, default=8)
+    p.add_argument("--dynamo-questions", type=int, default=10)
     p.add_argument("--dynamo-doc-tokens", type=int, default=1024)
-    p.add_argument("--dynamo-pool-docs", type=float, default=3.5,
+    p.add_argument("--dynamo-concurrency", type=int, default=2, help="requests in flight on Dynamo (one a worker)")
+    p.add_argument("--dynamo-pool-docs", type=float, default=5.0,
                    help="each worker's host pool holds about this many documents (default: %(default)s)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
