@@ -172,15 +172,17 @@ class Scheduler:
         The prefill budget goes to the prompts with the fewest tokens left first (a prompt whose
         prefix was cached has a few; a fresh document thousands), so a cache hit's first token
         does not wait for another document's whole prefill. A step where some prompt has a short
-        tail (<= prefill_chunk / 8 tokens left) runs only the short tails, so its first token
-        costs a short step, not a full chunk; the long prefills resume the next step, and never
-        wait two steps in a row."""
+        tail (<= prefill_chunk / 8 tokens left) while the prompts left do not fit one step runs
+        only the short tails, so its first token costs a short step, not a full chunk; the long
+        prefills resume the next step, and never wait two steps in a row. Prompts that fit one
+        step together run together, as before."""
         self._admit()
         work = [(s, 1) for s in self.running if not s.in_prefill]
         left = sorted(((len(s.prompt_ids) - s.num_cached, i, s) for i, s in enumerate(self.running)
                        if s.in_prefill), key=lambda t: t[:2])
         short = max(1, self.prefill_chunk // 8)
-        if left and left[0][0] <= short < left[-1][0] and not self._deferred_long:
+        if (left and left[0][0] <= short < left[-1][0] and not self._deferred_long
+                and sum(t[0] for t in left) > self.prefill_chunk):
             left = [t for t in left if t[0] <= short]
             self._deferred_long = True
         else:
