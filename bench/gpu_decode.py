@@ -110,7 +110,7 @@ from runtime.config import LookaheadConfig
 from runtime.engine import Engine
 from runtime.engine_dir import load_manifest
 from runtime.kv_pool import KVPool
-from runtime.lookahead.layout import num_buffers
+from runtime.lookahead.device_tier import num_buffers
 from runtime.memory_plan import DTYPE_BYTES, available_host_bytes, plan_memory
 from runtime.prefill_cache import PrefillCache
 from runtime.sampling import SamplingParams

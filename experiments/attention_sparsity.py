@@ -30,7 +30,7 @@ import torch
 from plugins import cpu
 from plugins.cpu import ops
 from runtime.engine_dir import load_manifest
-from runtime.lookahead.layout import SlotLayout
+from runtime.lookahead.device_tier import SlotLayout
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from pathlib import Path
 from .config import LookaheadConfig, ModelConfig
 from .errors import ConfigError
 from .lookahead.budget import check_device_budget
-from .lookahead.layout import num_buffers
+from .lookahead.device_tier import num_buffers
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SUMMARY_BYTES = 4                   # the block summaries are fp32 whatever the weights' and KV's dtype
@@ -202,6 +202,7 @@ def _plan(p: PlanInputs) -> MemoryPlan:
         books = (8 * nbuf * lanes * kvh * (2 * c.top_k + max_blocks + 1)    # SlotTable block, last_used, slot_of
                  + lanes * kvh * slots * bs                                  # attention's key mask (bool)
                  + 8 * L * lanes * kvh * c.top_k                             # pred
+                 + 9 * L * lanes * kvh * c.top_k                             # a step's true sets, hits (bool)
                  + 2 * L * lanes                                             # has_pred, seeded (bool)
                  + 8 * lanes * max_blocks                                    # lane_blocks
                  + 8 * (2 * L + 2 + 6 * lanes))                              # metrics (float64)

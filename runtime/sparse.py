@@ -26,7 +26,7 @@ import torch
 
 from .config import LookaheadConfig, ModelConfig
 from .kv_pool import KVPool
-from .lookahead.layout import SlotLayout
+from .lookahead.device_tier import SlotLayout
 from .ops import Ops
 from .step import StepBatch
 

@@ -23,7 +23,7 @@ blocks fetched on demand into the device tier), sparse (the same selection atten
 lies, no device tier: mode sparse, runtime/sparse.py), or all (a mode the engine refuses is reported as 'not available').
 `<mode>+python` is the mode with its model layers on the Python path instead of the fused C step
 (plugins/cpu/fused.py) and, in lookahead mode, the backend's Python layer instead of its C one
-(runtime/lookahead/fused_layer.py), timed beside it: what the fused steps save, side by side.
+(`LookaheadAttention.c_layer`), timed beside it: what the fused steps save, side by side.
 
 Columns beyond speed: stall ms/step (time our decode step waited for KV copies, transfer_wait_s /
 timed steps) and the memory-bandwidth floor: the bytes a step must read (bench.floor.step_read_bytes:
@@ -107,7 +107,7 @@ PEERS = ("llama.cpp",)
 # current chain in the same process
 CONTEXT_SEED = "+context-seed"
 # `<mode>+python`: the mode with its model layers run by the Python path (no fused C step:
-# the engine built with fused=False: no runner.fused, no attn.fused_layer), timed beside the fused one
+# the engine built with fused=False: no runner.fused, no attn.c_layer), timed beside the fused one
 PYTHON_LAYERS = "+python"
 
 

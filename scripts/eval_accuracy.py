@@ -48,7 +48,7 @@ STAT_KEYS = ("agreement_mean", "prefetch_hit_rate", "draft_accept_rate", "urgent
 # ---- engines ----------------------------------------------------------------------------------
 def num_candidates(cfg, context_len: int) -> int:
     """Blocks the top-K chooses from at `context_len` tokens (full blocks between sink and window)."""
-    from runtime.lookahead.layout import SlotLayout
+    from runtime.lookahead.device_tier import SlotLayout
     return SlotLayout.from_config(cfg).num_candidates(context_len)
 
 

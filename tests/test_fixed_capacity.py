@@ -51,13 +51,11 @@ def test_reference_reads_nothing_for_minus_one():
 
 
 def _manager(pool_k, pool_v, dst_k, dst_v, lane_blocks):
-    sent = []
     self = SimpleNamespace(
-        metrics=SimpleNamespace(add_blocks=lambda urgent, lanes, valid: None),
         lane_blocks=lane_blocks, pool_views=[(pool_k, pool_v)],
         tier=SimpleNamespace(views=[(dst_k, dst_v)], layout=SimpleNamespace(selected_start=1)),
-        step_idx=7, send=lambda job, urgent=False: sent.append((job, urgent)))
-    return self, sent
+        step_idx=7)
+    return self
 
 
 def test_residency_copy_job_names_minus_one_for_unused_entries():
@@ -65,13 +63,12 @@ def test_residency_copy_job_names_minus_one_for_unused_entries():
     src = pool.transpose(0, 1)
     dst = torch.full((2, KVH, 4, BS, D), float("nan"))
     lane_blocks = torch.tensor([[4, 2, 1, -1], [0, 5, 3, -1]])        # logical -> host block per lane
-    self, sent = _manager(src, src, dst, dst.clone(), lane_blocks)
+    self = _manager(src, src, dst, dst.clone(), lane_blocks)
     valid = torch.tensor([True, False, True, False])
     adm = Admission(lanes=torch.tensor([0, 0, 1, 1]), heads=torch.tensor([0, 1, 1, 0]),
                     slots=torch.tensor([0, 1, 2, 0]), blocks=torch.tensor([1, 0, 2, 0]), valid=valid)
-    ResidencyManager.submit(self, 0, 0, adm, urgent=True)
-    job, urgent = sent[-1]
-    assert urgent and job.valid is valid
+    job = ResidencyManager.job(self, 0, 0, adm)
+    assert job.valid is valid
     assert job.src_index[0].tolist() == [2, -1, 3, -1]                  # valid ones: their host blocks
     assert job.dst_index[2].tolist() == [1, 2, 3, 1]                    # selected_start + slot
 

@@ -10,10 +10,10 @@ sequences, for every residency and miss policy and for sparse attention without 
   the summaries, and the look-ahead metrics equal the Python path's (`Engine.from_dir(..., fused=False)`),
   bit for bit, where the fused SiLU is exact (`runner.fused.exact`);
 - the path ran: `runner.fused.steps` equals the decode-only steps, and prefill steps ran the
-  Python path; under the resident policy every layer of the packed decode steps was one C call
-  of the backend (plugins/cpu/lookahead_layer.c: scoring, admission, copies, attention, the
-  prediction), every decode-only step for sparse-ondemand; an observer of scores, or debug
-  checks, keep the Python layer, with the same results;
+  Python path; under the resident policy every decode layer of every step (packed or not, beside
+  prefill rows or not) was one C call of the backend (plugins/cpu/lookahead_layer.c: scoring,
+  admission, the urgent copy with the transfer engine's kernel, attention, the prediction); an
+  observer of scores, or debug checks, keep the torch layer, with the same results;
 - the comparison can fail: a decoder whose attention output is perturbed, or a C layer whose
   output is, gives other logits.
 """
@@ -46,13 +46,15 @@ def dirs(tmp_path_factory):
 
 
 class Record(Observer):
-    """Each step's emitted logits, and how many steps were decode-only (the fused path's)."""
+    """Each step's emitted logits, how many steps were decode-only (the fused path's) and how
+    many had decode lanes (the C layer's)."""
 
     def __init__(self):
-        self.logits, self.decode_only = [], 0
+        self.logits, self.decode_only, self.decoding = [], 0, 0
 
     def on_plan(self, plan):
         self.decode_only += not plan.prefill and plan.decode is not None and not plan.batch.store_only
+        self.decoding += plan.decode is not None
 
     def on_step_end(self, logits):
         self.logits.append({k: v.clone() for k, v in logits.items()})
@@ -90,16 +92,13 @@ def check_equal(eng, ref_eng, got, ref, tokens, ref_tokens):
     assert tokens == ref_tokens
     assert eng.runner.fused.steps == got.decode_only > 0
     assert eng.runner.fused.binds == 1          # the pool's writes do not re-bind the weights
-    assert ref_eng.runner.attn.fused_layer is None
-    fl = eng.runner.attn.fused_layer
-    if eng.runner.attn.cfg.residency == "resident":     # its decode layers in one C call each
-        assert fl is not None, eng.runner.attn.fused_layer_reason
-        assert fl.layer.calls == fl.steps * len(eng.model.layers)
-        assert 0 < fl.steps <= got.decode_only
-        if eng.runner.attn.cfg.draft == "none":     # every decode-only step is packed
-            assert fl.steps == got.decode_only
+    assert ref_eng.runner.attn.c_layer is None
+    c = eng.runner.attn.c_layer
+    if eng.runner.attn.cfg.residency == "resident":     # every decode layer in one C call
+        assert c is not None, eng.runner.attn.c_layer_reason
+        assert c.calls == got.decoding * len(eng.model.layers) > 0
     else:
-        assert fl is None
+        assert c is None
     assert len(got.logits) == len(ref.logits)
     for a, b in zip(got.logits, ref.logits):
         assert a.keys() == b.keys()
@@ -169,17 +168,17 @@ def test_fused_layer_yields_to_observers_and_debug_checks(dirs, mode, kv_dtype):
     kw.pop("mode")
     eng = engine(dirs["int8"], True, **kw)
     tokens, _ = run(eng, prompts)
-    assert eng.runner.attn.fused_layer.layer.calls > 0
+    assert eng.runner.attn.c_layer.calls > 0
     tapped = engine(dirs["int8"], True, **kw)
     tap = tapped.observe(ScoreTap())
     tapped_tokens, _ = run(tapped, prompts)
     assert tapped_tokens == tokens and tap.idx
-    assert tapped.runner.attn.fused_layer.layer.calls == 0
+    assert tapped.runner.attn.c_layer.calls == 0
     for name, t in state(tapped).items():
         assert torch.equal(t, state(eng)[name]), name
     checked = Engine.from_dir(dirs["int8"], mode="lookahead", debug_checks=True, **kw)   # checked ops: no fused layers
     assert run(checked, prompts)[0] == tokens
-    assert checked.runner.attn.fused_layer is None and checked.runner.fused is None
+    assert checked.runner.attn.c_layer is None and checked.runner.fused is None
 
 
 def test_a_perturbed_fused_layer_is_caught(dirs, monkeypatch):
@@ -192,17 +191,17 @@ def test_a_perturbed_fused_layer_is_caught(dirs, monkeypatch):
     ref_eng = engine(dirs["fp32"], False, **kw)
     _, ref = run(ref_eng, prompts)
     eng = engine(dirs["fp32"], True, **kw)
-    od = eng.runner.attn.fused_layer
-    real = od.layer.run
+    od = eng.runner.attn.c_layer
+    real = od.run
 
     def nudged(layer, buf, q, k, v, out, *rest):
         r = real(layer, buf, q, k, v, out, *rest)
         if layer == 1:
             out.mul_(1 + 2 ** -20)
         return r
-    monkeypatch.setattr(od.layer, "run", nudged)
+    monkeypatch.setattr(od, "run", nudged)
     _, got = run(eng, prompts)
-    assert od.layer.calls > 0
+    assert od.calls > 0
     assert any(not torch.equal(a[s], b[s]) for a, b in zip(got.logits, ref.logits) for s in a)
 
 
@@ -216,13 +215,15 @@ def test_a_perturbed_attention_is_caught(dirs, monkeypatch):
     ref_eng = engine(dirs["fp32"], False, **kw)
     _, ref = run(ref_eng, prompts)
     eng = engine(dirs["fp32"], True, **kw)
-    fused, forward = eng.runner.fused, eng.runner.attn.forward
+    fused = eng.runner.fused
 
-    def nudged(layer, q, k, v):
-        o = forward(layer, q, k, v)
-        return o * (1 + 2 ** -20) if layer == 1 else o
+    def nudged(attend):
+        def forward(layer, q, k, v):
+            o = attend(layer, q, k, v)
+            return o * (1 + 2 ** -20) if layer == 1 else o
+        return forward
     real = fused.run_layers
-    monkeypatch.setattr(fused, "run_layers", lambda t, p, attend: real(t, p, nudged))
+    monkeypatch.setattr(fused, "run_layers", lambda t, p, attend: real(t, p, nudged(attend)))
     _, got = run(eng, prompts)
     assert fused.steps > 0
     assert any(not torch.equal(a[s], b[s]) for a, b in zip(got.logits, ref.logits) for s in a)

@@ -223,7 +223,7 @@ def test_the_detector_sees_the_implicit_reads():
 
 
 # ---- the static check --------------------------------------------------------------------------------------
-DECODE_PATH = ["runtime/lookahead/attention.py", "runtime/lookahead/residency.py", "runtime/lookahead/policies.py",
+DECODE_PATH = ["runtime/lookahead/attention.py", "runtime/lookahead/residency.py",
                "runtime/lookahead/step_plan.py", "runtime/lookahead/runner.py", "runtime/lookahead/metrics.py",
                "runtime/lookahead/device_tier.py", "runtime/lookahead/summaries.py", "runtime/sampling.py",
                "runtime/kv_pool.py", "runtime/transfer/base.py", "runtime/transfer/thread.py"]

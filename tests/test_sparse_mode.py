@@ -20,7 +20,7 @@ from plugins import cpu
 from plugins.reference import block_topk_ref
 from runtime.config import LookaheadConfig
 from runtime.engine import Engine
-from runtime.lookahead.layout import SlotLayout
+from runtime.lookahead.device_tier import SlotLayout
 from runtime.ops import select_ops
 from runtime.sampling import SamplingParams
 from runtime.sparse import BlockSelection

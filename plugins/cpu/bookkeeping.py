@@ -5,6 +5,8 @@ callers then run their torch formulation.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from .ops import loaded as library, traced
@@ -77,3 +79,14 @@ def copy_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, d
         raise IndexError(f"copy_blocks: an index outside src [{src_k.shape[0]}, {src_k.shape[1]}] or dst "
                          f"[{dst_k.shape[0]}, {dst_k.shape[1]}, {dst_k.shape[2]}]")
     return True
+
+
+def c_copy_kernel() -> int | None:
+    """The address of residency.c's lkv_copy_blocks, what `copy_blocks` runs: for a C caller that
+    makes a copy inline (lookahead_layer.c's urgent copy, handed over by the transfer engine);
+    None without the library."""
+    lib = library()
+    return None if lib is None else ctypes.cast(lib.lkv_copy_blocks, ctypes.c_void_p).value
+
+
+copy_blocks.c_kernel = c_copy_kernel

@@ -1,13 +1,13 @@
 /* One decode layer of the lookahead backend in one call (plugins/cpu/lookahead_layer.py, issue 18).
  *
- * What runtime/lookahead/attention.py `_decode` runs under the resident policy, on a packed step
- * (lanes 0..n-1; R rows each: the real row, and with look-ahead the draft row), where the Python
- * path makes ~40-60 torch ops around five to seven kernel calls:
+ * What runtime/lookahead/attention.py `_decode_torch` runs under the resident policy, for lanes
+ * 0..n-1 (`active`: those that decode this step; R rows each: the real row, and with look-ahead
+ * the draft row), where the torch path makes ~40-60 torch ops around five to seven kernel calls:
  *   1. score every row against layer l's block summaries, top-K (lkv_block_topk, one read);
  *   2. the real row's true set and which of it is held (the metrics' inputs);
  *   3. admit the misses of the lanes the miss policy fetches into the layer's selected slots
  *      (lkv_plan: capped eviction, cap K) and copy them host pool -> device tier
- *      (lkv_copy_blocks), timed (the step's stall);
+ *      with the transfer engine's copy kernel (`copy`, bound once), timed (the step's stall);
  *   4. the key mask (the tier's sink/window rows, each occupied selected slot whole) and the
  *      attention of every row over the buffer plus the step's own rows (lkv_attention);
  *   5. R = 2: the draft row's top-K is the layer's prediction for the next step: recorded, and
@@ -17,6 +17,12 @@
 #include <time.h>
 
 #include "common.h"
+
+/* the transfer engine's copy kernel, handed to the layer when it is bound (lkv_copy_blocks's
+ * signature): the layer plans the urgent copy and calls it; it moves no bytes of its own */
+typedef int (*LkvCopyFn)(const float *, const float *, int64_t, int64_t, float *, float *, int64_t, int64_t,
+                         int64_t, const int64_t *, const int64_t *, const int64_t *, const int64_t *,
+                         const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
 
 typedef struct {
     const float *kmin, *kmax;          /* summaries [L, lanes * MB, KVH, D] fp32 */
@@ -31,11 +37,12 @@ typedef struct {
     int64_t layers, lanes, kv_heads, heads, head_dim, block_size, max_blocks, top_k, sel_start, slots,
         pool_blocks, elem_bytes, kv_dtype, group_max;
     /* scratch, sized for every lane and two rows: scores [lanes, 2, KVH, MB], idx [lanes, 2, KVH,
-     * K], want/prio [lanes, KVH, K], adm [4, lanes * KVH * K], copy lists [2, lanes * KVH * K],
-     * mask [lanes, KVH, slots * bs], lane ids 0..lanes-1 */
+     * K], want/prio [lanes, KVH, K], copy lists [2, lanes * KVH * K], mask [lanes, KVH, slots *
+     * bs], lane ids 0..lanes-1 */
     float *scores, *prio;
-    int64_t *idx, *want, *adm, *lists, *lane_ids;
+    int64_t *idx, *want, *lists, *lane_ids;
     uint8_t *mask;
+    LkvCopyFn copy;                    /* the transfer engine's copy kernel (urgent copies) */
 } LkvLayerTensors;
 
 typedef struct {
@@ -47,13 +54,14 @@ typedef struct {
     int64_t cand_sb, cand_sr;
     const uint8_t *extra_mask;         /* [n, R, R] */
     const uint8_t *fetch;              /* [n]: lanes whose real-row misses are fetched (urgent) */
+    const uint8_t *active;             /* [n]: lanes that decode this step (others: no prediction) */
     float scale;
     float *out;                        /* [n, R, H, D] */
     int64_t *true_idx;                 /* out [n, KVH, K]: the real row's top-K (-1 padded) */
     uint8_t *resident;                 /* out [n, KVH, K]: of those, held before any fetch */
-    int64_t *urgent;                   /* [n], added to: blocks fetched per lane */
     int64_t predict_cap;               /* R = 2: admit at most this many predicted blocks per head */
     int64_t *pred_adm;                 /* out [4, n * KVH * K]: the prediction's admissions */
+    int64_t *urgent_adm;               /* out [4, n * KVH * K]: the urgent admissions (copied) */
     double copy_s;                     /* out: seconds in the urgent copy */
     int64_t admitted, used, predicted; /* out: urgent blocks copied, selected slots read, admissions */
 } LkvLayerCall;
@@ -71,7 +79,7 @@ int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
                   MB = m->max_blocks, bs = m->block_size, S = m->sel_start, NS = m->slots, nb = c->nb, ks = c->k_sel;
     if (n < 1 || n > m->lanes || R < 1 || R > 2 || c->layer < 0 || c->layer >= m->layers || c->buf < 0
         || c->buf >= m->layers || nb < 1 || nb > MB || ks < 1 || ks > nb || ks > K || c->used_none < 0
-        || c->used_adm > K || c->used_none > c->used_adm || (R == 2 && (c->predict_cap < 0 || c->predict_cap > K)))
+        || c->used_adm > K || c->used_none > c->used_adm || (R == 2 && (c->predict_cap < 0 || c->predict_cap > K)) || m->copy == NULL)
         return -4;
     const int64_t rows = n * KVH;
     /* 1. top-K of every row, in one read of the summaries (BlockSummaries.score) */
@@ -89,7 +97,7 @@ int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
         uint8_t *held = c->resident + r * K;
         float *p = m->prio + r * K;
         const float *sc = m->scores + sel * nb;
-        const int fetch = c->fetch[b] != 0;
+        const int fetch = c->fetch[b] != 0 && c->active[b] != 0;
         for (int64_t j = 0; j < K; j++) {
             const int64_t id = j < ks ? m->idx[sel * ks + j] : -1;
             t[j] = id;
@@ -98,8 +106,8 @@ int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
             p[j] = sc[id >= 0 && fetch ? id : 0];
         }
     }
-    int64_t *out_lane = m->adm, *out_head = m->adm + rows * K, *out_slot = m->adm + 2 * rows * K,
-            *out_block = m->adm + 3 * rows * K;
+    int64_t *out_lane = c->urgent_adm, *out_head = c->urgent_adm + rows * K, *out_slot = c->urgent_adm + 2 * rows * K,
+            *out_block = c->urgent_adm + 3 * rows * K;
     const int64_t unit = bs * D * m->elem_bytes / 4;   /* a (block, head) unit in the 4-byte words residency.c copies */
     const int64_t layer_at = c->layer * KVH * m->pool_blocks * bs * D * m->elem_bytes;
     const int64_t buf_at = c->buf * m->lanes * KVH * NS * bs * D * m->elem_bytes;
@@ -116,11 +124,10 @@ int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
         for (int64_t i = 0; i < na; i++) {
             sb[i] = m->lane_blocks[out_lane[i] * MB + out_block[i]];
             ds[i] = out_slot[i] + S;
-            c->urgent[out_lane[i]]++;
         }
         const double t0 = now_s();
         /* strides in words: pool [NB, KVH] units of one layer, tier [lanes, KVH, slots] units */
-        rc = lkv_copy_blocks((const float *)((const char *)m->pool_k + layer_at),
+        rc = m->copy((const float *)((const char *)m->pool_k + layer_at),
                              (const float *)((const char *)m->pool_v + layer_at), unit, m->pool_blocks * unit,
                              (float *)((char *)m->tier_k + buf_at), (float *)((char *)m->tier_v + buf_at),
                              KVH * NS * unit, NS * unit, unit, sb, out_head, out_lane, out_head, ds, na, unit,
@@ -151,12 +158,14 @@ int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
         int64_t *pr = m->pred + ((c->layer * m->lanes + b) * KVH + h) * K, *w = m->want + r * K;
         float *p = m->prio + r * K;
         const float *sc = m->scores + sel * nb;
+        const int on = c->active[b] != 0;      /* an inactive lane keeps its prediction */
         for (int64_t j = 0; j < K; j++) {
-            const int64_t id = j < ks ? m->idx[sel * ks + j] : -1;
-            pr[j] = w[j] = id;
+            const int64_t id = on && j < ks ? m->idx[sel * ks + j] : -1;
+            w[j] = id;
+            if (on) pr[j] = id;
             p[j] = sc[id >= 0 ? id : 0];
         }
-        m->has_pred[c->layer * m->lanes + b] = 1;
+        if (on) m->has_pred[c->layer * m->lanes + b] = 1;
     }
     const int64_t cap = c->predict_cap;
     int64_t *pa = c->pred_adm;

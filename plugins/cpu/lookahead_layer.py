@@ -1,17 +1,20 @@
 """One decode layer of the lookahead backend per C call (plugins/cpu/lookahead_layer.c).
 
     layer = LookaheadLayer.bind(kmin, kmax, pool_k, pool_v, tier_k, tier_v, tier_mask, block, last_used,
-                                slot_of, lane_blocks, pred, has_pred, heads=H, sel_start=S, group_max=True)
-    res = layer.run(l, buf, q, k, v, out, cand, extra_mask, fetch, nb, k_sel, step, used_none,
-                    used_adm, scale, true_idx, resident, urgent, predict_cap, pred_adm)
+                                slot_of, lane_blocks, pred, has_pred, heads=H, sel_start=S, group_max=True,
+                                copy=transfer_engine.inline_kernel())
+    res = layer.run(l, buf, q, k, v, out, cand, extra_mask, fetch, active, nb, k_sel, step, used_none,
+                    used_adm, scale, true_idx, resident, predict_cap, pred_adm, urgent_adm)
 
-`run` scores, admits, copies and attends one layer of a packed step (lanes 0..n-1, R = 1 row
-each without look-ahead, 2 with the draft row), and with R = 2 records and admits the draft's
-prediction: the kernels the backend's Python path calls for it, in its order
-(runtime/lookahead/attention.py `_decode`), so the result is that path's bit for bit. The
-caller keeps the accounting and queues the prediction's copies; `res` says how many blocks were
-copied urgently and in how many seconds, how many selected slots attention read, and how many
-predicted blocks were admitted (listed in `pred_adm`).
+`run` scores, admits, copies and attends one layer of lanes 0..n-1 (R = 1 row each without
+look-ahead, 2 with the draft row; `active`: the lanes that decode), and with R = 2 records and
+admits the draft's prediction: the kernels the backend's torch path calls for it, in its order
+(runtime/lookahead/attention.py `_decode_torch`), so the result is that path's bit for bit. The
+urgent copy is made with `copy`, the transfer engine's copy kernel (a C function address) handed
+over at bind time: the layer decides nothing and moves no bytes of its own. The caller applies
+the result (metrics, the prediction's copy jobs); `res` says how many blocks were copied urgently
+(listed in `urgent_adm`) and in how many seconds, how many selected slots attention read, and
+how many predicted blocks were admitted (listed in `pred_adm`).
 
 The bound tensors are the backend's own (allocated once, never replaced), written in place by the
 call; `bind` (the kernel table's `lookahead_layer` entry) checks their layouts once (None where
@@ -38,7 +41,7 @@ class _Tensors(ctypes.Structure):
                [(n, _i64) for n in ("layers", "lanes", "kv_heads", "heads", "head_dim", "block_size", "max_blocks",
                                     "top_k", "sel_start", "slots", "pool_blocks", "elem_bytes", "kv_dtype",
                                     "group_max")] + \
-               [(n, _p) for n in ("scores", "prio", "idx", "want", "adm", "lists", "lane_ids", "mask")]
+               [(n, _p) for n in ("scores", "prio", "idx", "want", "lists", "lane_ids", "mask", "copy")]
 
 
 class _Call(ctypes.Structure):
@@ -47,14 +50,14 @@ class _Call(ctypes.Structure):
                [("q", _p), ("kx", _p), ("vx", _p)] + [(n, _i64) for n in ("xksb", "xksh", "xkse", "xvsb", "xvsh",
                                                                            "xvse")] + \
                [("cand", _p), ("cand_sb", _i64), ("cand_sr", _i64), ("extra_mask", _p), ("fetch", _p),
-                ("scale", _f), ("out", _p), ("true_idx", _p), ("resident", _p), ("urgent", _p),
-                ("predict_cap", _i64), ("pred_adm", _p), ("copy_s", _d), ("admitted", _i64), ("used", _i64),
-                ("predicted", _i64)]
+                ("active", _p), ("scale", _f), ("out", _p), ("true_idx", _p), ("resident", _p),
+                ("predict_cap", _i64), ("pred_adm", _p), ("urgent_adm", _p), ("copy_s", _d),
+                ("admitted", _i64), ("used", _i64), ("predicted", _i64)]
 
 
 @dataclass
 class LayerResult:
-    admitted: int              # blocks copied urgently host -> device tier (before attention)
+    admitted: int              # blocks copied urgently host -> device tier (before attention), in urgent_adm
     copy_s: float              # seconds that copy took (the step waited for it)
     used: int                  # selected slots attention read (SlotTable.high of the buffer then)
     predicted: int             # the prediction's admissions (R = 2), in pred_adm[:, :predicted]
@@ -63,6 +66,9 @@ class LayerResult:
 class LookaheadLayer:
     def __init__(self, tensors: tuple[torch.Tensor, ...], dims: _Tensors, scratch: list[torch.Tensor]):
         self._tensors, self._dims, self._scratch = tensors, dims, scratch
+        # the urgent and the prediction's admission lists of each layer, for the caller to pass
+        # as urgent_adm / pred_adm (valid until that layer's next call)
+        self.lists = torch.empty(2, dims.layers, 4 * dims.lanes * dims.kv_heads * dims.top_k, dtype=torch.int64)
         self._call, self._lib = _Call(), library()
         self.calls = 0
 
@@ -70,12 +76,15 @@ class LookaheadLayer:
     def bind(cls, kmin: torch.Tensor, kmax: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
              tier_k: torch.Tensor, tier_v: torch.Tensor, tier_mask: torch.Tensor, block: torch.Tensor,
              last_used: torch.Tensor, slot_of: torch.Tensor, lane_blocks: torch.Tensor, pred: torch.Tensor,
-             has_pred: torch.Tensor, *, heads: int, sel_start: int, group_max: bool) -> "LookaheadLayer | None":
-        """The backend's tensors (shapes in lookahead_layer.c's LkvLayerTensors) -> a bound layer,
-        or None where the C path does not take them (no library, another device, dtype or layout)."""
+             has_pred: torch.Tensor, *, heads: int, sel_start: int, group_max: bool,
+             copy: int | None) -> "LookaheadLayer | None":
+        """The backend's tensors (shapes in lookahead_layer.c's LkvLayerTensors) and the transfer
+        engine's copy kernel (`copy`, a C function address: TransferEngine.inline_kernel) -> a bound
+        layer, or None where the C path does not take them (no library or copy kernel, another
+        device, dtype or layout)."""
         ts = (kmin, kmax, pool_k, pool_v, tier_k, tier_v, tier_mask, block, last_used, slot_of, lane_blocks, pred,
               has_pred)
-        if library() is None or any(t.device.type != "cpu" or not t.is_contiguous() for t in ts):
+        if library() is None or not copy or any(t.device.type != "cpu" or not t.is_contiguous() for t in ts):
             return None
         if pool_k.dim() != 5 or tier_k.dim() != 6 or kmin.dim() != 4 or block.dim() != 4:
             return None
@@ -98,22 +107,23 @@ class LookaheadLayer:
         f32, i64 = dict(dtype=torch.float32), dict(dtype=torch.int64)
         rows = lanes * kvh
         scratch = [torch.empty(2 * rows * mb, **f32), torch.empty(rows * K, **f32), torch.empty(2 * rows * K, **i64),
-                   torch.empty(rows * K, **i64), torch.empty(4 * rows * K, **i64), torch.empty(2 * rows * K, **i64),
+                   torch.empty(rows * K, **i64), torch.empty(2 * rows * K, **i64),
                    torch.arange(lanes, **i64), torch.empty(rows * slots * bs, dtype=torch.uint8)]
         dims = _Tensors(*(t.data_ptr() for t in ts), L, lanes, kvh, heads, D, bs, mb, K, sel_start, slots, nblocks,
                         pool_k.element_size(), KV_DTYPES[pool_k.dtype], int(group_max),
-                        *(t.data_ptr() for t in scratch))
+                        *(t.data_ptr() for t in scratch), copy)
         return cls(ts, dims, scratch)
 
     def run(self, layer: int, buf: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            cand: torch.Tensor, extra_mask: torch.Tensor, fetch: torch.Tensor, nb: int, k_sel: int, step: int,
-            used_none: int, used_adm: int, scale: float, true_idx: torch.Tensor, resident: torch.Tensor,
-            urgent: torch.Tensor, predict_cap: int, pred_adm: torch.Tensor) -> LayerResult:
+            cand: torch.Tensor, extra_mask: torch.Tensor, fetch: torch.Tensor, active: torch.Tensor, nb: int,
+            k_sel: int, step: int, used_none: int, used_adm: int, scale: float, true_idx: torch.Tensor,
+            resident: torch.Tensor, predict_cap: int, pred_adm: torch.Tensor,
+            urgent_adm: torch.Tensor) -> LayerResult:
         """One layer of n lanes, R rows each: q [n*R, H, D], k, v [n*R, KVH, D] (fp32, this step's
         rows, lane-major), out like q (written); cand [n, R, MB] bool, extra_mask [n, R, R] bool,
-        fetch [n] bool (lanes whose real-row misses are copied now); written: true_idx [n, KVH,
-        K] int64, resident [n, KVH, K] bool, pred_adm [4, n*KVH*K] int64 (R = 2); added to:
-        urgent [n] int64."""
+        fetch [n] bool (lanes whose real-row misses are copied now), active [n] bool (lanes that
+        decode: the others' rows are computed and ignored); written: true_idx [n, KVH, K] int64,
+        resident [n, KVH, K] bool, urgent_adm and (R = 2) pred_adm [4, n*KVH*K] int64."""
         d = self._dims
         R = extra_mask.shape[1] if extra_mask.dim() == 3 else 0
         n = q.shape[0] // max(R, 1)
@@ -124,11 +134,12 @@ class LookaheadLayer:
                 and cand.dtype == extra_mask.dtype == fetch.dtype == resident.dtype == torch.bool
                 and cand.shape[0] >= n and cand.shape[1] == R and cand.shape[2] == d.max_blocks and cand.stride(2) == 1
                 and extra_mask.shape == (n, R, R) and extra_mask.is_contiguous() and R <= MAX_EXTRA_KEYS
-                and fetch.shape == (n,) and fetch.is_contiguous()
-                and true_idx.dtype == urgent.dtype == pred_adm.dtype == torch.int64
+                and fetch.shape == active.shape == (n,) and fetch.is_contiguous() and active.is_contiguous()
+                and active.dtype == torch.bool
+                and true_idx.dtype == pred_adm.dtype == urgent_adm.dtype == torch.int64
                 and true_idx.shape == resident.shape == (n, d.kv_heads, K)
-                and all(t.is_contiguous() for t in (true_idx, resident, urgent, pred_adm))
-                and urgent.shape == (n,) and pred_adm.numel() >= 4 * n * d.kv_heads * K
+                and all(t.is_contiguous() for t in (true_idx, resident, pred_adm, urgent_adm))
+                and min(pred_adm.numel(), urgent_adm.numel()) >= 4 * n * d.kv_heads * K
                 and 1 <= k_sel <= nb <= d.max_blocks):
             raise ValueError("LookaheadLayer.run: arguments outside the bound layout (see its docstring)")
         c = self._call
@@ -139,9 +150,10 @@ class LookaheadLayer:
         c.xksb, c.xksh, c.xkse = R * k.stride(0), k.stride(1), k.stride(0)
         c.xvsb, c.xvsh, c.xvse = R * v.stride(0), v.stride(1), v.stride(0)
         c.cand, c.cand_sb, c.cand_sr = cand.data_ptr(), cand.stride(0), cand.stride(1)
-        c.extra_mask, c.fetch, c.scale, c.out = extra_mask.data_ptr(), fetch.data_ptr(), scale, out.data_ptr()
-        c.true_idx, c.resident, c.urgent = true_idx.data_ptr(), resident.data_ptr(), urgent.data_ptr()
-        c.predict_cap, c.pred_adm = predict_cap, pred_adm.data_ptr()
+        c.extra_mask, c.fetch, c.active = extra_mask.data_ptr(), fetch.data_ptr(), active.data_ptr()
+        c.scale, c.out = scale, out.data_ptr()
+        c.true_idx, c.resident = true_idx.data_ptr(), resident.data_ptr()
+        c.predict_cap, c.pred_adm, c.urgent_adm = predict_cap, pred_adm.data_ptr(), urgent_adm.data_ptr()
         with traced("lookahead_layer"):
             rc = self._lib.lkv_lookahead_layer(ctypes.byref(self._dims), ctypes.byref(c))
         if rc == -1:

@@ -1,28 +1,40 @@
 """Lookahead attention backend: the per-layer data flow of docs/ARCHITECTURE.md ("One decode step").
 
 The backend owns no policy and moves no bytes between tiers. Its parts:
-    DeviceTier        device_tier.py  the working set's buffers, views, write-through, key mask
+    DeviceTier        device_tier.py  the working set's buffers, views, write-through, key mask,
+                                      and its slot geometry (SlotLayout)
     BlockSummaries    summaries.py    kmin/kmax (fp32), their update and the Quest scoring
-    ResidencyManager  residency.py    predictions, capped eviction, seeding, urgent/drop, copy jobs
-                                      (its policy, policies.py: resident or pingpong)
+    ResidencyManager  residency.py    predictions, capped eviction, seeding, urgent/drop, copy jobs,
+                                      and its policy (resident or pingpong)
     LookaheadMetrics  metrics.py      agreement, hits, urgent/prefetched blocks
     check_integrity   integrity.py    the debug check before every attention
 
-For layer l of a decode step (`_decode`):
+A step is an object: `step = backend.step(plan)`, then `step.forward(layer, q, k, v)` for every
+layer in order, then `step.finish()`. The step owns what lives for one step: the decode rows kept
+to be stored at its end, the layers' true sets and hits (the metrics' inputs), the prediction as
+it stood when the step began. For layer l of a decode step (`LookaheadStep._decode`):
   1. keep the real rows' K/V for the end of the step: this step they are extra keys;
-  2. wait for layer l's tickets only; score the real and the draft query in one read of the
-     summaries; the residency manager serves the real query's misses (urgent/drop);
-  3. dual-row sparse attention over sink + selected + window, plus the rows' own K/V (the real
-     row sees itself, the draft row sees the real row and itself);
-  4. the draft query's top-K is the prediction for layer l of the next step, handed to the
-     residency manager (resident: admitted, copies queued now; pingpong: refilled later);
-  5. after the last layer (`end_step`): store every layer's real rows at once (host pool, block
+  2. wait for layer l's tickets only; then one implementation, chosen when the backend is built,
+     runs the layer and returns a `LayerResult`: the torch layer (`_decode_torch`, the
+     reference) or the C layer (`_decode_c`, plugins/cpu/lookahead_layer.c, bit-equal):
+     a. score the real and the draft query in one read of the summaries;
+     b. the real query's misses that the miss policy fetches are admitted and copied on the
+        urgent queue (the C layer copies with the transfer engine's kernel, handed to it);
+     c. dual-row sparse attention over sink + selected + window, plus the rows' own K/V (the
+        real row sees itself, the draft row sees the real row and itself);
+     d. the draft query's top-K is the prediction for layer l of the next step, admitted by the
+        residency policy (resident: capped; pingpong: refilled later);
+  3. `ResidencyManager.apply(result)`: the seed flags, the urgent blocks in the metrics, the
+     prediction's copies queued, the policy's copies after the layer;
+  4. after the last layer (`finish`): store every layer's real rows at once (host pool, block
      summaries, the policy's write-through) and tally the step's metrics. Nothing reads them
      sooner: a block being written is in the window, never a top-K candidate.
 Prefill rows use dense attention over the host pool, store their K/V at once, and seed the first
-working set. `draft none`: one row per sequence, no step 4 (sparse attention on demand).
+working set. `draft none`: one row per sequence, no step d (sparse attention on demand).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -32,17 +44,22 @@ from ..kv_pool import KVPool
 from ..observe import Observers
 from ..ops import Ops
 from ..transfer import TransferEngine
-from .device_tier import DeviceTier
-from .fused_layer import FusedLayer
+from .device_tier import DeviceTier, SlotLayout
 from .integrity import check_integrity
-from .layout import SlotLayout
 from .metrics import LookaheadMetrics
-from .policies import make_policy
-from .residency import ResidencyManager
+from .residency import ALL_LANES, Admission, LayerResult, ResidencyManager, make_policy
 from .step_plan import DecodePart, PrefillPart, StepPlan
 from .summaries import BlockSummaries, SummaryStore
 
 ROWS = {2: ("real", "draft"), 1: ("real",)}     # the query rows of a decode lane (Observer.on_scores)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step of the backend ran (`LookaheadStep.finish`)."""
+
+    decode_layers: int          # decode layers run
+    c_layers: int               # of those, by the C layer
 
 
 class LookaheadAttention:
@@ -53,7 +70,7 @@ class LookaheadAttention:
         bookkeeping are allocated on `device`. ops: the engine's kernel table (this module
         builds every shape itself, so they may be the unchecked ones). debug_checks: verify the
         slots' contents before every attention (tests). observers: the engine's hooks. fused: a
-        packed decode layer may run as the table's C lookahead layer (fused_layer.py)."""
+        decode layer runs as the table's C lookahead layer where it applies (`c_layer`)."""
         self.cfg, self.pool, self.transfer, self.device, self.ops = cfg, pool, transfer, device, ops
         self.observers = observers if observers is not None else Observers()
         self.layout = SlotLayout.from_config(cfg)
@@ -61,6 +78,7 @@ class LookaheadAttention:
         self.num_heads = mcfg.num_heads
         self.scale = mcfg.head_dim ** -0.5
         self.max_blocks, self.debug_checks = max_blocks, debug_checks
+        self.fetch_cap = cfg.fetch_cap          # a prediction's admissions per (lane, head)
         policy = make_policy(cfg, mcfg.num_layers)
         self.tier = DeviceTier(self.layout, policy.num_buffers, num_lanes, self.kvh, self.hd, pool.k.dtype, device)
         self.summaries = BlockSummaries(mcfg.num_layers, num_lanes, max_blocks, self.kvh, self.hd, pool.k.dtype,
@@ -72,11 +90,30 @@ class LookaheadAttention:
         self.store = (SummaryStore(mcfg.num_layers, pool.num_blocks, self.kvh, self.hd)
                       if cfg.prefix_caching else None)
         self.step_idx = 0
-        self.plan: StepPlan | None = None       # the current step's (read only)
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # decode rows, stored at end_step
-        # a decode layer in one C call where it applies (fused_layer.py), decided here
-        self.fused_layer, self.fused_layer_reason = FusedLayer.make(self) if fused else (None, "fused=False")
-        self._fused: FusedLayer | None = None
+        # a step's true sets and hits, every layer and lane (written by either layer, read at finish)
+        shape = (mcfg.num_layers, num_lanes, self.kvh, cfg.top_k)
+        self.true = torch.empty(shape, dtype=torch.long, device=device)
+        self.hits = torch.empty(shape, dtype=torch.bool, device=device)
+        # the implementation of a decode layer, chosen once: the C layer, or (None) the torch layer
+        self.c_layer, self.c_layer_reason = self._bind_c_layer() if fused else (None, "fused=False")
+
+    def _bind_c_layer(self):
+        """(the table's C lookahead layer bound to this backend's tensors, None), or (None, why not)."""
+        cfg, bind = self.cfg, self.ops.lookahead_layer
+        if bind is None or self.device.type != "cpu":
+            return None, f"ops {self.ops.name or 'custom'} on {self.device.type}"
+        if self.debug_checks:
+            return None, "debug checks"
+        if cfg.residency != "resident":
+            return None, f"residency {cfg.residency}"
+        res, slots = self.residency, self.residency.slots
+        layer = bind(self.summaries.kmin, self.summaries.kmax, self.pool.k, self.pool.v, self.tier.k, self.tier.v,
+                     self.tier.mask, slots.block, slots.last_used, slots.slot_of, res.lane_blocks, res.pred,
+                     res.has_pred, heads=self.num_heads, sel_start=self.layout.selected_start,
+                     group_max=cfg.group_score == "max", copy=self.transfer.inline_kernel())
+        if layer is None:
+            return None, "the C kernels, the transfer engine's copy kernel or the tensors' layouts"
+        return layer, None
 
     # ---- the parts' tensors and sizes (tests, the memory plan, the bench) ------------------------
     dev_k = property(lambda self: self.tier.k)
@@ -111,8 +148,7 @@ class LookaheadAttention:
             logical = list(range(blocks))
             self.store.load(self.summaries, lane, logical, block_table[:blocks])
             lay = self.layout
-            kept = [b for b in logical if b < lay.num_sink or b >= lay.window_start(prompt_len)]
-            self.residency.policy.restore(self.residency, lane, kept)
+            self.residency.restore(lane, [b for b in logical if b < lay.num_sink or b >= lay.window_start(prompt_len)])
 
     def save_named(self, lane: int, named: list[tuple[int, int]]) -> None:
         """The lane's newly named blocks [(logical, pool block)] keep their summaries in the store."""
@@ -120,60 +156,17 @@ class LookaheadAttention:
             logical, blocks = zip(*named)
             self.store.save(self.summaries, lane, list(logical), list(blocks))
 
-    def begin_step(self, plan: StepPlan) -> None:
-        # the last step's stored rows land in the host pool before anything of this step reads it
-        # (on a GPU they were copied down asynchronously; the step's token read-back has waited for
-        # that copy already, so this finds it done)
-        self.pool.settle()
-        self.plan = plan
-        self.step_idx += 1
-        self._pending = []
-        self.metrics.begin_step()
-        if plan.decode is not None:
-            self.tier.set_window_mask(plan.decode)
-        self.residency.begin_step(self.step_idx, plan.decode)     # pingpong: the first refills
-        fl = self.fused_layer
-        self._fused = fl if fl is not None and plan.decode is not None and fl.takes(plan.decode) else None
-        if self._fused is not None:
-            self._fused.begin_step(plan.decode)
-
-    def end_step(self) -> None:
-        """After the last layer: store a decode step's K/V and tally its metrics, all layers at once."""
-        pending, self._pending = self._pending, []
-        if pending and pending[0][0].shape[0]:      # a step of pre-decoding lanes only stores nothing
-            ks, vs = zip(*pending)
-            # no host sync: the host pool gets the rows asynchronously (KVPool.settle, next step)
-            self._store(slice(0, len(pending)), torch.stack(ks), torch.stack(vs), blocking=False)
-        d = self.plan.decode
-        if self._fused is not None:
-            self._fused.end_step()
-        self.metrics.end_step(d.lane_ix if d is not None else None)
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        p = self.plan
-        kr, vr = k[p.real_ix], v[p.real_ix]
-        if p.prefill:       # prefill attention and the seed read them at once
-            self._store(slice(layer, layer + 1), kr[None], vr[None])
-        else:
-            # A decode step's rows are read only as extra keys this step (decode attention) and a
-            # block being written is never a candidate (it is in the window): store all layers'
-            # rows in one go after the last layer (end_step), not three small copies per layer.
-            assert len(self._pending) == layer, "decode layers must run in order, all of them"
-            self._pending.append((kr, vr))
-        out = torch.empty_like(q)
-        for part in p.prefill:
-            self._prefill(layer, part, q, k, v, out)
-        if p.decode is not None:
-            self._decode(layer, q, k, v, out, p.decode)
-        return out
+    def step(self, plan: StepPlan) -> "LookaheadStep":
+        """The step of `plan`: call its `forward` for every layer, in order, then `finish`."""
+        return LookaheadStep(self, plan)
 
     # ---- prefill ------------------------------------------------------------------------------------
-    def _prefill(self, layer: int, part: PrefillPart, q, k, v, out) -> None:
+    def _prefill(self, layer: int, p: StepPlan, part: PrefillPart, q, k, v, out) -> None:
         """A prompt chunk: causal attention over the chunk (or the pool's prefix, for later chunks);
         the chunk that completes the prompt seeds the first working set."""
         it = part.item
         rows = slice(it.row_start, it.row_start + it.num_tokens)
-        if not self.plan.store_only:         # a replayed prefill only stores and seeds
+        if not p.store_only:                 # a replayed prefill only stores and seeds
             if it.start_pos == 0:            # the rows as the pool stores them (a no-op at fp32)
                 kc, vc = (t[rows].transpose(0, 1).to(self.pool.k.dtype) for t in (k, v))
             else:                            # from the host pool onto the device (a view on CPU)
@@ -196,39 +189,38 @@ class LookaheadAttention:
         lanes = part.seed_lane
         self.residency.seed(layer, lane, lanes, idx[lanes], scores[lanes], context_len=part.item.context_len + 1)
 
-    # ---- decode -------------------------------------------------------------------------------------
-    def _decode(self, layer: int, q, k, v, out, d: DecodePart) -> None:
-        """One layer of the decode lanes: wait, score, serve misses, attend, predict."""
-        res = self.residency
-        buf = res.buffer_of(layer)
-        for ticket in res.take_tickets(layer):
-            self.transfer.wait(ticket)
-        if self._fused is not None:                 # the steps below in one C call (fused_layer.py)
-            self._fused.decode(layer, buf, q, k, v, out, d)
-            res.after_layer(layer, d)
-            return
+    # ---- decode: the torch layer --------------------------------------------------------------------
+    def _decode_torch(self, layer: int, buf: int, q, k, v, out, d: DecodePart) -> LayerResult:
+        """One layer of the decode lanes in torch ops and the table's kernels (the reference)."""
+        res, n, L = self.residency, d.num_lanes, d.lane_ix
         qd = lane_rows(q, d)                                                  # [n, R, H, D]
         # One read of the summaries scores both rows: the real query's true top-K (for `urgent`,
         # and for the agreement metric) and the draft's prediction for the next step (used below).
         # Without look-ahead (R = 1) only the real query is scored, and fetched on demand.
         nb = max(d.context_lens) // self.layout.block_size + 1  # covers this and the next step
-        idx, scores = self.summaries.score(layer, qd, d.cand_masks, d.num_lanes, nb, self.cfg.top_k,
-                                           self.cfg.group_score)
+        idx, scores = self.summaries.score(layer, qd, d.cand_masks, n, nb, self.cfg.top_k, self.cfg.group_score)
         if self.observers:
             self.observers.scores(layer, ROWS[d.rows], list(d.lane_list), idx, scores)
-        res.serve_misses(layer, buf, d, idx[:, 0], scores[:, 0])
+        true, hits = self.true[layer, :n], self.hits[layer, :n]
+        true.copy_(idx[:, 0])
+        hits.copy_(res.slots.resident(buf, slice(0, n), true))
+        fetch, urgent = res.misses.fetch(res, layer, d), None
+        if fetch is not None:
+            want = true[L] if fetch is ALL_LANES else torch.where(fetch[L][:, None, None], true[L], -1)
+            urgent = res.fetch_urgent(layer, buf, L, want, scores[L, 0])
         if self.debug_checks:
             check_integrity(self.tier, res, self.pool, layer, d)
         o = self._attend(buf, qd, k, v, d)
         if d.packed:
-            out.view(d.num_lanes, d.rows, *out.shape[1:]).copy_(o)
+            out.view(n, d.rows, *out.shape[1:]).copy_(o)
         else:
             out[d.real_rows] = o[d.lanes, 0]
             if d.rows == 2:
                 out[d.draft_rows] = o[d.lanes, 1]
+        predicted = None
         if d.rows == 2:     # look ahead: the draft query predicts the next step's top-K here
-            res.predict(layer, d.lane_ix, idx[d.lane_ix, 1], scores[d.lane_ix, 1], cap=self.cfg.fetch_cap)
-        res.after_layer(layer, d)                       # pingpong: refill the buffer just released
+            predicted = res.predict(layer, L, idx[L, 1], scores[L, 1], cap=self.fetch_cap)
+        return LayerResult(true, hits, fetch is not None, urgent, predicted)
 
     def _attend(self, buf: int, qd: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: DecodePart) -> torch.Tensor:
         """Both rows over the device tier (sink, occupied selected slots, window) plus this step's
@@ -245,13 +237,54 @@ class LookaheadAttention:
         kx, vx = (lane_rows(t, d, contiguous=False).transpose(1, 2) for t in (k, v))   # [n, KVH, R, D]
         return self.ops.lookahead_attention(qd, kb, vb, mask, kx, vx, d.extra_mask, self.scale)
 
+    # ---- decode: the C layer ------------------------------------------------------------------------
+    def _decode_c(self, layer: int, buf: int, q, k, v, out, d: DecodePart, extra, fetch_all,
+                  fetch_none) -> LayerResult:
+        """The same layer as `_decode_torch` in one C call (`c_layer`), bit for bit: the lanes'
+        rows as [n * R] lane-major rows (a view when packed, gathered otherwise); `extra`: the
+        plan's extra-key mask, contiguous; fetch_all/none: [n] bool."""
+        res, slots, n, R, K = self.residency, self.residency.slots, d.num_lanes, d.rows, self.cfg.top_k
+        lanes = res.misses.fetch(res, layer, d)                          # the miss policy's answer
+        fetch = fetch_all if lanes is ALL_LANES else fetch_none if lanes is None else lanes.contiguous()
+        nb = min(max(d.context_lens) // self.layout.block_size + 1, self.max_blocks)
+        high, grown = slots.high[buf], slots.grown(buf, K, res.most)         # the urgent plan's bound
+        if d.packed:
+            rows = [t.contiguous() for t in (q, k, v)]
+            o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
+        else:
+            rows = [lane_rows(t, d).view(n * R, *t.shape[1:]) for t in (q, k, v)]
+            o = torch.empty_like(rows[0])
+        true, hits = self.true[layer, :n], self.hits[layer, :n]
+        # the layer's admission lists: the prediction's stay referenced by their copy jobs until the
+        # next step's layer has waited for them, before this layer's next call writes them again
+        urgent_adm, pred_adm = self.c_layer.lists[0, layer], self.c_layer.lists[1, layer]
+        r = self.c_layer.run(layer, buf, *rows, o, d.cand_masks, extra, fetch, d.lane_active, nb, min(K, nb),
+                             res.step_idx, high, grown, self.scale, true, hits, self.fetch_cap, pred_adm,
+                             urgent_adm)
+        if not d.packed:
+            ov = o.view(n, R, *o.shape[1:])
+            out[d.real_rows] = ov[d.lanes, 0]
+            if R == 2:
+                out[d.draft_rows] = ov[d.lanes, 1]
+        elif o is not out:
+            out.copy_(o)
+        urgent = predicted = None
+        if r.admitted:              # copied by the C layer with the transfer engine's kernel
+            slots.high[buf] = grown
+            self.transfer.account_inline(r.admitted, urgent=True, seconds=r.copy_s,
+                                         unit_bytes=2 * self.layout.block_size * self.hd * self.pool.k.element_size())
+            urgent = Admission(*urgent_adm[: 4 * true.numel()].view(4, -1)[:, : r.admitted].unbind(0))
+        if r.predicted:             # the resident policy's admissions, as `SlotTable.plan` made them
+            slots.high[buf] = slots.grown(buf, self.fetch_cap, res.most)
+            predicted = Admission(*pred_adm[: 4 * true.numel()].view(4, -1)[:, : r.predicted].unbind(0))
+        return LayerResult(true, hits, lanes is not None, urgent, predicted)
+
     # ---- storing ------------------------------------------------------------------------------------
-    def _store(self, layers: slice, ks: torch.Tensor, vs: torch.Tensor, blocking: bool = True) -> None:
+    def _store(self, p: StepPlan, layers: slice, ks: torch.Tensor, vs: torch.Tensor, blocking: bool = True) -> None:
         """The step's real rows of `layers`, ks/vs [L', T_real, KVH, D]: into the host pool, the
         block summaries and (as the residency policy says) the device sink/window slots.
         blocking: the host pool holds them on return (prefill: later chunks read them at once);
         else they land by `KVPool.settle` (a decode step's rows: nothing reads them this step)."""
-        p = self.plan
         self.pool.write_layers(layers, ks, vs, p.pool_blocks, p.pool_offsets, blocking=blocking)
         self.summaries.update(layers, ks, p.real_lanes, p.real_logical, p.batch.slot_offsets)
         self.residency.policy.store(self.tier, layers, ks, vs, p)
@@ -269,3 +302,86 @@ def lane_rows(x: torch.Tensor, d: DecodePart, contiguous: bool = True) -> torch.
     if R == 2:
         out[d.lanes, 1] = x[d.draft_rows]
     return out
+
+
+class LookaheadStep:
+    """One step of the backend (`LookaheadAttention.step`): `forward` per layer, in order, then
+    `finish`. It owns what lives for the step: the decode rows to store at its end, the
+    prediction and its presence as they stood when it began (the agreement's inputs), and which
+    layer implementation runs its decode layers (the backend's C layer, unless an observer of
+    scores or copies is registered: those exist only in the torch layer)."""
+
+    def __init__(self, attn: LookaheadAttention, plan: StepPlan):
+        # the last step's stored rows land in the host pool before anything of this step reads it
+        # (on a GPU they were copied down asynchronously; the step's token read-back has waited for
+        # that copy already, so this finds it done)
+        attn.pool.settle()
+        attn.step_idx += 1
+        self.attn, self.plan = attn, plan
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # decode rows, stored at finish
+        self.layers = self.c_layers = 0
+        d = plan.decode
+        if d is not None:
+            attn.tier.set_window_mask(d)
+        attn.residency.begin_step(attn.step_idx, d)
+        if d is None:
+            return
+        obs = attn.observers
+        self._c = attn.c_layer if not (obs and (obs.wants("on_scores") or obs.wants("on_copy"))) else None
+        res, L = attn.residency, d.lane_ix
+        if d.rows == 2:     # a layer's prediction changes only in its own layer: one copy for all
+            self._pred, self._has = res.pred[:, L].clone(), res.has_pred[:, L].all(-1)
+        if self._c is not None:
+            n = d.num_lanes
+            self._c_args = (d.extra_mask.contiguous(),      # (an expanded view in the plan)
+                            torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool))
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        a, p = self.attn, self.plan
+        kr, vr = k[p.real_ix], v[p.real_ix]
+        if p.prefill:       # prefill attention and the seed read them at once
+            a._store(p, slice(layer, layer + 1), kr[None], vr[None])
+        else:
+            # A decode step's rows are read only as extra keys this step (decode attention) and a
+            # block being written is never a candidate (it is in the window): store all layers'
+            # rows in one go after the last layer (finish), not three small copies per layer.
+            assert len(self._pending) == layer, "decode layers must run in order, all of them"
+            self._pending.append((kr, vr))
+        out = torch.empty_like(q)
+        for part in p.prefill:
+            a._prefill(layer, p, part, q, k, v, out)
+        if p.decode is not None:
+            self._decode(layer, q, k, v, out, p.decode)
+        return out
+
+    def _decode(self, layer: int, q, k, v, out, d: DecodePart) -> None:
+        """One layer of the decode lanes: wait for its copies, run it, apply its result."""
+        a, res = self.attn, self.attn.residency
+        buf = res.buffer_of(layer)
+        for ticket in res.take_tickets(layer):
+            a.transfer.wait(ticket)
+        if self._c is not None:
+            r = a._decode_c(layer, buf, q, k, v, out, d, *self._c_args)
+            self.c_layers += 1
+        else:
+            r = a._decode_torch(layer, buf, q, k, v, out, d)
+        self.layers += 1
+        res.apply(layer, d, r)
+
+    def finish(self) -> StepStats:
+        """After the last layer: store a decode step's K/V and tally its metrics, all layers at once."""
+        a, p, d = self.attn, self.plan, self.plan.decode
+        pending, self._pending = self._pending, []
+        if pending and pending[0][0].shape[0]:      # a step of pre-decoding lanes only stores nothing
+            ks, vs = zip(*pending)
+            # no host sync: the host pool gets the rows asynchronously (KVPool.settle, next step)
+            a._store(p, slice(0, len(pending)), torch.stack(ks), torch.stack(vs), blocking=False)
+        a.metrics.flush()
+        if d is not None and self.layers:
+            n, L = d.num_lanes, d.lane_ix
+            true, hits = a.true[: self.layers, :n][:, L], a.hits[: self.layers, :n][:, L]
+            if d.rows == 2:
+                a.metrics.record_step(list(range(self.layers)), L, self._pred, self._has, true, hits)
+            else:               # no prediction to score: the hits alone
+                a.metrics.add_hits(L, true, hits)
+        return StepStats(self.layers, self.c_layers)

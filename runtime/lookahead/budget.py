@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..config import LookaheadConfig
 from ..errors import ConfigError
-from .layout import SlotLayout
+from .device_tier import SlotLayout
 
 
 def check_device_budget(cfg: LookaheadConfig, working_set_bytes: int, summary_bytes: int) -> None:

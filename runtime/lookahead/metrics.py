@@ -46,7 +46,6 @@ class LookaheadMetrics:
         self.blocks = torch.zeros(2, **f64)
         self.lane = torch.zeros(self.num_lanes, len(Col), **f64)        # per lane, by `Col`
         self._counts: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []   # count_blocks calls not yet added
-        self._layers: list[tuple] = []                          # this step's note_layer calls
         # blocks admitted for copying, (urgent, prefetched): exact counts on the host, plus those
         # of fixed-capacity lists, counted where the lists are
         self._blocks_host = [0, 0]
@@ -67,25 +66,7 @@ class LookaheadMetrics:
             self._blocks_dev = None
         return list(self._blocks_host)
 
-    # ---- one step: layers noted as they run, tallied once at the end ---------------------------
-    def begin_step(self) -> None:
-        self._layers = []                   # a step that failed midway leaves no half tally
-
-    def note_layer(self, layer: int, pred: torch.Tensor, has_pred: torch.Tensor, true: torch.Tensor,
-                   resident: torch.Tensor) -> None:
-        """One decode layer's prediction (as made at the last step: pass a copy), its real query's
-        true top-K and which of those were resident before any fetch; see `record_step`."""
-        self._layers.append((layer, pred, has_pred, true, resident))
-
-    def end_step(self, lanes) -> None:
-        """The step's noted layers at once (lanes: the decoding lanes, a tensor or a slice)."""
-        self.flush()
-        rec, self._layers = self._layers, []
-        if rec:
-            layers, pred, has, true, res = zip(*rec)
-            self.record_step(list(layers), lanes, torch.stack(pred), torch.stack(has), torch.stack(true),
-                             torch.stack(res))
-
+    # ---- one step: tallied once, at its end (LookaheadStep.finish) ------------------------------
     def add_blocks(self, urgent: bool, lanes: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Blocks admitted for copying, one per entry of `lanes` (where `valid`, for a fixed-capacity
         list): fetched urgently or prefetched."""
@@ -101,7 +82,7 @@ class LookaheadMetrics:
     def add_hits(self, lanes, true: torch.Tensor, resident: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The true blocks and hits of a step's layers: lanes [B] (or a slice); true [L, B, KVH,
         K] logical blocks (-1 pad), resident [L, B, KVH, K] bool. All that `record_step` tallies
-        when no layer has a prediction (the fused layer's `draft none` steps call it alone).
+        when no layer has a prediction (a `draft none` step is tallied by this alone).
         Returns (valid, n_true) for the agreement."""
         valid = true >= 0
         n_true = valid.sum(-1).double()                                        # [L, B, KVH]
@@ -109,13 +90,6 @@ class LookaheadMetrics:
         self.blocks += torch.stack([n_true.sum(), hits.sum()])
         self.lane[lanes, HITS] += torch.stack([n_true.sum((0, 2)), hits.sum((0, 2))], -1)
         return valid, n_true
-
-    def add_urgent(self, per_lane: torch.Tensor, total: int) -> None:
-        """A step's urgent blocks counted by the fused layer (runtime/lookahead/fused_layer.py):
-        per_lane [n] for lanes 0..n-1, `total` their sum (what `add_blocks` gives its copies)."""
-        self._blocks_host[0] += total
-        if total:
-            self.lane[: per_lane.shape[0], Col.URGENT] += per_lane.to(self.lane.dtype)
 
     def count_blocks(self, column: Col, lanes: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Add one per entry of `lanes` (where `valid`) to a per-lane column (URGENT, PREFETCHED). Added at `flush` (the end of a step, or before a lane is read): one

@@ -4,9 +4,11 @@
 `SlotTable` (capped eviction), seeds a lane's first working set from its prompt, serves the
 real query's misses by the miss policy (`urgent`: fetch them all before attention; `drop`: only
 on a lane's first decode step and on pre-decoding steps), and hands `CopyJob`s to the transfer
-engine, which alone moves the bytes. What differs between the residencies (when copies are made,
-into which buffer, and whether stored rows are written through) is its policy object
-(runtime/lookahead/policies.py): one per residency, no branches here.
+engine, which alone moves the bytes: `apply` takes a decode layer's `LayerResult`, whichever
+implementation made it, and `_queue` is the one place background copies are submitted. What
+differs between the residencies (when copies are made, into which buffer, and whether stored rows
+are written through) is its policy object (`ResidentPolicy`, `PingPongPolicy`, at the end of this
+module): one per residency, no branches here; a policy answers with copies, never submits them.
 
 `SlotTable` is the bookkeeping it decides with: which logical block each selected device slot
 holds (small int tensors, no KV bytes). Shapes: `[num_buffers, lanes, KVH, K]`; a buffer is a
@@ -32,9 +34,9 @@ from ..kv_pool import KVPool
 from ..observe import Observers
 from ..ops import Ops
 from ..transfer import CopyJob, Ticket, TransferEngine
-from .device_tier import DeviceTier
+from .device_tier import DeviceTier, num_buffers
 from .metrics import LookaheadMetrics
-from .step_plan import DecodePart
+from .step_plan import DecodePart, StepPlan
 
 
 @dataclass
@@ -186,7 +188,8 @@ class UrgentMisses:
 
     def fetch(self, mgr: "ResidencyManager", layer: int, d: DecodePart):
         """The lanes whose misses layer `layer` fetches now: ALL_LANES, None (none), or a bool
-        [num_lanes] device mask (the host decides whether to fetch, the device which lanes)."""
+        [num_lanes] device mask over lanes 0..num_lanes-1 (the host decides whether to fetch,
+        the device which lanes)."""
         return ALL_LANES
 
     def fetched(self, mgr: "ResidencyManager", layer: int, d: DecodePart) -> None:
@@ -201,7 +204,7 @@ class DropMisses(UrgentMisses):
     def fetch(self, mgr: "ResidencyManager", layer: int, d: DecodePart):
         if not any(mgr.seeded_host[layer][lane] or pre for lane, pre in zip(d.lane_list, d.predecode_list)):
             return None
-        return mgr.seeded[layer, d.lane_ix] | d.predecode[d.lane_ix]
+        return mgr.seeded[layer, : d.num_lanes] | d.predecode
 
     def fetched(self, mgr: "ResidencyManager", layer: int, d: DecodePart) -> None:
         mgr.seeded[layer, d.lane_ix] = False
@@ -212,18 +215,44 @@ class DropMisses(UrgentMisses):
 MISS_POLICIES = {"urgent": UrgentMisses(), "drop": DropMisses()}
 
 
+@dataclass
+class LayerResult:
+    """What one decode layer's attention did, whichever ran it (the torch layer or the C layer,
+    runtime/lookahead/attention.py), for `ResidencyManager.apply`. The real query's true top-K
+    and its hits are [num_lanes, KVH, K] views of the step's buffers (the metrics read them all
+    at the end of the step); the prediction itself is in `ResidencyManager.pred`."""
+
+    true: torch.Tensor                # [num_lanes, KVH, K] the real query's top-K (-1 padded)
+    resident: torch.Tensor            # [num_lanes, KVH, K] of those, held before any fetch
+    fetched: bool                     # the miss policy fetched this layer's misses
+    urgent: Admission | None          # the blocks copied before attention (the step waited)
+    predicted: Admission | None       # the prediction's admissions: copies for the next step
+
+
+@dataclass
+class Copy:
+    """A copy a residency policy asks for: `job` for layer `layer` (its attention waits for it);
+    `counted`: its blocks count as prefetched (admissions, restored blocks; not the sink and
+    window units a ping-pong refill re-copies every step)."""
+
+    layer: int
+    job: CopyJob
+    counted: bool = True
+
+
 class ResidencyManager:
     def __init__(self, cfg: LookaheadConfig, policy, num_layers: int, num_lanes: int, num_kv_heads: int,
                  max_blocks: int, pool: KVPool, tier: DeviceTier, transfer: TransferEngine,
                  metrics: LookaheadMetrics, observers: Observers, device: torch.device, ops: Ops):
-        """policy: `ResidentPolicy` or `PingPongPolicy` (policies.make_policy); pool: the host tier;
-        ops: the engine's kernel table (the slot plan's and the copy jobs' kernels)."""
+        """policy: `ResidentPolicy` or `PingPongPolicy` (`make_policy`); pool: the host tier; ops:
+        the engine's kernel table (the slot plan's kernel; its copy kernel goes to the transfer
+        engine, which runs every job)."""
         self.cfg, self.policy, self.tier, self.transfer = cfg, policy, tier, transfer
         self.metrics, self.observers, self.max_blocks = metrics, observers, max_blocks
         self.misses = MISS_POLICIES[cfg.miss_policy]
         self.slots = SlotTable(policy.num_buffers, num_lanes, num_kv_heads, cfg.top_k, max_blocks, device,
                                ops.plan_slots)
-        self.copy_kernel = ops.copy_blocks
+        transfer.use_kernel(ops.copy_blocks)
         long, bool_ = dict(dtype=torch.long, device=device), dict(dtype=torch.bool, device=device)
         self.pred = torch.full((num_layers, num_lanes, num_kv_heads, cfg.top_k), -1, **long)  # next step's sets
         self.has_pred = torch.zeros(num_layers, num_lanes, **bool_)
@@ -250,6 +279,10 @@ class ResidencyManager:
         for row in self.seeded_host:
             row[lane] = False
 
+    def restore(self, lane: int, logical: list[int]) -> None:
+        """A prefix-cache hit: what of the lane's cached blocks `logical` the policy keeps on the device."""
+        self._queue(self.policy.restore(self, lane, logical))
+
     def lane_host_block(self, lane: int, logical: int) -> int:
         """The host pool block of a lane's logical block (the block table the lane was attached with)."""
         return self._tables[lane][logical]
@@ -265,40 +298,27 @@ class ResidencyManager:
         self.step_idx = step_idx
         if d is not None:
             self.note_context(max(d.context_lens) + 1)      # the draft row's context, the largest
-            self.policy.begin_step(self, d)
+            self._queue(self.policy.begin_step(self, d))     # pingpong: the first refills
 
     def take_tickets(self, layer: int) -> list[Ticket]:
         """The copies layer `layer` must wait for before it reads its buffer (and only those)."""
         return self.tickets.pop(layer, [])
 
-    def serve_misses(self, layer: int, buf: int, d: DecodePart, true_idx: torch.Tensor,
-                     true_scores: torch.Tensor) -> None:
-        """Note the real query's hits (metrics), then fetch its misses as the miss policy says.
-        true_idx [num_lanes, KVH, K], true_scores [num_lanes, KVH, nb]."""
-        L = d.lane_ix
-        t_idx = true_idx[L]
-        resident = self.slots.resident(buf, L, t_idx)
-        has = self.has_pred[layer, L].all() if d.rows == 2 else self.has_pred.new_zeros(())   # none to score
-        self.metrics.note_layer(layer, self.pred[layer, L].clone(), has, t_idx, resident)  # pred is replaced below
-        fetch = self.misses.fetch(self, layer, d)
-        if fetch is not None:
-            want = t_idx if fetch is ALL_LANES else torch.where(fetch[:, None, None], t_idx, -1)
-            self.fetch_urgent(layer, buf, L, want, true_scores[L])
-            self.misses.fetched(self, layer, d)
-
-    def fetch_urgent(self, layer: int, buf: int, lanes, want: torch.Tensor, scores: torch.Tensor) -> None:
-        """Copy the blocks of `want` [lanes, KVH, K] missing from `buf` on the urgent queue, and wait."""
+    def fetch_urgent(self, layer: int, buf: int, lanes, want: torch.Tensor, scores: torch.Tensor) -> Admission:
+        """Admit the blocks of `want` [lanes, KVH, K] missing from `buf` and copy them on the
+        urgent queue, waiting for them; the admission (counted by `apply`)."""
         prio = scores.gather(-1, want.clamp(min=0))
         adm = self.slots.plan(buf, lanes, want, prio, self.cfg.top_k, self.step_idx, most=self.most)
         if len(adm):
-            self.transfer.wait(self.submit(layer, buf, adm, urgent=True))
+            self.transfer.wait(self.send(self.job(layer, buf, adm), urgent=True))
+        return adm
 
-    def predict(self, layer: int, lanes, idx: torch.Tensor, scores: torch.Tensor, cap: int) -> None:
+    def predict(self, layer: int, lanes, idx: torch.Tensor, scores: torch.Tensor, cap: int) -> Admission | None:
         """The working set of layer `layer` at the next step: idx [lanes, KVH, K] (scores [.., nb]);
-        the policy admits (at most `cap` new blocks per head) and queues copies, or waits to refill."""
+        the policy's admissions (at most `cap` new blocks per head), or None (it refills later)."""
         self.pred[layer, lanes] = idx
         self.has_pred[layer, lanes] = True
-        self.policy.on_predict(self, layer, lanes, idx, scores, cap)
+        return self.policy.on_predict(self, layer, lanes, idx, scores, cap)
 
     def seed(self, layer: int, lane: int, lanes: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor,
              context_len: int | None = None) -> None:
@@ -308,27 +328,173 @@ class ResidencyManager:
             self.note_context(context_len)
         else:
             self.most = self.slots.top_k
-        self.predict(layer, lanes, idx, scores, cap=self.cfg.top_k)
+        adm = self.predict(layer, lanes, idx, scores, cap=self.cfg.top_k)
+        if adm is not None and len(adm):
+            self._queue([Copy(layer, self.job(layer, self.buffer_of(layer), adm))])
         self.seeded[layer, lane] = True
         self.seeded_host[layer][lane] = True
 
-    def after_layer(self, layer: int, d: DecodePart) -> None:
-        self.policy.after_layer(self, layer, d)
+    def apply(self, layer: int, d: DecodePart, r: LayerResult) -> None:
+        """A decode layer's result, whichever implementation made it: what the miss policy keeps
+        of its fetch (drop: the seed flags), the urgent blocks in the metrics, the prediction's
+        copies queued for the next step, and the policy's copies after the layer (pingpong's
+        refill of the buffer just released)."""
+        if r.fetched:
+            self.misses.fetched(self, layer, d)
+        if r.urgent is not None and len(r.urgent):
+            self.metrics.add_blocks(True, r.urgent.lanes, r.urgent.valid)
+        copies = self.policy.after_layer(self, layer, d)
+        if r.predicted is not None and len(r.predicted):
+            copies = [Copy(layer, self.job(layer, self.buffer_of(layer), r.predicted)), *copies]
+        self._queue(copies)
 
-    def submit(self, layer: int, buf: int, adm: Admission, urgent: bool = False) -> Ticket:
+    def job(self, layer: int, buf: int, adm: Admission) -> CopyJob:
         """Admitted blocks -> one copy job (host pool of `layer` -> selected slots of `buf`); a
         fixed-capacity admission's invalid entries travel as the job's `valid` mask."""
-        self.metrics.add_blocks(urgent, adm.lanes, adm.valid)
         host, src_heads = self.lane_blocks[adm.lanes, adm.blocks], adm.heads
         if adm.valid is not None:       # an untaken entry names block -1: gathered as nothing, not copied
             host = torch.where(adm.valid, host, -1)
-        job = CopyJob(*self.pool_views[layer], *self.tier.views[buf], (host, src_heads),
-                      (adm.lanes, adm.heads, adm.slots + self.tier.layout.selected_start), tag=(self.step_idx, layer),
-                      valid=adm.valid)
-        return self.send(job, urgent)
+        return CopyJob(*self.pool_views[layer], *self.tier.views[buf], (host, src_heads),
+                       (adm.lanes, adm.heads, adm.slots + self.tier.layout.selected_start), tag=(self.step_idx, layer),
+                       valid=adm.valid)
+
+    def _queue(self, copies: list[Copy]) -> None:
+        """The only place background copies are submitted: each counted, sent, and its ticket
+        filed under the layer that waits for it."""
+        for c in copies:
+            if c.counted:
+                self.metrics.add_blocks(False, c.job.dst_index[0], c.job.valid)
+            self.tickets.setdefault(c.layer, []).append(self.send(c.job))
 
     def send(self, job: CopyJob, urgent: bool = False) -> Ticket:
-        job.kernel = self.copy_kernel
         if self.observers:
             self.observers.copy(job, urgent)
         return self.transfer.submit(job, urgent=urgent)
+
+
+# ---- the residency policies -----------------------------------------------------------------------
+# When the working set is copied in, into which buffer, and whether stored rows are written
+# through: one object per `residency`. The manager calls it at fixed points of the step and it
+# never branches on the residency; it answers with copies (`Copy`, `Admission`), which only the
+# manager submits.
+#
+#     hook                     resident                           pingpong (lead = prefetch_lead)
+#     buffer_of(l)             l                                  l % lead
+#     begin_step -> copies     -                                  refill layers 0 .. lead-1
+#     on_predict -> admission  capped admission                   - (the prediction waits for the refill)
+#     after_layer -> copies    -                                  refill layer l + lead into l's buffer
+#     store (end of step)      write sink/window rows through     - (re-copied at every refill)
+#     restore -> copies        copy the cached sink/window in     - (re-copied at every refill)
+
+def make_policy(cfg: LookaheadConfig, num_layers: int):
+    if cfg.residency == "pingpong":
+        return PingPongPolicy(num_layers, num_buffers(cfg, num_layers))
+    return ResidentPolicy(num_layers)
+
+
+class ResidentPolicy:
+    """OasisKV: a buffer per layer, kept across steps; each prediction admits at most `cap` new
+    blocks per (lane, KV head), copied in for that layer of the next step."""
+
+    def __init__(self, num_layers: int):
+        self.num_buffers = num_layers
+
+    def buffer_of(self, layer: int) -> int:
+        return layer
+
+    def begin_step(self, mgr: ResidencyManager, d: DecodePart) -> list[Copy]:
+        return []
+
+    def on_predict(self, mgr: ResidencyManager, layer: int, lanes, idx: torch.Tensor, scores: torch.Tensor,
+                   cap: int) -> Admission:
+        prio = scores.gather(-1, idx.clamp(min=0))
+        return mgr.slots.plan(layer, lanes, idx, prio, cap, mgr.step_idx, most=mgr.most)
+
+    def after_layer(self, mgr: ResidencyManager, layer: int, d: DecodePart) -> list[Copy]:
+        return []
+
+    def store(self, tier: DeviceTier, layers: slice, ks: torch.Tensor, vs: torch.Tensor, p: StepPlan) -> None:
+        """The device copies of sink/window blocks stay current: stored rows are written through."""
+        w = p.write_through
+        tier.write_through(layers, ks[:, w], vs[:, w], p.real_lanes[w], p.real_logical[w], p.batch.slot_offsets[w])
+
+    def restore(self, mgr: ResidencyManager, lane: int, logical: list[int]) -> list[Copy]:
+        """A prefix-cache hit: the lane's sink/window blocks that its prefill will not store
+        (`logical`, already in the host pool) are copied into their slots, every layer; the
+        lane's first decode step waits for them (prefetched blocks in the metrics: they are
+        bytes moved host to device)."""
+        if not logical:
+            return []
+        kvh, lay = mgr.tier.kvh, mgr.tier.layout
+        n = len(logical) * kvh
+        host = [mgr.lane_host_block(lane, b) for b in logical for _ in range(kvh)]
+        heads = list(range(kvh)) * len(logical)
+        slots = [lay.device_slot(b) for b in logical for _ in range(kvh)]
+        host, heads, slots, lanes = to_device(mgr.tier.k.device, *(torch.tensor(t, dtype=torch.long)
+                                                                  for t in (host, heads, slots, [lane] * n)))
+        return [Copy(layer, CopyJob(*mgr.pool_views[layer], *mgr.tier.views[layer], (host, heads), (lanes, heads, slots),
+                                    tag=(mgr.step_idx, layer, "restore")))
+                for layer in range(self.num_buffers)]
+
+
+class PingPongPolicy:
+    """DualDecoder: `lead` layer buffers; layer l reads buffer l % lead, which is refilled with
+    layer l + lead's whole sparse set (sink, window, the full predicted set, no cap) as soon as
+    layer l's attention is done."""
+
+    def __init__(self, num_layers: int, lead: int):
+        self.num_layers, self.lead, self.num_buffers = num_layers, lead, lead
+        self._fixed: tuple[torch.Tensor, torch.Tensor] | None = None    # this step's sink/window units
+
+    def buffer_of(self, layer: int) -> int:
+        return layer % self.lead
+
+    def begin_step(self, mgr: ResidencyManager, d: DecodePart) -> list[Copy]:
+        self._fixed = self._fixed_units(mgr, d)
+        return [c for layer in range(self.lead) for c in self.refill(mgr, layer, d)]
+
+    def on_predict(self, mgr: ResidencyManager, layer: int, lanes, idx: torch.Tensor, scores: torch.Tensor,
+                   cap: int) -> None:
+        return None
+
+    def after_layer(self, mgr: ResidencyManager, layer: int, d: DecodePart) -> list[Copy]:
+        if layer + self.lead < self.num_layers:
+            return self.refill(mgr, layer + self.lead, d)            # this buffer is free again
+        return []
+
+    def store(self, tier: DeviceTier, layers: slice, ks: torch.Tensor, vs: torch.Tensor, p: StepPlan) -> None:
+        pass
+
+    def restore(self, mgr: ResidencyManager, lane: int, logical: list[int]) -> list[Copy]:
+        return []
+
+    @staticmethod
+    def _fixed_units(mgr: ResidencyManager, d: DecodePart) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lanes, heads, slots, logical blocks) [4, n] of every lane's sink and window blocks, and
+        their host blocks: the same for every layer of the step. From the plan's `fixed` (one entry
+        per (lane, block), built on the host with the plan), one per KV head here, on the device."""
+        kvh = mgr.tier.kvh
+        lanes, slots, blocks = d.fixed.unbind(0)
+        n = lanes.shape[0]
+        heads = torch.arange(kvh, device=d.fixed.device).repeat(n)
+        per_head = [t[:, None].expand(n, kvh).reshape(-1) for t in (lanes, slots, blocks)]
+        ix = torch.stack([per_head[0], heads, per_head[1], per_head[2]])
+        return ix, mgr.lane_blocks[ix[0], ix[3]]                         # logical -> host block ids
+
+    def refill(self, mgr: ResidencyManager, layer: int, d: DecodePart) -> list[Copy]:
+        """Layer `layer`'s sink, window and whole predicted set, copied into its buffer."""
+        buf = self.buffer_of(layer)
+        ix, host = self._fixed
+        fixed = CopyJob(*mgr.pool_views[layer], *mgr.tier.views[buf], (host, ix[1]), (ix[0], ix[1], ix[2]),
+                        tag=(mgr.step_idx, layer, "fixed"))
+        want = mgr.pred[layer, d.lanes]                                  # [B, KVH, K]
+        mgr.slots.assign(buf, d.lanes, want, mgr.step_idx)
+        # the whole set as a fixed-capacity list: entry (b, h, j) is slot j, valid where it holds
+        # a block (no host read of how many do)
+        shape = want.shape
+        dev = want.device
+        adm = Admission(d.lanes[:, None, None].expand(shape).reshape(-1),
+                        torch.arange(shape[1], device=dev)[None, :, None].expand(shape).reshape(-1),
+                        torch.arange(shape[2], device=dev)[None, None, :].expand(shape).reshape(-1),
+                        want.clamp(min=0).reshape(-1), (want >= 0).reshape(-1))
+        return [Copy(layer, fixed, counted=False), Copy(layer, mgr.job(layer, buf, adm))]

@@ -19,7 +19,7 @@ from ..prefill_cache import PrefillCache
 from ..sampling import PendingDraws
 from ..sequence import Sequence
 from ..step import StepItem
-from .attention import LookaheadAttention
+from .attention import LookaheadAttention, StepStats
 from .step_plan import StepPlan, StepRows, build_plan
 
 
@@ -36,6 +36,7 @@ class LookaheadRunner:
         self.lane_ids = LaneAllocator(num_lanes)
         self._draws: PendingDraws | None = None     # this step's draft draws, see take_draws
         self.lanes: dict[int, int] = {}
+        self.last_step: StepStats | None = None     # what the backend's last step ran
         self._want_fused = fused
         self._bind_fused()
 
@@ -85,10 +86,10 @@ class LookaheadRunner:
         if self.observers:
             self.observers.batch(plan.batch)
             self.observers.plan(plan)
-        self.attn.begin_step(plan)
+        step = self.attn.step(plan)
         if replay is not None:               # the plan says store_only: store and seed, no model
-            out = replay.run(self.attn, num_layers)
-            self.attn.end_step()
+            out = replay.run(step, num_layers)
+            self.last_step = step.finish()
             self._advance(work, rows)
             return out
         rec = cache.record(self.model, work, rows.items, self.attn.pool.dtype) if cache is not None else None
@@ -97,11 +98,11 @@ class LookaheadRunner:
         hidden = None
         if self.fused is not None and rec is None and not plan.prefill and plan.decode is not None:
             # every layer's non-attention stages in one C call each side of the backend's attention
-            hidden = self.fused.run_layers(plan.batch.tokens, plan.batch.positions, self.attn.forward)
+            hidden = self.fused.run_layers(plan.batch.tokens, plan.batch.positions, step.forward)
         if hidden is None:
             hidden = self.model(plan.batch.tokens, plan.batch.positions,
-                                rec.wrap(self.attn, num_layers) if rec else self.attn)
-        self.attn.end_step()
+                                rec.wrap(step, num_layers) if rec else step)
+        self.last_step = step.finish()
         self._advance(work, rows)
         out = self._sample_rows(work, rows, plan, hidden)
         if rec:

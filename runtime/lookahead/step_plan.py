@@ -15,7 +15,7 @@ import torch
 
 from ..device import to_device
 from ..step import StepBatch, StepItem
-from .layout import SlotLayout
+from .device_tier import SlotLayout
 
 
 @dataclass(frozen=True)

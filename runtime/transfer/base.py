@@ -23,8 +23,8 @@ class CopyJob:
     valid: None (all n entries are copied), or bool [n]: a fixed-capacity list made on the device
            without reading how many entries are real; the others are skipped. Such a list's
            destinations are distinct, and its skipped entries still name in-range indices.
-    kernel: the engine's copy kernel (its kernel table's `copy_blocks`, set by the residency
-           manager), or None: torch indexing.
+    kernel: the copy kernel (the transfer engine's, `TransferEngine.use_kernel`, set at submit),
+           or None: torch indexing.
     """
 
     src_k: torch.Tensor
@@ -86,6 +86,7 @@ class TransferEngine(abc.ABC):
     """Moves bytes host -> device tier. Called by the lookahead attention backend only."""
 
     def __init__(self) -> None:
+        self.kernel: Callable | None = None      # the copy kernel of the jobs (use_kernel)
         self.h2d_bytes = 0
         self.jobs = 0
         self.urgent_jobs = 0
@@ -122,8 +123,20 @@ class TransferEngine(abc.ABC):
         if ticket.error:
             raise ticket.error
 
+    def use_kernel(self, kernel: Callable | None) -> None:
+        """The copy kernel that runs this engine's jobs (the kernel table's `copy_blocks`, or None:
+        torch indexing); set once, by the backend that submits the jobs."""
+        self.kernel = kernel
+
+    def inline_kernel(self) -> int | None:
+        """The C address of this engine's copy kernel, handed to a C layer that makes its urgent
+        copy inline in its own call (plugins/cpu/lookahead_layer.c) and reports it with
+        `account_inline`; None where the kernel has no C entry (the copies are submitted)."""
+        address = getattr(self.kernel, "c_kernel", None)
+        return address() if address is not None else None
+
     def account_inline(self, units: int, urgent: bool, seconds: float, unit_bytes: int) -> None:
-        """A copy the caller made itself, inline (a fused CPU kernel: runtime/lookahead/fused_layer.py):
+        """A copy made inline with this engine's kernel (`inline_kernel`, in a C layer's call):
         counted as one submitted job of `units` units, and, when urgent, its `seconds` as stall."""
         self._h2d_host += units * unit_bytes
         self.jobs += 1
@@ -134,6 +147,8 @@ class TransferEngine(abc.ABC):
     def _account(self, job: CopyJob, urgent: bool) -> Ticket:
         """Count a submitted job; its ticket's `job_bytes` are the bytes it lists (an upper bound
         of those moved for a fixed-capacity list)."""
+        if job.kernel is None:
+            job.kernel = self.kernel
         units = job.units_moved()
         if isinstance(units, int):
             self._h2d_host += units * job.unit_bytes

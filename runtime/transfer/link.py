@@ -21,7 +21,7 @@ e.g. "link:4,10": 4 GB/s, 10 us a job) puts a link of a given bandwidth and late
   thread's timer slack (Linux `PR_SET_TIMERSLACK`, 1 us) so that a sleep overshoots by ~10 us
   rather than ~60 us; what it still overshoots is summed in `overshoot_s`.
 
-Copies made outside the engine and only reported to it (`account_inline`: the fused CPU layer's
+Copies made outside the engine and only reported to it (`account_inline`: the C lookahead layer's
 urgent copy, made inside its C call) occupy the link too: submitted `seconds` before the report
 (when the inline memcpy began, as far as the engine can tell), and, when urgent, the caller
 sleeps until the link has delivered them. The C call attends right after its copy, so the sleep
