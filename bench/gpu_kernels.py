@@ -8,7 +8,7 @@
    no compile; run alone, built on first use and cached on disk) and registers them for the CUDA
    dispatch key of ``torch.ops.lookahead.*``.
 2. Checks every kernel against ``plugins.reference`` on fresh random inputs (fp32, bf16, fp16,
-   outputs poisoned first; ``plugins/cuda/numerics.py``) through three doors: the extension's
+   outputs poisoned first; ``bench/cuda_numerics.py``) through three doors: the extension's
    entry points (``ext``), ``torch.ops.lookahead.*`` as the runtime calls them (``dispatch``:
    the loader's wrappers and the dispatcher) and the validating public wrappers ``plugins.<op>``
    (``wrappers``).
@@ -133,7 +133,7 @@ def op_of(fn) -> str:
 
 
 def targets(device: torch.device) -> list[tuple[str, object]]:
-    from plugins.cuda import numerics
+    from bench import cuda_numerics as numerics
     if device.type == "cuda":
         return [("ext", numerics.cuda_target()), ("dispatch", numerics.Target("cuda", DispatchEntryPoints())),
                 ("wrappers", numerics.Target("cuda", WrapperEntryPoints()))]
@@ -143,7 +143,7 @@ def targets(device: torch.device) -> list[tuple[str, object]]:
 def plan(case_set: str, device: torch.device) -> list[tuple]:
     """(fn, dtype, case) of a case set: "small" (every small case, every dtype; bf16 only on CPU),
     "large" (one >2^31-element case per op, bf16) or "smoke" (one small case per op, bf16)."""
-    from plugins.cuda import numerics
+    from bench import cuda_numerics as numerics
     if case_set == "large":
         return [(fn, torch.bfloat16, "large") for fn in numerics.SMALL_CASES]
     if case_set == "smoke":
@@ -155,7 +155,7 @@ def plan(case_set: str, device: torch.device) -> list[tuple]:
 def run_checks(case_set: str, device: torch.device, results: ResultFile, doors: list[tuple[str, object]]) -> int:
     """Run a case set through each door, appending every check to the results as it completes.
     An exception is a failed check (one broken kernel does not hide the others). Returns failures."""
-    from plugins.cuda import numerics
+    from bench import cuda_numerics as numerics
     failed = 0
     for door, target in doors:
         for fn, dtype, case in plan(case_set, device):
@@ -277,7 +277,7 @@ def measure_copy(nbytes: int, device: torch.device) -> dict:
 # ---- the child process ---------------------------------------------------------------------------------
 def run_child(args, results: ResultFile, device: torch.device) -> int:
     import plugins  # noqa: F401  (defines the ops; the ext door loads the extension itself)
-    from plugins.cuda import numerics
+    from bench import cuda_numerics as numerics
     doors = [("ext", numerics.cuda_target())] if device.type == "cuda" else targets(device)
     return 1 if run_checks(args.child, device, results, doors) else 0
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gpu_skips import ROOT, nvcc, requires_cuda, requires_nvcc
-from plugins.cuda import numerics
+from bench import cuda_numerics as numerics
 from plugins.reference import lookahead_attention_ref
 
 from bench import gpu_kernels as gkc

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import reference
-from ..reference import TOLERANCES
-from .loader import load_extension
+from plugins import reference
+from plugins.cuda.loader import load_extension
+from plugins.reference import TOLERANCES
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LARGE = 2**31 + 2**20                      # elements: past every int32 offset
