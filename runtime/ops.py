@@ -100,7 +100,7 @@ def select_ops(device: torch.device, dtype: torch.dtype, impl: str = "auto", qua
                   name=f"torch/{device.type}")
     else:
         d = plugins.direct
-        ops = Ops(d.block_gather, cpu.ops.block_topk_op, d.update_summaries, cpu.ops.lookahead_attention_op,
+        ops = Ops(d.block_gather, cpu.ops.block_topk_op, cpu.ops.update_summaries, cpu.ops.lookahead_attention_op,
                   quantized_linear(cpu.linear, cpu.linear_int8) if quantized else cpu.linear,
                   rms_norm=cpu.rms_norm, paged_attention=cpu.attention_paged, plan_slots=bookkeeping.plan,
                   copy_blocks=bookkeeping.copy_blocks, fused_decoder=fused.bind,

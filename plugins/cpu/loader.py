@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("linear.c", "linear_int8.c", "attention.c", "topk.c", "residency.c", "elementwise.c",
-                        "decode.c", "lookahead_layer.c")]
+                        "decode.c", "lookahead_layer.c", "summaries.c")]
 HEADERS = [Path(__file__).with_name("common.h")]
 BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cpu"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
@@ -52,6 +52,7 @@ SIGNATURES = {       # (restype, argtypes) of each kernel; see the C sources for
     "lkv_ext_rest": (None, [_p, _p, _p, _i64, _p, _int]),
     "lkv_ext_end": (None, [_p, _p, _p]),
     "lkv_lookahead_layer": (_int, [_p, _p]),                   # a lookahead decode layer (lookahead_layer.py)
+    "lkv_update_summaries": (_int, [_p] * 5 + [_i64] * 4 + [_int, _int]),   # update_summaries (summaries.c)
 }
 
 

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch._C._autograd import _profiler_enabled
 
+from .._common import fail
 from ..attention import _lookahead_attention_impl
+from ..summaries import _update_summaries_impl
 from ..topk import _block_topk_impl
 from .loader import LOADED, library
 
@@ -379,3 +381,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     with traced("rms_norm"):
         lib.lkv_rmsnorm(x.data_ptr(), x.stride(0), weight.data_ptr(), float(eps), y.data_ptr(), N, M, N)
     return y
+
+
+def update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.Tensor, block_ids: torch.Tensor,
+                     block_offsets: torch.Tensor) -> None:
+    """`lookahead::update_summaries` (plugins/summaries.py's contract; like `plugins.direct`'s entry,
+    no argument checks beyond what keeps the kernel in bounds): one C call (plugins/cpu/summaries.c)
+    for contiguous fp32 [num_blocks, KVH, D] CPU summaries with fp32 / fp16 / bf16 keys [T, KVH, D]
+    and int64 [T] ids and offsets, the last three made contiguous first (T rows: cheap). Anything
+    else (other summary or key dtypes, another device, non-contiguous summaries, which are written
+    in place and cannot be copied, inconsistent shapes, autograd) goes to the torch implementation,
+    which raises its own errors. NaN keys propagate as torch.minimum / maximum's do; only the NaN
+    bit pattern may differ from torch's (which varies with its vector width). An id outside
+    [0, num_blocks): ValueError naming block_ids, nothing changed."""
+    lib = loaded()
+    T = keys.shape[0] if keys.dim() == 3 else -1
+    if (lib is None or kmin.dtype != torch.float32 or kmax.dtype != torch.float32 or keys.dtype not in KV_DTYPES
+            or block_ids.dtype != torch.int64 or block_offsets.dtype != torch.int64
+            or kmin.dim() != 3 or kmax.shape != kmin.shape or T < 0 or keys.shape[1:] != kmin.shape[1:]
+            or block_ids.shape != (T,) or block_offsets.shape != (T,)
+            or not (kmin.device.type == kmax.device.type == keys.device.type == block_ids.device.type
+                    == block_offsets.device.type == "cpu")
+            or not (kmin.is_contiguous() and kmax.is_contiguous())
+            or (torch.is_grad_enabled() and (kmin.requires_grad or kmax.requires_grad or keys.requires_grad))):
+        return _update_summaries_impl(kmin, kmax, keys, block_ids, block_offsets)
+    keys, block_ids, block_offsets = keys.contiguous(), block_ids.contiguous(), block_offsets.contiguous()
+    num_blocks, kvh, D = kmin.shape
+    with traced("update_summaries"):
+        rc = lib.lkv_update_summaries(kmin.data_ptr(), kmax.data_ptr(), keys.data_ptr(), block_ids.data_ptr(),
+                                      block_offsets.data_ptr(), T, kvh, D, num_blocks, KV_DTYPES[keys.dtype],
+                                      torch.get_num_threads())
+    if rc != 0:
+        fail("block_ids", f"values must be in [0, {num_blocks}), got min {int(block_ids.min())}, "
+                          f"max {int(block_ids.max())}")
