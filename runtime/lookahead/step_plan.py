@@ -210,26 +210,11 @@ def candidate_mask(layout: SlotLayout, context_len: int, max_blocks: int) -> tor
     return m
 
 
-def build_decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int], draft_rows: list[int],
-                      context_lens: list[int], max_blocks: int, only_decode: bool,
-                      predecode: list[bool] | None = None,
-                      device: torch.device = torch.device("cpu")) -> DecodePart:
-    """`predecode[i]`: lane i pre-decodes (its draft row is at the real row's position). The
-    tensors are built on the host and moved to `device` once (`build_plan` moves them with the
-    rest of the plan)."""
-    part = _decode_part(layout, lanes, real_rows, draft_rows, context_lens, max_blocks, only_decode, predecode)
-    if device.type == "cpu":
-        return part
-    names = [f.name for f in fields(part) if isinstance(getattr(part, f.name), torch.Tensor)]
-    found = {id(getattr(part, n)): getattr(part, n) for n in names}
-    moved = dict(zip(found, to_device(device, *found.values())))
-    return replace(part, **{n: moved[id(getattr(part, n))] for n in names})
-
-
 def _decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int], draft_rows: list[int],
                  context_lens: list[int], max_blocks: int, only_decode: bool,
                  predecode: list[bool] | None = None) -> DecodePart:
-    """`build_decode_part` on the host."""
+    """The plan's `DecodePart` (host tensors, moved with the rest of the plan): `predecode[i]`:
+    lane i pre-decodes (its draft row is at the real row's position)."""
     n = max(lanes) + 1
     predecode = predecode or [False] * len(lanes)
     base = torch.zeros(n, layout.selected_start * layout.block_size, dtype=torch.bool)
