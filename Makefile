@@ -8,6 +8,11 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 ENGINE  ?= engines/default
 PYTEST_ARGS ?=
+# OpenMP's short spin (deploy/process.py) for everything make runs: libgomp reads it once, when torch
+# loads it. A GOMP_SPINCOUNT or OMP_WAIT_POLICY of your own wins.
+ifeq ($(origin OMP_WAIT_POLICY),undefined)
+export GOMP_SPINCOUNT ?= 10000
+endif
 
 .PHONY: venv model data dynamo engine demo test bench clean
 .DEFAULT_GOAL := demo

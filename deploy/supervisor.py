@@ -46,6 +46,7 @@ from pathlib import Path
 from runtime.errors import LookaheadError
 from .http_front import DEFAULT_MAX_BODY_BYTES, Front
 from .probe import ProbeResult, probe, probe_async
+from .process import prepare_threads
 from .triton_env import ServerOptions, make_backend_dir, remove_shell_safe_alias, remove_shm_regions, \
     server_env
 
@@ -316,8 +317,10 @@ class Supervisor:
         rotate_log(self.files.server_log)
         self.upstream_port = free_port(avoid=(self.s.http_port, self.s.grpc_port, self.s.metrics_port))
         argv = self._options().argv()
+        env = server_env()
+        prepare_threads(env)                # tritonserver's python stub loads torch: it starts with them
         with open(self.files.server_log, "ab") as out:
-            self.proc = subprocess.Popen(argv, env=server_env(), stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         _write_atomic(self.files.server_pid, f"{self.proc.pid}\n")
         self.front.upstream = ("127.0.0.1", self.upstream_port)

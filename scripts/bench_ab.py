@@ -19,6 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from deploy.process import prepare_threads
+
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 AB_DIR = ROOT / "build" / "ab"
 

@@ -74,7 +74,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import runtime  # noqa: F401  first: its CPU threading defaults (OpenMP wait policy) then apply to both sides
+from deploy.process import prepare_threads
+
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it; both sides run with it
+
 import torch
 
 import bench.speed as lib  # the link sweep's helpers

@@ -28,6 +28,10 @@ import sys
 import time
 from pathlib import Path
 
+from deploy.process import prepare_threads
+
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
+
 from bench.prefix_serve import pct
 
 ROOT = Path(__file__).resolve().parent.parent

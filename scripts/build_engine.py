@@ -5,6 +5,10 @@ Thin wrapper over `builder.cli` (options derived from `builder.BuildConfig`); se
 """
 import sys
 
+from deploy.process import prepare_threads
+
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
+
 from builder.cli import main
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from deploy.process import prepare_threads
+
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
+
 import numpy as np
 
 from bench.load_report import plot, print_table

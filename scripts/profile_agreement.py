@@ -33,6 +33,10 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from deploy.process import prepare_threads
+
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
+
 import torch
 
 from bench import longctx_data as data

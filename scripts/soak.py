@@ -42,6 +42,10 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from deploy.process import prepare_threads
+
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
+
 import numpy as np
 
 from bench.load_workload import Prompts

@@ -67,6 +67,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deploy.process import prepare_threads
+
+if __name__ == "__main__":  # the worker process: before runtime.sampling loads torch (deploy/process.py)
+    prepare_threads()
+
 from runtime.errors import LookaheadError, RequestError
 
 from .fields import OPENAI_FIELDS, client_error

@@ -21,6 +21,10 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
+from deploy.process import prepare_threads
+
+prepare_threads()  # the python stub's process: before runtime.engine loads torch (deploy/process.py)
+
 from runtime.engine import Engine
 from runtime.errors import LookaheadError
 from runtime.scheduler import QueueFullError

@@ -1,0 +1,43 @@
+"""Thread settings a process that runs an engine starts with, set by its entry point, never by an import.
+
+OpenMP's idle workers spin before they sleep. libgomp's default spin (300,000 pauses, ~8 ms on the
+2-core dev VM) starved the transfer thread and anything else on the cores (5-12x slowdowns measured
+on 2 cores); never spinning (OMP_WAIT_POLICY=PASSIVE) wakes the workers from sleep at every parallel
+region, which took most of what a second thread gives the decode step's ~200 back-to-back kernel
+calls. A short spin (GOMP_SPINCOUNT=10000, ~0.3 ms there) keeps them awake through a step and lets
+them sleep between steps.
+
+libgomp (loaded by `import torch`; the C kernels in plugins/cpu, built with -fopenmp, share it) reads
+the variable once, when it loads. So the launcher sets it, first thing, before anything imports
+torch: the scripts, `python -m runtime`, the Triton model and the Dynamo worker call
+`prepare_threads()`, the supervisor passes it in tritonserver's environment, and a child process
+started after the call inherits it. The library itself (runtime/, plugins/) never sets it.
+Either variable set by the user wins. Embedding the engine in your own process: set it yourself
+before importing torch (docs/SETTINGS.md).
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping, MutableMapping
+
+SPIN_VAR = "GOMP_SPINCOUNT"
+POLICY_VAR = "OMP_WAIT_POLICY"
+SPIN_DEFAULT = "10000"
+
+
+def thread_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables `env` still needs: {} when the user chose a spin count or a wait policy."""
+    if SPIN_VAR in env or POLICY_VAR in env:
+        return {}
+    return {SPIN_VAR: SPIN_DEFAULT}
+
+
+def prepare_threads(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Give `env` (os.environ by default) the short OpenMP spin unless it has a setting; returns what it set.
+
+    Call it before torch is imported: libgomp reads the variable only when it loads.
+    """
+    env = os.environ if env is None else env
+    added = thread_settings(env)
+    env.update(added)
+    return added
