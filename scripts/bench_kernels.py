@@ -33,10 +33,14 @@ import json
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+from deploy.process import prepare_threads
 
-from plugins import cpu
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from plugins import cpu  # noqa: E402
 
 LAYERS, HIDDEN, KV_DIM, INTER = 30, 576, 192, 1536          # SmolLM2-135M
 LINEARS = [(HIDDEN, HIDDEN + 2 * KV_DIM), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTER), (INTER, HIDDEN)]

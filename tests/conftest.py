@@ -4,7 +4,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+from deploy.process import prepare_threads
+
+prepare_threads()   # as every entry point does, before torch loads (a plain `pytest` run gets it too)
+
+import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ENGINE = Path(os.environ.get("LOOKAHEAD_TEST_ENGINE", ROOT / "engines" / "default"))
