@@ -113,6 +113,7 @@ class LookaheadAttention:
                      group_max=cfg.group_score == "max", copy=self.transfer.inline_kernel())
         if layer is None:
             return None, "the C kernels, the transfer engine's copy kernel or the tensors' layouts"
+        self._unit_bytes = self.pool.block_bytes // self.kvh     # one (block, KV head) of K and V
         return layer, None
 
     # ---- the parts' tensors and sizes (tests, the memory plan, the bench) ------------------------
@@ -271,8 +272,7 @@ class LookaheadAttention:
         urgent = predicted = None
         if r.admitted:              # copied by the C layer with the transfer engine's kernel
             slots.high[buf] = grown
-            self.transfer.account_inline(r.admitted, urgent=True, seconds=r.copy_s,
-                                         unit_bytes=2 * self.layout.block_size * self.hd * self.pool.k.element_size())
+            self.transfer.account_inline(r.admitted, urgent=True, seconds=r.copy_s, unit_bytes=self._unit_bytes)
             urgent = Admission(*urgent_adm[: 4 * true.numel()].view(4, -1)[:, : r.admitted].unbind(0))
         if r.predicted:             # the resident policy's admissions, as `SlotTable.plan` made them
             slots.high[buf] = slots.grown(buf, self.fetch_cap, res.most)
