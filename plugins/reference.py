@@ -116,3 +116,62 @@ def linear_int8_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if bias is not None:
         y = y + bias.to(torch.float64)
     return y.to(torch.float32)
+
+
+def bf16_round(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 (nearest even) and widened back to fp32: what the prefill kernels compute with."""
+    return x.to(torch.bfloat16).float()
+
+
+def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: list[int],
+                          context_len: int, scale: float) -> torch.Tensor:
+    """Causal attention of n new rows over a sequence's first `context_len` keys in one pool layer:
+    q [n, H, D], k/v [KVH, NB, bs, D], block_table (ceil(L / bs) blocks) -> [n, H, D] fp32, row i
+    at position L - n + i seeing keys 0 .. L - n + i; the keys gathered by the table, the mask
+    explicit, in float64."""
+    n, H, D = q.shape
+    kvh, _, bs, _ = k.shape
+    L, G = context_len, H // kvh
+    blocks = torch.as_tensor(block_table[: -(-L // bs)], dtype=torch.long)
+    kc = k[:, blocks].reshape(kvh, -1, D)[:, :L].double()
+    vc = v[:, blocks].reshape(kvh, -1, D)[:, :L].double()
+    out = torch.empty(n, H, D, dtype=torch.float64)
+    pos = torch.arange(L - n, L)
+    mask = torch.arange(L)[None, :] <= pos[:, None]                          # [n, L]
+    for h in range(H):
+        s = (q[:, h].double() @ kc[h // G].T) * scale
+        out[:, h] = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ vc[h // G]
+    return out.float()
+
+
+def linear_bf16_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The bf16 prefill GEMM's math: x [M, K] and weight [N, K] rounded to bf16, products and sums
+    in float64 -> [M, N] fp32 (+ bias)."""
+    y = bf16_round(x).double() @ bf16_round(weight).double().T
+    return (y if bias is None else y + bias.double()).float()
+
+
+def quantize_rows_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (q [M, K] int8, s [M, K // group] fp32): per row and group of `group`
+    inputs, s = max|x| / 127 (1 for an all-zero group), q = round-half-even(x / s)."""
+    M, K = x.shape
+    xg = x.view(M, K // group, group)
+    amax = xg.abs().amax(-1)
+    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(xg / s[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.view(M, K), s
+
+
+def linear_w8a8_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The int8 prefill GEMM's math: x quantized per row and group of G (`quantize_rows_ref`, G the
+    weight's group: K // scale.shape[1]), the group's integer dot products scaled by both scales,
+    summed in float64 -> [M, N] fp32 (+ bias). qweight [N, K] int8, scale [N] or [N, K // G]."""
+    M, K = x.shape
+    N = qweight.shape[0]
+    scale = scale.reshape(N, -1)                                             # [N] -> [N, 1]: G = K
+    G = K // scale.shape[1]
+    q, s = quantize_rows_ref(x, G)
+    dots = torch.einsum("mgk,ngk->mng", q.view(M, -1, G).double(), qweight.view(N, -1, G).double())  # exact ints
+    y = (dots * s.double()[:, None, :] * scale.double()[None]).sum(-1)
+    return (y if bias is None else y + bias.double()).float()

@@ -34,6 +34,36 @@ static inline __m256 exp_neg(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+/* bf16 bits of x, round to nearest even (as torch's .to(torch.bfloat16)); a NaN stays a quiet NaN */
+static inline uint32_t bf16_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+/* bf16_bits of eight fp32 values, one per 32-bit lane */
+static inline __m256i bf16x8(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                                                         _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(r, q, nan);
+}
+
+/* Sixteen consecutive values (a: the first eight, b: the next, widened to fp32) as eight bf16
+ * pairs, element 2i in the low half of lane i and 2i + 1 in the high half: the layout the bf16
+ * dot-product instruction multiplies. */
+static inline __m256i bf16_pairs(__m256 a, __m256 b) {
+    const __m256i idx = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256i lo = _mm256_permutevar8x32_epi32(bf16x8(a), idx);    /* a0 a2 a4 a6 | a1 a3 a5 a7 */
+    const __m256i hi = _mm256_permutevar8x32_epi32(bf16x8(b), idx);
+    const __m256i ev = _mm256_permute2x128_si256(lo, hi, 0x20), od = _mm256_permute2x128_si256(lo, hi, 0x31);
+    return _mm256_or_si256(ev, _mm256_slli_epi32(od, 16));
+}
+
 /* The kernels that plugins/cpu/decode.c (the fused decode step) and ondemand.c call across files; declared here
  * so that each definition is checked against the one signature. */
 void lkv_rmsnorm(const float *x, int64_t xs, const float *w, float eps, float *y, int64_t ys, int64_t M, int64_t N);

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("linear.c", "linear_int8.c", "attention.c", "topk.c", "residency.c", "elementwise.c",
-                        "decode.c", "lookahead_layer.c", "summaries.c")]
+                        "decode.c", "lookahead_layer.c", "summaries.c", "prefill_attention.c", "gemm.c")]
 HEADERS = [Path(__file__).with_name("common.h")]
 BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cpu"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
@@ -53,6 +53,15 @@ SIGNATURES = {       # (restype, argtypes) of each kernel; see the C sources for
     "lkv_ext_end": (None, [_p, _p, _p]),
     "lkv_lookahead_layer": (_int, [_p, _p]),                   # a lookahead decode layer (lookahead_layer.py)
     "lkv_update_summaries": (_int, [_p] * 5 + [_i64] * 4 + [_int, _int]),   # update_summaries (summaries.c)
+    "lkv_prefill_attention": (_int, [_p, _i64, _p, _p, _i64, _p] + [_i64] * 6 + [ctypes.c_float, _p, _i64]
+                              + [_int] * 3),                   # prefill attention (prefill_attention.c)
+    "lkv_prefill_bf16_supported": (_int, []),
+    "lkv_gemm_supported": (_int, []),                          # the prefill GEMMs (gemm.c)
+    "lkv_pack_bf16": (None, [_p, _i64, _i64, _i64, _p, _int]),
+    "lkv_gemm_bf16": (_int, [_p, _i64, _i64, _i64, _p, _i64, _p, _p, _i64, _int]),
+    "lkv_pack_w8a8": (None, [_p, _p, _i64, _i64, _i64, _p, _p, _p, _int]),
+    "lkv_quantize_rows": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _int]),
+    "lkv_gemm_w8a8": (_int, [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, _p, _p, _i64, _int]),
 }
 
 

@@ -1,0 +1,211 @@
+"""torch-facing wrappers of the prefill kernels: prefill_attention.c (causal attention of a prompt
+chunk over the paged pool, bf16 dot products) and gemm.c (many-row GEMMs: bf16, and int8 weights
+times int8 activations).
+
+Each checks what its kernel reads and returns None where it does not take the arguments (the
+caller's torch path runs). All follow torch's intra-op thread count.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..reference import bf16_round
+from .loader import library
+from .ops import KV_DTYPES, int8_group_size, loaded, traced
+
+ISAS = {"auto": 0, "avx2": 1}     # prefill_attention.c's isa codes: the best this CPU has, or AVX2 + FMA
+
+
+def bf16_dot_products() -> bool:
+    """Whether this CPU has the bf16 dot-product instructions (AVX512_BF16) the kernels use."""
+    lib = library()
+    return lib is not None and bool(lib.lkv_gemm_supported() & 1)
+
+
+def int8_dot_products() -> bool:
+    """Whether this CPU has the int8 dot-product instructions (AVX512_VNNI) the W8A8 GEMM uses."""
+    lib = library()
+    return lib is not None and bool(lib.lkv_gemm_supported() & 2)
+
+
+def _cached(t: torch.Tensor, attr: str, key: tuple, make):
+    """make() cached on tensor t under attr, rebuilt when t changes in place (its version counter)
+    or `key` changes."""
+    cached = getattr(t, attr, None)
+    key = (t._version, t.data_ptr(), *key)
+    if cached is None or cached[0] != key:
+        cached = (key, make())
+        setattr(t, attr, cached)
+    return cached[1]
+
+
+def packed_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] fp32 in lkv_gemm_bf16's panels (bf16 pairs, N padded to 64), cached on the
+    tensor: half the fp32 bytes, made once per weight."""
+    def make():
+        N, K = weight.shape
+        out = torch.empty((N + 63) // 64 * ((K + 1) // 2) * 64, dtype=torch.int32)
+        w = weight.detach().contiguous()
+        loaded().lkv_pack_bf16(w.data_ptr(), K, N, K, out.data_ptr(), torch.get_num_threads())
+        return out
+    return _cached(weight, "_lkv_bf16", (), make)
+
+
+def packed_bytes_bf16(n: int, k: int) -> int:
+    """Bytes of `packed_bf16` of an [n, k] weight (the memory plan counts them)."""
+    return (n + 63) // 64 * ((k + 1) // 2) * 64 * 4
+
+
+def linear_bf16_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The bf16 GEMM's numerics in torch (machines without the kernel): x and the weight rounded to
+    bf16, an fp32 GEMM over the rounded values."""
+    return F.linear(bf16_round(x), bf16_round(weight), bias)
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ weight [N, K].T + bias with x and weight rounded to bf16, fp32 sums and output
+    (contract: `plugins.reference.linear_bf16_ref`): one C call (gemm.c, AVX512_BF16) for fp32 CPU
+    tensors, else `linear_bf16_torch`."""
+    lib = loaded()
+    if (lib is None or not bf16_dot_products() or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]
+            or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+            or weight.device.type != "cpu" or x.shape[0] == 0
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.shape[0],)))
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return linear_bf16_torch(x, weight, bias)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    (M, K), N = x.shape, weight.shape[0]
+    packed = packed_bf16(weight)
+    y = torch.empty(M, N, dtype=torch.float32)
+    with traced("linear_bf16"):
+        rc = lib.lkv_gemm_bf16(x.data_ptr(), x.stride(0), M, K, packed.data_ptr(), N,
+                               bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(), N,
+                               torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("linear_bf16 (CPU kernel): scratch allocation failed")
+    return y
+
+
+def packed_w8a8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(quads, scales, offset sums) of an int8 weight in lkv_gemm_w8a8's panels, cached on qweight."""
+    def make():
+        N, K = qweight.shape
+        G = int8_group_size(qweight, scale)
+        panels, ng = (N + 31) // 32, K // G
+        wq = torch.empty(panels * (K // 4) * 32, dtype=torch.int32)
+        wsc = torch.empty(panels * ng * 32, dtype=torch.float32)
+        wsum = torch.empty(panels * ng * 32, dtype=torch.int32)
+        w, s = qweight.contiguous(), scale.reshape(N, ng).contiguous()
+        loaded().lkv_pack_w8a8(w.data_ptr(), s.data_ptr(), N, K, G, wq.data_ptr(), wsc.data_ptr(), wsum.data_ptr(),
+                               torch.get_num_threads())
+        return wq, wsc, wsum
+    return _cached(qweight, "_lkv_w8a8", (scale.data_ptr(), scale._version), make)
+
+
+def packed_bytes_w8a8(n: int, k: int, group: int) -> int:
+    """Bytes of `packed_w8a8` of an [n, k] int8 weight with groups of `group` inputs."""
+    panels = (n + 31) // 32
+    return panels * 32 * (k + 2 * 4 * (k // group))
+
+
+def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W8A8 GEMM's activation quantization (lkv_quantize_rows), for tests: x [M, K] fp32 ->
+    (q [M, K] int8, s [M, K // group] fp32), as `plugins.reference.quantize_rows_ref`."""
+    x = x.contiguous()
+    M, K = x.shape
+    xq = torch.empty(M, K, dtype=torch.uint8)
+    s = torch.empty(M, K // group, dtype=torch.float32)
+    loaded().lkv_quantize_rows(x.data_ptr(), K, M, K, group, xq.data_ptr(), s.data_ptr(), torch.get_num_threads())
+    return (xq.to(torch.int16) - 128).to(torch.int8), s
+
+
+def w8a8_supported(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether `linear_w8a8` runs these in one C call: fp32 CPU rows, an int8 [N, K] weight whose
+    group G (int8_group_size) is a multiple of 4 dividing K, on a CPU with AVX512_VNNI."""
+    if loaded() is None or not int8_dot_products() or x.dim() != 2 or qweight.dim() != 2:
+        return False
+    N, K = qweight.shape
+    try:
+        G = int8_group_size(qweight, scale)
+    except ValueError:
+        return False
+    return (x.shape[1] == K and x.shape[0] > 0 and x.dtype == torch.float32 and qweight.dtype == torch.int8
+            and scale.dtype == torch.float32 and G % 4 == 0 and K % G == 0
+            and all(t.device.type == "cpu" for t in (x, qweight, scale))
+            and not (torch.is_grad_enabled() and x.requires_grad))
+
+
+def linear_w8a8_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The W8A8 numerics in torch (machines without the kernel): x quantized per row and group as
+    the kernel does, dequantized, times the dequantized weight in fp32."""
+    N, K = qweight.shape
+    G = int8_group_size(qweight, scale)
+    from ..reference import quantize_rows_ref
+    q, s = quantize_rows_ref(x, G)
+    xd = (q.view(x.shape[0], -1, G).float() * s[..., None]).view(x.shape)
+    from .ops import dequantize_int8
+    return F.linear(xd, dequantize_int8(qweight, scale), bias)
+
+
+def linear_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32, quantized to int8 per row and group of the weight's G inputs, times the int8
+    weight (qweight [N, K], scale [N] or [N, K // G]) in integer dot products, scaled into fp32, +
+    bias (contract: `plugins.reference.linear_w8a8_ref`): one C call (gemm.c, AVX512_VNNI) where
+    `w8a8_supported`, else `linear_w8a8_torch`."""
+    if not w8a8_supported(x, qweight, scale) or (bias is not None and (bias.dtype != torch.float32
+                                                                      or bias.shape != (qweight.shape[0],))):
+        return linear_w8a8_torch(x, qweight, scale, bias)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    (M, K), N = x.shape, qweight.shape[0]
+    G = int8_group_size(qweight, scale)
+    wq, wsc, wsum = packed_w8a8(qweight, scale)
+    y = torch.empty(M, N, dtype=torch.float32)
+    with traced("linear_w8a8"):
+        rc = loaded().lkv_gemm_w8a8(x.data_ptr(), x.stride(0), M, K, G, wq.data_ptr(), wsc.data_ptr(),
+                                    wsum.data_ptr(), N, bias.contiguous().data_ptr() if bias is not None else None,
+                                    y.data_ptr(), N, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("linear_w8a8 (CPU kernel): scratch allocation failed")
+    return y
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: list[int] | torch.Tensor,
+                      context_len: int, scale: float, isa: str = "auto") -> torch.Tensor | None:
+    """Causal attention of n new rows over a sequence's first `context_len` keys, read where they
+    lie in one layer of the KV pool (contract: plugins/CONTRACTS.md, "Prefill attention").
+
+    q [n, H, D] fp32, row i at position context_len - n + i; k, v [KVH, NB, bs, D] (one layer of
+    the pool, contiguous, fp32 / fp16 / bf16); block_table: the sequence's blocks, in order (at
+    least ceil(context_len / bs)) -> [n, H, D] fp32, or None where the kernel does not take these
+    arguments. isa: "auto" (AVX512_BF16 where the CPU has it) or "avx2" (the fallback's path)."""
+    lib = loaded()
+    if lib is None or q.dim() != 3 or k.dim() != 4 or isa not in ISAS:
+        return None
+    n, H, D = q.shape
+    kvh, nb, bs, _ = k.shape
+    need = -(-context_len // bs) if bs > 0 else 0
+    if not (0 < n <= context_len and kvh > 0 and H % kvh == 0 and D % 16 == 0 and 0 < D <= 512
+            and k.shape[3] == D and v.shape == k.shape and q.dtype == torch.float32
+            and k.dtype in KV_DTYPES and v.dtype == k.dtype
+            and all(t.device.type == "cpu" for t in (q, k, v)) and k.is_contiguous() and v.is_contiguous()
+            and q.stride(2) == 1 and q.stride(1) == D and len(block_table) >= need
+            and not (torch.is_grad_enabled() and q.requires_grad)):
+        return None
+    table = torch.as_tensor(block_table[:need], dtype=torch.int64)
+    if need and (int(table.min()) < 0 or int(table.max()) >= nb):
+        return None
+    table = table.contiguous()
+    out = torch.empty(n, H, D, dtype=torch.float32)
+    with traced("prefill_attention"):
+        rc = lib.lkv_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), nb * bs * D,
+                                       table.data_ptr(), bs, context_len, n, H, kvh, D, float(scale),
+                                       out.data_ptr(), H * D, torch.get_num_threads(), KV_DTYPES[k.dtype],
+                                       ISAS[isa])
+    if rc != 0:
+        raise MemoryError("prefill_attention (CPU kernel): scratch allocation failed")
+    return out

@@ -1,0 +1,370 @@
+/* lkv_prefill_attention: chunked causal prefill attention (runtime/attention_dense.py's
+ * prefill_attention is its reference) read straight from one layer of the paged KV pool.
+ *
+ * n new query rows, row i at position L - n + i, attend to the sequence's keys 0 .. L - n + i,
+ * which lie in the pool's blocks btab[0 .. ceil(L / bs)) ([KVH, NB, bs, D] per layer, K/V stored
+ * as fp32, fp16 or bf16). No gather copy of the cache and no mask are made: per call, each KV
+ * head's keys and values are converted once into bf16 tiles laid out for dot products
+ * (packing), shared by the threads, then every (KV head, run of positions) unit runs a
+ * flash-attention loop: the G query heads of the GQA group and TP consecutive positions form its
+ * rows, so each K/V tile is read once for all of them; an online softmax (running max and
+ * denominator per row) in fp32.
+ *
+ * Numerics (plugins/CONTRACTS.md, "Prefill attention"): q * scale * log2(e), K, V and the softmax
+ * weights are rounded to bf16 (round to nearest even); products are exact in fp32 and every sum is
+ * fp32. The AVX512_BF16 path sums with vdpbf16ps; the AVX2 path (any x86-64 with AVX2 + FMA, or
+ * isa = 1) computes the same rounded values with fp32 FMAs. Key tiles sit at fixed positions
+ * (multiples of KT), and a row's sums never depend on the other rows of its tile, so a row's
+ * output does not depend on how the prompt was chunked (bit for bit, per ISA path).
+ */
+#include "common.h"
+
+#define KV_F32 0
+#define KV_F16 1
+#define KV_BF16 2
+
+#define KT 64          /* keys per tile: 4 x 16 lanes */
+#define MR 6           /* query rows per register tile */
+#define ROWS 24        /* target rows per unit (TP positions x G heads): a K/V tile is reused by them */
+#define LOG2E 1.4426950408889634f
+
+/* ---- packing: fp32 / fp16 / bf16 storage -> bf16 pairs ------------------------------------------ */
+
+static inline float kv_get(const void *p, int64_t i, int T) {
+    if (T == KV_F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
+    if (T == KV_BF16) {
+        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+/* eight elements of storage T from element i, widened to fp32 */
+static inline __m256 ld8(const void *row, int64_t i, int T) {
+    if (T == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    if (T == KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
+    return _mm256_loadu_ps((const float *)row + i);
+}
+
+/* Key j's row (D elements of storage T) into the QK tile layout: kp[g][p][16] 32-bit pairs
+ * (K[j][2p], K[j][2p + 1]), g = j / 16, so one 64-byte vector holds 16 keys' pair p. */
+static inline void pack_key(const void *row, int64_t D, int T, uint32_t *kp_group, int lane) {
+    for (int64_t d = 0; d < D; d += 16) {
+        uint32_t pr[8];
+        _mm256_storeu_si256((__m256i *)pr, bf16_pairs(ld8(row, d, T), ld8(row, d + 8, T)));
+        for (int i = 0; i < 8; i++) kp_group[(d / 2 + i) * 16 + lane] = pr[i];
+    }
+}
+
+/* Value rows j (even) and j + 1 (or zeros) into the PV layout vp[d] = (V[j][d], V[j+1][d]) */
+static inline void pack_values(const void *r0, const void *r1, int64_t D, int T, uint32_t *vp) {
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256i a = bf16x8(ld8(r0, d, T));
+        const __m256i b = r1 ? bf16x8(ld8(r1, d, T)) : _mm256_setzero_si256();
+        _mm256_storeu_si256((__m256i *)(vp + d), _mm256_or_si256(a, _mm256_slli_epi32(b, 16)));
+    }
+}
+
+/* Pack keys/values [k0, k1) (k0, k1 multiples of 16; keys >= L are zero) of one KV head. kh, vh:
+ * the head's pool [NB, bs, D]; kp [Lp / 16][D / 2][16], vp [Lp / 2][D] uint32. */
+static void pack_range(const void *kh, const void *vh, const int64_t *btab, int64_t bs, int64_t L, int64_t D, int T,
+                       int64_t k0, int64_t k1, uint32_t *kp, uint32_t *vp) {
+    const int64_t es = T == KV_F32 ? 4 : 2, D2 = D / 2;
+    for (int64_t j = k0; j < k1; j++) {
+        uint32_t *grp = kp + (j / 16) * D2 * 16;
+        if (j < L) {
+            const int64_t off = (btab[j / bs] * bs + j % bs) * D;
+            pack_key((const char *)kh + off * es, D, T, grp, (int)(j % 16));
+        } else {
+            for (int64_t p = 0; p < D2; p++) grp[p * 16 + j % 16] = 0;
+        }
+    }
+    for (int64_t j = k0; j < k1; j += 2) {
+        const void *r0 = NULL, *r1 = NULL;
+        if (j < L) r0 = (const char *)vh + ((btab[j / bs] * bs + j % bs) * D) * es;
+        if (j + 1 < L) r1 = (const char *)vh + ((btab[(j + 1) / bs] * bs + (j + 1) % bs) * D) * es;
+        if (r0) pack_values(r0, r1, D, T, vp + (j / 2) * D);
+        else memset(vp + (j / 2) * D, 0, D * sizeof(uint32_t));
+    }
+}
+
+/* Widen a bf16 in the low (hi = 0) or high half of 32-bit lanes to fp32 */
+static inline __m256 bf_lo(__m256i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
+static inline __m256 bf_hi(__m256i x) { return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000))); }
+
+static inline float bf16_float(uint32_t b) {
+    uint32_t u = b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* visible keys of a tile at t0 for a row at `pos`: 0 .. KT */
+static inline int visible(int64_t pos, int64_t t0) {
+    const int64_t c = pos - t0 + 1;
+    return c <= 0 ? 0 : c >= KT ? KT : (int)c;
+}
+
+/* ---- AVX512_BF16 tile ---------------------------------------------------------------------------- */
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+AVX512 static inline __m512 exp2_512(__m512 x) {       /* x <= 0 or -inf; ~1e-7 relative */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);                  /* [-0.5, 0.5] */
+    __m512 y = _mm512_set1_ps(1.5403530e-4f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+static inline float exp2_1(float x) {                    /* the same polynomial, one value */
+    if (x < -127.0f) x = -127.0f;
+    const float n = nearbyintf(x), f = x - n;
+    float y = 1.5403530e-4f;
+    y = fmaf(y, f, 1.3333558e-3f);
+    y = fmaf(y, f, 9.6181291e-3f);
+    y = fmaf(y, f, 5.5504109e-2f);
+    y = fmaf(y, f, 2.4022651e-1f);
+    y = fmaf(y, f, 6.9314718e-1f);
+    y = fmaf(y, f, 1.0f);
+    const int e = (int)n + 127;                            /* n in [-127, 0]: 2^n, or 0 at -127 */
+    uint32_t u = e > 0 ? (uint32_t)e << 23 : 0;
+    float two;
+    memcpy(&two, &u, 4);
+    return y * two;
+}
+
+/* o[r][dc .. dc + 16 NC) = o * corr[r] + sum over key pairs of the bf16 weights pw[r] x the value pairs */
+AVX512 static inline __attribute__((always_inline)) void pv512(
+        const uint16_t (*pw)[KT], int NR, const float *corr, const uint32_t *vp, int npairs, int64_t dc, int64_t D,
+        float *o, int NC) {
+    __m512 acc[MR][4];
+    for (int r = 0; r < NR; r++) {
+        const __m512 cv = _mm512_set1_ps(corr[r]);
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + dc + 16 * c), cv);
+    }
+    for (int jp = 0; jp < npairs; jp++) {
+        __m512bh v[4];
+        for (int c = 0; c < NC; c++) v[c] = (__m512bh)_mm512_loadu_si512(vp + jp * D + dc + 16 * c);
+        for (int r = 0; r < NR; r++) {
+            uint32_t pp;
+            memcpy(&pp, pw[r] + 2 * jp, 4);
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp);
+            for (int c = 0; c < NC; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, v[c]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(o + r * D + dc + 16 * c, acc[r][c]);
+}
+
+/* One register tile: NR (<= MR) rows, each D/2 bf16 pairs at q32 + r * D2, against the KT keys of
+ * the tile at t0 (kp: its 4 groups, vp: its KT / 2 value pairs), updating o [NR][D], m, l. */
+AVX512 static inline __attribute__((always_inline)) void tile512(
+        const uint32_t *q32, int NR, const int64_t *pos, const uint32_t *kp, const uint32_t *vp, int64_t t0,
+        int64_t D, float *o, float *m, float *l) {
+    const int64_t D2 = D / 2;
+    __m512 s[MR][4];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < 4; c++) s[r][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D2; p++) {
+        __m512bh k[4];
+        for (int c = 0; c < 4; c++) k[c] = (__m512bh)_mm512_loadu_si512(kp + (c * D2 + p) * 16);
+        for (int r = 0; r < NR; r++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q32[r * D2 + p]);
+            for (int c = 0; c < 4; c++) s[r][c] = _mm512_dpbf16_ps(s[r][c], qb, k[c]);
+        }
+    }
+    /* online softmax; the weights rounded to bf16 into pw [NR][KT] */
+    uint16_t pw[MR][KT] __attribute__((aligned(64)));
+    float corr[MR];
+    int kmax = 0;
+    for (int r = 0; r < NR; r++) {
+        const int vis = visible(pos[r], t0);
+        kmax = vis > kmax ? vis : kmax;
+        __mmask16 mk[4];
+        for (int c = 0; c < 4; c++) {
+            const int cnt = vis - 16 * c;
+            mk[c] = cnt >= 16 ? (__mmask16)0xffff : cnt <= 0 ? (__mmask16)0 : (__mmask16)((1u << cnt) - 1);
+            s[r][c] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mk[c], s[r][c]);
+        }
+        const float tm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]),
+                                                            _mm512_max_ps(s[r][2], s[r][3])));
+        const float mn = tm > m[r] ? tm : m[r];
+        corr[r] = vis ? exp2_1(m[r] - mn) : 1.0f;           /* m = -inf at the first tile: 0 */
+        const __m512 mv = _mm512_set1_ps(mn);
+        __m512 sum = _mm512_setzero_ps();
+        for (int c = 0; c < 4; c += 2) {
+            const __m512 p0 = _mm512_maskz_mov_ps(mk[c], exp2_512(_mm512_sub_ps(s[r][c], mv)));
+            const __m512 p1 = _mm512_maskz_mov_ps(mk[c + 1], exp2_512(_mm512_sub_ps(s[r][c + 1], mv)));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            _mm512_store_si512((__m512i *)(pw[r] + 16 * c), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        if (vis) {
+            l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
+            m[r] = mn;
+        }
+    }
+    /* o = o * corr + P V over the visible key pairs, 64 columns at a time */
+    const int npairs = (kmax + 1) / 2;
+    for (int64_t dc = 0; dc < D; dc += 64) {
+        if (D - dc >= 64) pv512(pw, NR, corr, vp, npairs, dc, D, o, 4);
+        else pv512(pw, NR, corr, vp, npairs, dc, D, o, (int)((D - dc) / 16));
+    }
+}
+
+#define TILE512(NRC) AVX512 static void tile512_##NRC(const uint32_t *q32, const int64_t *pos, const uint32_t *kp, \
+    const uint32_t *vp, int64_t t0, int64_t D, float *o, float *m, float *l) { tile512(q32, NRC, pos, kp, vp, t0, D, o, m, l); }
+TILE512(1) TILE512(2) TILE512(3) TILE512(4) TILE512(5) TILE512(6)
+#undef TILE512
+typedef void (*tile_fn)(const uint32_t *, const int64_t *, const uint32_t *, const uint32_t *, int64_t, int64_t,
+                        float *, float *, float *);
+static const tile_fn TILES512[MR + 1] = {NULL, tile512_1, tile512_2, tile512_3, tile512_4, tile512_5, tile512_6};
+
+/* ---- AVX2 tile: the same rounded values, fp32 FMAs ----------------------------------------------- */
+
+/* One row (MR = 1 here: the fallback keeps it short) against one tile; same math as tile512. */
+static void tile_avx2(const uint32_t *q32, const int64_t *pos, const uint32_t *kp, const uint32_t *vp, int64_t t0,
+                      int64_t D, float *o, float *m, float *l) {
+    const int64_t D2 = D / 2;
+    const int vis = visible(pos[0], t0);
+    if (!vis) return;
+    float s[KT] __attribute__((aligned(32)));
+    for (int c = 0; c < KT / 8; c++) {         /* 8 keys a vector: group c / 2, lanes (c % 2) * 8 .. */
+        __m256 a = _mm256_setzero_ps();
+        const uint32_t *g = kp + (c / 2) * D2 * 16 + (c % 2) * 8;
+        for (int64_t p = 0; p < D2; p++) {
+            const __m256i kv = _mm256_loadu_si256((const __m256i *)(g + p * 16));
+            const float q0 = bf16_float(q32[p] & 0xffffu), q1 = bf16_float(q32[p] >> 16);
+            a = _mm256_fmadd_ps(_mm256_set1_ps(q0), bf_lo(kv), a);
+            a = _mm256_fmadd_ps(_mm256_set1_ps(q1), bf_hi(kv), a);
+        }
+        _mm256_store_ps(s + 8 * c, a);
+    }
+    float tm = -INFINITY;
+    for (int j = 0; j < vis; j++) tm = s[j] > tm ? s[j] : tm;
+    const float mn = tm > m[0] ? tm : m[0], corr = exp2_1(m[0] - mn);
+    float sum = 0.0f;
+    uint32_t pw[KT];
+    for (int j = 0; j < KT; j++) {
+        const float p = j < vis ? exp2_1(s[j] - mn) : 0.0f;
+        sum += p;
+        pw[j] = bf16_bits(p);
+    }
+    l[0] = l[0] * corr + sum;
+    m[0] = mn;
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(o + d), _mm256_set1_ps(corr));
+        for (int jp = 0; jp < (vis + 1) / 2; jp++) {
+            const __m256i vv = _mm256_loadu_si256((const __m256i *)(vp + jp * D + d));
+            a = _mm256_fmadd_ps(_mm256_set1_ps(bf16_float(pw[2 * jp])), bf_lo(vv), a);
+            a = _mm256_fmadd_ps(_mm256_set1_ps(bf16_float(pw[2 * jp + 1])), bf_hi(vv), a);
+        }
+        _mm256_storeu_ps(o + d, a);
+    }
+}
+
+/* ---- one unit: a KV head's G query heads at TP consecutive positions ----------------------------- */
+
+static void run_unit(const float *q, int64_t qs, int64_t h, int64_t G, int64_t i0, int64_t TP, int64_t L, int64_t n,
+                     int64_t D, float qscale, const uint32_t *kp, const uint32_t *vp, float *out, int64_t os,
+                     int wide, uint32_t *q32, float *o, float *m, float *l, int64_t *pos) {
+    const int64_t D2 = D / 2, R = TP * G;
+    for (int64_t ip = 0; ip < TP; ip++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t r = ip * G + g;
+            const float *qr = q + (i0 + ip) * qs + (h * G + g) * D;
+            for (int64_t p = 0; p < D2; p++)
+                q32[r * D2 + p] = bf16_bits(qr[2 * p] * qscale) | bf16_bits(qr[2 * p + 1] * qscale) << 16;
+            pos[r] = L - n + i0 + ip;
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+    memset(o, 0, (size_t)(R * D) * sizeof(float));
+    const int64_t kend = pos[R - 1] + 1;
+    for (int64_t t0 = 0; t0 < kend; t0 += KT) {
+        const uint32_t *kt = kp + (t0 / 16) * D2 * 16, *vt = vp + (t0 / 2) * D;
+        if (wide) {
+            for (int64_t r0 = 0; r0 < R; r0 += MR) {
+                const int nr = R - r0 < MR ? (int)(R - r0) : MR;
+                if (pos[r0 + nr - 1] < t0) continue;          /* every row of the tile is before it */
+                TILES512[nr](q32 + r0 * D2, pos + r0, kt, vt, t0, D, o + r0 * D, m + r0, l + r0);
+            }
+        } else {
+            for (int64_t r = 0; r < R; r++)
+                tile_avx2(q32 + r * D2, pos + r, kt, vt, t0, D, o + r * D, m + r, l + r);
+        }
+    }
+    for (int64_t ip = 0; ip < TP; ip++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t r = ip * G + g;
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            float *dst = out + (i0 + ip) * os + (h * G + g) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+        }
+}
+
+int lkv_prefill_bf16_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+/* q [n, H, D] fp32 at row stride qs; k, v: one layer of the pool, KV head h at k + h * hs elements
+ * ([NB, bs, D]), of storage kv_dtype; btab: the sequence's blocks (ceil(L / bs) of them); out
+ * [n, H, D] fp32 at row stride os. isa: 0 the best this CPU has, 1 AVX2. D even, a multiple of 16,
+ * <= 512. Returns 0, -1 (allocation), -2 (arguments). */
+int lkv_prefill_attention(const float *q, int64_t qs, const void *k, const void *v, int64_t hs, const int64_t *btab,
+                          int64_t bs, int64_t L, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale,
+                          float *out, int64_t os, int nthreads, int kv_dtype, int isa) {
+    if (n <= 0 || L < n || KVH <= 0 || H % KVH || D <= 0 || D % 16 || D > 512 || bs <= 0) return -2;
+    const int wide = isa == 0 && lkv_prefill_bf16_supported();
+    const int64_t G = H / KVH, D2 = D / 2, Lp = (L + KT - 1) / KT * KT, es = kv_dtype == KV_F32 ? 4 : 2;
+    const int64_t TP = G >= ROWS ? 1 : ROWS / G, units_h = (n + TP - 1) / TP, units = units_h * KVH;
+    uint32_t *kp = malloc((size_t)(KVH * Lp * D2) * sizeof(uint32_t));
+    uint32_t *vp = malloc((size_t)(KVH * Lp / 2 * D) * sizeof(uint32_t));
+    int failed = kp == NULL || vp == NULL;
+    const float qscale = scale * LOG2E;
+    if (!failed) {
+#pragma omp parallel num_threads(nthreads > 1 ? nthreads : 1) if (nthreads > 1) reduction(| : failed)
+        {
+            /* packing: (head, 64-key range) pieces */
+            const int64_t pieces = Lp / KT;
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < KVH * pieces; u++) {
+                const int64_t h = u / pieces, k0 = (u % pieces) * KT;
+                const char *kh = (const char *)k + h * hs * es, *vh = (const char *)v + h * hs * es;
+                pack_range(kh, vh, btab, bs, L, D, kv_dtype, k0, k0 + KT, kp + h * Lp * D2, vp + h * Lp / 2 * D);
+            }
+            const int64_t R = TP * G;
+            uint32_t *q32 = malloc((size_t)(R * D2) * sizeof(uint32_t));
+            float *o = malloc((size_t)(R * D + 2 * R) * sizeof(float));
+            int64_t *pos = malloc((size_t)R * sizeof(int64_t));
+            if (q32 == NULL || o == NULL || pos == NULL) failed = 1;
+            /* the latest positions (the most keys) first: the dynamic schedule then ends evenly */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t w = 0; w < units; w++) {
+                if (q32 == NULL || o == NULL || pos == NULL) continue;
+                const int64_t u = units - 1 - w, h = u % KVH, i0 = (u / KVH) * TP;
+                const int64_t tp = n - i0 < TP ? n - i0 : TP;
+                run_unit(q, qs, h, G, i0, tp, L, n, D, qscale, kp + h * Lp * D2, vp + h * Lp / 2 * D, out, os,
+                         wide, q32, o, o + R * D, o + R * D + R, pos);
+            }
+            free(q32);
+            free(o);
+            free(pos);
+        }
+    }
+    free(kp);
+    free(vp);
+    return failed ? -1 : 0;
+}
