@@ -132,10 +132,15 @@ def _verify_summary(v: dict[str, Any]) -> str:
     if v.get("skipped"):
         return "skipped (--no-verify)"
     if "perplexity" in v:           # int8
-        ppl = v["perplexity"]
+        ppl, pf = v["perplexity"], v.get("prefill") or {}
+        extra = (f"; {pf['precision']} prefill: greedy {pf['greedy_agreement']:.1%}, perplexity "
+                 f"{pf['perplexity_increase']:+.2%}") if pf.get("checked") else ""
         return (f"int8 vs fp32: max |Δlogit| {v['max_abs_logit_diff']:.3f} ({v['max_rel_logit_diff']:.1%} of the "
                 f"largest), greedy agreement {v['greedy_agreement']:.1%}, perplexity {ppl['fp32']:.3f} -> "
-                f"{ppl['int8']:.3f} ({ppl['increase']:+.2%})")
+                f"{ppl['int8']:.3f} ({ppl['increase']:+.2%}){extra}")
     greedy = "match" if v["greedy_match"] else "differ"
+    pf = v.get("prefill") or {}
+    extra = (f"; {pf['precision']} prefill: greedy tokens {'match' if pf['greedy_match'] else 'differ'}, "
+             f"max |Δlogit| {pf['max_abs_logit_diff']:.2f}") if pf.get("checked") else ""
     return (f"max |Δlogit| {v['max_abs_logit_diff']:.2e}, argmax agreement {v['argmax_agreement']:.1%}, "
-            f"greedy tokens {greedy}")
+            f"greedy tokens {greedy}{extra}")

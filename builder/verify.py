@@ -64,6 +64,9 @@ class Tolerance:
 
 
 TOLERANCES = {"float32": Tolerance(1e-3, 0.0, True), "bfloat16": Tolerance(0.15, 0.9, False)}
+# the prefill check (`verify_prefill`): a greedy disagreement counts as a near tie below this x the
+# largest |logit| (bf16 inputs: ~4e-3 relative per product; measured on SmolLM2: see verify_prefill)
+PREFILL_TIE = 0.01
 
 
 def verify(source_dir: Path, engine_dir: Path, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
@@ -80,7 +83,8 @@ def verify(source_dir: Path, engine_dir: Path, cfg: ModelConfig, dtype: str) -> 
     load_s = time.perf_counter() - t0
     tok = AutoTokenizer.from_pretrained(engine_dir / TOKENIZER_DIR)
     limit = min(MAX_PROMPT_TOKENS, cfg.max_position_embeddings - GREEDY_TOKENS)
-    prompts = [_compare(ref, ours, _ids(tok, p, limit), tol) for p in PROMPTS]
+    runs = [_reference_run(ref, _ids(tok, p, limit)) for p in PROMPTS]
+    prompts = [_compare(run, ours, tol) for run in runs]
     positions = sum(p["num_positions"] for p in prompts)
     report = {
         "reference": f"transformers {type(ref).__name__} float32",
@@ -93,8 +97,57 @@ def verify(source_dir: Path, engine_dir: Path, cfg: ModelConfig, dtype: str) -> 
         "prompts": prompts,
     }
     _enforce(report, tol)
+    if dtype == "float32":
+        report["prefill"] = verify_prefill(runs, ours, quantized=False)
     report["passed"] = True
     return report
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    """transformers' greedy extension of one prompt: ids [T], seq [T + n], logits [T + n, V]."""
+    ids: torch.Tensor
+    seq: torch.Tensor
+    logits: torch.Tensor
+    seconds: float
+
+
+def _reference_run(ref: torch.nn.Module, ids: torch.Tensor, n: int = GREEDY_TOKENS) -> ReferenceRun:
+    t0 = time.perf_counter()
+    seq, r = _reference_greedy(ref, ids, n)
+    return ReferenceRun(ids, seq, r, time.perf_counter() - t0)
+
+
+def verify_prefill(runs: list[ReferenceRun], ours: LlamaModel, quantized: bool, precision: str = "auto",
+                   tie: float = PREFILL_TIE) -> dict[str, Any]:
+    """The prefill precision this machine runs the engine's prompts in (`resolve_prefill`:
+    bf16 or int8 dot products) against transformers on the same sequences: every position of
+    prompt + continuation computed as a prompt row (stricter than an engine, which decodes the
+    continuation in fp32). Greedy must match the reference at every step; a disagreement is
+    tolerated only where the reference's top two logits are within `tie` x the largest |logit|
+    (a near tie the rounding may flip). Raises VerifyError otherwise; "float32" (a machine
+    without the units): nothing more to check, recorded as such."""
+    model = prefill_model(ours, quantized, precision)
+    if model is None:
+        return {"precision": "float32", "checked": False, "why": "this machine prefills in float32 (no AVX512_BF16 "
+                "or VNNI units): the checks above cover it"}
+    precision = model.ops.prefill
+    prompts = []
+    for i, run in enumerate(runs):
+        o = prefill_logits(model, run.seq)
+        scale = max(1.0, run.logits.abs().max().item())
+        g = _greedy_match(run.logits, o, run.seq, int(run.ids.shape[0]), tie * scale)
+        prompts.append({"max_abs_logit_diff": (o - run.logits).abs().max().item(), "max_abs_logit": round(scale, 4),
+                        "argmax_agreement": (o.argmax(-1) == run.logits.argmax(-1)).float().mean().item(),
+                        "greedy": g})
+        if g["match"] == "differs":
+            raise VerifyError(f"verification failed: prompt {i}: greedy tokens differ under {precision} prefill "
+                              f"(reference {g['reference']}, engine {g['engine']})",
+                              fix=f"serve with prefill_precision: float32, and report the model: its {precision} "
+                                  "prompts do not answer as fp32 does; nothing was written")
+    return {"precision": precision, "checked": True, "tie": tie,
+            "greedy_match": all(p["greedy"]["match"] in ("exact", "tie") for p in prompts),
+            "max_abs_logit_diff": max(p["max_abs_logit_diff"] for p in prompts), "prompts": prompts}
 
 
 def _load_reference(source_dir: Path) -> torch.nn.Module:
@@ -144,9 +197,30 @@ def _engine_logits(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
     return model.logits(hidden)                                           # [T, V] fp32
 
 
-def _compare(ref: torch.nn.Module, ours: LlamaModel, ids: torch.Tensor, tol: Tolerance) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    seq, r = _reference_greedy(ref, ids, GREEDY_TOKENS)                   # [T + n], [T + n, V]
+def prefill_model(ours: LlamaModel, quantized: bool, precision: str = "auto", int8_group: int = 64) -> LlamaModel | None:
+    """`ours` computing with the prefill kernels of `precision` ("auto": what an engine on this
+    machine runs, `resolve_prefill`), or None where that is float32 (nothing new to check)."""
+    from runtime.ops import resolve_prefill, select_ops
+
+    cpu = torch.device("cpu")
+    precision = resolve_prefill(precision, cpu, torch.float32, quantized, int8_group=int8_group)
+    if precision == "float32":
+        return None
+    return ours.with_ops(select_ops(cpu, torch.float32, quantized=quantized, prefill=precision))
+
+
+@torch.inference_mode()
+def prefill_logits(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
+    """One forward over `ids` [T] whose every row computes as an engine's prompt rows do (the
+    table's prefill GEMMs and attention) -> logits [T, V] fp32."""
+    from runtime.attention_ref import PrefillKernelAttention
+
+    hidden = model(ids, torch.arange(ids.shape[0]), PrefillKernelAttention(model.ops.prefill_attention), prompt=True)
+    return model.logits(hidden)
+
+
+def _compare(run: ReferenceRun, ours: LlamaModel, tol: Tolerance) -> dict[str, Any]:
+    ids, seq, r = run.ids, run.seq, run.logits                            # [T], [T + n], [T + n, V]
     t1 = time.perf_counter()
     o = _engine_logits(ours, seq)                                         # [T + n, V]
     t2 = time.perf_counter()
@@ -159,7 +233,7 @@ def _compare(ref: torch.nn.Module, ours: LlamaModel, ids: torch.Tensor, tol: Tol
         "max_abs_logit_diff": (o - r).abs().max().item(),
         "logit_tolerance": atol,
         "argmax_agreement": (o.argmax(-1) == r.argmax(-1)).float().mean().item(),
-        "reference_s": round(t1 - t0, 4),
+        "reference_s": round(run.seconds, 4),
         "engine_s": round(t2 - t1, 4),
         "greedy": _greedy_match(r, o, seq, int(ids.shape[0]), atol),
     }

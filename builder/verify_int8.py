@@ -47,12 +47,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from runtime.config import ModelConfig
-from runtime.engine_dir import TOKENIZER_DIR, WEIGHTS
+from runtime.engine_dir import TOKENIZER_DIR, WEIGHTS, group_size
 from runtime.model import LlamaModel
 
 from .errors import VerifyError
 from .quiet import quiet_transformers
-from .verify import MAX_PROMPT_TOKENS, PROMPTS, _engine_logits, _ids, _load_reference, _reference_greedy
+from .verify import (MAX_PROMPT_TOKENS, PROMPTS, _engine_logits, _ids, _load_reference, _reference_greedy,
+                     prefill_logits, prefill_model)
 
 GREEDY_TOKENS = 32
 PPL_TOKENS = 1024
@@ -119,17 +120,24 @@ def verify_int8(source_dir: Path, engine_dir: Path, cfg: ModelConfig, quantizati
         tok = AutoTokenizer.from_pretrained(engine_dir / TOKENIZER_DIR)
     load_s = time.perf_counter() - t0
     limit = min(MAX_PROMPT_TOKENS, cfg.max_position_embeddings - GREEDY_TOKENS)
+    # what an engine on this machine prefills in (W8A8 where the CPU has VNNI): held to the same bars
+    pf = prefill_model(ours, True, int8_group=group_size(quantization))
     prompts = []
     for i, text in enumerate(PROMPTS):
-        p = _compare(ref, ours, _ids(tok, text, limit), tolerance)
+        p = _compare(ref, ours, _ids(tok, text, limit), tolerance, pf)
         prompts.append(p)
         log(f"      verify int8: prompt {i + 1}/{len(PROMPTS)}: max |Δlogit| {p['max_abs_logit_diff']:.3f} "
             f"(scale {p['max_abs_logit']:.1f}), greedy {p['greedy_agreement']:.0%}, free-running prefix "
             f"{p['free_running_prefix']}/{GREEDY_TOKENS} ({p['seconds']:.1f}s)")
     t1 = time.perf_counter()
-    ppl = _perplexity(ref, ours, tok, min(PPL_TOKENS, cfg.max_position_embeddings))
+    ppl = _perplexity(ref, ours, tok, min(PPL_TOKENS, cfg.max_position_embeddings), pf)
     log(f"      verify int8: perplexity on {ppl['text']} ({ppl['num_tokens']} tokens): fp32 {ppl['fp32']:.3f}, "
         f"int8 {ppl['int8']:.3f} ({ppl['increase']:+.2%}) ({time.perf_counter() - t1:.1f}s)")
+    prefill = _prefill_section(pf, prompts, ppl)
+    if prefill["checked"]:
+        log(f"      verify int8: {prefill['precision']} prefill: max |Δlogit| {prefill['max_abs_logit_diff']:.3f}, "
+            f"greedy {prefill['greedy_agreement']:.0%}, perplexity {ppl['prefill']:.3f} "
+            f"({prefill['perplexity_increase']:+.2%})")
     steps = sum(p["greedy_steps"] for p in prompts)
     report = {
         "reference": f"transformers {type(ref).__name__} float32",
@@ -144,10 +152,23 @@ def verify_int8(source_dir: Path, engine_dir: Path, cfg: ModelConfig, quantizati
         "free_running_prefix": [p["free_running_prefix"] for p in prompts],
         "perplexity": ppl,
         "prompts": prompts,
+        "prefill": prefill,
     }
     _enforce(report, tolerance)
     report["passed"] = True
     return report
+
+
+def _prefill_section(pf: LlamaModel | None, prompts: list[dict[str, Any]], ppl: dict[str, Any]) -> dict[str, Any]:
+    if pf is None:
+        return {"precision": "float32", "checked": False,
+                "why": "this machine prefills in float32 (no AVX512_VNNI / BF16 units): the checks above cover it"}
+    steps = sum(p["greedy_steps"] for p in prompts)
+    return {"precision": pf.ops.prefill, "checked": True,
+            "max_abs_logit_diff": max(p["prefill"]["max_abs_logit_diff"] for p in prompts),
+            "max_rel_logit_diff": max(p["prefill"]["rel_logit_diff"] for p in prompts),
+            "greedy_agreement": sum(p["prefill"]["greedy_agreement"] * p["greedy_steps"] for p in prompts) / steps,
+            "perplexity_increase": ppl["prefill"] / ppl["fp32"] - 1}
 
 
 def _scales(quantization: dict[str, Any]) -> str:
@@ -167,7 +188,16 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
             "greedy_agreement": round(report["greedy_agreement"], 4),
             "greedy_prompts": f"{len(report['prompts'])} x {report['greedy_tokens']} tokens",
             "perplexity": {"text": ppl["text"], "num_tokens": ppl["num_tokens"], "fp32": round(ppl["fp32"], 4),
-                           "int8": round(ppl["int8"], 4), "increase": round(ppl["increase"], 5)}}
+                           "int8": round(ppl["int8"], 4), "increase": round(ppl["increase"], 5)},
+            "prefill": _prefill_summary(report.get("prefill"))}
+
+
+def _prefill_summary(pf: dict[str, Any] | None) -> dict[str, Any]:
+    if not pf or not pf["checked"]:
+        return {"checked": False, "precision": "float32"}
+    return {"checked": True, "precision": pf["precision"], "max_rel_logit_diff": round(pf["max_rel_logit_diff"], 5),
+            "greedy_agreement": round(pf["greedy_agreement"], 4),
+            "perplexity_increase": round(pf["perplexity_increase"], 5)}
 
 
 class _KVCache:
@@ -202,7 +232,8 @@ def _engine_greedy(model: LlamaModel, ids: torch.Tensor, n: int) -> list[int]:
     return out
 
 
-def _compare(ref: torch.nn.Module, ours: LlamaModel, ids: torch.Tensor, tol: Int8Tolerance) -> dict[str, Any]:
+def _compare(ref: torch.nn.Module, ours: LlamaModel, ids: torch.Tensor, tol: Int8Tolerance,
+             pf: LlamaModel | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     seq, r = _reference_greedy(ref, ids, GREEDY_TOKENS)                   # [T + n], [T + n, V]
     o = _engine_logits(ours, seq)                                         # [T + n, V]
@@ -213,7 +244,13 @@ def _compare(ref: torch.nn.Module, ours: LlamaModel, ids: torch.Tensor, tol: Int
     chosen, picked = seq[T:], o[steps].argmax(-1)
     free = _engine_greedy(ours, ids, GREEDY_TOKENS)
     prefix = next((i for i, (a, b) in enumerate(zip(free, chosen.tolist())) if a != b), GREEDY_TOKENS)
-    return {
+    extra = {}
+    if pf is not None:              # every position as a prompt row of the prefill precision
+        op = prefill_logits(pf, seq)
+        d = (op - r).abs().max().item()
+        extra["prefill"] = {"max_abs_logit_diff": d, "rel_logit_diff": d / scale,
+                            "greedy_agreement": (op[steps].argmax(-1) == chosen).float().mean().item()}
+    return {**extra,
         "num_tokens": T,
         "num_positions": int(seq.shape[0]),
         "max_abs_logit": round(scale, 4),
@@ -232,7 +269,8 @@ def _compare(ref: torch.nn.Module, ours: LlamaModel, ids: torch.Tensor, tol: Int
 
 
 @torch.inference_mode()
-def _perplexity(ref: torch.nn.Module, ours: LlamaModel, tok: Any, max_tokens: int) -> dict[str, Any]:
+def _perplexity(ref: torch.nn.Module, ours: LlamaModel, tok: Any, max_tokens: int,
+                pf: LlamaModel | None = None) -> dict[str, Any]:
     text, where = held_out_text()
     ids = torch.tensor(tok(text)["input_ids"][:max_tokens], dtype=torch.long)
     if ids.shape[0] < 2:
@@ -241,8 +279,11 @@ def _perplexity(ref: torch.nn.Module, ours: LlamaModel, tok: Any, max_tokens: in
     nll_ref = F.cross_entropy(ref(input_ids=ids[None]).logits[0, :-1].float(), ids[1:]).item()
     nll_int8 = F.cross_entropy(_engine_logits(ours, ids)[:-1], ids[1:]).item()
     fp32, int8 = math.exp(nll_ref), math.exp(nll_int8)
-    return {"text": where, "sha256": hashlib.sha256(text.encode()).hexdigest(), "num_tokens": int(ids.shape[0]),
-            "fp32": fp32, "int8": int8, "increase": int8 / fp32 - 1}
+    out = {"text": where, "sha256": hashlib.sha256(text.encode()).hexdigest(), "num_tokens": int(ids.shape[0]),
+           "fp32": fp32, "int8": int8, "increase": int8 / fp32 - 1}
+    if pf is not None:
+        out["prefill"] = math.exp(F.cross_entropy(prefill_logits(pf, ids)[:-1], ids[1:]).item())
+    return out
 
 
 def _enforce(report: dict[str, Any], tol: Int8Tolerance) -> None:
@@ -260,3 +301,19 @@ def _enforce(report: dict[str, Any], tol: Int8Tolerance) -> None:
     if not ppl["increase"] <= tol.max_ppl_increase:
         raise VerifyError(f"int8 verification failed: perplexity on {ppl['text']} rose {ppl['increase']:.2%} "
                           f"(fp32 {ppl['fp32']:.4g}, int8 {ppl['int8']:.4g}) > {tol.max_ppl_increase:.0%}", fix=fix)
+    pf = report["prefill"]
+    if not pf["checked"]:
+        return
+    pfix = (f"serve with prefill_precision: float32 (or bfloat16); the {pf['precision']} prefill does not reproduce "
+            "the source model within tolerance; nothing was written")
+    worst = max(report["prompts"], key=lambda p: p["prefill"]["rel_logit_diff"])
+    if not pf["max_rel_logit_diff"] <= tol.rel_logit:
+        raise VerifyError(f"int8 verification failed: {pf['precision']} prefill: max |Δlogit| "
+                          f"{worst['prefill']['max_abs_logit_diff']:.3g} exceeds {tol.rel_logit} x the largest |logit| "
+                          f"{worst['max_abs_logit']:.3g}", fix=pfix)
+    if not pf["greedy_agreement"] >= tol.min_greedy_agreement:
+        raise VerifyError(f"int8 verification failed: {pf['precision']} prefill: greedy agreement "
+                          f"{pf['greedy_agreement']:.3f} < {tol.min_greedy_agreement}", fix=pfix)
+    if not pf["perplexity_increase"] <= tol.max_ppl_increase:
+        raise VerifyError(f"int8 verification failed: {pf['precision']} prefill: perplexity on {ppl['text']} rose "
+                          f"{pf['perplexity_increase']:.2%} > {tol.max_ppl_increase:.0%}", fix=pfix)

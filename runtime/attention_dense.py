@@ -94,12 +94,18 @@ class DenseStep:
         rows, tables, lens = [], [], []
         if self.ops.paged_attention is not None:
             for it in self.batch.items:
-                if it.num_tokens == 1:
+                if it.num_tokens == 1 and not self._prefill_kernel(it):
                     rows.append(it.row_start), tables.append(it.block_table), lens.append(it.context_len)
         self._paged = ((torch.tensor(rows, dtype=torch.long), tables, lens,
                         paged_mask(lens, self.pool.num_kv_heads), frozenset(rows)) if rows
                        else (None, [], [], None, frozenset()))
         return self._paged
+
+    def _prefill_kernel(self, it) -> bool:
+        """Whether item `it` takes the table's prefill attention: a prompt chunk, when the table
+        has one (at float32 prompt rows attend as they always did: torch's, or the paged kernel
+        for a one-token chunk)."""
+        return it.prompt and self.ops.prefill_attention is not None
 
     def fused_items(self) -> tuple[list[list[int]], list[int]] | None:
         """(each item's block table, its context length) when the fused decode step
@@ -110,7 +116,7 @@ class DenseStep:
             return None
         tables, lens = [], []
         for i, it in enumerate(self.batch.items):
-            if it.num_tokens != 1 or it.row_start != i:
+            if it.num_tokens != 1 or it.row_start != i or self._prefill_kernel(it):
                 return None
             tables.append(it.block_table), lens.append(it.context_len)
         return tables, lens
@@ -134,6 +140,10 @@ class DenseStep:
             if it.row_start in done:
                 continue
             own = slice(it.row_start, it.row_start + it.num_tokens)
+            if self._prefill_kernel(it):    # straight from the pool (written above), in the table's precision
+                out[own] = self.ops.prefill_attention(q[own], self.pool.k[layer_idx], self.pool.v[layer_idx],
+                                                      it.block_table, it.context_len, self.scale).to(out.dtype)
+                continue
             if it.start_pos == 0:       # whole sequence is in this chunk: no need to read the pool
                 # (the rows as the pool stores them, so a chunking of the prompt sees the same keys)
                 kc, vc = (t[own].transpose(0, 1).to(self.pool.dtype) for t in (k, v))

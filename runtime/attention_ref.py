@@ -30,3 +30,17 @@ class CausalAttention:
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              is_causal=True, enable_gqa=True)
         return out.transpose(0, 1)
+
+
+class PrefillKernelAttention:
+    """Causal attention of one sequence's T tokens through a kernel table's `prefill_attention`
+    (its K/V as a one-block pool, positions 0..T-1): what an engine's prompt rows compute, for a
+    check outside an engine (the builder's verification of the prefill precision)."""
+
+    def __init__(self, prefill_attention):
+        self.prefill_attention = prefill_attention
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        T, _, D = q.shape
+        pool_k, pool_v = (t.transpose(0, 1).unsqueeze(1).contiguous() for t in (k, v))   # [KVH, 1, T, D]
+        return self.prefill_attention(q.contiguous(), pool_k, pool_v, [0], T, D ** -0.5).to(q.dtype)

@@ -122,6 +122,9 @@ DRAFTS = ("dual_token", "prompt_lookup", "none")
 GROUP_SCORES = ("sum", "max")   # none: sparse attention without look-ahead
 MODES = ("dense", "lookahead", "sparse")   # sparse: top-K attention in place (runtime/sparse.py)
 KV_DTYPES = ("float32", "float16", "bfloat16")   # KV storage: host pool, device tier, dense pool
+# what a prompt's rows compute in (runtime/ops.py resolve_prefill): auto picks the machine's fastest
+# accurate one; float32 is the reference (torch's GEMMs and attention)
+PREFILL_PRECISIONS = ("auto", "float32", "bfloat16", "int8")
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,10 @@ class LookaheadConfig:
     prefix_caching: bool = True    # full KV blocks outlive their request in the host pool, named by a
                                    # chained hash of their tokens; a prompt that starts with cached
                                    # blocks prefills only the rest (runtime/prefix_cache.py)
+    prefill_precision: str = "auto"  # a prompt's GEMMs and attention: float32 | bfloat16 (bf16 dot
+                                   # products, fp32 sums) | int8 (int8 engines: int8 activations x
+                                   # int8 weights) | auto (the fastest this machine and engine have:
+                                   # docs/SETTINGS.md); decode rows always compute as before
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, "mode", f"{self.mode!r} is unknown", f"use one of {MODES}")
@@ -189,6 +196,9 @@ class LookaheadConfig:
             _check(isinstance(self.kv_dtype, str) and self.kv_dtype in KV_DTYPES, "kv_dtype",
                    f"{self.kv_dtype!r} is not a KV storage dtype" if isinstance(self.kv_dtype, str)
                    else f"must be a dtype name, got {_got(self.kv_dtype)}", f"use one of {', '.join(KV_DTYPES)}")
+        _check(isinstance(self.prefill_precision, str) and self.prefill_precision in PREFILL_PRECISIONS,
+               "prefill_precision", f"{self.prefill_precision!r} is not a prefill precision",
+               f"use one of {', '.join(PREFILL_PRECISIONS)}")
         _check(isinstance(self.prefix_caching, bool), "prefix_caching",
                f"must be true or false, got {_got(self.prefix_caching)}", "write true or false, without quotes")
 

@@ -24,13 +24,13 @@ from .sparse import BlockSelection
 from .block_manager import BlockAllocator, blocks_needed
 from .config import LookaheadConfig
 from .device import resolve_device
-from .engine_dir import TOKENIZER_DIR, Manifest, load_manifest
+from .engine_dir import TOKENIZER_DIR, Manifest, group_size, load_manifest
 from .errors import RequestError
 from .kv_pool import KVPool
 from .memory_plan import DTYPE_BYTES, check_memory, plan_memory
 from .model import LlamaModel, load_model
 from .observe import Observer, Observers
-from .ops import Ops, select_ops
+from .ops import Ops, resolve_prefill, select_ops
 from .prefill_cache import PrefillCache
 from .prefix_cache import KVEvents, PrefixCache, engine_identity
 from .runner import DenseRunner
@@ -83,6 +83,11 @@ class Completion:
         return (len(self.token_ids) - 1) / decode_s if decode_s > 0 and len(self.token_ids) > 1 else 0.0
 
 
+def int8_group(manifest: Manifest) -> int:
+    """An int8 engine's inputs per weight scale (0: one scale per output channel); 0 for others."""
+    return group_size(manifest.quantization) if manifest.quantization else 0
+
+
 class Engine:
     def __init__(self, manifest: Manifest, model: LlamaModel, tokenizer: TextTokenizer,
                  config: LookaheadConfig, num_host_blocks: int | None = None, max_queue: int = 256,
@@ -101,6 +106,12 @@ class Engine:
         fused: a decode step may run as the kernel table's fused C step or layer (False: the
         model's Python layers, the reference, every step)."""
         mcfg = manifest.model
+        if config.prefill_precision not in ("auto", model.ops.prefill):    # a sibling at another precision
+            quantized = manifest.quantization is not None
+            precision = resolve_prefill(config.prefill_precision, model.device, DTYPES[manifest.dtype], quantized,
+                                        "torch" if "c/" not in model.ops.name else "auto", int8_group(manifest))
+            model = model.with_ops(model.ops.with_prefill(precision, quantized))
+        config = config.replace(prefill_precision=model.ops.prefill)        # the resolved precision
         self.device, self.ops, self.debug_checks, self.fused = model.device, model.ops, debug_checks, fused
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
         config = clamp_top_k(config, self.max_model_len).with_kv_dtype(manifest.dtype)   # unset: the weights'
@@ -138,7 +149,8 @@ class Engine:
         weights = m.files.get("weights.safetensors") or repr(m.random_weights)
         return engine_identity(weights=weights, model=repr(m.model.to_dict()), dtype=m.dtype,
                                kv_dtype=self.config.kv_dtype, block_size=self.config.block_size,
-                               mode=self.config.mode, quantization=repr(m.quantization))
+                               mode=self.config.mode, quantization=repr(m.quantization),
+                               prefill=self.config.prefill_precision)
 
     @property
     def kv_events(self) -> KVEvents:
@@ -220,12 +232,16 @@ class Engine:
         # (an int8 engine has no packed fp32 copies, and its quantized roles take their stored bytes)
         q = manifest.quantization or {}
         saving = q.get("quantized_bytes", {}).get("float32", 0) - q.get("quantized_bytes", {}).get("int8", 0)
-        check_memory(plan_memory(manifest.model, config, num_host_blocks, DTYPE_BYTES[manifest.dtype],
-                                 packed_weights=False if manifest.quantization else None,
-                                 device_type=device.type, weight_saving=max(0, saving)))
         dtype = DTYPES[manifest.dtype]
         impl = "checked" if debug_checks and impl == "auto" else impl
-        ops = ops or select_ops(device, dtype, impl, quantized=manifest.quantization is not None)
+        quantized = manifest.quantization is not None
+        precision = ops.prefill if ops is not None else resolve_prefill(config.prefill_precision, device, dtype,
+                                                                         quantized, impl, int8_group(manifest))
+        check_memory(plan_memory(manifest.model, config, num_host_blocks, DTYPE_BYTES[manifest.dtype],
+                                 packed_weights=False if manifest.quantization else None,
+                                 device_type=device.type, weight_saving=max(0, saving),
+                                 prefill=precision, int8_group=int8_group(manifest) if quantized else None))
+        ops = ops or select_ops(device, dtype, impl, quantized=quantized, prefill=precision)
         # weights.safetensors read onto `device`, or a random_weights recipe generated there
         model = load_model(manifest, device, ops, dtype)
         tokenizer = TextTokenizer(Path(path) / TOKENIZER_DIR)

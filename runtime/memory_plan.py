@@ -8,6 +8,8 @@ constructors allocate:
 
     weights         LlamaModel's parameters (engine_dir.expected_shapes), in the engine's dtype
     packed_weights  plugins.cpu's packed copy of each 2-D weight a decode step multiplies (fp32)
+    prefill_weights the prefill kernels' copy of each layer's 2-D weights (prefill_precision
+                    bfloat16: bf16 panels; int8: int8 panels with their scales and offset sums)
     rope            RotaryEmbedding's cos/sin tables [max_position_embeddings, head_dim]
     host_kv_pool    KVPool's k and v [L, KVH, num_host_blocks, block_size, D], in kv_dtype; a
                     lookahead pool pinned for a GPU counts what pinning takes (`PINNING`)
@@ -51,7 +53,7 @@ HEADROOM = 0.9                      # plan against 90 % of what is available: th
 # value each may take. (num_host_blocks, an Engine keyword, is tried when the caller fixed it.)
 FIELD_MIN = {"max_batch_size": 1, "max_model_len": 1, "top_k": 1, "recent_window": 0, "block_size": 1,
              "prefill_chunk": 1, "num_sink_blocks": 0}
-EXACT = ("weights", "packed_weights", "rope", "host_kv_pool", "device_tier", "summaries", "cached_summaries",
+EXACT = ("weights", "packed_weights", "prefill_weights", "rope", "host_kv_pool", "device_tier", "summaries", "cached_summaries",
          "bookkeeping")
 ESTIMATES = ("allocator", "step_buffers")
 
@@ -70,6 +72,8 @@ class PlanInputs:
     device_type: str = "cpu"       # where the engine runs: on "cuda" only the host's share is checked
     weight_saving: int = 0         # bytes a quantized engine's weights take fewer than at dtype_bytes
     pinning: str = "allocator"     # how a GPU engine's lookahead host pool is pinned (PINNING)
+    prefill: str = "float32"       # the resolved prefill precision (runtime/ops.py resolve_prefill)
+    int8_group: int | None = None  # an int8 engine's group size (0: per output channel); None: not int8
 
 
 # What lives in device memory when the engine runs on a GPU (Engine places it): everything but the
@@ -83,6 +87,7 @@ class MemoryPlan:
 
     weights: int
     packed_weights: int
+    prefill_weights: int
     rope: int
     host_kv_pool: int
     device_tier: int
@@ -156,7 +161,8 @@ def _blocks(tokens: int, block_size: int) -> int:
 def plan_memory(mcfg: ModelConfig, cfg: LookaheadConfig, num_host_blocks: int | None, dtype_bytes: int,
                 max_model_len: int | None = None, *, weights: bool = True,
                 packed_weights: bool | None = None, device_type: str = "cpu",
-                weight_saving: int = 0, pinning: str = "allocator") -> MemoryPlan:
+                weight_saving: int = 0, pinning: str = "allocator", prefill: str = "float32",
+                int8_group: int | None = None) -> MemoryPlan:
     """The bytes an Engine over (mcfg, cfg) allocates, without allocating.
 
     num_host_blocks / max_model_len: as Engine gets them; None derives them as Engine does (then
@@ -167,13 +173,15 @@ def plan_memory(mcfg: ModelConfig, cfg: LookaheadConfig, num_host_blocks: int | 
     clamped, if the caller clamps it). weight_saving: what a quantized engine's stored weights
     save against `dtype_bytes` per parameter (engine.yaml quantization.quantized_bytes). device_type: where the engine runs ("cpu", "cuda"), which
     decides what check_memory holds against host memory (`host_components`). pinning: how a GPU
-    engine's lookahead host pool is page-locked (`PINNING`), which decides what it takes."""
+    engine's lookahead host pool is page-locked (`PINNING`), which decides what it takes. prefill:
+    the resolved prefill precision, whose kernels keep a copy of the layers' weights;
+    int8_group: an int8 engine's group size (0: per output channel), None for others."""
     if pinning not in PINNING:
         raise ConfigError("pinning", f"{pinning!r} is not one of {', '.join(PINNING)}",
                           "use 'allocator' (KVPool(..., pin_memory=True), as Engine does) or 'registered'")
     packed = (dtype_bytes == 4 and device_type == "cpu") if packed_weights is None else packed_weights
     inputs = PlanInputs(mcfg, cfg, dtype_bytes, num_host_blocks, max_model_len, weights, packed, device_type,
-                        weight_saving, pinning)
+                        weight_saving, pinning, prefill, int8_group)
     return _plan(inputs)
 
 
@@ -209,7 +217,8 @@ def _plan(p: PlanInputs) -> MemoryPlan:
         store = 2 * L * n_blocks * kvh * d * SUMMARY_BYTES if c.prefix_caching else 0
     if c.mode == "sparse":      # runtime/sparse.py: fp32 min/max of every pool block, with the pool
         summ = 2 * L * n_blocks * kvh * d * SUMMARY_BYTES
-    return MemoryPlan(weights=w, packed_weights=packed if p.packed_weights else 0, rope=rope,
+    return MemoryPlan(weights=w, packed_weights=packed if p.packed_weights else 0,
+                      prefill_weights=_prefill_weight_bytes(m, p.prefill, p.int8_group) if p.weights else 0, rope=rope,
                       host_kv_pool=pool, device_tier=tier, summaries=summ, cached_summaries=store, bookkeeping=books,
                       allocator=ALLOCATOR_BYTES_PER_BLOCK * n_blocks, step_buffers=_step_bytes(m, c, b, max_len),
                       per_seq_device_tier=lane_tier, per_seq_device=lane_tier + lane_summ,
@@ -238,6 +247,21 @@ def _weight_bytes(m: ModelConfig, b: int) -> tuple[int, int]:
     params = m.num_layers * per_layer + h + head * (1 if m.tie_word_embeddings else 2)
     packed = m.num_layers * sum(r * k for r, k in mats if r % 8 == 0) + (head if m.vocab_size % 8 == 0 else 0)
     return params * b, packed * 4
+
+
+def _prefill_weight_bytes(m: ModelConfig, prefill: str, int8_group: int | None) -> int:
+    """The prefill kernels' copies of each layer's projections (plugins/cpu/prefill.py's
+    packed_bytes_*: columns padded to the panel, bf16 pairs; or int8 quads with per group an fp32
+    scale and an int32 offset sum per column)."""
+    h, qkv, inter = m.hidden_size, m.q_size + 2 * m.kv_size, m.intermediate_size
+    mats = [(qkv, h), (h, m.q_size), (2 * inter, h), (h, inter)]
+    if prefill == "bfloat16":
+        per_layer = sum(-(-n // 64) * 64 * -(-k // 2) * 4 for n, k in mats)
+    elif prefill == "int8":
+        per_layer = sum(-(-n // 32) * 32 * (k + 8 * (k // (int8_group or k))) for n, k in mats)
+    else:
+        return 0
+    return m.num_layers * per_layer
 
 
 def _step_bytes(m: ModelConfig, c: LookaheadConfig, b: int, max_len: int) -> int:

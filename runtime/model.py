@@ -17,6 +17,8 @@ weights.safetensors, or, for a `random_weights:` recipe, generated on `device` t
 """
 from __future__ import annotations
 
+import copy
+
 import math
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Protocol
@@ -148,8 +150,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 attn: AttentionBackend, rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
-                ops: Ops) -> torch.Tensor:
-        c, linear = self.cfg, ops.linear
+                ops: Ops, linear=None) -> torch.Tensor:
+        """linear: the step's projection (`step_linear`; default `ops.linear` for every row)."""
+        c, linear = self.cfg, linear or ops.linear
         T = x.shape[0]
         qkv = linear(self.attn_norm(x, ops), self.wqkv.weight, self.wqkv.bias)  # [T, q + 2kv]
         # q and k are adjacent in qkv: one rotation covers both heads' sets (half the small ops)
@@ -161,6 +164,31 @@ class DecoderLayer(nn.Module):
         x = x + linear(o.reshape(T, c.q_size), self.wo.weight)
         gate, up = linear(self.mlp_norm(x, ops), self.w13.weight).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.w2.weight)
+
+
+def step_linear(ops: Ops, batch=None, prompt: bool = False):
+    """The projection of a step (a `StepBatch`) whose prompt-chunk rows take the table's prefill
+    kernels and whose decode rows take `ops.linear`: each row computes as it would in a step of
+    its own kind alone, whatever the step mixes. prompt: every row is a prompt's (no batch). No
+    batch (or no prefill kernels): `ops.linear`."""
+    pf = ops.prefill_linear
+    if pf is not None and prompt:
+        return pf
+    if pf is None or batch is None:
+        return ops.linear
+    if batch.all_prompt:
+        return pf
+    split = batch.row_kinds
+    if split is None:
+        return ops.linear
+    prompt, rest = split
+
+    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        out[prompt] = pf(x[prompt], weight, bias)
+        out[rest] = ops.linear(x[rest], weight, bias)
+        return out
+    return linear
 
 
 class LlamaModel(nn.Module):
@@ -195,12 +223,23 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                     cfg.rope_scaling, dtype, device)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                batch=None, prompt: bool = False) -> torch.Tensor:
+        """batch: the step's `StepBatch`, whose prompt-chunk rows take the kernel table's prefill
+        projections (`step_linear`); prompt: every row is a prompt's (a prefill outside an engine:
+        the builder's checks); neither: every row takes `ops.linear`."""
         x = self.embed_tokens(tokens)
         tables = self.rope.tables(positions)
+        linear = step_linear(self.ops, batch, prompt)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, attn, tables, self.ops)
+            x = layer(x, positions, self.rope, attn, tables, self.ops, linear)
         return self.norm(x, self.ops)
+
+    def with_ops(self, ops: Ops) -> "LlamaModel":
+        """This model (its weights and layers shared, not copied) computing with the table `ops`."""
+        twin = copy.copy(self)
+        twin.__dict__["ops"] = ops
+        return twin
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -11,6 +11,12 @@ entry; "auto": "c" where it applies, else "torch" (on a GPU `torch.ops.lookahead
 argument-checking wrappers (`plugins.<op>`), no fused entry (tests, `debug_checks`). An entry only
 C has is None in a torch table (its caller runs its torch path). `wrapped`: a test's table that
 records or checks every call. A quantized engine's `linear` also takes an `Int8Weight`.
+
+The prefill entries (`prefill_linear`, `prefill_attention`) are what a prompt's rows compute with,
+by the engine's prefill precision (`resolve_prefill`): None at float32 (the rows take `linear` and
+the backends' torch attention, as decode-era code always did); at bfloat16 and int8 the prefill
+kernels of plugins/cpu (bf16 / int8 dot products, fp32 sums), or their torch formulations in a
+torch table.
 """
 from __future__ import annotations
 
@@ -23,8 +29,11 @@ import torch.nn.functional as F
 
 import plugins  # defines torch.ops.lookahead.* (no CUDA build: select_ops registers the kernels)
 from plugins import cpu
-from plugins.cpu import bookkeeping, fused, lookahead_layer
+from plugins.cpu import bookkeeping, fused, lookahead_layer, prefill
 from plugins.cpu.ops import dequantize_int8, int8_group_size, paged_mask  # noqa: F401  (the runtime's helpers)
+
+from .config import PREFILL_PRECISIONS
+from .errors import ConfigError
 
 IMPLS = ("auto", "c", "torch", "checked")
 FUSED = ("fused_decoder", "lookahead_layer")     # entries that bind a whole step or layer to C
@@ -46,14 +55,25 @@ class Ops:
     copy_blocks: Callable | None = None         # bookkeeping.copy_blocks (None: torch indexing)
     fused_decoder: Callable | None = None       # fused.bind: a dense decode step in one C call
     lookahead_layer: Callable | None = None     # LookaheadLayer.bind: a lookahead layer in one
+    # a prompt's rows (None: `linear` and the backends' torch attention, the float32 reference)
+    prefill_linear: Callable | None = None      # as `linear`
+    prefill_attention: Callable | None = None   # (q [n, H, D], k, v [KVH, NB, bs, D] one pool layer,
+                                                #  block_table, context_len, scale) -> [n, H, D]
+    prefill: str = "float32"                    # the resolved prefill precision
     name: str = ""
 
     def wrapped(self, wrap: Callable[[str, Callable], Callable], name: str | None = None) -> "Ops":
         """These ops with each callable replaced by `wrap(op_name, fn)` and no fused entries
         (tests: check, record every call)."""
         ops = {f.name: wrap(f.name, getattr(self, f.name)) for f in fields(self)
-               if f.name not in ("name", *FUSED) and getattr(self, f.name) is not None}
+               if f.name not in ("name", "prefill", *FUSED) and getattr(self, f.name) is not None}
         return replace(self, **ops, **dict.fromkeys(FUSED), name=name or f"{self.name}+wrapped")
+
+    def with_prefill(self, precision: str, quantized: bool) -> "Ops":
+        """This table with the prefill entries of `precision` (resolved; a sibling engine's choice),
+        C kernels when this table is C's."""
+        return replace(self, **{**dict.fromkeys(("prefill_linear", "prefill_attention")),
+                                **prefill_entries(precision, "c/" in self.name, quantized)})
 
 
 def linear_int8_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -82,9 +102,66 @@ def c_applies(device: torch.device) -> str | None:
     return None if cpu.available() else f"no CPU kernels ({cpu.loader.unavailable_reason()})"
 
 
-def select_ops(device: torch.device, dtype: torch.dtype, impl: str = "auto", quantized: bool = False) -> Ops:
+# W8A8 under "auto" only where the weights' groups are this fine or finer: activations quantized
+# per token (group 0, a scale per output channel) cost the default model 4.5 % perplexity, per 64
+# inputs 0.3 % (docs/SETTINGS.md)
+AUTO_W8A8_MAX_GROUP = 64
+
+
+def resolve_prefill(prefill: str, device: torch.device, dtype: torch.dtype, quantized: bool,
+                    impl: str = "auto", int8_group: int = AUTO_W8A8_MAX_GROUP) -> str:
+    """The prefill precision an engine runs: `prefill` itself, or for "auto" the fastest accurate
+    one this machine and engine have: int8 (an int8 engine whose weights have groups of at most
+    AUTO_W8A8_MAX_GROUP inputs, `int8_group`, on a CPU with AVX512_VNNI), bfloat16 (CPUs with
+    AVX512_BF16), else float32. ConfigError naming `prefill_precision` for
+    one the engine cannot take (int8 without int8 weights; anything but auto on a 16-bit engine,
+    which prefills in its own dtype)."""
+    if prefill not in PREFILL_PRECISIONS:
+        raise ConfigError("prefill_precision", f"{prefill!r} is not a prefill precision",
+                          f"use one of {', '.join(PREFILL_PRECISIONS)}")
+    if dtype != torch.float32:
+        if prefill not in ("auto", "float32"):
+            raise ConfigError("prefill_precision", f"{prefill} under {dtype} weights: a 16-bit engine prefills in "
+                              "its own dtype", "leave it auto")
+        return "float32"
+    if prefill == "int8" and not quantized:
+        raise ConfigError("prefill_precision", "int8 needs int8 weights",
+                          "build an int8 engine (make engine-int8), or use bfloat16")
+    if prefill != "auto":
+        return prefill
+    if impl == "torch" or c_applies(device) is not None:
+        return "float32"
+    if quantized and 0 < int8_group <= AUTO_W8A8_MAX_GROUP and prefill_kernels_take("int8"):
+        return "int8"
+    return "bfloat16" if prefill_kernels_take("bfloat16") else "float32"
+
+
+def prefill_kernels_take(precision: str) -> bool:
+    """Whether this CPU has the dot-product units the `precision` prefill kernels use."""
+    return prefill.int8_dot_products() if precision == "int8" else prefill.bf16_dot_products()
+
+
+def prefill_entries(precision: str, use_c: bool, quantized: bool) -> dict:
+    """The prefill entries of a table at `precision` (resolved): the C kernels (use_c) or their
+    torch formulations; none at float32."""
+    if precision == "float32":
+        return {"prefill": "float32"}
+    p = prefill
+    dense = p.linear_bf16 if use_c else p.linear_bf16_torch
+    if precision == "int8":
+        int8 = p.linear_w8a8 if use_c else p.linear_w8a8_torch
+    else:
+        int8 = p.linear_bf16_int8 if use_c else (lambda x, q, s, b=None: p.linear_bf16_torch(x, dequantize_int8(q, s), b))
+    return {"prefill_linear": quantized_linear(dense, int8) if quantized else dense,
+            "prefill_attention": p.prefill_attention_op if use_c else p.prefill_attention_torch,
+            "prefill": precision}
+
+
+def select_ops(device: torch.device, dtype: torch.dtype, impl: str = "auto", quantized: bool = False,
+               prefill: str = "float32") -> Ops:
     """The kernel table for tensors of `dtype` on `device` (see the module docstring for `impl`).
-    quantized: the model holds int8 weights (`Int8Weight`), which `linear` must also take."""
+    quantized: the model holds int8 weights (`Int8Weight`), which `linear` must also take.
+    prefill: the prefill precision (`resolve_prefill`; "auto" resolves here)."""
     if impl not in IMPLS:
         raise ValueError(f"impl: one of {IMPLS}, got {impl!r}")
     why = c_applies(device)
@@ -93,18 +170,19 @@ def select_ops(device: torch.device, dtype: torch.dtype, impl: str = "auto", qua
     if device.type == "cuda":
         plugins.ensure_cuda_kernels()
     use_c = impl != "torch" and why is None
+    extra = prefill_entries(resolve_prefill(prefill, device, dtype, quantized, impl), use_c, quantized)
     if not use_c:
         d = plugins.direct if device.type == "cpu" else torch.ops.lookahead   # CPU: no dispatcher
         ops = Ops(d.block_gather, d.block_topk, d.update_summaries, d.lookahead_attention,
                   quantized_linear(F.linear, linear_int8_torch) if quantized else F.linear,
-                  name=f"torch/{device.type}")
+                  name=f"torch/{device.type}", **extra)
     else:
         d = plugins.direct
         ops = Ops(d.block_gather, cpu.ops.block_topk_op, cpu.ops.update_summaries, cpu.ops.lookahead_attention_op,
                   quantized_linear(cpu.linear, cpu.linear_int8) if quantized else cpu.linear,
                   rms_norm=cpu.rms_norm, paged_attention=cpu.attention_paged, plan_slots=bookkeeping.plan,
                   copy_blocks=bookkeeping.copy_blocks, fused_decoder=fused.bind,
-                  lookahead_layer=lookahead_layer.LookaheadLayer.bind, name="c/cpu")
+                  lookahead_layer=lookahead_layer.LookaheadLayer.bind, name="c/cpu", **extra)
     if impl != "checked":
         return ops
     return replace(ops, block_gather=plugins.block_gather, update_summaries=plugins.update_summaries,

@@ -64,7 +64,7 @@ class DenseRunner:
         items, token_ids, row = [], [], 0
         for seq, n in work:
             start = seq.num_cached
-            items.append(StepItem(seq.seq_id, row, n, start, seq.block_table))
+            items.append(StepItem(seq.seq_id, row, n, start, seq.block_table, prompt=seq.in_prefill))
             token_ids.extend(seq.token_at(p) for p in range(start, start + n))
             row += n
         cache = self.prefill_cache
@@ -85,7 +85,7 @@ class DenseRunner:
         hidden = self._fused_step(step, batch) if rec is None else None          # [T, hidden] or None
         if hidden is None:
             backend = rec.wrap(step, len(self.model.layers)) if rec else step
-            hidden = self.model(batch.tokens, batch.positions, backend)           # [T, hidden]
+            hidden = self.model(batch.tokens, batch.positions, backend, batch)   # [T, hidden]
         if self.selection is not None:            # the step's rows, for the next steps' selection
             self.selection.update(batch)
         sampling = [(seq, it) for (seq, n), it in zip(work, items)

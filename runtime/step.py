@@ -6,6 +6,7 @@ go) and never changed after: every layer's attention only reads it.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ class StepItem:
     num_tokens: int           # rows of this item that are real tokens (stored in the cache)
     start_pos: int            # position of the first row
     block_table: list[int]
+    prompt: bool = False      # a chunk of the prompt (its rows take the prefill kernels), not a decode row
 
     @property
     def context_len(self) -> int:
@@ -36,6 +38,30 @@ class StepBatch:
     slot_offsets: torch.Tensor    # [T] int64 offset within that block
     store_only: bool = False      # a replayed prefill (runtime/prefill_cache.py): the backend stores
                                   # the recorded K/V (and seeds), the model does not run
+
+    @functools.cached_property
+    def row_kinds(self) -> tuple[slice | torch.Tensor, slice | torch.Tensor] | None:
+        """(prompt rows, the other rows) when the step mixes prompt-chunk rows (what the prefill
+        kernels compute) with decode rows, each a slice when it is one run, else indices on the
+        step's device (built on the host, moved once); None when every row is of one kind."""
+        prompt = [r for it in self.items if it.prompt for r in range(it.row_start, it.row_start + it.num_tokens)]
+        T = self.tokens.shape[0]
+        if not prompt or len(prompt) == T:
+            return None
+        mark = set(prompt)
+        rest = [r for r in range(T) if r not in mark]
+
+        def index(rows: list[int]):
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                return slice(rows[0], rows[0] + len(rows))
+            return to_device(self.tokens.device, torch.tensor(rows, dtype=torch.long))[0]
+        return index(prompt), index(rest)
+
+    @property
+    def all_prompt(self) -> bool:
+        """Every row of the step is a prompt chunk's (a lookahead draft row belongs to no item)."""
+        n = sum(it.num_tokens for it in self.items if it.prompt)
+        return n > 0 and n == self.tokens.shape[0]
 
     @classmethod
     def build(cls, items: list[StepItem], token_ids: list[int], block_size: int,

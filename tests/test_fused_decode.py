@@ -91,8 +91,11 @@ class Record(Observer):
 
     def on_batch(self, batch):
         self.steps += 1
-        # one token an item, its blocks anywhere (a run, or a block table: decode.c reads both)
-        self.eligible += all(it.num_tokens == 1 for it in batch.items) and not batch.store_only
+        # one token an item, its blocks anywhere (a run, or a block table: decode.c reads both); a
+        # one-token prompt chunk takes the prefill kernels where the table has them
+        prefill = self.engine.ops.prefill_attention is not None
+        self.eligible += (all(it.num_tokens == 1 and not (it.prompt and prefill) for it in batch.items)
+                          and not batch.store_only)
 
     def on_step_end(self, logits):
         self.logits.append({k: v.clone() for k, v in logits.items()})
@@ -132,7 +135,8 @@ def run(eng: Engine, prompts, params=GREEDY):
 def test_fused_step_equals_python_path(dirs, model, kv_dtype, batch, context, block_size):
     prompts = random_prompts(*([context] if batch == 1 else [context, max(1, context // 3), context - 5]),
                              seed=context)
-    kw = dict(kv_dtype=kv_dtype, block_size=block_size, max_batch_size=4)
+    # the prompts' rows in fp32 too: this compares decode paths (prefill kernels: test_prefill_precision.py)
+    kw = dict(kv_dtype=kv_dtype, block_size=block_size, max_batch_size=4, prefill_precision="float32")
     ref_eng = engine(dirs[model], "off", **kw)
     ref_tokens, ref = run(ref_eng, prompts)
     for mode in ("torch", "auto", "own"):

@@ -238,7 +238,7 @@ def test_attention_reads_the_stored_values_in_fp32(name):
 def test_a_half_precision_dense_engine_equals_the_rounded_reference(tiny_dir, name):
     """Cached decode with K/V stored in `name` equals a full recompute whose K/V are rounded the same
     way (so the engine rounds exactly what it stores and nothing else), chunked prefill included."""
-    eng = Engine.from_dir(tiny_dir, kv_dtype=name, block_size=4, prefill_chunk=16)
+    eng = Engine.from_dir(tiny_dir, kv_dtype=name, block_size=4, prefill_chunk=16, prefill_precision="float32")
     ps = random_prompts(37, 9, seed=4)
     toks, logits = run(eng, ps)
     for p, t, lg in zip(ps, toks, logits):
@@ -384,9 +384,10 @@ def test_half_precision_decodes_close_to_fp32_real_model(default_engine):
     fp32's, and greedy tokens equal fp32's up to a near tie (fp16: measured equal throughout)."""
     ids = default_engine.tokenizer.encode(README.read_text())[:512]
     sp = SamplingParams(max_tokens=16, ignore_eos=True)
-    (full,), (full_l,) = run(default_engine.sibling(), [ids], sp)
+    fp32 = dict(prefill_precision="float32")       # the cache's rounding alone (bf16 prefill: its own test)
+    (full,), (full_l,) = run(default_engine.sibling(**fp32), [ids], sp)
     for name in HALF:
-        (half,), (half_l,) = run(default_engine.sibling(kv_dtype=name), [ids], sp)
+        (half,), (half_l,) = run(default_engine.sibling(kv_dtype=name, **fp32), [ids], sp)
         i = next((j for j, (x, y) in enumerate(zip(full, half)) if x != y), len(full) - 1)
         assert float((full_l[: i + 1] - half_l[: i + 1]).abs().max()) <= REAL_LOGIT_TOL[name]
         if full[i] != half[i]:

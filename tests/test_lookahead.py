@@ -136,11 +136,11 @@ def test_urgent_equals_reference_sparse_attention(tiny_dir, residency, draft, gr
     # draft "none": no look-ahead at all, every block fetched on demand: the same output
     ps = prompts(150, 110, seed=4)
     engine = Engine.from_dir(tiny_dir, **CHECKED, top_k=6, residency=residency, miss_policy="urgent", draft=draft,
-                             group_score=group_score)
+                             group_score=group_score, prefill_precision="float32")   # the reference's precision
     la, ll = run(engine, ps)
     if draft == "none":
         assert engine.stats()["urgent_blocks"] > 0 and engine.stats()["draft_accept_rate"] is None
-    ref_engine = Engine.from_dir(tiny_dir, block_size=4)
+    ref_engine = Engine.from_dir(tiny_dir, block_size=4, prefill_precision="float32")
     ref_engine.runner.attn = QuestReference(ref_engine.pool, 16 ** -0.5, top_k=6, sink=1, window_blocks=3,
                                             group_score=group_score)
     rf, rl = run(ref_engine, ps)

@@ -188,7 +188,7 @@ def test_stream_and_abort_cover_every_choice(tiny_dir):
 
 @pytest.mark.parametrize("mode", ["dense", "resident-urgent"])
 def test_logprobs_are_the_models_log_softmax(tiny_dir, mode):
-    eng = Engine.from_dir(tiny_dir, **MODES[mode])
+    eng = Engine.from_dir(tiny_dir, **MODES[mode], prefill_precision="float32")   # the fp32 reference's
     p = random_prompts(25, seed=10)[0]
     out = eng.generate([p], SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3))[0]
     assert [lp.token_id for lp in out.logprobs] == out.token_ids

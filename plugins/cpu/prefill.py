@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..reference import bf16_round
+from ..reference import bf16_round, quantize_rows_ref
 from .loader import library
-from .ops import KV_DTYPES, int8_group_size, loaded, traced
+from .ops import KV_DTYPES, dequantize_int8, int8_group_size, loaded, traced
 
 ISAS = {"auto": 0, "avx2": 1}     # prefill_attention.c's isa codes: the best this CPU has, or AVX2 + FMA
 
@@ -52,6 +52,18 @@ def packed_bf16(weight: torch.Tensor) -> torch.Tensor:
     return _cached(weight, "_lkv_bf16", (), make)
 
 
+def packed_bf16_int8(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An int8 weight's dequantized values (`dequantize_int8`) in lkv_gemm_bf16's panels, cached on
+    qweight (the fp32 dequantized copy is transient)."""
+    def make():
+        w = dequantize_int8(qweight, scale)
+        N, K = w.shape
+        out = torch.empty((N + 63) // 64 * ((K + 1) // 2) * 64, dtype=torch.int32)
+        loaded().lkv_pack_bf16(w.data_ptr(), K, N, K, out.data_ptr(), torch.get_num_threads())
+        return out
+    return _cached(qweight, "_lkv_bf16", (scale.data_ptr(), scale._version), make)
+
+
 def packed_bytes_bf16(n: int, k: int) -> int:
     """Bytes of `packed_bf16` of an [n, k] weight (the memory plan counts them)."""
     return (n + 63) // 64 * ((k + 1) // 2) * 64 * 4
@@ -67,17 +79,32 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """x [M, K] fp32 @ weight [N, K].T + bias with x and weight rounded to bf16, fp32 sums and output
     (contract: `plugins.reference.linear_bf16_ref`): one C call (gemm.c, AVX512_BF16) for fp32 CPU
     tensors, else `linear_bf16_torch`."""
-    lib = loaded()
-    if (lib is None or not bf16_dot_products() or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]
-            or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
-            or weight.device.type != "cpu" or x.shape[0] == 0
-            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.shape[0],)))
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+    if not _bf16_takes(x, weight, weight.dtype == torch.float32, bias):
         return linear_bf16_torch(x, weight, bias)
+    return _gemm_bf16(x, packed_bf16(weight), weight.shape[0], bias)
+
+
+def linear_bf16_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear_bf16` of an int8 weight's dequantized values (an int8 engine's bfloat16 prefill)."""
+    if not _bf16_takes(x, qweight, qweight.dtype == torch.int8, bias):
+        return linear_bf16_torch(x, dequantize_int8(qweight, scale), bias)
+    return _gemm_bf16(x, packed_bf16_int8(qweight, scale), qweight.shape[0], bias)
+
+
+def _bf16_takes(x: torch.Tensor, weight: torch.Tensor, weight_dtype_ok: bool, bias: torch.Tensor | None) -> bool:
+    return (loaded() is not None and bf16_dot_products() and x.dim() == 2 and weight.dim() == 2
+            and x.shape[1] == weight.shape[1] and x.dtype == torch.float32 and weight_dtype_ok
+            and x.device.type == "cpu" and weight.device.type == "cpu" and x.shape[0] > 0
+            and (bias is None or (bias.dtype == torch.float32 and bias.shape == (weight.shape[0],)))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def _gemm_bf16(x: torch.Tensor, packed: torch.Tensor, N: int, bias: torch.Tensor | None) -> torch.Tensor:
+    lib = loaded()
     if x.stride(1) != 1:
         x = x.contiguous()
-    (M, K), N = x.shape, weight.shape[0]
-    packed = packed_bf16(weight)
+    M, K = x.shape
     y = torch.empty(M, N, dtype=torch.float32)
     with traced("linear_bf16"):
         rc = lib.lkv_gemm_bf16(x.data_ptr(), x.stride(0), M, K, packed.data_ptr(), N,
@@ -143,10 +170,8 @@ def linear_w8a8_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     the kernel does, dequantized, times the dequantized weight in fp32."""
     N, K = qweight.shape
     G = int8_group_size(qweight, scale)
-    from ..reference import quantize_rows_ref
     q, s = quantize_rows_ref(x, G)
     xd = (q.view(x.shape[0], -1, G).float() * s[..., None]).view(x.shape)
-    from .ops import dequantize_int8
     return F.linear(xd, dequantize_int8(qweight, scale), bias)
 
 
@@ -209,3 +234,26 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_t
     if rc != 0:
         raise MemoryError("prefill_attention (CPU kernel): scratch allocation failed")
     return out
+
+
+def prefill_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: list[int] | torch.Tensor,
+                            context_len: int, scale: float) -> torch.Tensor:
+    """`prefill_attention`'s numerics in torch (where the kernel does not take the arguments): the
+    sequence's keys gathered by its table, q, K and V rounded to bf16, fp32 softmax (SDPA)."""
+    n, H, D = q.shape
+    kvh, _, bs, _ = k.shape
+    L = context_len
+    blocks = torch.as_tensor(list(block_table[: -(-L // bs)]), dtype=torch.long, device=k.device)
+    kc, vc = (bf16_round(t[:, blocks].reshape(kvh, -1, D)[:, :L].float())[None] for t in (k, v))
+    qh = bf16_round(q.float()).transpose(0, 1)[None]                          # [1, H, n, D]
+    mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=L - n)
+    out = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
+def prefill_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: list[int] | torch.Tensor,
+                         context_len: int, scale: float) -> torch.Tensor:
+    """The kernel table's bf16 prefill attention: one C call where `prefill_attention` takes the
+    arguments, else `prefill_attention_torch`."""
+    out = prefill_attention(q, k, v, block_table, context_len, scale)
+    return out if out is not None else prefill_attention_torch(q, k, v, block_table, context_len, scale)

@@ -167,7 +167,11 @@ class LookaheadAttention:
         the chunk that completes the prompt seeds the first working set."""
         it = part.item
         rows = slice(it.row_start, it.row_start + it.num_tokens)
-        if not p.store_only:                 # a replayed prefill only stores and seeds
+        if not p.store_only and self.ops.prefill_attention is not None and self.device.type == "cpu":
+            # the table's prefill kernel, straight from the host pool (stored before this call)
+            out[rows] = self.ops.prefill_attention(q[rows], self.pool.k[layer], self.pool.v[layer], it.block_table,
+                                                   it.context_len, self.scale).to(out.dtype)
+        elif not p.store_only:               # a replayed prefill only stores and seeds
             if it.start_pos == 0:            # the rows as the pool stores them (a no-op at fp32)
                 kc, vc = (t[rows].transpose(0, 1).to(self.pool.k.dtype) for t in (k, v))
             else:                            # from the host pool onto the device (a view on CPU)

@@ -101,7 +101,7 @@ class LookaheadRunner:
             hidden = self.fused.run_layers(plan.batch.tokens, plan.batch.positions, step.forward)
         if hidden is None:
             hidden = self.model(plan.batch.tokens, plan.batch.positions,
-                                rec.wrap(step, num_layers) if rec else step)
+                                rec.wrap(step, num_layers) if rec else step, plan.batch)
         self.last_step = step.finish()
         self._advance(work, rows)
         out = self._sample_rows(work, rows, plan, hidden)
@@ -121,7 +121,7 @@ class LookaheadRunner:
             for p in range(start, start + n):
                 store = None if pre else (lane, seq.block_table[p // bs], p % bs, p // bs < lay.num_sink or p // bs >= w0)
                 r.add(seq.token_at(p), p, store)
-            r.items.append(StepItem(seq.seq_id, row, 0 if pre else n, start, seq.block_table))
+            r.items.append(StepItem(seq.seq_id, row, 0 if pre else n, start, seq.block_table, prompt=seq.in_prefill))
             if seq.in_prefill:
                 r.prefill.append((r.items[-1], lane, start + n == len(seq.prompt_ids)))
                 continue
