@@ -112,6 +112,10 @@ class Engine:
                                         "torch" if "c/" not in model.ops.name else "auto", int8_group(manifest))
             model = model.with_ops(model.ops.with_prefill(precision, quantized))
         config = config.replace(prefill_precision=model.ops.prefill)        # the resolved precision
+        # the compute threads every step runs with, whichever thread calls `step`: the count of the
+        # thread that builds the engine (a thread started later may inherit another default: a
+        # lookahead engine's copy worker runs single-threaded, and OpenMP hands that to new threads)
+        self.threads = torch.get_num_threads()
         self.device, self.ops, self.debug_checks, self.fused = model.device, model.ops, debug_checks, fused
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
         config = clamp_top_k(config, self.max_model_len).with_kv_dtype(manifest.dtype)   # unset: the weights'
@@ -311,6 +315,8 @@ class Engine:
         work = self.scheduler.schedule()
         if not work:
             return outs
+        if torch.get_num_threads() != self.threads:  # a step on another thread (a server's loop thread)
+            torch.set_num_threads(self.threads)
         self.counters["prompt_tokens"] += sum(n for s, n in work if s.in_prefill)
         logits = self.runner.run(work)
         for seq, _ in work:                 # the blocks this step filled get their names

@@ -1,6 +1,8 @@
 """Lookahead mode's invariants (docs/ARCHITECTURE.md), on a tiny random model with a long context."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -370,3 +372,27 @@ def test_summaries_are_fp32_minmax_of_the_stored_keys():
     assert not torch.equal(stored.amin(2), keys.view(2, 2, 4, 2, 8).amin(2))    # the rounding shows
     idx, sc = s.score(1, torch.randn(1, 6, 8).half(), torch.ones(1, 4, dtype=torch.bool), 1, 2, 3, "max")
     assert sc.dtype == torch.float32 and idx[0, :, 2].eq(-1).all()           # 2 blocks scored, K=3
+
+
+def test_a_step_on_a_later_thread_computes_with_the_engines_threads(tiny_dir):
+    """A server steps its engine on a loop thread started after the engine; the lookahead copy
+    worker's single OpenMP thread must not become that thread's compute team (libgomp hands a
+    count set on one thread to threads started later: served lookahead prefill ran on one core)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = Engine.from_dir(tiny_dir, **SMALL, top_k=6)
+        seen = []
+        run = engine.runner.run
+
+        def spy(work):
+            seen.append(torch.get_num_threads())
+            return run(work)
+        engine.runner.run = spy
+        t = threading.Thread(target=lambda: engine.generate(prompts(40, seed=5), SamplingParams(max_tokens=2)))
+        t.start()
+        t.join()
+        engine.close()
+        assert seen and set(seen) == {2}
+    finally:
+        torch.set_num_threads(before)

@@ -56,8 +56,9 @@ class ThreadTransferEngine(TransferEngine):
 
     def _run(self) -> None:
         # One OpenMP thread for the copies (small, memory-bound gathers): a team of its own would
-        # put more threads than cores next to the compute thread's team. Per-thread setting: the
-        # compute thread keeps its own count.
+        # put more threads than cores next to the compute thread's team. Threads that already run
+        # keep their count, but libgomp hands this one to threads started later: Engine.step sets
+        # the engine's own count on whatever thread steps it (a server's loop thread).
         torch.set_num_threads(1)
         while True:
             _, _, job, ticket = self._q.get()
