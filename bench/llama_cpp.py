@@ -297,13 +297,13 @@ def kv_size(contexts: Iterable[int], batches: Iterable[int], gen: int) -> int:
 
 
 def batched_bench_command(bench: Path, model: Path, config: PeerConfig, contexts: list[int], batches: list[int],
-                          gen: int, threads: int, prefill_threads: int | None = None) -> list[str]:
+                          gen: int, threads: int, prefill_threads: int | None = None, flash: str = "off") -> list[str]:
     depths = [WARMUP_PP, *dict.fromkeys(depth(c, gen) for c in contexts)]   # warm-up first (peer_rows: last wins)
     # -lm none: the weights are read into memory at load (like our engine's), not paged in while timed
     return [str(bench), "-m", str(model), "-lm", "none", "-c", str(kv_size(contexts, batches, gen)),
             "-npp", ",".join(map(str, depths)), "-ntg", str(gen), "-npl", ",".join(map(str, batches)),
             "-pps", "-no-kvu", "-t", str(threads), "-tb", str(prefill_threads or threads),
-            "-ctk", config.kv, "-ctv", config.kv, "-fa", "off"]
+            "-ctk", config.kv, "-ctv", config.kv, "-fa", flash]
 
 
 _NUM = re.compile(r"^-?\d+(\.\d+)?([eE][-+]?\d+)?$")
@@ -387,8 +387,9 @@ def prepare(configs: list[PeerConfig], threads: int = 2, source: Path | None = N
 
 def run_peer(configs: list[PeerConfig], contexts: list[int], batches: list[int], gen: int, threads: int,
              prefill_threads: int | None = None, source: Path | None = None, log: Log = _print,
-             timeout: float | None = None, build_dir: Path = BUILD_DIR) -> list[dict[str, Any]]:
-    """Every configuration at every point -> bench_decode.py rows (error rows where it cannot run)."""
+             timeout: float | None = None, build_dir: Path = BUILD_DIR, flash: str = "off") -> list[dict[str, Any]]:
+    """Every configuration at every point -> bench_decode.py rows (error rows where it cannot run).
+    flash: llama.cpp's -fa (off: faster decode at depth on these CPUs; bench_prefill.py times both)."""
     def failed(reason: str, cfgs: list[PeerConfig]) -> list[dict[str, Any]]:
         return [{"context": c, "batch": b, "impl": cfg.label, "error": f"not available ({reason})"}
                 for cfg in cfgs for c in contexts for b in batches]
@@ -403,7 +404,7 @@ def run_peer(configs: list[PeerConfig], contexts: list[int], batches: list[int],
         try:
             model = ensure_gguf(cfg.weights, bins["llama-quantize"], source, threads, build_dir, log)
             cmd = batched_bench_command(bins["llama-batched-bench"], model, cfg, contexts, batches, gen,
-                                        threads, prefill_threads)
+                                        threads, prefill_threads, flash)
             log(f"  {cfg.label}: {' '.join(cmd)}")
             t0 = time.perf_counter()
             done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout)
