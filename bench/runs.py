@@ -11,13 +11,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def mode_overrides(mode: str, top_k: int) -> dict[str, Any]:
-    """'dense' or 'RESIDENCY:MISS_POLICY[@FIELD=VALUE,...]' -> LookaheadConfig overrides, e.g.
-    'resident:urgent@group_score=max,top_k=64' (a field set there wins over --top-k)."""
-    if mode == "dense":
-        return {"mode": "dense"}
+    """'dense' or 'RESIDENCY:MISS_POLICY', either with '@FIELD=VALUE,...' -> LookaheadConfig
+    overrides, e.g. 'resident:urgent@group_score=max,top_k=64' (a field set there wins over --top-k),
+    'dense@prefill_precision=float32'."""
     base, _, extra = mode.partition("@")
-    residency, _, miss = base.partition(":")
-    out: dict[str, Any] = {"mode": "lookahead", "residency": residency, "miss_policy": miss, "top_k": top_k}
+    if base == "dense":
+        out: dict[str, Any] = {"mode": "dense"}
+    else:
+        residency, _, miss = base.partition(":")
+        out = {"mode": "lookahead", "residency": residency, "miss_policy": miss, "top_k": top_k}
     for item in filter(None, extra.split(",")):
         name, eq, value = item.partition("=")
         if not eq:

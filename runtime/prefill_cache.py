@@ -45,8 +45,11 @@ class PrefillCache:
     @staticmethod
     def _key(model, seq: Sequence, kv_dtype) -> tuple:
         # the KV storage dtype too: a prefill under fp16 KV attends over rounded keys, so its
-        # logits are not an fp32 engine's (and the reverse)
-        return id(model), str(kv_dtype), tuple(seq.prompt_ids)
+        # logits are not an fp32 engine's (and the reverse); and the prefill precision (siblings
+        # at another one compute with a twin of the model: the same layers, another kernel table)
+        ops = getattr(model, "ops", None)
+        return (id(getattr(model, "layers", model)), getattr(ops, "prefill", "float32"), str(kv_dtype),
+                tuple(seq.prompt_ids))
 
     def replay(self, model, work: list[tuple[Sequence, int]], items: list[StepItem],
                kv_dtype: torch.dtype | None = None) -> "Replay | None":

@@ -208,7 +208,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if "dense" not in args.modes:
         args.modes = ["dense"] + args.modes     # deltas are paired against dense
-    bad = [m for m in args.modes if m != "dense" and m.partition("@")[0].partition(":")[0::2] not in
+    bad = [m for m in args.modes if m.partition("@")[0] != "dense" and m.partition("@")[0].partition(":")[0::2] not in
            {(r, x) for r in ("resident", "pingpong") for x in ("urgent", "drop")}]
     if bad:
         p.error(f"unknown mode {bad[0]!r}: use dense or RESIDENCY:MISS_POLICY, e.g. resident:urgent")
@@ -276,7 +276,7 @@ def run_missing(args: argparse.Namespace, settings: str, jsonl: Path, done: dict
                     rec = {"settings": settings, "task": task, "context": ctx, "index": s.index,
                            "mode": mode, "prompt_sha": sha, "answers": s.answers, "metric": s.metric,
                            "candidates": cand, "top_k": cfg.top_k}
-                    if mode != "dense" and cfg.top_k >= cand and not args.run_trivial:
+                    if cfg.mode != "dense" and cfg.top_k >= cand and not args.run_trivial:
                         rec.update(trivial=True, prompt_tokens=n_prompt)
                     else:
                         bar.set_postfix_str(f"{task}@{ctx} #{s.index} {mode}")

@@ -230,3 +230,18 @@ def test_bf16_prefill_answers_the_builders_prompts_as_fp32(default_engine):
     sp = SamplingParams(max_tokens=16, ignore_eos=True)
     prompts = [default_engine.tokenizer.encode(p) for p in PROMPTS]
     assert [c.token_ids for c in bf16.generate(prompts, sp)] == [c.token_ids for c in fp32.generate(prompts, sp)]
+
+
+@BF16
+def test_a_shared_prefill_cache_replays_only_the_same_precision(tiny_dir):
+    """Siblings sharing a PrefillCache (an accuracy eval's modes) replay a prompt only from an
+    engine of the same prefill precision: a float32 sibling computes its own prompt."""
+    from runtime.prefill_cache import PrefillCache
+    cache, p = PrefillCache(), random_prompts(33, seed=9)
+    base = Engine.from_dir(tiny_dir, block_size=4, prefix_caching=False)
+    bf = run(base.sibling(cache, prefill_precision="bfloat16"), p)
+    bf_again = run(base.sibling(cache, prefill_precision="bfloat16"), p)
+    fp = run(base.sibling(cache, prefill_precision="float32"), p)
+    fp_alone = run(Engine.from_dir(tiny_dir, block_size=4, prefix_caching=False, prefill_precision="float32"), p)
+    assert torch.equal(bf_again[1][0][0], bf[1][0][0])
+    assert torch.equal(fp[1][0][0], fp_alone[1][0][0]) and not torch.equal(fp[1][0][0], bf[1][0][0])
