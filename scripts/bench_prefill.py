@@ -346,7 +346,7 @@ def llama_rows(a, plan, rates) -> list[dict]:
 def vllm_rows(a, plan, rates, vocab: int) -> list[dict]:
     prompts = [prompt_ids(vocab, n, a.seed + ctx) for ctx, n, _ in plan]
     got = run_vllm(a.vllm_python, reference_hf_dir(a.engines[0]), prompts, prompt_ids(vocab, WARM_TOKENS, 99),
-                   max(a.contexts) + 8, 3600, a.threads)
+                   max(a.contexts), 3600, a.threads)
     rows = []
     for ctx, n, f in plan:
         if isinstance(got, str):
