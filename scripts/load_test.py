@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from deploy.process import prepare_threads
+from deploy.process import off_main_thread, prepare_threads
 
 prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
 
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     by_round: list[float] = []              # served / in-process tokens/s of each round (--rounds)
     if args.in_process_only:
         from runtime.engine import Engine
-        engine = Engine.from_dir(engine_dir, **overrides)
+        engine = off_main_thread(lambda: Engine.from_dir(engine_dir, **overrides))   # as the servers build it
         try:
             runs["in-process"] = run_in_process(engine, args, schedule, prompts)
         finally:

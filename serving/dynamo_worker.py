@@ -67,7 +67,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deploy.process import prepare_threads
+from deploy.process import off_main_thread, prepare_threads
 
 if __name__ == "__main__":  # the worker process: before runtime.sampling loads torch (deploy/process.py)
     prepare_threads()
@@ -594,8 +594,10 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = lookahead_overrides(args)
     t0 = time.perf_counter()
-    engine = Engine.from_dir(args.engine, device=args.device, verify_checksums=not args.no_verify_checksums,
-                             num_host_blocks=args.num_host_blocks, max_queue=args.max_queue, **overrides)
+    # built off the main thread, so the loop thread's OpenMP team is the process's only one
+    engine = off_main_thread(lambda: Engine.from_dir(
+        args.engine, device=args.device, verify_checksums=not args.no_verify_checksums,
+        num_host_blocks=args.num_host_blocks, max_queue=args.max_queue, **overrides))
     model_dir = make_model_dir(args.engine, run_dir / "model", max_model_len=engine.max_model_len)
     info = {"worker_index": args.worker_index, "pid": os.getpid(), "mode": engine.config.mode,
             "device": str(engine.device),

@@ -21,7 +21,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from deploy.process import prepare_threads
+from deploy.process import off_main_thread, prepare_threads
 
 prepare_threads()  # the python stub's process: before runtime.engine loads torch (deploy/process.py)
 
@@ -47,8 +47,10 @@ class TritonPythonModel:
         overrides = json.loads(params.get("lookahead_overrides") or "{}")
         device = instance_device(args, params)
         try:
-            self.engine = Engine.from_dir(params["engine_dir"], device=device,
-                                          max_queue=int(params.get("max_queue", 256)), **overrides)
+            # built off the stub's main thread, so the loop thread's OpenMP team is the only one
+            # (deploy/process.py off_main_thread: a pool left on this thread slowed every step 1.6x)
+            self.engine = off_main_thread(lambda: Engine.from_dir(
+                params["engine_dir"], device=device, max_queue=int(params.get("max_queue", 256)), **overrides))
         except LookaheadError as e:         # one line in the server log, naming the field and the fix
             raise pb_utils.TritonModelException(f"lookahead_llm: {e}") from None
         self.limits = RequestLimits.for_engine(self.engine)
