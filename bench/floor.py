@@ -159,15 +159,21 @@ class BandwidthProbe:
         return statistics.median(samples)
 
 
-def matmul_gflops(n: int = 1024, reps: int = 3) -> dict[str, float]:
-    """fp32 GEMM rate (1e9 FLOP/s), best of `reps` n^3 matmuls on torch's current threads."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
+def best_of(fn, reps: int = 3) -> float:
+    """Seconds of the fastest of `reps` calls of fn(), after one untimed call."""
+    fn()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        a @ b
+        fn()
         best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_gflops(n: int = 1024, reps: int = 3) -> dict[str, float]:
+    """fp32 GEMM rate (1e9 FLOP/s), best of `reps` n^3 matmuls on torch's current threads."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = best_of(lambda: a @ b, reps)
     return {"matmul_gflops": round(2 * n ** 3 / best / 1e9, 1), "n": n, "reps": reps,
             "threads": torch.get_num_threads()}
 

@@ -389,7 +389,7 @@ def run_peer(configs: list[PeerConfig], contexts: list[int], batches: list[int],
              prefill_threads: int | None = None, source: Path | None = None, log: Log = _print,
              timeout: float | None = None, build_dir: Path = BUILD_DIR, flash: str = "off") -> list[dict[str, Any]]:
     """Every configuration at every point -> bench_decode.py rows (error rows where it cannot run).
-    flash: llama.cpp's -fa (off: faster decode at depth on these CPUs; bench_prefill.py times both)."""
+    flash: llama.cpp's -fa (off: faster decode at depth on these CPUs; bench.prefill times both)."""
     def failed(reason: str, cfgs: list[PeerConfig]) -> list[dict[str, Any]]:
         return [{"context": c, "batch": b, "impl": cfg.label, "error": f"not available ({reason})"}
                 for cfg in cfgs for c in contexts for b in batches]

@@ -46,7 +46,7 @@ def prepare_threads(env: MutableMapping[str, str] | None = None) -> dict[str, st
     return added
 
 
-def off_main_thread(factory: Callable[[], T]) -> T:
+def off_main_thread(factory: Callable[[], T], name: str = "engine-build") -> T:
     """`factory()` run on a short-lived thread of its own, its result (or exception) returned here.
 
     For whatever builds an engine that another thread will step (a server's loop thread): libgomp
@@ -55,6 +55,7 @@ def off_main_thread(factory: Callable[[], T]) -> T:
     regions for every team (a sleep and a wake-up per kernel call). An engine loaded on the main
     thread left its pool there, and a decode step on the loop thread ran 1.6x slower (measured on 2
     cores); built here, the pool ends with the thread and the loop thread's team is the only one.
+    Also the way to run an engine's steps on a thread of their own, as a server does.
     """
     box: dict = {}
 
@@ -63,7 +64,7 @@ def off_main_thread(factory: Callable[[], T]) -> T:
             box["value"] = factory()
         except BaseException as e:          # re-raised in the caller's thread
             box["error"] = e
-    t = threading.Thread(target=run, name="engine-build")
+    t = threading.Thread(target=run, name=name)
     t.start()
     t.join()
     if "error" in box:

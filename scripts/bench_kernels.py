@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 from deploy.process import prepare_threads
@@ -40,20 +39,11 @@ prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.floor import best_of  # noqa: E402
 from plugins import cpu  # noqa: E402
 
 LAYERS, HIDDEN, KV_DIM, INTER = 30, 576, 192, 1536          # SmolLM2-135M
 LINEARS = [(HIDDEN, HIDDEN + 2 * KV_DIM), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTER), (INTER, HIDDEN)]
-
-
-def best_of(fn, reps: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def weights_rows(rows: list[int]) -> list[dict]:

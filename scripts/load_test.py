@@ -27,7 +27,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -178,19 +177,7 @@ def run_in_process(engine, args, schedule: Schedule, prompts: Prompts) -> Run:
     pool spin-waits far longer when called from the main thread (5-10x slower measured on 2 cores),
     which would compare threading, not serving.
     """
-    box: dict = {}
-
-    def work() -> None:
-        try:
-            box["run"] = _drive_engine(engine, args, schedule, prompts)
-        except BaseException as e:           # re-raised in the caller's thread
-            box["error"] = e
-    worker = threading.Thread(target=work, name="in-process-engine")
-    worker.start()
-    worker.join()
-    if "error" in box:
-        raise box["error"]
-    return box["run"]
+    return off_main_thread(lambda: _drive_engine(engine, args, schedule, prompts), name="in-process-engine")
 
 
 def run_in_process_isolated(args, engine_dir: str, overrides: dict) -> Run:

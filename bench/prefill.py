@@ -2,7 +2,7 @@
 """Cold prefill side by side: how long the first token of a long prompt takes, ours against peers,
 with the FLOP count and the share of the machine's measured dot-product rate each one reaches.
 
-    scripts/bench_prefill.py [--engines engines/default,engines/int8] [--contexts 2048,4096,8192]
+    python -m bench.prefill [--engines engines/default,engines/int8] [--contexts 2048,4096,8192]
                              [--modes dense,lookahead] [--precisions auto,float32]
                              [--peers transformers,llama.cpp,vllm] [--llama-configs F32/f32,Q8_0/f16,Q4_1/f16]
                              [--vllm-python PATH] [--threads 2] [--repeats 1]
@@ -42,14 +42,15 @@ from pathlib import Path
 
 from deploy.process import prepare_threads
 
-prepare_threads()  # before torch: libgomp reads its spin setting once (deploy/process.py)
+if __name__ == "__main__":  # the benchmark's process: before torch (libgomp reads its spin setting once)
+    prepare_threads()
 
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench import llama_cpp  # noqa: E402
+from bench.floor import best_of  # noqa: E402
 from bench.runs import machine_info  # noqa: E402
 from bench.speed import reference_hf_dir  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
@@ -72,16 +73,6 @@ def prefill_flops(m: ModelConfig, tokens: int) -> dict[str, float]:
     return {"gemm": gemm, "attention": attn, "total": gemm + attn}
 
 
-def _best_time(fn, reps: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def machine_rates(shape: tuple[int, int, int] = RATE_SHAPE) -> dict[str, float]:
     """GFLOP/s (GOP/s for int8) of this machine's units on one prefill GEMM shape, this run."""
     import torch.nn.functional as F
@@ -90,15 +81,15 @@ def machine_rates(shape: tuple[int, int, int] = RATE_SHAPE) -> dict[str, float]:
     M, K, N = shape
     x, w = torch.randn(M, K), torch.randn(N, K) / K ** 0.5
     flops = 2.0 * M * K * N
-    rates = {"float32": flops / _best_time(lambda: F.linear(x, w)) / 1e9}
+    rates = {"float32": flops / best_of(lambda: F.linear(x, w), 5) / 1e9}
     xb, wb = x.bfloat16(), w.bfloat16()
-    bf16 = flops / _best_time(lambda: F.linear(xb, wb)) / 1e9
+    bf16 = flops / best_of(lambda: F.linear(xb, wb), 5) / 1e9
     if prefill.bf16_dot_products():
-        bf16 = max(bf16, flops / _best_time(lambda: prefill.linear_bf16(x, w)) / 1e9)
+        bf16 = max(bf16, flops / best_of(lambda: prefill.linear_bf16(x, w), 5) / 1e9)
     rates["bfloat16"] = bf16
     xi, wi = torch.randint(-127, 128, (M, K), dtype=torch.int8), torch.randint(-127, 128, (K, N), dtype=torch.int8)
     try:
-        rates["int8"] = flops / _best_time(lambda: torch._int_mm(xi, wi)) / 1e9
+        rates["int8"] = flops / best_of(lambda: torch._int_mm(xi, wi), 5) / 1e9
     except RuntimeError:
         rates["int8"] = float("nan")
     return {k: round(v, 1) for k, v in rates.items()}

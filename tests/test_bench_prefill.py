@@ -1,0 +1,39 @@
+"""bench/prefill.py (`python -m bench.prefill`): its FLOP count, its dry run, and one real run on a
+tiny random engine (no peers) whose JSON has a row per engine x precision x mode x context."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.prefill import prefill_flops
+from runtime.config import ModelConfig
+
+from tiny_engine import TINY, make_tiny_engine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_flops_count_projections_and_causal_attention():
+    m = ModelConfig(**TINY)
+    f = prefill_flops(m, 10)
+    h, q, kv, i = m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
+    assert f["gemm"] == 2 * 10 * (h * (q + 2 * kv) + q * h + 3 * h * i) * m.num_layers
+    assert f["attention"] == 4 * 55 * m.num_heads * m.head_dim * m.num_layers       # 1 + 2 + ... + 10 keys
+    assert f["total"] == f["gemm"] + f["attention"]
+
+
+def test_a_run_on_a_tiny_engine_writes_every_row(tmp_path):
+    eng = make_tiny_engine(tmp_path / "tiny", seed=2, head_dim=32, num_heads=4, num_kv_heads=2)
+    out = tmp_path / "bp.json"
+    args = [sys.executable, "-m", "bench.prefill", "--engines", str(eng), "--contexts", "64,96",
+            "--modes", "dense,lookahead", "--precisions", "float32,bfloat16", "--peers", "", "--threads", "1",
+            "--json", str(out), "--plot", str(tmp_path / "bp.png")]
+    dry = subprocess.run(args + ["--dry-run"], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "context 96: 95 prompt tokens" in dry.stdout and not out.exists()
+    subprocess.run(args, capture_output=True, text=True, cwd=ROOT, check=True)
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["context"], r["mode"], r["precision"]) for r in rows}
+    assert got == {(c, m, p) for c in (64, 96) for m in ("dense", "lookahead") for p in ("float32", "bfloat16")}
+    assert all(r["ttft_s"] > 0 and r["prompt_tokens"] == r["context"] - 1 for r in rows)
