@@ -143,7 +143,7 @@ class Engine:
         self._lock = threading.Lock()
         self._seqs: dict[str, list[Sequence]] = {}    # request id -> its choices
         self.counters = {"steps": 0, "prompt_tokens": 0, "output_tokens": 0, "finished_requests": 0,
-                         "aborted_requests": 0}
+                         "aborted_requests": 0, "step_seconds": 0.0, "decode_steps": 0, "decode_step_seconds": 0.0}
 
     def _identity(self) -> bytes:
         """What the names of this engine's KV blocks cover: anything that changes a block's bytes
@@ -315,9 +315,11 @@ class Engine:
         work = self.scheduler.schedule()
         if not work:
             return outs
+        t0 = time.perf_counter()
         if torch.get_num_threads() != self.threads:  # a step on another thread (a server's loop thread)
             torch.set_num_threads(self.threads)
-        self.counters["prompt_tokens"] += sum(n for s, n in work if s.in_prefill)
+        prompt_tokens = sum(n for s, n in work if s.in_prefill)
+        self.counters["prompt_tokens"] += prompt_tokens
         logits = self.runner.run(work)
         for seq, _ in work:                 # the blocks this step filled get their names
             named = self.scheduler.name_full_blocks(seq)
@@ -336,6 +338,11 @@ class Engine:
                 outs.append(self._finish(seq, lps))
             else:
                 outs.append(self._output(seq, [seq.output_ids[-1]], lps))
+        took = time.perf_counter() - t0
+        self.counters["step_seconds"] += took
+        if not prompt_tokens:               # decode rows only: what one served token costs
+            self.counters["decode_steps"] += 1
+            self.counters["decode_step_seconds"] += took
         return outs
 
     def _sample(self, emitting: list[Sequence],

@@ -57,6 +57,13 @@ METRICS = (
     MetricSpec("aborted_requests", "lookahead_aborted_requests_total", "counter",
                "Requests cancelled by their client (their KV blocks were freed)"),
     MetricSpec("steps", "lookahead_engine_steps_total", "counter", "Engine steps run"),
+    MetricSpec("step_seconds", "lookahead_engine_step_seconds_total", "counter",
+               "Wall seconds spent inside engine steps (the model, sampling and the outputs)"),
+    MetricSpec("decode_steps", "lookahead_decode_steps_total", "counter",
+               "Engine steps with decode rows only (no prompt chunk)"),
+    MetricSpec("decode_step_seconds", "lookahead_decode_step_seconds_total", "counter",
+               "Wall seconds of the decode-only steps: over lookahead_decode_steps_total, what one "
+               "token of every running request costs the engine"),
     # the prefix cache (runtime/prefix_cache.py): full KV blocks that outlive their request
     MetricSpec("prefix_cache_hit_rate", "lookahead_prefix_cache_hit_rate", "gauge",
                "Share of looked-up prompt tokens whose KV came from the prefix cache (NaN before any request)"),

@@ -127,6 +127,17 @@ def test_eos_and_max_tokens_finish(tiny_dir):
     assert out.finish_reason == "stop" and out.token_ids == [first] and out.text == ""
 
 
+def test_step_timers_split_decode_steps_from_prompt_steps(tiny_dir):
+    """stats' step_seconds / decode_steps / decode_step_seconds: a prompt chunk's step counts in
+    the total only; every step after the prompts is a decode step."""
+    eng = Engine.from_dir(tiny_dir, prefill_chunk=16)
+    eng.generate([prompt(3, 40)], SamplingParams(max_tokens=6, ignore_eos=True))
+    st = eng.stats()
+    # 40 prompt tokens in 16-token chunks: 3 prompt steps, the last of which emits the first token
+    assert st["steps"] == 3 + 5 and st["decode_steps"] == 5
+    assert 0 < st["decode_step_seconds"] < st["step_seconds"]
+
+
 def test_abort_frees_blocks(tiny_dir):
     eng = Engine.from_dir(tiny_dir, num_host_blocks=32)
     free0 = eng.allocator.num_free
