@@ -89,25 +89,28 @@ async def served_request(client, model: str, prompt: str, args) -> Record:
 
 
 # ---- served: the OpenAI API (NVIDIA Dynamo's frontend), streaming completions ----------------------
-async def openai_request(client, model: str, prompt: str, args) -> Record:
-    """One streaming /v1/completions request of the same prompt text; a chunk is a token (the
+async def openai_request(base_url: str, model: str, prompt: str, args) -> Record:
+    """One streaming /v1/completions request of the same prompt text, through bench.sse_client (a
+    client lean enough not to slow the server it shares the cores with); a chunk is a token (the
     usage chunk at the end corrects the count where one carried none or several)."""
+    from bench.sse_client import stream_json
+
     rec = Record(start=time.perf_counter())
+    body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos}
     try:
-        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens,
-                                                 temperature=0, stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": args.ignore_eos})
         seen = 0
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.choices:
+        async for now, chunk in stream_json(base_url + "/v1/completions", body):
+            if chunk.get("choices"):
                 rec.token_times.append((now, 1))
                 seen += 1
-            if chunk.usage is not None:
-                rec.num_prompt_tokens = chunk.usage.prompt_tokens
-                if rec.token_times and chunk.usage.completion_tokens != seen:
+            usage = chunk.get("usage")
+            if usage:
+                rec.num_prompt_tokens = usage.get("prompt_tokens")
+                done = usage.get("completion_tokens")
+                if rec.token_times and done is not None and done != seen:
                     t, n = rec.token_times[-1]
-                    rec.token_times[-1] = (t, max(0, n + chunk.usage.completion_tokens - seen))
+                    rec.token_times[-1] = (t, max(0, n + done - seen))
         rec.end = time.perf_counter()
     except Exception as e:        # connection refused, server gone: count it, keep going
         rec.error = f"{type(e).__name__}: {e}"
@@ -116,10 +119,12 @@ async def openai_request(client, model: str, prompt: str, args) -> Record:
 
 async def run_served(args, schedule: Schedule, prompts: Prompts, desc: str = "served") -> Run:
     if args.openai_url:
-        import openai
-        client = openai.AsyncOpenAI(base_url=args.openai_url.rstrip("/") + "/v1", api_key="unused",
-                                    max_retries=0, timeout=600)
-        send, server_pid = openai_request, None
+        client = None
+        base_url = args.openai_url.rstrip("/").removesuffix("/v1")
+
+        async def send(_client, model: str, prompt: str, args) -> Record:
+            return await openai_request(base_url, model, prompt, args)
+        server_pid = None
     else:
         import tritonclient.grpc.aio as grpcclient
         client = grpcclient.InferenceServerClient(args.url)
@@ -155,7 +160,8 @@ async def run_served(args, schedule: Schedule, prompts: Prompts, desc: str = "se
         bar.close()
         return Run(records, process_tree_cpu_s(server_pid) - cpu0 if server_pid else None)
     finally:
-        await client.close()
+        if client is not None:
+            await client.close()
 
 
 def server_engine(args) -> tuple[str | None, dict]:
