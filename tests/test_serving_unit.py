@@ -666,6 +666,64 @@ def test_essay_prompts_are_windows_of_the_essays(load_test, tiny_dir):
     assert prompts.get(0) in prompts.corpus
 
 
+class FakeOpenAI:
+    """A streaming /v1/completions server: `max_tokens` chunks `delay` s apart, then a usage chunk."""
+
+    def __init__(self, delay: float):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for _ in range(body["max_tokens"]):
+                    time.sleep(delay)
+                    self.wfile.write(b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n')
+                    self.wfile.flush()
+                usage = {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]}
+                self.wfile.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\ndata: [DONE]\n\n")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+def test_peer_sides_alternate_with_ours_and_report_the_ratio(load_test, tiny_dir, tmp_path, monkeypatch, capsys):
+    ours, peer = FakeOpenAI(0.002), FakeOpenAI(0.02)
+    started = []
+
+    def fake_peers(args, engine_dir, stack):
+        started.append((args.vllm_dtypes, engine_dir))
+        return {"vllm bfloat16": peer.url}
+    monkeypatch.setattr(load_test, "peer_servers", fake_peers)
+    out = tmp_path / "r.json"
+    rc = load_test.main(["--openai-url", ours.url, "--engine", str(tiny_dir), "--concurrency", "2",
+                         "--num-requests", "2", "--max-tokens", "8", "--prompt-len", "8", "--warmup", "0",
+                         "--rounds", "2", "--peer", "vllm", "--no-progress", "--json", str(out)])
+    assert rc == 0 and started == [(["bfloat16"], str(tiny_dir))]
+    rep = json.loads(out.read_text())
+    assert set(rep["results"]) == {"served", "vllm bfloat16"}
+    assert rep["results"]["served"]["output_tokens"] == rep["results"]["vllm bfloat16"]["output_tokens"] == 32
+    ratio = rep["served_over_peer"]["vllm bfloat16"]
+    assert 2 < ratio < 12 and len(rep["served_over_peer_by_round"]["vllm bfloat16"]) == 2   # ~10x slower tokens
+    assert "served / vllm bfloat16 output tokens/s" in capsys.readouterr().out
+    ours.httpd.shutdown(), peer.httpd.shutdown()
+
+
+def test_peer_errors_are_one_line(load_test, tiny_dir, capsys):
+    with pytest.raises(SystemExit):
+        load_test.main(["--peer", "vllm", "--in-process-only", "--engine", str(tiny_dir)])
+    assert "--peer compares servers" in capsys.readouterr().err
+    rc = load_test.main(["--openai-url", "http://127.0.0.1:9", "--engine", str(tiny_dir), "--peer", "vllm",
+                         "--vllm-python", "/nonexistent/python", "--no-progress"])
+    assert rc == 2 and "no such python" in capsys.readouterr().err
+
+
 # ---- gRPC stream client -------------------------------------------------------------------------
 class FakeStreamCall:
     """tritonclient.grpc.aio's stream_infer as the server behaves: the responses come, and then the
