@@ -106,6 +106,27 @@ def pct(xs: list[float], p: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def first_and_later(order: list[str], ttft: dict[str, float | None], doc_of) -> dict:
+    """TTFT percentiles of each document's first request (in sending order: its document is cold)
+    apart from the later ones (their document may be cached): `order` the request ids as sent,
+    `ttft` id -> seconds, `doc_of(id)` the document a request asks about."""
+    seen: set = set()
+    first: list[float] = []
+    later: list[float] = []
+    for rid in order:
+        doc, t = doc_of(rid), ttft.get(rid)
+        if t is not None:
+            (later if doc in seen else first).append(t)
+        seen.add(doc)
+    return {"ttft_first_p50_s": pct(first, 0.5), "ttft_later_p50_s": pct(later, 0.5),
+            "ttft_later_p90_s": pct(later, 0.9)}
+
+
+def dqa_doc(rid: str) -> str:
+    """The document of a document-QA request id `dqa-<doc>-<question>` (any other id: its own)."""
+    return rid.split("-")[1] if rid.startswith("dqa-") else rid
+
+
 def computed(r: Reply) -> int | None:
     if r.computed_tokens is not None:
         return r.computed_tokens
@@ -161,6 +182,7 @@ def run_dqa(url: str, model: str, prompts: list[tuple[str, str]], concurrency: i
             else None,
             "prompt_tokens_total": prompt_total, "cached_tokens_total": cached_total,
             "hit_rate": cached_total / prompt_total if prompt_total else None,
+            **first_and_later([rid for rid, _ in prompts], {rid: r.ttft_s for rid, r in replies.items()}, dqa_doc),
             "texts": {rid: r.text for rid, r in replies.items()}}
 
 

@@ -32,7 +32,7 @@ from deploy.process import prepare_threads
 
 prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
 
-from bench.prefix_serve import pct
+from bench.prefix_serve import dqa_doc, first_and_later, pct
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,6 +142,8 @@ def run_dqa(engine, args, docs: list[str]) -> dict:
     s0 = engine.stats()
     res = drive(engine, reqs, args.concurrency, args.max_steps)
     out = summarize(res, engine, s0)
+    out.update(first_and_later([rid for rid, _, _ in reqs], {rid: r["ttft_s"] for rid, r in res["requests"].items()},
+                               dqa_doc))
     out["texts"] = {rid.rsplit("-", 1)[0]: tok.decode(r["out"].get(0, [])) for rid, r in res["requests"].items()}
     return out
 
@@ -185,8 +187,19 @@ def run_vllm(args, tok, docs: list[str]) -> dict:
     return res
 
 
+def run_served(args, tok, docs: list[str]) -> dict:
+    """The DQA prompts against our own server's OpenAI API (--served-url: Dynamo's frontend), with
+    the same client as the peers, so served TTFTs compare with theirs."""
+    from bench.prefix_serve import run_dqa as http_dqa
+    res = http_dqa(args.served_url.rstrip("/").removesuffix("/v1"), args.served_model,
+                   dqa_prompts(tok, docs, args.questions, args.seed), args.concurrency, args.max_tokens, log=print)
+    res["server"] = {"url": args.served_url}
+    return res
+
+
 def same_answers(ours: dict, peer: dict) -> dict:
-    """How many of the peer's greedy replies equal ours (the in-process run with caching on), by prompt."""
+    """How many of the peer's greedy replies equal ours (a run of our engine: served, or in-process with
+    caching on), by prompt."""
     a, b = ours.get("texts") or {}, peer.get("texts") or {}
     common = sorted(set(a) & set(b))
     differ = [k for k in common if a[k].strip() != b[k].strip()]
@@ -320,15 +333,19 @@ def print_report(rep: dict) -> None:
         w = rep["workload"]["dqa"]
         print(f"\ndocument QA: {w['docs']} docs x {w['questions']} questions, {w['doc_tokens']} tokens, "
               f"concurrency {w['concurrency']}, {w['max_tokens']} output tokens each")
-        hdr = ("caching", "TTFT p50 s", "TTFT p90 s", "out tok/s", "hit rate", "prefill computed", "prompt tokens",
-               "wall s")
+        hdr = ("run", "TTFT p50 s", "TTFT p90 s", "first/doc p50 s", "later p50 s", "later p90 s", "out tok/s",
+               "hit rate", "prefill computed", "prompt tokens", "wall s")
         print(" | ".join(hdr))
-        for k in ("off", "on", "llama-server", "vllm"):
+        names = {"off": "in-process, caching off", "on": "in-process, caching on", "served": "served (ours)"}
+        for k in ("off", "on", "served", "llama-server", "vllm"):
             s = rep["dqa"].get(k)
             if s:
-                print(" | ".join([k, fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]), fmt(s["output_tokens_per_s"], ".2f"),
-                                  fmt(s["hit_rate"], ".3f"), str(s["prefill_tokens_computed"]),
-                                  str(s["prompt_tokens_total"]), fmt(s["wall_s"], ".1f")]))
+                label = names.get(k) or (f"vLLM CPU {s['server']['dtype']}" if k == "vllm" else k)
+                print(" | ".join([label, fmt(s["ttft_p50_s"]), fmt(s["ttft_p90_s"]), fmt(s.get("ttft_first_p50_s")),
+                                  fmt(s.get("ttft_later_p50_s")), fmt(s.get("ttft_later_p90_s")),
+                                  fmt(s["output_tokens_per_s"], ".2f"), fmt(s["hit_rate"], ".3f"),
+                                  str(s["prefill_tokens_computed"]), str(s["prompt_tokens_total"]),
+                                  fmt(s["wall_s"], ".1f")]))
         if rep["dqa"].get("off") and rep["dqa"].get("on"):
             off, on = rep["dqa"]["off"], rep["dqa"]["on"]
             print(f"TTFT p50 off/on {fmt(off['ttft_p50_s'] / on['ttft_p50_s'], '.1f')}x, "
@@ -338,8 +355,17 @@ def print_report(rep: dict) -> None:
             on = rep["dqa"]["on"]
             print(f"ours (caching on) vs llama-server: TTFT p50 {fmt(peer['ttft_p50_s'] / on['ttft_p50_s'], '.2f')}x "
                   f"better, output tok/s {fmt(on['output_tokens_per_s'] / peer['output_tokens_per_s'], '.2f')}x")
-        vl = rep["dqa"].get("vllm")
-        if vl and rep["dqa"].get("on"):
+        vl, sv = rep["dqa"].get("vllm"), rep["dqa"].get("served")
+        if sv and sv.get("same_answers", {}).get("compared"):
+            print(f"served greedy answers equal the in-process ones: {sv['same_answers']['equal']} of "
+                  f"{sv['same_answers']['compared']}")
+        if vl and sv:
+            print(f"served (ours) vs vLLM CPU {vl['server']['dtype']}: later questions' TTFT p50 "
+                  f"{fmt(sv.get('ttft_later_p50_s'))} s vs {fmt(vl.get('ttft_later_p50_s'))} s, first question per "
+                  f"document {fmt(sv.get('ttft_first_p50_s'))} s vs {fmt(vl.get('ttft_first_p50_s'))} s, output tok/s "
+                  f"{fmt(sv['output_tokens_per_s'] / vl['output_tokens_per_s'], '.2f')}x; greedy answers equal "
+                  f"{vl['same_answers']['equal']} of {vl['same_answers']['compared']}")
+        elif vl and rep["dqa"].get("on"):
             on = rep["dqa"]["on"]
             print(f"ours (caching on) vs vLLM CPU {vl['server']['dtype']}: TTFT p50 "
                   f"{fmt(vl['ttft_p50_s'] / on['ttft_p50_s'], '.2f')}x better, output tok/s "
@@ -405,7 +431,7 @@ def plot(rep: dict, path: str) -> None:
         return
     panels = []
     if "dqa" in rep:
-        ks = [k for k in ("off", "on", "llama-server", "vllm") if rep["dqa"].get(k)]
+        ks = [k for k in ("off", "on", "served", "llama-server", "vllm") if rep["dqa"].get(k)]
 
         def dqa_ttft(ax):
             x = range(len(ks))
@@ -474,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                    help="the python of vLLM CPU's venv (default: %(default)s)")
     p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default: %(default)s)")
+    p.add_argument("--served-url", default=None,
+                   help="also run the DQA workload against our server's OpenAI API here (e.g. http://127.0.0.1:8010, "
+                        "Dynamo's frontend started on the same --engine), through the peers' client")
+    p.add_argument("--served-model", default="lookahead_llm", help="the model name --served-url serves")
     p.add_argument("--peer-weights", default="Q8_0", help="the peer's GGUF weights (default: %(default)s)")
     p.add_argument("--peer-threads", type=int, default=2)
     p.add_argument("--check-uncached", type=int, default=4,
@@ -545,9 +575,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{time.perf_counter() - t_start:.0f}s] n {setting} done", flush=True)
         finally:
             engine.close() if hasattr(engine, "close") else None
-    if args.peer in ("llama-server", "vllm") or args.dynamo:
+    if args.peer in ("llama-server", "vllm") or args.dynamo or args.served_url:
         from runtime.engine import Engine as _E   # the tokenizer only (the engines above are closed)
         tok = _E.from_dir(args.engine, num_host_blocks=64).tokenizer
+        if args.served_url:
+            docs = make_docs(tok, args.docs, lengths, args.seed)     # the in-process DQA's documents
+            sv = rep.setdefault("dqa", {})["served"] = run_served(args, tok, docs)
+            sv["same_answers"] = same_answers(rep["dqa"].get("on") or {}, sv)
+            rep["workload"].setdefault("dqa", {"docs": args.docs, "questions": args.questions, "doc_tokens": lengths,
+                                               "concurrency": args.concurrency, "max_tokens": args.max_tokens})
+            print(f"[{time.perf_counter() - t_start:.0f}s] dqa served done", flush=True)
         if args.peer == "llama-server":
             docs = make_docs(tok, args.docs, lengths, args.seed)     # the in-process DQA's documents
             rep.setdefault("dqa", {})["llama-server"] = run_llama_server(args, tok, docs)
@@ -557,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.peer == "vllm":
             docs = make_docs(tok, args.docs, lengths, args.seed)     # the in-process DQA's documents
             vl = rep.setdefault("dqa", {})["vllm"] = run_vllm(args, tok, docs)
-            vl["same_answers"] = same_answers(rep["dqa"].get("on") or {}, vl)
+            vl["same_answers"] = same_answers(rep["dqa"].get("served") or rep["dqa"].get("on") or {}, vl)
             rep["workload"].setdefault("dqa", {"docs": args.docs, "questions": args.questions, "doc_tokens": lengths,
                                                "concurrency": args.concurrency, "max_tokens": args.max_tokens})
             print(f"[{time.perf_counter() - t_start:.0f}s] dqa vLLM done", flush=True)

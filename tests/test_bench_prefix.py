@@ -50,6 +50,8 @@ def test_tiny_run(tmp_path):
             assert f in s
         assert s["n_requests"] == 6
     assert off["prompt_tokens_total"] == on["prompt_tokens_total"]
+    for s in (off, on):                     # 2 documents: 2 first questions, 4 later ones
+        assert s["ttft_first_p50_s"] > 0 and s["ttft_later_p50_s"] > 0
     assert off["prefill_tokens_computed"] == off["prompt_tokens_total"]
     assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"]
     assert off["hit_rate"] == 0 and on["hit_rate"] > 0
@@ -60,3 +62,27 @@ def test_tiny_run(tmp_path):
         t["prefill_tokens_computed"] for t in rep["multiturn"]["off"]["turns"])
     assert rep["n"]["on"]["n4"]["choices"] == 4
     assert rep["n"]["on"]["n4"]["prefill_tokens_computed"] < rep["n"]["off"]["n4"]["prefill_tokens_computed"]
+
+
+@pytest.mark.skipif(not _essays_installed(), reason="no essays installed (make data)")
+def test_served_url_runs_the_same_prompts_and_compares_the_answers(tmp_path):
+    """--served-url: the DQA prompts go to an OpenAI server too (a fake here, answering ' w0 w1 ...'),
+    reported as the `served` row with its first/later TTFTs and its answers against the in-process ones."""
+    from test_prefix_serve import FakeServer
+
+    eng = make_tiny_engine(tmp_path / "tiny")
+    out = tmp_path / "o.json"
+    fake = FakeServer()
+    try:
+        r = subprocess.run([sys.executable, str(SCRIPT), "--engine", str(eng), "--workloads", "dqa", "--settings", "on",
+                            "--docs", "2", "--questions", "2", "--doc-tokens", "96", "--concurrency", "2",
+                            "--max-tokens", "3", "--served-url", fake.url + "/v1", "--json", str(out)],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+    finally:
+        fake.close()
+    assert r.returncode == 0, r.stderr[-3000:]
+    sv = json.loads(out.read_text())["dqa"]["served"]
+    assert sv["n_requests"] == 4 and len(fake.bodies) == 4 and fake.bodies[0]["model"] == "lookahead_llm"
+    assert sv["ttft_first_p50_s"] is not None and sv["ttft_later_p50_s"] is not None
+    assert sv["same_answers"]["compared"] == 4             # a random tiny model does not say " w0 w1 w2"
+    assert sv["same_answers"]["equal"] == 0 and "served (ours)" in r.stdout

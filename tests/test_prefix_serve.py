@@ -111,6 +111,14 @@ def test_a_refused_request_is_named(server):
         ps.run_dqa(server.url, "m", [("ok", "a b"), ("bad", "fail")], 2, 1, log=lambda _m: None)
 
 
+def test_first_question_per_document_is_told_apart_from_later_ones():
+    order = ["dqa-1-0", "dqa-0-2", "dqa-1-3", "dqa-0-1", "dqa-1-1"]
+    ttft = {"dqa-1-0": 9.0, "dqa-0-2": 8.0, "dqa-1-3": 0.5, "dqa-0-1": 0.3, "dqa-1-1": None}
+    got = ps.first_and_later(order, ttft, ps.dqa_doc)
+    assert got["ttft_first_p50_s"] == 8.5 and got["ttft_later_p50_s"] == 0.4
+    assert ps.dqa_doc("dqa-12-3") == "12" and ps.dqa_doc("r7") == "r7"
+
+
 def test_pct():
     assert ps.pct([], 0.5) is None
     assert ps.pct([3.0, 1.0, 2.0], 0.5) == 2.0
