@@ -61,6 +61,9 @@ class RequestOutput:
     num_cached_tokens: int = 0              # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None = None    # one per new token, when the request asked
     request_finished: bool = False
+    # params.prompt_logprobs: [None, one TokenLogprob (with its rank) per later prompt token], on
+    # the choice's first output
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Completion:
     index: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None     # params.prompt_logprobs, as RequestOutput's
 
     @property
     def tokens_per_s(self) -> float:
@@ -373,9 +377,11 @@ class Engine:
 
     def _output(self, seq: Sequence, new_ids: list[int], logprobs: list[TokenLogprob] | None = None,
                 request_finished: bool = False) -> RequestOutput:
+        first = bool(new_ids) and len(seq.output_ids) == len(new_ids)
         return RequestOutput(seq.request_id, new_ids, seq.take_delta(), seq.finish_reason is not None,
                              seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), seq.index,
-                             seq.num_prefix_hit, logprobs, request_finished)
+                             seq.num_prefix_hit, logprobs, request_finished,
+                             seq.prompt_logprobs if first else None)
 
     def _finish(self, seq: Sequence, logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         self.runner.release(seq)
@@ -434,7 +440,7 @@ class Engine:
         ttft = (seq.first_token_time or t_end) - t0
         return Completion(seq.request_id, seq.text, list(seq.output_ids), seq.finish_reason,
                           len(seq.prompt_ids), ttft, t_end - t0, dict(seq.metrics), seq.index,
-                          seq.num_prefix_hit, logprobs)
+                          seq.num_prefix_hit, logprobs, seq.prompt_logprobs)
 
 
 def clamp_top_k(cfg: LookaheadConfig, max_model_len: int) -> LookaheadConfig:

@@ -57,6 +57,8 @@ class PrefillCache:
         over the same model and KV storage dtype, else None."""
         if not work or not all(seq.in_prefill for seq, _ in work):
             return None
+        if any(seq.params.prompt_logprobs is not None for seq, _ in work):
+            return None                # a replay computes no hidden states to score the prompt with
         entries = [self._entries.get(self._key(model, seq, kv_dtype)) for seq, _ in work]
         if any(e is None or e.logits is None for e in entries):
             return None

@@ -9,8 +9,30 @@ from .kv_pool import KVPool
 from .model import LlamaModel
 from .observe import Observers
 from .prefill_cache import PrefillCache
+from .sampling import token_logprobs
 from .sequence import Sequence
 from .step import StepBatch, StepItem
+
+PROMPT_SCORE_ROWS = 256      # prompt rows scored at a time: 256 rows of logits over SmolLM2's vocabulary are 48 MiB
+
+
+def score_prompt_rows(model: LlamaModel, hidden: torch.Tensor, pairs) -> None:
+    """The prompt log-probabilities (`params.prompt_logprobs` = k) of the prompt chunks a step
+    computed, appended to `seq.prompt_logprobs`: the row at position p predicts prompt token p + 1
+    (the prompt's last row predicts the first output token: sampled, not scored here). The first
+    prompt token has no context: its entry is None. `pairs`: (sequence, its StepItem)."""
+    for seq, it in pairs:
+        k = seq.params.prompt_logprobs
+        if k is None or not it.prompt or not it.num_tokens:
+            continue
+        if it.start_pos == 0:
+            seq.prompt_logprobs = [None]
+        m = min(it.num_tokens, len(seq.prompt_ids) - 1 - it.start_pos)
+        for a in range(0, m, PROMPT_SCORE_ROWS):
+            b = min(m, a + PROMPT_SCORE_ROWS)
+            logits = model.logits(hidden[it.row_start + a: it.row_start + b])
+            targets = seq.prompt_ids[it.start_pos + a + 1: it.start_pos + b + 1]
+            seq.prompt_logprobs += token_logprobs(logits, targets, [k] * (b - a), ranks=True)
 
 
 class DenseRunner:
@@ -88,6 +110,7 @@ class DenseRunner:
             hidden = self.model(batch.tokens, batch.positions, backend, batch)   # [T, hidden]
         if self.selection is not None:            # the step's rows, for the next steps' selection
             self.selection.update(batch)
+        score_prompt_rows(self.model, hidden, [(seq, it) for (seq, _), it in zip(work, items)])
         sampling = [(seq, it) for (seq, n), it in zip(work, items)
                     if it.context_len >= len(seq.prompt_ids)]                     # prompt done
         for seq, n in work:

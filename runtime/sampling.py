@@ -36,6 +36,9 @@ class SamplingParams:
     n: int = 1                        # choices of one prompt: one prefill, n sequences on its blocks
     logprobs: int | None = None       # None: off; k: each output token's log-probability and its k
                                       # most likely alternatives (of the model's raw logits)
+    prompt_logprobs: int | None = None    # None: off; k: the same for every prompt token after the
+                                          # first (OpenAI completions' `echo`); the prompt is then
+                                          # computed in full, never taken from the prefix cache
 
     def __post_init__(self) -> None:
         def bad(name: str, problem: str, fix: str) -> None:
@@ -59,6 +62,11 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}",
                 "0 returns the chosen tokens' log-probabilities, k also the k most likely alternatives")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
+                or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.prompt_logprobs!r}",
+                "0 returns each prompt token's log-probability, k also the k most likely alternatives")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
@@ -136,22 +144,27 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None           # 1 + how many tokens are more likely (prompt tokens: asked for)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int], *,
+                   ranks: bool = False) -> list[TokenLogprob]:
     """logits [N, vocab] (any device), the token drawn from each row and how many alternatives
-    each row wants -> one TokenLogprob per row (one copy to the host for all rows)."""
+    each row wants -> one TokenLogprob per row (one copy to the host for all rows); `ranks`: with
+    each token's rank too."""
     logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
     k = max(ks)
     chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0]
     top_v, top_i = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-    # one copy: fp64 holds the ids exactly
-    host = host_list(torch.cat([chosen[:, None].double(), top_v.double(), top_i.double()], 1), "logprobs")
+    cols = [chosen[:, None].double(), top_v.double(), top_i.double()]
+    if ranks:
+        cols.append(1 + (logp > chosen[:, None]).sum(1, keepdim=True).double())
+    host = host_list(torch.cat(cols, 1), "logprobs")        # one copy: fp64 holds the ids exactly
     out = []
     for row, (tok, want) in enumerate(zip(tokens, ks)):
         vals = host[row]
         top = [(round(vals[1 + k + j]), vals[1 + j]) for j in range(want)]
-        out.append(TokenLogprob(tok, vals[0], top))
+        out.append(TokenLogprob(tok, vals[0], top, round(vals[1 + 2 * k]) if ranks else None))
     return out
 
 

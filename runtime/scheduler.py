@@ -125,7 +125,7 @@ class Scheduler:
     def _match(self, seq: Sequence) -> list[int]:
         """The cached blocks the prompt starts with; the block of its last token is never among
         them (that token is computed for its logits)."""
-        if not self.allocator.enabled:
+        if not self._reads_cache(seq):
             return []
         usable = (len(seq.prompt_ids) - 1) // self.block_size
         self._extend_hashes(seq, usable)
@@ -139,10 +139,15 @@ class Scheduler:
             parent = seq.block_hashes[-1] if known else None
             seq.block_hashes += chain_hashes(tokens, self.block_size, self.allocator.identity, parent=parent)
 
+    def _reads_cache(self, seq: Sequence) -> bool:
+        """Whether the prompt may start from cached blocks: not when its prompt log-probabilities
+        are asked for, which need every prompt row computed (its blocks are still named and kept)."""
+        return self.allocator.enabled and seq.params.prompt_logprobs is None
+
     def _prefilling_next(self, seq: Sequence, num_hit: int) -> bool:
         """Is a running prefill computing the block after the cached prefix right now?"""
         usable = (len(seq.prompt_ids) - 1) // self.block_size
-        if not self.allocator.enabled or num_hit >= usable:
+        if not self._reads_cache(seq) or num_hit >= usable:
             return False
         nxt = seq.block_hashes[num_hit]
         return any(s.in_prefill and nxt in s.block_hashes[s.num_named:] for s in self.running)

@@ -40,6 +40,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)   # names of its full blocks, in order
                                         # (runtime/prefix_cache.py), as far as they are known
     num_named: int = 0                  # full blocks offered to the prefix cache so far
+    prompt_logprobs: list | None = None     # params.prompt_logprobs: [None, TokenLogprob per later
+                                            # prompt token], filled as the prompt's chunks run
 
     def __post_init__(self) -> None:
         # choice i of a seeded request draws from seed + i: n samples of one prompt differ, and

@@ -16,6 +16,7 @@ from ..draft import DraftChain
 from ..model import LlamaModel
 from ..observe import Observers
 from ..prefill_cache import PrefillCache
+from ..runner import score_prompt_rows
 from ..sampling import PendingDraws
 from ..sequence import Sequence
 from ..step import StepItem
@@ -103,6 +104,7 @@ class LookaheadRunner:
             hidden = self.model(plan.batch.tokens, plan.batch.positions,
                                 rec.wrap(step, num_layers) if rec else step, plan.batch)
         self.last_step = step.finish()
+        score_prompt_rows(self.model, hidden, [(seq, it) for (seq, _), it in zip(work, rows.items)])
         self._advance(work, rows)
         out = self._sample_rows(work, rows, plan, hidden)
         if rec:
