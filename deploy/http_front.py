@@ -219,10 +219,13 @@ class Front:
 
     def __init__(self, listen_host: str, listen_port: int, upstream_host: str, upstream_port: int,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, check=None, error_body=None,
-                 upstream_name: str = "tritonserver"):
+                 upstream_name: str = "tritonserver", rewrite=None):
         """`check(request)`: raises HttpError for a request to answer here (after the JSON check);
         `error_body(status, message, field) -> bytes`: the JSON of such an answer (default Triton's
-        {"error": message}); `upstream_name` names the server behind in 502 answers."""
+        {"error": message}); `upstream_name` names the server behind in 502 answers.
+        `rewrite(request) -> transform | None`: may change the request's body before it goes
+        upstream; a transform(status, body) -> body it returns gets the whole response body (read
+        here, not streamed) and its result is sent instead."""
         if not 0 < max_body_bytes <= MAX_BODY_LIMIT:
             raise ValueError(f"max_body_bytes must be in 1..{MAX_BODY_LIMIT} (tritonserver 2.51 crashes on "
                              f"HTTP bodies over ~4 MB), got {max_body_bytes}")
@@ -230,6 +233,7 @@ class Front:
         self.upstream = (upstream_host, upstream_port)
         self.max_body = max_body_bytes
         self.check, self.error_body, self.upstream_name = check, error_body, upstream_name
+        self.rewrite = rewrite
         self.server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self.refused = 0                        # requests answered here (4xx/5xx), for tests and logs
@@ -367,6 +371,7 @@ class Front:
     async def _forward(self, req: Request, up, writer) -> bool:
         """Send `req` upstream and stream the response back; True when the connection stays open."""
         up_reader, up_writer = up
+        transform = self.rewrite(req) if self.rewrite is not None else None
         try:
             up_writer.write(upstream_head(req) + req.body)
             await up_writer.drain()
@@ -378,6 +383,8 @@ class Front:
             return False
         resp.kind, resp.length = response_framing(req.method, resp)
         keep = req.keep_alive and resp.kind != "eof"
+        if transform is not None:
+            return await self._transformed(req, up_reader, up_writer, writer, resp, keep, transform)
         start = await self._map_model_error(up_reader, resp, writer)
         if start is None:
             return False
@@ -386,6 +393,38 @@ class Front:
         await writer.drain()
         # From here on an upstream failure can only cut the response short: close both sides.
         await self._relay_body(up_reader, writer, resp, len(peeked), first_line)
+        if resp.closes or resp.kind == "eof":
+            _close(up_writer)
+        return keep
+
+    async def _transformed(self, req: Request, up_reader, up_writer, writer, resp: Response, keep: bool,
+                           transform) -> bool:
+        """The whole response body read here, `transform(status, body)` sent on with its length."""
+        try:
+            if resp.kind == "length":
+                body = await up_reader.readexactly(resp.length)
+            elif resp.kind == "chunked":
+                body = await self._read_chunked(up_reader)
+            elif resp.kind == "eof":
+                body = await up_reader.read()
+            else:
+                body = b""
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, HttpError):
+            self.refused += 1
+            await self._answer(writer, 502, f"{self.upstream_name} closed the connection mid-response: retry")
+            return False
+        try:
+            body = transform(resp.status, body)
+        except Exception as e:              # the answer cannot be completed: say so, never half of it
+            log.exception("rewriting a response failed")
+            self.refused += 1
+            await self._answer(writer, 502, f"the answer of {self.upstream_name} could not be completed here "
+                                            f"({type(e).__name__}: {e})")
+            return False
+        resp.headers = [(k, v) for k, v in resp.headers if k.lower() not in ("content-length", "transfer-encoding")]
+        resp.headers.append(("Content-Length", str(len(body))))
+        writer.write(client_head(req, resp, keep) + body)
+        await writer.drain()
         if resp.closes or resp.kind == "eof":
             _close(up_writer)
         return keep

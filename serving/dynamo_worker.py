@@ -96,7 +96,7 @@ _UNSUPPORTED_OFF = {
                          "include_stop_str_in_output": (None, False)},
     "stop_conditions": {"min_tokens": (None, 0), "stop_token_ids_visible": (None, []),
                         "max_thinking_tokens": (None,)},
-    "output_options": {"prompt_logprobs": (None,), "return_tokens_as_token_ids": (None, False)},
+    "output_options": {"return_tokens_as_token_ids": (None, False)},
 }
 _FIX = {"n": "this engine returns one choice per request: send n=1 or omit it",
         "best_of": "send best_of=1 or omit it",
@@ -155,7 +155,8 @@ def sampling_params_from_request(request: dict[str, Any], max_model_len: int,
             if v not in off:
                 raise RequestError(key, f"is not supported by this engine (got {v!r})",
                                    _FIX.get(key, f"omit {key}"))
-    for key, value, off in (("n", so.get("n"), (None, 1)), ("logprobs", oo.get("logprobs"), (None,))):
+    for key, value, off in (("n", so.get("n"), (None, 1)), ("logprobs", oo.get("logprobs"), (None,)),
+                            ("prompt_logprobs", oo.get("prompt_logprobs"), (None,))):
         if key not in ENGINE_FIELDS and value not in off:       # a runtime without n > 1 / logprobs
             raise RequestError(key, f"is not supported by this engine (got {value!r})", _FIX[key])
     ids = token_ids_of(request)
@@ -184,6 +185,9 @@ def sampling_params_from_request(request: dict[str, Any], max_model_len: int,
         values["n"] = so["n"]
     if oo.get("logprobs") is not None and "logprobs" in ENGINE_FIELDS:
         values["logprobs"] = oo["logprobs"]
+    # prompt_logprobs: the frontend's rendering of a completions request's `echo` with `logprobs` k
+    if oo.get("prompt_logprobs") is not None and "prompt_logprobs" in ENGINE_FIELDS:
+        values["prompt_logprobs"] = oo["prompt_logprobs"]
     try:
         return ids, SamplingParams(**values)
     except RequestError as e:
@@ -312,6 +316,8 @@ class EngineHandler:
         finished = False
         tokens = [0] * params_n(params)         # generated tokens per choice, for the usage
         cached: dict[int, int] = {}             # cached prompt tokens per choice
+        prompt_lps: dict[int, list] = {}        # prompt log-probabilities per choice (echo)
+        decode = self.engine.tokenizer.decode
         try:
             while True:
                 items = [await sink.queue.get()]
@@ -319,7 +325,7 @@ class EngineHandler:
                     items.append(sink.queue.get_nowait())       # the loop ran ahead: fewer chunks
                 if isinstance(items[-1], _Failure):
                     failure = items.pop()
-                    for chunk in output_chunks(items, tokens, cached):
+                    for chunk in output_chunks(items, tokens, cached, prompt_lps, decode):
                         yield chunk
                     finished = True
                     if isinstance(failure.error, QueueFullError):
@@ -329,7 +335,10 @@ class EngineHandler:
                     if "shutting down" in failure.message:
                         raise EngineShutdown(failure.message)
                     raise Unknown(failure.message)
-                for chunk in output_chunks(items, tokens, cached):
+                for chunk in output_chunks(items, tokens, cached, prompt_lps, decode):
+                    if "engine_data" in chunk:      # echo: the front puts the prompt's tokens in the answer
+                        chunk["engine_data"]["prompt_token_ids"] = ids
+                        chunk["engine_data"]["prompt_tokens"] = [decode([t]) for t in ids]
                     yield chunk
                 if request_done(items[-1]):
                     finished = True
@@ -353,7 +362,27 @@ def _ends(item) -> bool:
     return isinstance(item, _Failure) or request_done(item)
 
 
-def output_chunks(outs: list, tokens: list[int], cached: dict[int, int] | None = None) -> list[dict[str, Any]]:
+def prompt_logprobs_payload(entries: list, decode=None) -> list[dict[str, dict[str, Any]] | None]:
+    """An engine output's `prompt_logprobs` as Dynamo carries them to the frontend (in the final
+    chunk's `engine_data`): per prompt position, None for the first, else {token id as a string:
+    {"logprob", "rank", "decoded_token"}} for the prompt token and its k most likely alternatives.
+    `decode(ids) -> text` fills in the token text (omitted without it)."""
+    payload: list[dict[str, dict[str, Any]] | None] = []
+    for t in entries:
+        if t is None:
+            payload.append(None)
+            continue
+        pos = {str(tid): {"logprob": float(lp), "rank": r + 1} for r, (tid, lp) in enumerate(t.top)}
+        pos[str(t.token_id)] = {"logprob": float(t.logprob), "rank": int(t.rank) if t.rank is not None else None}
+        if decode is not None:
+            for tid, entry in pos.items():
+                entry["decoded_token"] = decode([int(tid)])
+        payload.append(pos)
+    return payload
+
+
+def output_chunks(outs: list, tokens: list[int], cached: dict[int, int] | None = None,
+                  prompt_lps: dict[int, list] | None = None, decode=None) -> list[dict[str, Any]]:
     """Dynamo response chunks (LLMEngineOutput dicts) for consecutive engine outputs of one request.
 
     Consecutive outputs of one choice merge into one chunk: `token_ids`, `index` (the choice), and
@@ -365,11 +394,17 @@ def output_chunks(outs: list, tokens: list[int], cached: dict[int, int] | None =
     the prefix cache (the frontend passes it on as OpenAI's `usage.prompt_tokens_details`): the
     least any choice reports, since with n > 1 the later choices find the blocks the first one
     prefilled. `tokens` (generated tokens per choice so far) and `cached` (choice -> its cached
-    tokens) are updated."""
+    tokens) are updated. Prompt log-probabilities (asked for: completions `echo` with `logprobs`)
+    come on a choice's first output and are kept in `prompt_lps` (choice -> entries); the request's
+    last chunk carries choice 0's as `engine_data.prompt_logprobs` (prompt_logprobs_payload, token
+    text through `decode`)."""
     chunks: list[dict[str, Any]] = []
     cached = {} if cached is None else cached
+    prompt_lps = {} if prompt_lps is None else prompt_lps
     for out in outs:
         index = int(getattr(out, "index", 0) or 0)
+        if getattr(out, "prompt_logprobs", None) is not None:
+            prompt_lps[index] = out.prompt_logprobs
         cached[index] = min(cached.get(index, 1 << 62), int(getattr(out, "num_cached_tokens", 0) or 0))
         if index >= len(tokens):
             tokens.extend([0] * (index + 1 - len(tokens)))
@@ -394,6 +429,9 @@ def output_chunks(outs: list, tokens: list[int], cached: dict[int, int] | None =
                 "prompt_tokens": out.num_prompt_tokens, "completion_tokens": generated,
                 "total_tokens": out.num_prompt_tokens + generated,
                 "prompt_tokens_details": {"cached_tokens": min(cached.values())}}
+            if prompt_lps:
+                first = prompt_lps.get(0, next(iter(prompt_lps.values())))
+                last["engine_data"] = {"prompt_logprobs": prompt_logprobs_payload(first, decode)}
     return [c for c in chunks if c["token_ids"] or "finish_reason" in c]
 
 

@@ -171,6 +171,10 @@ def parse_request(get: Getter, parameters: str | dict[str, Any] | None = None,
         params = SamplingParams(**values)      # validates ranges; raises RequestError naming its field
     except RequestError as e:
         raise client_error(e, fields) from None
+    if params.prompt_logprobs is not None:     # the Triton model has no output for them
+        raise RequestError(fields.get("prompt_logprobs", "prompt_logprobs"), "are not returned by the Triton model",
+                           "ask the OpenAI API for them (serve.sh start --frontend dynamo; /v1/completions with "
+                           "echo: true and logprobs: k), or omit prompt_logprobs")
     _check_prompt_bytes(prompt_bytes, params.max_tokens, limits, fields["max_tokens"])
     return GenerateRequest(prompt, params, stream=_flag(get, "stream"),
                            exclude_input_in_output=_flag(get, "exclude_input_in_output"), fields=fields)

@@ -69,7 +69,7 @@ def test_request_defaults():
     (_req(sampling={"guided_decoding": {"json": {}}}), "guided_decoding"),     # response_format
     (_req(output={"logprobs": 21}), "logprobs"),
     (_req(output={"logprobs": -1}), "logprobs"),
-    (_req(output={"prompt_logprobs": 1}), "prompt_logprobs"),                  # completions `echo`
+    (_req(output={"prompt_logprobs": 21}), "prompt_logprobs"),                 # completions `echo`
     (_req(stop={"min_tokens": 4}), "min_tokens"),
     (_req(token_ids=()), "prompt/messages"),      # the runtime's `prompt`, under the OpenAI names
 ])
@@ -85,7 +85,9 @@ def test_n_and_logprobs_reach_the_engine():
     _, p = sampling_params_from_request(_req(output={"logprobs": 0}), 64)     # chat logprobs, top_logprobs 0
     assert (p.n, p.logprobs) == (1, 0)
     _, p = sampling_params_from_request(_req(sampling={"n": None}, output={"logprobs": None}), 64)
-    assert (p.n, p.logprobs) == (1, None)
+    assert (p.n, p.logprobs, p.prompt_logprobs) == (1, None, None)
+    _, p = sampling_params_from_request(_req(output={"logprobs": 1, "prompt_logprobs": 1}), 64)   # echo
+    assert (p.logprobs, p.prompt_logprobs) == (1, 1)
 
 
 def test_a_bad_value_is_one_line_naming_the_field():
@@ -105,6 +107,7 @@ class _Out:
         self.request_finished = finished if request_finished is None else request_finished
         self.num_cached_tokens, self.logprobs = cached, logprobs
         self.num_prompt_tokens, self.num_output_tokens, self.delta_text = prompt, generated, ""
+        self.prompt_logprobs = None
 
 
 def test_output_chunks_one_choice_merged_with_usage_and_cached_tokens():
@@ -144,6 +147,28 @@ def test_output_chunks_n_choices_and_logprobs():
                                               cached=48)], tokens, cached)
     (end,) = output_chunks([_Out([7], 0, finished=True, reason="stop", cached=0)], tokens, cached)
     assert end["completion_usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_prompt_logprobs_ride_on_the_last_chunk_as_engine_data():
+    """echo: the choice's first output brings them; the request's last chunk carries them as Dynamo's
+    engine_data.prompt_logprobs (position 0 None; the prompt token with its rank, and the k best)."""
+    from runtime.sampling import TokenLogprob
+    from serving.dynamo_worker import output_chunks
+
+    first = _Out([5])
+    first.prompt_logprobs = [None, TokenLogprob(3, -1.5, [(4, -0.5)], rank=2), TokenLogprob(4, -0.1, [(4, -0.1)], 1)]
+    tokens, cached, plp = [0], {}, {}
+    chunks = output_chunks([first], tokens, cached, plp, decode=lambda ids: f"<{ids[0]}>")
+    assert "engine_data" not in chunks[0]                     # not the last chunk yet
+    (end,) = output_chunks([_Out([6], finished=True, reason="length")], tokens, cached, plp,
+                           decode=lambda ids: f"<{ids[0]}>")
+    assert end["engine_data"]["prompt_logprobs"] == [
+        None,
+        {"4": {"logprob": -0.5, "rank": 1, "decoded_token": "<4>"},
+         "3": {"logprob": -1.5, "rank": 2, "decoded_token": "<3>"}},
+        {"4": {"logprob": -0.1, "rank": 1, "decoded_token": "<4>"}}]
+    (plain,) = output_chunks([_Out([7], finished=True, reason="length")], [0])
+    assert "engine_data" not in plain
 
 
 def test_kv_event_relay_carries_token_ids_and_signed_hashes():
@@ -493,6 +518,7 @@ def reference(default_engine_dir):
     ref["sampled"] = engine.generate([COMPLETION], SamplingParams(max_tokens=16, **SAMPLED))[0]
     ref["n_logprobs"] = engine.generate([COMPLETION], SamplingParams(max_tokens=8, n=3, logprobs=2, **{
         k: v for k, v in SAMPLED.items() if k != "top_k"}))
+    ref["echo"] = engine.generate([COMPLETION], SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1))[0]
     engine.close()
     del engine
     gc.collect()
@@ -611,6 +637,26 @@ class TestLive:
         assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
         assert all(t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in content)
         assert content[0].logprob == pytest.approx(max(a.logprob for a in content[0].top_logprobs), abs=1e-5)
+
+    def test_echo_returns_the_prompt_and_its_logprobs_as_in_process(self, client, reference):
+        """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1, non-streaming): the text
+        starts with the prompt, and every prompt token's log-probability equals the in-process
+        engine's prompt_logprobs (the first None); a streaming echo is refused by name."""
+        import openai
+
+        ref = reference["echo"]
+        r = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=1, temperature=0, logprobs=1,
+                                      echo=True)
+        lp = r.choices[0].logprobs
+        n = reference["prompt_tokens"]["completion"]
+        assert r.choices[0].text == COMPLETION + ref.text
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:n] == pytest.approx([t.logprob for t in ref.prompt_logprobs[1:]], abs=1e-4)
+        assert lp.token_logprobs[n] == pytest.approx(ref.logprobs[0].logprob, abs=1e-4)
+        assert "".join(lp.tokens[:n]) == COMPLETION and lp.text_offset[:2] == [0, len(lp.tokens[0])]
+        with pytest.raises(openai.BadRequestError, match="echo"):
+            client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=1, echo=True, stream=True)
 
     def test_usage_reports_cached_tokens(self, client):
         r = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=2, temperature=0)

@@ -84,7 +84,9 @@ def test_serve_sh_refuses_bad_router_and_prefix_caching_values():
     (CHAT, {"logprobs": 2}, "logprobs"),
     (CHAT, {"logprobs": True, "top_logprobs": "3"}, "top_logprobs"),
     (COMPLETIONS, {"suffix": "end"}, "suffix"),
-    (COMPLETIONS, {"echo": True}, "echo"),
+    (COMPLETIONS, {"echo": True, "prompt": "a", "stream": True}, "echo"),        # echo: non-streaming only
+    (COMPLETIONS, {"echo": True, "prompt": ["a", "b"]}, "echo"),                 # one prompt a request
+    (COMPLETIONS, {"echo": "yes", "prompt": "a"}, "echo"),
     (COMPLETIONS, {"logprobs": True}, "logprobs"),
 ])
 def test_the_front_refuses_what_no_worker_sees_by_name(path, body, field):
@@ -99,6 +101,8 @@ def test_the_front_refuses_what_no_worker_sees_by_name(path, body, field):
 @pytest.mark.parametrize("path, body", [
     (CHAT, {"tools": [], "tool_choice": "none", "logit_bias": {}, "n": 2, "logprobs": True, "top_logprobs": 0}),
     (COMPLETIONS, {"echo": False, "suffix": None, "logprobs": 2, "n": 1}),
+    (COMPLETIONS, {"echo": True, "prompt": [[5, 6, 7]], "logprobs": 1, "max_tokens": 1}),    # lm-eval's request
+    (COMPLETIONS, {"echo": True, "prompt": [5, 6, 7], "stream": False}),
     ("/v1/models", {"tools": [1]}),
 ])
 def test_the_front_passes_what_is_off_or_served(path, body):
@@ -144,6 +148,46 @@ def test_the_front_answers_its_refusals_before_the_upstream(tmp_path):
     refused, served, seen = asyncio.run(main())
     assert refused.startswith(b"HTTP/1.1 400") and b'"param": "tools"' in refused
     assert served.startswith(b"HTTP/1.1 200") and len(seen) == 1 and b"tools" not in seen[0]
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_in_front_of_each_choice():
+    """The front's rewrite of a completions `echo`: the request asks for the worker's engine_data;
+    the answer gets the prompt's text, tokens, log-probabilities (None first), top alternatives
+    (k of them plus the prompt token) and offsets in front of the output's, and loses the
+    engine_data it did not ask for. Other requests are not touched."""
+    from deploy.http_front import Request
+    from deploy.openai_front import echo_rewrite
+
+    def request(body):
+        req = Request("POST", "/v1/completions", "HTTP/1.1", [("Content-Type", "application/json")])
+        req.body = json.dumps(body).encode()
+        return req
+    assert echo_rewrite(request({"prompt": "a", "echo": False})) is None
+    req = request({"model": "m", "prompt": "Hi there", "max_tokens": 1, "logprobs": 1, "echo": True})
+    transform = echo_rewrite(req)
+    assert json.loads(req.body)["nvext"] == {"extra_fields": ["engine_data"]}
+    plp = [None, {"7": {"logprob": -2.0, "rank": 3, "decoded_token": " there"},
+                  "9": {"logprob": -0.5, "rank": 1, "decoded_token": "!"},
+                  "4": {"logprob": -1.0, "rank": 2, "decoded_token": ","}}]
+    answer = {"choices": [{"index": 0, "text": " you", "logprobs": {"tokens": [" you"], "token_logprobs": [-0.1],
+                                                                  "top_logprobs": [{" you": -0.1}], "text_offset": []}}],
+              "usage": {"prompt_tokens": 2},
+              "nvext": {"engine_data": {"prompt_logprobs": plp, "prompt_token_ids": [3, 7],
+                                        "prompt_tokens": ["Hi", " there"]}}}
+    out = json.loads(transform(200, json.dumps(answer).encode()))
+    choice = out["choices"][0]
+    assert choice["text"] == "Hi there you" and "nvext" not in out
+    assert choice["logprobs"] == {"tokens": ["Hi", " there", " you"], "token_logprobs": [None, -2.0, -0.1],
+                                  "top_logprobs": [None, {"!": -0.5, " there": -2.0}, {" you": -0.1}],
+                                  "text_offset": [0, 2, 8]}
+    assert transform(400, b'{"error": 1}') == b'{"error": 1}'           # errors pass as they are
+    with pytest.raises(ValueError, match="no prompt log-probabilities"):
+        transform(200, json.dumps({"choices": []}).encode())
+    # token-id prompts: the text is the tokens' own; echo without logprobs: the text only
+    req = request({"prompt": [[3, 7]], "echo": True, "nvext": {"extra_fields": ["engine_data"]}})
+    out = json.loads(echo_rewrite(req)(200, json.dumps(answer).encode()))
+    assert out["choices"][0]["text"] == "Hi there you" and out["choices"][0]["logprobs"]["tokens"] == [" you"]
+    assert "engine_data" in out["nvext"]                                 # asked for: kept
 
 
 # ---- the watcher and status ------------------------------------------------------------------------

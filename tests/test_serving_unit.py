@@ -241,6 +241,8 @@ BAD = [
     (dict(sampling_parameters=text("[1, 2]")), "sampling_parameters: must be a JSON object, got list"),
     (dict(sampling_parameters=text('{"max_tokens": "many"}')), "sampling_parameters.max_tokens: must be int"),
     (dict(sampling_parameters=text('{"temperature": true}')), "sampling_parameters.temperature: must be float"),
+    (dict(sampling_parameters=text('{"prompt_logprobs": 1}')),
+     "sampling_parameters.prompt_logprobs: are not returned by the Triton model"),
 ]
 
 
