@@ -10,12 +10,14 @@ import json
 import sys
 import time
 
-from .config import DRAFTS, GROUP_SCORES, KV_DTYPES, MISS_POLICIES, MODES, PREFILL_PRECISIONS, RESIDENCY, LookaheadConfig
+from .config import (DECODE_PRECISIONS, DRAFTS, GROUP_SCORES, KV_DTYPES, MISS_POLICIES, MODES, PREFILL_PRECISIONS,
+                     RESIDENCY, LookaheadConfig)
 from .errors import LookaheadError
 
 # the values of the settings that take a name (help only: a bad one is the config's ConfigError)
 VALUES = {"mode": MODES, "residency": RESIDENCY, "miss_policy": MISS_POLICIES, "draft": DRAFTS,
-          "group_score": GROUP_SCORES, "kv_dtype": KV_DTYPES, "prefill_precision": PREFILL_PRECISIONS}
+          "group_score": GROUP_SCORES, "kv_dtype": KV_DTYPES, "prefill_precision": PREFILL_PRECISIONS,
+          "decode_precision": DECODE_PRECISIONS}
 
 
 def add_lookahead_flags(parser: argparse.ArgumentParser) -> None:

@@ -125,6 +125,7 @@ KV_DTYPES = ("float32", "float16", "bfloat16")   # KV storage: host pool, device
 # what a prompt's rows compute in (runtime/ops.py resolve_prefill): auto picks the machine's fastest
 # accurate one; float32 is the reference (torch's GEMMs and attention)
 PREFILL_PRECISIONS = ("auto", "float32", "bfloat16", "int8")
+DECODE_PRECISIONS = ("float32", "int8")
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,11 @@ class LookaheadConfig:
     prefill_precision: str = "auto"  # a prompt's GEMMs and attention: float32 | bfloat16 (bf16 dot
                                    # products, fp32 sums) | int8 (int8 engines: int8 activations x
                                    # int8 weights) | auto (the fastest this machine and engine have:
-                                   # docs/SETTINGS.md); decode rows always compute as before
+                                   # docs/SETTINGS.md)
+    decode_precision: str = "float32"  # an int8 engine's decode rows: float32 activations against the
+                                   # int8 weights (weight-only: what the builder verified) | int8 (the
+                                   # activations quantized per row and 64 inputs too: W8A8, the int8
+                                   # prompt kernel; 1.5x faster at 1 row, 3x at 8: docs/SETTINGS.md)
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, "mode", f"{self.mode!r} is unknown", f"use one of {MODES}")
@@ -199,6 +204,9 @@ class LookaheadConfig:
         _check(isinstance(self.prefill_precision, str) and self.prefill_precision in PREFILL_PRECISIONS,
                "prefill_precision", f"{self.prefill_precision!r} is not a prefill precision",
                f"use one of {', '.join(PREFILL_PRECISIONS)}")
+        _check(isinstance(self.decode_precision, str) and self.decode_precision in DECODE_PRECISIONS,
+               "decode_precision", f"{self.decode_precision!r} is not a decode precision",
+               f"use one of {', '.join(DECODE_PRECISIONS)}")
         _check(isinstance(self.prefix_caching, bool), "prefix_caching",
                f"must be true or false, got {_got(self.prefix_caching)}", "write true or false, without quotes")
 

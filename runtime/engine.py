@@ -30,7 +30,7 @@ from .kv_pool import KVPool
 from .memory_plan import DTYPE_BYTES, check_memory, plan_memory
 from .model import LlamaModel, load_model
 from .observe import Observer, Observers
-from .ops import Ops, resolve_prefill, select_ops
+from .ops import Ops, resolve_decode, resolve_prefill, select_ops
 from .prefill_cache import PrefillCache
 from .prefix_cache import KVEvents, PrefixCache, engine_identity
 from .runner import DenseRunner
@@ -116,6 +116,9 @@ class Engine:
                                         "torch" if "c/" not in model.ops.name else "auto", int8_group(manifest))
             model = model.with_ops(model.ops.with_prefill(precision, quantized))
         config = config.replace(prefill_precision=model.ops.prefill)        # the resolved precision
+        decode = resolve_decode(config.decode_precision, manifest.quantization is not None)
+        if decode != model.ops.decode:        # decode rows' projections: W8A8 (an int8 engine's choice)
+            model = model.with_ops(model.ops.with_decode(decode, manifest.quantization is not None))
         # the compute threads every step runs with, whichever thread calls `step`: the count of the
         # thread that builds the engine (a thread started later may inherit another default: a
         # lookahead engine's copy worker runs single-threaded, and OpenMP hands that to new threads)
@@ -248,7 +251,8 @@ class Engine:
         check_memory(plan_memory(manifest.model, config, num_host_blocks, DTYPE_BYTES[manifest.dtype],
                                  packed_weights=False if manifest.quantization else None,
                                  device_type=device.type, weight_saving=max(0, saving),
-                                 prefill=precision, int8_group=int8_group(manifest) if quantized else None))
+                                 prefill=precision, int8_group=int8_group(manifest) if quantized else None,
+                                 decode=config.decode_precision))
         ops = ops or select_ops(device, dtype, impl, quantized=quantized, prefill=precision)
         # weights.safetensors read onto `device`, or a random_weights recipe generated there
         model = load_model(manifest, device, ops, dtype)

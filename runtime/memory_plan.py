@@ -9,7 +9,8 @@ constructors allocate:
     weights         LlamaModel's parameters (engine_dir.expected_shapes), in the engine's dtype
     packed_weights  plugins.cpu's packed copy of each 2-D weight a decode step multiplies (fp32)
     prefill_weights the prefill kernels' copy of each layer's 2-D weights (prefill_precision
-                    bfloat16: bf16 panels; int8: int8 panels with their scales and offset sums)
+                    bfloat16: bf16 panels; int8: int8 panels with their scales and offset sums;
+                    decode_precision int8 takes the int8 ones, once, and the logits' weight's)
     rope            RotaryEmbedding's cos/sin tables [max_position_embeddings, head_dim]
     host_kv_pool    KVPool's k and v [L, KVH, num_host_blocks, block_size, D], in kv_dtype; a
                     lookahead pool pinned for a GPU counts what pinning takes (`PINNING`)
@@ -74,6 +75,7 @@ class PlanInputs:
     pinning: str = "allocator"     # how a GPU engine's lookahead host pool is pinned (PINNING)
     prefill: str = "float32"       # the resolved prefill precision (runtime/ops.py resolve_prefill)
     int8_group: int | None = None  # an int8 engine's group size (0: per output channel); None: not int8
+    decode: str = "float32"        # the decode precision: int8 keeps the W8A8 kernel's copies too
 
 
 # What lives in device memory when the engine runs on a GPU (Engine places it): everything but the
@@ -162,7 +164,7 @@ def plan_memory(mcfg: ModelConfig, cfg: LookaheadConfig, num_host_blocks: int | 
                 max_model_len: int | None = None, *, weights: bool = True,
                 packed_weights: bool | None = None, device_type: str = "cpu",
                 weight_saving: int = 0, pinning: str = "allocator", prefill: str = "float32",
-                int8_group: int | None = None) -> MemoryPlan:
+                int8_group: int | None = None, decode: str = "float32") -> MemoryPlan:
     """The bytes an Engine over (mcfg, cfg) allocates, without allocating.
 
     num_host_blocks / max_model_len: as Engine gets them; None derives them as Engine does (then
@@ -175,13 +177,14 @@ def plan_memory(mcfg: ModelConfig, cfg: LookaheadConfig, num_host_blocks: int | 
     decides what check_memory holds against host memory (`host_components`). pinning: how a GPU
     engine's lookahead host pool is page-locked (`PINNING`), which decides what it takes. prefill:
     the resolved prefill precision, whose kernels keep a copy of the layers' weights;
-    int8_group: an int8 engine's group size (0: per output channel), None for others."""
+    int8_group: an int8 engine's group size (0: per output channel), None for others; decode: the
+    decode precision (int8: the W8A8 copies, shared with an int8 prefill's)."""
     if pinning not in PINNING:
         raise ConfigError("pinning", f"{pinning!r} is not one of {', '.join(PINNING)}",
                           "use 'allocator' (KVPool(..., pin_memory=True), as Engine does) or 'registered'")
     packed = (dtype_bytes == 4 and device_type == "cpu") if packed_weights is None else packed_weights
     inputs = PlanInputs(mcfg, cfg, dtype_bytes, num_host_blocks, max_model_len, weights, packed, device_type,
-                        weight_saving, pinning, prefill, int8_group)
+                        weight_saving, pinning, prefill, int8_group, decode)
     return _plan(inputs)
 
 
@@ -218,7 +221,7 @@ def _plan(p: PlanInputs) -> MemoryPlan:
     if c.mode == "sparse":      # runtime/sparse.py: fp32 min/max of every pool block, with the pool
         summ = 2 * L * n_blocks * kvh * d * SUMMARY_BYTES
     return MemoryPlan(weights=w, packed_weights=packed if p.packed_weights else 0,
-                      prefill_weights=_prefill_weight_bytes(m, p.prefill, p.int8_group) if p.weights else 0, rope=rope,
+                      prefill_weights=_kernel_copy_bytes(m, p) if p.weights else 0, rope=rope,
                       host_kv_pool=pool, device_tier=tier, summaries=summ, cached_summaries=store, bookkeeping=books,
                       allocator=ALLOCATOR_BYTES_PER_BLOCK * n_blocks, step_buffers=_step_bytes(m, c, b, max_len),
                       per_seq_device_tier=lane_tier, per_seq_device=lane_tier + lane_summ,
@@ -247,6 +250,18 @@ def _weight_bytes(m: ModelConfig, b: int) -> tuple[int, int]:
     params = m.num_layers * per_layer + h + head * (1 if m.tie_word_embeddings else 2)
     packed = m.num_layers * sum(r * k for r, k in mats if r % 8 == 0) + (head if m.vocab_size % 8 == 0 else 0)
     return params * b, packed * 4
+
+
+def _kernel_copy_bytes(m: ModelConfig, p: PlanInputs) -> int:
+    """The prefill kernels' copies, and the W8A8 ones decode rows take at decode precision int8
+    (the same copies an int8 prefill keeps: counted once), with the logits' weight's."""
+    extra = p.decode == "int8" and p.prefill != "int8"
+    total = _prefill_weight_bytes(m, p.prefill, p.int8_group) + (_prefill_weight_bytes(m, "int8", p.int8_group)
+                                                                  if extra else 0)
+    if p.decode == "int8":              # the logits' weight too: every row's logits take W8A8
+        h = m.hidden_size
+        total += -(-m.vocab_size // 32) * 32 * (h + 8 * (h // (p.int8_group or h)))
+    return total
 
 
 def _prefill_weight_bytes(m: ModelConfig, prefill: str, int8_group: int | None) -> int:

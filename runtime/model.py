@@ -168,25 +168,28 @@ class DecoderLayer(nn.Module):
 
 def step_linear(ops: Ops, batch=None, prompt: bool = False):
     """The projection of a step (a `StepBatch`) whose prompt-chunk rows take the table's prefill
-    kernels and whose decode rows take `ops.linear`: each row computes as it would in a step of
-    its own kind alone, whatever the step mixes. prompt: every row is a prompt's (no batch). No
-    batch (or no prefill kernels): `ops.linear`."""
-    pf = ops.prefill_linear
-    if pf is not None and prompt:
-        return pf
-    if pf is None or batch is None:
-        return ops.linear
+    kernels and whose decode rows take its decode projection (`ops.decode_linear`, else
+    `ops.linear`): each row computes as it would in a step of its own kind alone, whatever the step
+    mixes. prompt: every row is a prompt's (no batch). No batch: the decode projection, as a
+    decode step's rows (and no prefill kernels: prompt rows take it too)."""
+    pf, dl = ops.prefill_linear, ops.decode_linear
+    if prompt:
+        return pf if pf is not None else ops.linear
+    dec = dl if dl is not None else ops.linear
+    if batch is None or (pf is None and dl is None):
+        return dec
+    pf = pf if pf is not None else ops.linear
     if batch.all_prompt:
         return pf
     split = batch.row_kinds
-    if split is None:
-        return ops.linear
+    if split is None:                   # decode rows only
+        return dec
     prompt, rest = split
 
     def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = x.new_empty(x.shape[0], weight.shape[0])
         out[prompt] = pf(x[prompt], weight, bias)
-        out[rest] = ops.linear(x[rest], weight, bias)
+        out[rest] = dec(x[rest], weight, bias)
         return out
     return linear
 
@@ -243,7 +246,8 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, w).float()
+        linear = self.ops.decode_linear or self.ops.linear      # every row's logits alike, prompt or decode
+        return linear(hidden, w).float()
 
     @property
     def device(self) -> torch.device:
@@ -276,7 +280,7 @@ class LlamaModel(nn.Module):
         dims = dict(num_layers=c.num_layers, hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads,
                     head_dim=c.head_dim, inter=c.intermediate_size, vocab=c.vocab_size, eps=eps.pop(), scale=scale)
         return bind(dims, weight(self.embed_tokens), layers, self.norm.weight, self.rope.cos, self.rope.sin,
-                    pool_k, pool_v, silu=silu, selection=selection)
+                    pool_k, pool_v, silu=silu, selection=selection, w8a8=self.ops.decode == "int8")
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load runtime-layout tensors (see engine_dir.WEIGHT_LAYOUT); strict on names and shapes.

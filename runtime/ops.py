@@ -32,7 +32,7 @@ from plugins import cpu
 from plugins.cpu import bookkeeping, fused, lookahead_layer, prefill
 from plugins.cpu.ops import dequantize_int8, int8_group_size, paged_mask  # noqa: F401  (the runtime's helpers)
 
-from .config import PREFILL_PRECISIONS
+from .config import DECODE_PRECISIONS, PREFILL_PRECISIONS
 from .errors import ConfigError
 
 IMPLS = ("auto", "c", "torch", "checked")
@@ -60,13 +60,16 @@ class Ops:
     prefill_attention: Callable | None = None   # (q [n, H, D], k, v [KVH, NB, bs, D] one pool layer,
                                                 #  block_table, context_len, scale) -> [n, H, D]
     prefill: str = "float32"                    # the resolved prefill precision
+    # a decode row's projections (None: `linear`); at decode precision int8, an int8 weight's W8A8
+    decode_linear: Callable | None = None
+    decode: str = "float32"                     # the decode precision
     name: str = ""
 
     def wrapped(self, wrap: Callable[[str, Callable], Callable], name: str | None = None) -> "Ops":
         """These ops with each callable replaced by `wrap(op_name, fn)` and no fused entries
         (tests: check, record every call)."""
         ops = {f.name: wrap(f.name, getattr(self, f.name)) for f in fields(self)
-               if f.name not in ("name", "prefill", *FUSED) and getattr(self, f.name) is not None}
+               if f.name not in ("name", "prefill", "decode", *FUSED) and getattr(self, f.name) is not None}
         return replace(self, **ops, **dict.fromkeys(FUSED), name=name or f"{self.name}+wrapped")
 
     def with_prefill(self, precision: str, quantized: bool) -> "Ops":
@@ -74,6 +77,28 @@ class Ops:
         C kernels when this table is C's."""
         return replace(self, **{**dict.fromkeys(("prefill_linear", "prefill_attention")),
                                 **prefill_entries(precision, "c/" in self.name, quantized)})
+
+
+    def with_decode(self, precision: str, quantized: bool) -> "Ops":
+        """This table with the decode rows' projections at `precision` (`resolve_decode`): int8
+        weights through the W8A8 kernel (C where this table is C's, else its torch formulation)."""
+        if precision == "float32":
+            return replace(self, decode_linear=None, decode="float32")
+        c = "c/" in self.name
+        int8 = prefill.linear_w8a8 if c else prefill.linear_w8a8_torch
+        return replace(self, decode_linear=quantized_linear(cpu.linear if c else F.linear, int8), decode=precision)
+
+
+def resolve_decode(decode: str, quantized: bool) -> str:
+    """The decode precision an engine runs: ConfigError naming `decode_precision` for one it
+    cannot take (int8 without int8 weights)."""
+    if decode not in DECODE_PRECISIONS:
+        raise ConfigError("decode_precision", f"{decode!r} is not a decode precision",
+                          f"use one of {', '.join(DECODE_PRECISIONS)}")
+    if decode == "int8" and not quantized:
+        raise ConfigError("decode_precision", "int8 needs int8 weights",
+                          "build an int8 engine (make engine-int8), or leave it float32")
+    return decode
 
 
 def linear_int8_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,

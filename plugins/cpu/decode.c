@@ -40,6 +40,12 @@ typedef struct {
     const float *bias;     /* [N] or NULL */
     int64_t n, k, int8;
     int64_t group;         /* int8: inputs per scale (lkv_linear_int8's `group`); fp32: 0 */
+    /* int8 at decode precision int8: the weight packed for lkv_gemm_w8a8 (prefill.packed_w8a8's
+     * quads, scales, offset sums), the rows quantized per row and group (W8A8); else NULL */
+    const int32_t *wq8;
+    const float *wsc8;
+    const int32_t *wsum8;
+    int64_t group8;        /* W8A8: the rows' quantization group (prefill.int8_group_size) */
 } LkvLinear;
 
 typedef struct {
@@ -90,7 +96,21 @@ typedef struct {   /* fp32 scratch, rows of B: x [hidden] (the residual stream),
 #define MAX_ROWS 16      /* ops.MAX_LINEAR_ROWS / MAX_INT8_ROWS: the C linears of the Python path */
 #define MAX_KV_ROW 4096  /* KVH * D of a row's keys */
 
+int lkv_gemm_w8a8_scratch(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, const int32_t *wq,
+                          const float *wsc, const int32_t *wsum, int64_t N, const float *bias, float *y, int64_t ys,
+                          int nthreads, uint32_t *xq, float *sx);
+
+/* The Python path's `linear` for this weight (M <= MAX_ROWS rows): W8A8 (ops.decode_linear,
+ * prefill.linear_w8a8: the same kernel and arguments) where the weight is bound packed (fused.py
+ * binds it so only where the kernel takes it), else weight-only int8 or fp32. */
 static void linear(const LkvLinear *L, const float *x, int64_t M, float *y, int nthreads) {
+    if (L->wq8) {
+        uint32_t xq[M * (L->k / 4)];           /* the quantized rows: a few KB on the stack */
+        float sx[M * (L->k / L->group8)];
+        lkv_gemm_w8a8_scratch(x, L->k, M, L->k, L->group8, L->wq8, L->wsc8, L->wsum8, L->n, L->bias, y, L->n,
+                              nthreads, xq, sx);
+        return;
+    }
     if (L->int8) lkv_linear_int8(x, M, L->k, (const int8_t *)L->w, L->n, L->scale, L->group, L->bias, y, nthreads);
     else lkv_linear_packed(x, M, L->k, (const float *)L->w, L->n, L->bias, y, nthreads);
 }

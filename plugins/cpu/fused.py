@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import prefill
 from .loader import library
 from .ops import (KV_DTYPES, MAX_INT8_ROWS, MAX_LINEAR_ROWS, MAX_GROUP_ROWS, block_tables, int8_group_size,
                   int8_kernel_group, packed_weight, runs_or_tables, traced)
@@ -44,7 +45,8 @@ _version = attrgetter("_version")
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("w", _p), ("scale", _p), ("bias", _p), ("n", _i64), ("k", _i64), ("int8", _i64), ("group", _i64)]
+    _fields_ = [("w", _p), ("scale", _p), ("bias", _p), ("n", _i64), ("k", _i64), ("int8", _i64), ("group", _i64),
+                ("wq8", _p), ("wsc8", _p), ("wsum8", _p), ("group8", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -102,10 +104,11 @@ class LayerWeights:
 
 
 def unsupported(dims: Dims, embed, layers: list[LayerWeights], final_norm: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor) -> str | None:
+                sin: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, w8a8: bool = False) -> str | None:
     """Why these tensors cannot take the fused step (None: they can): the conditions under which
     the Python path calls exactly the C kernels decode.c calls (fp32 CPU tensors, packable fp32 or
-    int8 projections, D % 32 == 0, the pool contiguous in a kernel dtype, ...)."""
+    int8 projections, D % 32 == 0, the pool contiguous in a kernel dtype, ...). w8a8: the int8
+    projections take the W8A8 kernel (decode precision int8), which must then run in C."""
     if library() is None:
         return "no CPU kernels"
     d = dims
@@ -133,8 +136,11 @@ def unsupported(dims: Dims, embed, layers: list[LayerWeights], final_norm: torch
         if isinstance(w, torch.Tensor):
             return fp32(w, (n, k)) and n % 8 == 0
         q, s = w
-        return int8_ok(q, s, n, k) and int8_kernel_group(q, s) is not None
+        return (int8_ok(q, s, n, k) and int8_kernel_group(q, s) is not None
+                and (not w8a8 or prefill.w8a8_supported(torch.empty(1, k), q, s)))
 
+    if w8a8 and any(isinstance(lw.wqkv, torch.Tensor) for lw in layers):
+        return "decode precision int8 needs int8 projections"
     if isinstance(embed, torch.Tensor):
         if not (fp32(embed, (d.vocab, d.hidden)) and embed.is_contiguous()):
             return "embedding"
@@ -178,15 +184,18 @@ def selection_unsupported(sel, dims: Dims, pool_k: torch.Tensor) -> str | None:
 
 
 def bind(dims: dict, embed, layers: list[tuple], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         pool_k: torch.Tensor, pool_v: torch.Tensor, silu: str = "auto", selection=None):
+         pool_k: torch.Tensor, pool_v: torch.Tensor, silu: str = "auto", selection=None, w8a8: bool = False):
     """The kernel table's `fused_decoder` entry: (a FusedDecoder over these tensors, None), or
     (None, why) where the fused step does not take them. dims: `Dims`' fields by name; layers:
-    each layer's `LayerWeights` fields, in order."""
+    each layer's `LayerWeights` fields, in order. w8a8: the int8 projections compute as
+    `prefill.linear_w8a8` (the table's `decode_linear` at decode precision int8)."""
     d, lws = Dims(**dims), [LayerWeights(*t) for t in layers]
-    why = unsupported(d, embed, lws, final_norm, cos, sin, pool_k, pool_v) or selection_unsupported(selection, d, pool_k)
+    why = (unsupported(d, embed, lws, final_norm, cos, sin, pool_k, pool_v, w8a8)
+           or selection_unsupported(selection, d, pool_k))
     if why is not None:
         return None, why
-    return FusedDecoder(d, embed, lws, final_norm, cos, sin, pool_k, pool_v, silu=silu, selection=selection), None
+    return FusedDecoder(d, embed, lws, final_norm, cos, sin, pool_k, pool_v, silu=silu, selection=selection,
+                        w8a8=w8a8), None
 
 
 def torch_vector_exp() -> int | None:
@@ -239,9 +248,10 @@ class FusedDecoder:
 
     def __init__(self, dims: Dims, embed, layers: list[LayerWeights], final_norm: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, silu: str = "auto",
-                 selection=None):
+                 selection=None, w8a8: bool = False):
         """Tensors `bind` has checked (`unsupported`). selection: sparse mode's `BlockSelection` (its
-        summaries over this pool's blocks): each layer's attention sees the keys it selects."""
+        summaries over this pool's blocks): each layer's attention sees the keys it selects.
+        w8a8: int8 projections through the W8A8 kernel on their packed copies."""
         if silu not in ("auto", "own", "torch"):
             raise ValueError(f"silu: 'auto', 'own' or 'torch', got {silu!r}")
         self.dims, self.silu, self._lib = dims, silu, library()
@@ -249,7 +259,7 @@ class FusedDecoder:
         self._exp8, self._silu_chunk = silu_binding(dims.inter) if silu == "auto" else (None, 0)
         self.exact = silu == "torch" or self._exp8 is not None      # bit-identical to the Python path
         self._src = (embed, layers, final_norm, cos, sin, pool_k, pool_v)
-        self.selection = selection
+        self.selection, self.w8a8 = selection, w8a8
         self.steps = 0
         self._rows, self._mask = 0, torch.empty(0, dtype=torch.uint8)
         self._sel_nb, self._sel = (0, 0), None      # sparse mode's scratch, for (rows, blocks)
@@ -281,7 +291,8 @@ class FusedDecoder:
             if isinstance(w, torch.Tensor):
                 return _Linear(ptr(packed_weight(w)), None, ptr(bias), w.shape[0], w.shape[1], 0)
             q, s = w[0].contiguous(), w[1].contiguous()
-            return _Linear(ptr(q), ptr(s), ptr(bias), q.shape[0], q.shape[1], 1, int8_kernel_group(q, s))
+            packed = (*map(ptr, prefill.packed_w8a8(q, s)), int8_group_size(q, s)) if self.w8a8 else (None,) * 3 + (0,)
+            return _Linear(ptr(q), ptr(s), ptr(bias), q.shape[0], q.shape[1], 1, int8_kernel_group(q, s), *packed)
 
         arr = (_Layer * d.num_layers)()
         for i, lw in enumerate(layers):

@@ -241,21 +241,15 @@ typedef void (*w8a8_fn)(const uint32_t *, const float *, int64_t, int64_t, int64
 static const w8a8_fn W8A8_TILES[MR + 1] = {NULL, w8a8_tile_1, w8a8_tile_2, w8a8_tile_3, w8a8_tile_4, w8a8_tile_5,
                                            w8a8_tile_6};
 
-/* x [M, K] fp32 (row stride xs) quantized per row and group of G (lkv_quantize_rows), against the
- * weight packed by lkv_pack_w8a8, bias [N] or NULL -> y [M, N] (row stride ys). K % G == 0,
- * G % 4 == 0. Returns 0, -1 (allocation), -2 (no AVX512_VNNI or bad G). */
-int lkv_gemm_w8a8(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, const int32_t *wq, const float *wsc,
-                  const int32_t *wsum, int64_t N, const float *bias, float *y, int64_t ys, int nthreads) {
+/* lkv_gemm_w8a8 with the caller's scratch for the quantized rows: xq [M * K / 4], sx [M * K / G]
+ * (a decode step's few rows: decode.c keeps it on its stack). Returns 0, or -2 (no AVX512_VNNI or
+ * bad G). */
+int lkv_gemm_w8a8_scratch(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, const int32_t *wq,
+                          const float *wsc, const int32_t *wsum, int64_t N, const float *bias, float *y, int64_t ys,
+                          int nthreads, uint32_t *xq, float *sx) {
     if (!(lkv_gemm_supported() & 2) || G <= 0 || G % 4 || K % G) return -2;
     const int64_t K4 = K / 4, NG = K / G, G4 = G / 4, panels = (N + I8_PANEL - 1) / I8_PANEL;
     const int64_t mblocks = (M + MBLOCK - 1) / MBLOCK;
-    uint32_t *xq = malloc((size_t)(M * K4) * sizeof(uint32_t));
-    float *sx = malloc((size_t)(M * NG) * sizeof(float));
-    if (xq == NULL || sx == NULL) {
-        free(xq);
-        free(sx);
-        return -1;
-    }
     lkv_quantize_rows(x, xs, M, K, G, xq, sx, nthreads);
 #pragma omp parallel for num_threads(nthreads > 1 ? nthreads : 1) if (nthreads > 1) schedule(dynamic, 1)
     for (int64_t u = 0; u < panels * mblocks; u++) {
@@ -268,7 +262,20 @@ int lkv_gemm_w8a8(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, c
                            wsum + pn * NG * I8_PANEL, bias, n0, nv, y + m * ys, ys);
         }
     }
+    return 0;
+}
+
+/* x [M, K] fp32 (row stride xs) quantized per row and group of G (lkv_quantize_rows), against the
+ * weight packed by lkv_pack_w8a8, bias [N] or NULL -> y [M, N] (row stride ys). K % G == 0,
+ * G % 4 == 0. Returns 0, -1 (allocation), -2 (no AVX512_VNNI or bad G). */
+int lkv_gemm_w8a8(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, const int32_t *wq, const float *wsc,
+                  const int32_t *wsum, int64_t N, const float *bias, float *y, int64_t ys, int nthreads) {
+    if (!(lkv_gemm_supported() & 2) || G <= 0 || G % 4 || K % G) return -2;
+    uint32_t *xq = malloc((size_t)(M * (K / 4)) * sizeof(uint32_t));
+    float *sx = malloc((size_t)(M * (K / G)) * sizeof(float));
+    const int rc = xq == NULL || sx == NULL ? -1
+                   : lkv_gemm_w8a8_scratch(x, xs, M, K, G, wq, wsc, wsum, N, bias, y, ys, nthreads, xq, sx);
     free(xq);
     free(sx);
-    return 0;
+    return rc;
 }

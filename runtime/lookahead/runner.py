@@ -104,7 +104,8 @@ class LookaheadRunner:
             hidden = self.model(plan.batch.tokens, plan.batch.positions,
                                 rec.wrap(step, num_layers) if rec else step, plan.batch)
         self.last_step = step.finish()
-        score_prompt_rows(self.model, hidden, [(seq, it) for (seq, _), it in zip(work, rows.items)])
+        if rows.prefill:                     # prompt chunks: their log-probabilities, where asked for
+            score_prompt_rows(self.model, hidden, [(seq, it) for (seq, _), it in zip(work, rows.items)])
         self._advance(work, rows)
         out = self._sample_rows(work, rows, plan, hidden)
         if rec:

@@ -1,0 +1,100 @@
+"""decode_precision int8: an int8 engine's decode rows quantized per row and group (W8A8, the
+prompt kernel's numerics), on fresh random tiny int8 models.
+
+- the fused C step (dense, and lookahead's layers around its attention) equals the Python path
+  bit for bit, and both differ from weight-only decode by activation rounding only;
+- each decode row's projections are `prefill.linear_w8a8` of that row: a row's result does not
+  depend on the rows batched with it (one sequence alone, or with two others: the same tokens);
+- every row's logits take W8A8 too (prompt and decode rows alike);
+- the config is refused by name where it cannot apply, and the memory plan counts the W8A8 copies
+  the decode rows and the logits keep, once when an int8 prefill keeps them too.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plugins.cpu import prefill
+from runtime.engine import Engine
+from runtime.errors import ConfigError
+from runtime.memory_plan import plan_memory
+from runtime.sampling import SamplingParams
+from test_fused_decode import Record, make_int8_engine
+from tiny_engine import SMALL_LOOKAHEAD, make_tiny_engine, random_prompts
+
+pytestmark = pytest.mark.skipif(not prefill.int8_dot_products(), reason="this CPU has no AVX512_VNNI")
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode_precision")
+    return {"int8": make_int8_engine(root / "int8", seed=31, attention_bias=True),
+            "int8g16": make_int8_engine(root / "int8g16", seed=32, group_size=16),
+            "int8pc": make_int8_engine(root / "int8pc", seed=33, group_size=0),
+            "fp32": make_tiny_engine(root / "fp32", seed=34, head_dim=32)}
+
+
+def run(eng: Engine, prompts, params=GREEDY):
+    rec = eng.observe(Record(eng))
+    try:
+        out = eng.generate(prompts, params)
+    finally:
+        eng.observers.remove(rec)
+    return [c.token_ids for c in out], [step[sid] for step in rec.logits for sid in sorted(step)]
+
+
+@pytest.mark.parametrize("model", ["int8", "int8g16", "int8pc"])
+@pytest.mark.parametrize("mode", ["dense", "lookahead"])
+def test_fused_w8a8_decode_equals_the_python_path(dirs, model, mode):
+    prompts = random_prompts(37, 12, 60, seed=4)
+    kw = dict(decode_precision="int8", prefill_precision="float32", max_batch_size=4, block_size=4)
+    kw.update(dict(SMALL_LOOKAHEAD, top_k=6) if mode == "lookahead" else {})
+    ref_tokens, ref = run(Engine.from_dir(dirs[model], fused=False, **kw), prompts)
+    eng = Engine.from_dir(dirs[model], **kw)
+    assert eng.runner.fused is not None and eng.runner.fused.w8a8, eng.runner.fused_reason
+    tokens, got = run(eng, prompts)
+    assert eng.runner.fused.steps > 0 and tokens == ref_tokens
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+    # against weight-only decode: the prompts' last rows (the same hidden states: the logits' own
+    # W8A8 rounding), then each sequence's first decode row, where its first token is the same
+    two = SamplingParams(max_tokens=2, ignore_eos=True)
+    (w8, w8_logits), (wo, wo_logits) = (run(Engine.from_dir(dirs[model], **{**kw, "decode_precision": d}), prompts, two)
+                                        for d in ("int8", "float32"))
+    n = len(prompts)
+    same_first = [a[0] == b[0] for a, b in zip(w8, wo)]
+    rows = list(zip(w8_logits[:n], wo_logits[:n])) + [r for r, ok in zip(zip(w8_logits[n:], wo_logits[n:]), same_first)
+                                                      if ok]
+    assert len(rows) > n
+    tol = 0.2 if model == "int8pc" else 0.1         # per output channel: a row's activations share one scale
+    for a, b in rows:
+        assert not torch.equal(a, b) and float((a - b).abs().max()) < tol * float(b.std())
+
+
+def test_a_row_decodes_alike_alone_and_batched(dirs):
+    p = random_prompts(50, 20, 33, seed=9)
+    kw = dict(decode_precision="int8", block_size=4, max_batch_size=4)
+    alone = Engine.from_dir(dirs["int8"], **kw).generate([p[0]], GREEDY)[0].token_ids
+    batched = Engine.from_dir(dirs["int8"], **kw).generate(p, GREEDY)[0].token_ids
+    assert alone == batched
+
+
+def test_refused_by_name_where_it_cannot_apply(dirs):
+    with pytest.raises(ConfigError, match="decode_precision: int8 needs int8 weights"):
+        Engine.from_dir(dirs["fp32"], decode_precision="int8")
+    with pytest.raises(ConfigError, match="decode_precision"):
+        Engine.from_dir(dirs["int8"], decode_precision="bfloat16")
+
+
+@pytest.mark.parametrize("prefill_precision", ["float32", "int8"])
+def test_the_plan_counts_the_w8a8_copies_once(dirs, prefill_precision):
+    eng = Engine.from_dir(dirs["int8"], decode_precision="int8", prefill_precision=prefill_precision, block_size=4)
+    eng.generate(random_prompts(30, seed=8), GREEDY)
+    mats = [mod.qweight for layer in eng.model.layers for mod in (layer.wqkv, layer.wo, layer.w13, layer.w2)]
+    head = eng.model.embed_tokens if eng.model.lm_head is None else eng.model.lm_head
+    mats.append(head.weight.qweight)                                 # the logits' weight
+    kept = sum(x.numel() * x.element_size() for q in mats for x in q._lkv_w8a8[1])
+    q = eng.manifest.quantization
+    plan = plan_memory(eng.manifest.model, eng.config, None, 4, prefill=prefill_precision,
+                       int8_group=q["group_size"], decode="int8")
+    assert kept > 0 and plan.prefill_weights == kept
