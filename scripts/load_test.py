@@ -188,6 +188,8 @@ def peer_servers(args, engine_dir: str, stack: contextlib.ExitStack) -> dict[str
     was built from under --model's name; returns side name -> URL. Stopped when `stack` closes."""
     if args.peer != "vllm":
         return {}
+    if args.vllm_url:                       # one already running: --vllm-dtypes names its dtype
+        return {f"vllm {args.vllm_dtypes[0]}": args.vllm_url}
     from bench.prefix_serve import ServerError, VllmServer
     from bench.speed import reference_hf_dir
 
@@ -316,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-dtypes", type=lambda v: [d for d in v.split(",") if d], default=["bfloat16"],
                    help="comma-separated vLLM --dtype values, one server each (default: bfloat16)")
     p.add_argument("--vllm-port", type=int, default=8200, help="the first vLLM server's port (default: %(default)s)")
+    p.add_argument("--vllm-url", help="a vLLM server already running (e.g. http://127.0.0.1:8200) instead of "
+                                      "starting one; --vllm-dtypes names its dtype")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="each vLLM server's KV cache, GiB (default: %(default)s)")
     p.add_argument("--vllm-max-model-len", type=int, default=8192)
     p.add_argument("--peer-threads", type=int, default=os.cpu_count() or 1,

@@ -695,19 +695,14 @@ class FakeOpenAI:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
 
-def test_peer_sides_alternate_with_ours_and_report_the_ratio(load_test, tiny_dir, tmp_path, monkeypatch, capsys):
+def test_peer_sides_alternate_with_ours_and_report_the_ratio(load_test, tiny_dir, tmp_path, capsys):
+    """--peer vllm against a running server (--vllm-url; a fake whose tokens come 10x slower)."""
     ours, peer = FakeOpenAI(0.002), FakeOpenAI(0.02)
-    started = []
-
-    def fake_peers(args, engine_dir, stack):
-        started.append((args.vllm_dtypes, engine_dir))
-        return {"vllm bfloat16": peer.url}
-    monkeypatch.setattr(load_test, "peer_servers", fake_peers)
     out = tmp_path / "r.json"
     rc = load_test.main(["--openai-url", ours.url, "--engine", str(tiny_dir), "--concurrency", "2",
                          "--num-requests", "2", "--max-tokens", "8", "--prompt-len", "8", "--warmup", "0",
-                         "--rounds", "2", "--peer", "vllm", "--no-progress", "--json", str(out)])
-    assert rc == 0 and started == [(["bfloat16"], str(tiny_dir))]
+                         "--rounds", "2", "--peer", "vllm", "--vllm-url", peer.url, "--no-progress", "--json", str(out)])
+    assert rc == 0
     rep = json.loads(out.read_text())
     assert set(rep["results"]) == {"served", "vllm bfloat16"}
     assert rep["results"]["served"]["output_tokens"] == rep["results"]["vllm bfloat16"]["output_tokens"] == 32
