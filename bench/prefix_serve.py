@@ -128,10 +128,13 @@ def dqa_doc(rid: str) -> str:
 
 
 def computed(r: Reply) -> int | None:
+    """Prompt tokens the server computed for `r`: its own count (llama-server), else the prompt
+    less its cached tokens; None where it reports neither (vLLM without
+    --enable-prompt-tokens-details reports no cached tokens: not the same as none cached)."""
     if r.computed_tokens is not None:
         return r.computed_tokens
-    if r.prompt_tokens is not None:
-        return r.prompt_tokens - (r.cached_tokens or 0)
+    if r.prompt_tokens is not None and r.cached_tokens is not None:
+        return r.prompt_tokens - r.cached_tokens
     return None
 
 
@@ -175,13 +178,14 @@ def run_dqa(url: str, model: str, prompts: list[tuple[str, str]], concurrency: i
     out = sum(r.completion_tokens or 0 for r in replies.values())
     comp = [computed(r) for r in replies.values()]
     prompt_total = sum(r.prompt_tokens or 0 for r in replies.values())
-    cached_total = sum(r.cached_tokens or 0 for r in replies.values())
+    reported = [r.cached_tokens for r in replies.values() if r.cached_tokens is not None]
+    cached_total = sum(reported) if len(reported) == len(replies) else None
     return {"n_requests": len(replies), "ttft_p50_s": pct(ttfts, 0.5), "ttft_p90_s": pct(ttfts, 0.9),
             "output_tokens": out, "wall_s": wall, "output_tokens_per_s": out / wall if wall else None,
             "prefill_tokens_computed": sum(c for c in comp if c is not None) if all(c is not None for c in comp)
             else None,
             "prompt_tokens_total": prompt_total, "cached_tokens_total": cached_total,
-            "hit_rate": cached_total / prompt_total if prompt_total else None,
+            "hit_rate": cached_total / prompt_total if prompt_total and cached_total is not None else None,
             **first_and_later([rid for rid, _ in prompts], {rid: r.ttft_s for rid, r in replies.items()}, dqa_doc),
             "texts": {rid: r.text for rid, r in replies.items()}}
 

@@ -119,6 +119,13 @@ def test_first_question_per_document_is_told_apart_from_later_ones():
     assert ps.dqa_doc("dqa-12-3") == "12" and ps.dqa_doc("r7") == "r7"
 
 
+def test_a_server_that_reports_no_cached_tokens_has_no_hit_rate():
+    """vLLM without --enable-prompt-tokens-details: unknown, not zero."""
+    r = ps.Reply("x", 0.1, 0.2, prompt_tokens=10, cached_tokens=None, completion_tokens=1, computed_tokens=None)
+    assert ps.computed(r) is None
+    assert ps.computed(ps.Reply("x", 0.1, 0.2, 10, 4, 1, None)) == 6
+
+
 def test_pct():
     assert ps.pct([], 0.5) is None
     assert ps.pct([3.0, 1.0, 2.0], 0.5) == 2.0
