@@ -23,7 +23,10 @@ How a request flows
   `sampling_options.n`; the engine runs n sequences on the prompt's shared blocks), with logprobs
   asked for (`output_options.logprobs` = k) `log_probs` and `top_logprobs`; a choice's last chunk
   its finish reason, the request's last `completion_usage` with
-  `prompt_tokens_details.cached_tokens` (the frontend reports both to the client).
+  `prompt_tokens_details.cached_tokens` (the frontend reports both to the client). A completions
+  `echo` reaches the worker as `output_options.prompt_logprobs`; the request's last chunk then
+  carries the prompt's ids, token texts and log-probabilities in `engine_data`, which the front
+  (deploy/openai_front.py `echo_rewrite`) writes into the answer.
 - KV-aware routing: the prefix cache's events (`engine.kv_events`: blocks stored with their token
   ids, removed) go to Dynamo's `KvEventPublisher` (`KvEventRelay`), and the blocks in use to its
   `WorkerMetricsPublisher`, over the event plane; the model is registered with the engine's block
