@@ -19,7 +19,7 @@ from runtime.engine import Engine
 from runtime.errors import ConfigError
 from runtime.memory_plan import plan_memory
 from runtime.sampling import SamplingParams
-from test_fused_decode import Record, make_int8_engine
+from test_fused_decode import flat, make_int8_engine, run as fused_run
 from tiny_engine import SMALL_LOOKAHEAD, make_tiny_engine, random_prompts
 
 pytestmark = pytest.mark.skipif(not prefill.int8_dot_products(), reason="this CPU has no AVX512_VNNI")
@@ -36,12 +36,9 @@ def dirs(tmp_path_factory):
 
 
 def run(eng: Engine, prompts, params=GREEDY):
-    rec = eng.observe(Record(eng))
-    try:
-        out = eng.generate(prompts, params)
-    finally:
-        eng.observers.remove(rec)
-    return [c.token_ids for c in out], [step[sid] for step in rec.logits for sid in sorted(step)]
+    """(tokens, every emitted row's logits in step order): test_fused_decode's run, flattened."""
+    tokens, rec = fused_run(eng, prompts, params)
+    return tokens, flat(rec)
 
 
 @pytest.mark.parametrize("model", ["int8", "int8g16", "int8pc"])
