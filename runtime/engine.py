@@ -118,7 +118,7 @@ class Engine:
         config = config.replace(prefill_precision=model.ops.prefill)        # the resolved precision
         decode = resolve_decode(config.decode_precision, manifest.quantization is not None)
         if decode != model.ops.decode:        # decode rows' projections: W8A8 (an int8 engine's choice)
-            model = model.with_ops(model.ops.with_decode(decode, manifest.quantization is not None))
+            model = model.with_ops(model.ops.with_decode(decode))
         # the compute threads every step runs with, whichever thread calls `step`: the count of the
         # thread that builds the engine (a thread started later may inherit another default: a
         # lookahead engine's copy worker runs single-threaded, and OpenMP hands that to new threads)

@@ -78,8 +78,7 @@ class Ops:
         return replace(self, **{**dict.fromkeys(("prefill_linear", "prefill_attention")),
                                 **prefill_entries(precision, "c/" in self.name, quantized)})
 
-
-    def with_decode(self, precision: str, quantized: bool) -> "Ops":
+    def with_decode(self, precision: str) -> "Ops":
         """This table with the decode rows' projections at `precision` (`resolve_decode`): int8
         weights through the W8A8 kernel (C where this table is C's, else its torch formulation)."""
         if precision == "float32":
