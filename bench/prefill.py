@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from bench import llama_cpp  # noqa: E402
 from bench.floor import best_of  # noqa: E402
-from bench.runs import machine_info  # noqa: E402
+from bench.runs import cpu_model, machine_info  # noqa: E402
 from bench.speed import reference_hf_dir  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
@@ -155,11 +155,12 @@ def vllm_command(python: str, hf_dir: Path, prompts: list[list[int]], warm: list
 
 
 def run_vllm(python: str | None, hf_dir: Path, prompts: list[list[int]], warm: list[int], max_model_len: int,
-             timeout: float, threads: int) -> dict[int, float] | str:
+             timeout: float, threads: int, bind: str = "nobind") -> dict[int, float] | str:
     """{prompt tokens: seconds}, or why vLLM did not run."""
     if not python:
         return "not installed here (pass --vllm-python: a python whose environment has vllm CPU)"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="6", OMP_NUM_THREADS=str(threads))
+    from bench.prefix_serve import vllm_env
+    env = vllm_env(threads, 6, bind)
     try:
         done = subprocess.run(vllm_command(python, hf_dir, prompts, warm, max_model_len), capture_output=True,
                               text=True, timeout=timeout, env=env)
@@ -185,6 +186,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llama-configs", default="F32/f32,Q8_0/f16,Q4_1/f16", metavar="W/KV,...",
                    help="llama.cpp weights/KV types (each with flash attention off and on)")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="a python with vllm (CPU) installed")
+    p.add_argument("--vllm-bind", default="nobind",
+                   help="vLLM's VLLM_CPU_OMP_THREADS_BIND: nobind (every core, as ours), auto (vLLM's default: on a "
+                        "2-core machine its threads share one core) or a CPU list (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (and llama.cpp's -t/-tb)")
     p.add_argument("--repeats", type=int, default=1, help="grid repeats (order alternates); each row keeps its best")
     p.add_argument("--seed", type=int, default=0)
@@ -227,6 +231,8 @@ def main(argv=None) -> int:
     plan = [(ctx, ctx - 1, prefill_flops(mcfg, ctx - 1)) for ctx in a.contexts]
     print(f"cold prefill, {a.threads} threads; engines {', '.join(a.engines)}; modes {', '.join(a.modes)}; "
           f"precisions {', '.join(a.precisions)}; peers {', '.join(a.peers) or 'none'}")
+    cpu = cpu_model()
+    print(f"  CPU: {cpu.get('cpu_model')}, dot products: {', '.join(cpu.get('cpu_dot_products') or ['none'])}")
     for ctx, n, f in plan:
         print(f"  context {ctx}: {n} prompt tokens, {f['total'] / 1e12:.2f} TFLOP "
               f"(projections {f['gemm'] / 1e12:.2f}, attention {f['attention'] / 1e12:.2f})")
@@ -238,7 +244,8 @@ def main(argv=None) -> int:
                 print("  llama.cpp:", " ".join(llama_cpp.batched_bench_command(
                     llama_cpp.binary("llama-batched-bench"), Path("MODEL.gguf"), cfg, a.contexts, [1], 1, a.threads)))
         if "vllm" in a.peers:
-            print("  vllm:", a.vllm_python or "not installed here (--vllm-python)")
+            print("  vllm:", f"{a.vllm_python}, threads bound by {a.vllm_bind}" if a.vllm_python
+                  else "not installed here (--vllm-python)")
         return 0
 
     rates = machine_rates()
@@ -337,7 +344,7 @@ def llama_rows(a, plan, rates) -> list[dict]:
 def vllm_rows(a, plan, rates, vocab: int) -> list[dict]:
     prompts = [prompt_ids(vocab, n, a.seed + ctx) for ctx, n, _ in plan]
     got = run_vllm(a.vllm_python, reference_hf_dir(a.engines[0]), prompts, prompt_ids(vocab, WARM_TOKENS, 99),
-                   max(a.contexts), 3600, a.threads)
+                   max(a.contexts), 3600, a.threads, a.vllm_bind)
     rows = []
     for ctx, n, f in plan:
         if isinstance(got, str):

@@ -187,7 +187,25 @@ def run_dqa(url: str, model: str, prompts: list[tuple[str, str]], concurrency: i
             "prompt_tokens_total": prompt_total, "cached_tokens_total": cached_total,
             "hit_rate": cached_total / prompt_total if prompt_total and cached_total is not None else None,
             **first_and_later([rid for rid, _ in prompts], {rid: r.ttft_s for rid, r in replies.items()}, dqa_doc),
+            "first_cached_tokens": first_cached([rid for rid, _ in prompts], replies),
             "texts": {rid: r.text for rid, r in replies.items()}}
+
+
+def first_cached(order: list[str], replies: dict[str, Reply]) -> int | None:
+    """Cached prompt tokens the server reported for each document's first request (in sending order),
+    summed: more than 0 means the documents were in its cache before the run, so the "first question"
+    TTFTs are not cold. None where the server reports no cached tokens."""
+    seen: set = set()
+    total = 0
+    for rid in order:
+        doc = dqa_doc(rid)
+        if doc in seen or rid not in replies:
+            continue
+        seen.add(doc)
+        if replies[rid].cached_tokens is None:
+            return None
+        total += replies[rid].cached_tokens
+    return total
 
 
 def wait_http(url: str, path: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
@@ -249,20 +267,37 @@ class LlamaServer:
         self._log.close()
 
 
+VLLM_BINDS = ("nobind", "auto")
+
+
+def vllm_env(threads: int, kv_gib: int, bind: str = "nobind") -> dict[str, str]:
+    """The environment vLLM CPU runs in beside us: `threads` OpenMP threads, `kv_gib` GiB of KV
+    cache, and its thread binding. vLLM's own default ("auto") reserves one core per worker for its
+    scheduler process and pins the OpenMP threads to the cores left: on a 2-core machine its
+    `threads` threads then share one core (an 8K prefill took 38 s so, 20 s on both cores). "nobind"
+    (the default here) leaves them on every core, as ours run; any other value is passed as
+    VLLM_CPU_OMP_THREADS_BIND (a CPU list such as "0-1")."""
+    if not bind:
+        raise ValueError("vLLM bind: empty; use nobind, auto or a CPU list such as 0-1")
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "OMP_NUM_THREADS": str(threads),
+            "VLLM_CPU_OMP_THREADS_BIND": bind}
+
+
 class VllmServer:
     """vLLM CPU's OpenAI server (`python -m vllm.entrypoints.openai.api_server`: its `vllm` command
     looks up a distribution named `vllm`, which `vllm-cpu` is not) on `hf_dir`, served as `model`,
-    prefix caching on, `kv_gib` GiB of KV cache (VLLM_CPU_KVCACHE_SPACE), `threads` OpenMP threads."""
+    prefix caching on, `kv_gib` GiB of KV cache, `threads` OpenMP threads bound by `bind` (vllm_env)."""
 
     def __init__(self, python: str, hf_dir: Path, model: str = "lookahead_llm", dtype: str = "bfloat16",
                  max_model_len: int = 8192, port: int = 8200, threads: int = 2, kv_gib: int = 6,
-                 log_path: Path | None = None):
+                 log_path: Path | None = None, bind: str = "nobind"):
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path or ROOT / "build" / "vllm" / "server.log"
         self.command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
                         "--served-model-name", model, "--dtype", dtype, "--max-model-len", str(max_model_len),
                         "--enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)]
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "OMP_NUM_THREADS": str(threads)}
+        self.env = vllm_env(threads, kv_gib, bind)
+        self.bind = bind
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "VllmServer":

@@ -102,4 +102,21 @@ def machine_info() -> dict:
 
     import torch
     return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "platform": platform.platform(), "python": platform.python_version()}
+            "platform": platform.platform(), "python": platform.python_version(), **cpu_model()}
+
+
+# the CPU features that decide which units a peer's kernels use (vLLM CPU and oneDNN take AMX where
+# it exists; our kernels use AVX512_BF16 / AVX512_VNNI): a comparison is only side by side on one CPU
+DOT_PRODUCT_FLAGS = ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "avx512_fp16")
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> dict:
+    """{"cpu_model": its name, "cpu_dot_products": the DOT_PRODUCT_FLAGS it has} from /proc/cpuinfo
+    (empty where there is none)."""
+    try:
+        text = open(cpuinfo).read()
+    except OSError:
+        return {}
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), None)
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    return {"cpu_model": model, "cpu_dot_products": [f for f in DOT_PRODUCT_FLAGS if f in flags]}

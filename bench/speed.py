@@ -247,22 +247,16 @@ def machine_info() -> dict[str, Any]:
             return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         except OSError:
             return ""
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.processor())
+    from bench.runs import cpu_model
+    cpu = cpu_model()
     import transformers
-    return {"cpu": cpu, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)),
+    return {"cpu": cpu.get("cpu_model") or platform.processor(), "cpu_dot_products": cpu.get("cpu_dot_products"),
+            "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "transformers": transformers.__version__, "python": platform.python_version(),
             "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
             "loadavg_start": os.getloadavg()}
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -180,10 +180,10 @@ def run_vllm(args, tok, docs: list[str]) -> dict:
     prompts = dqa_prompts(tok, docs, args.questions, args.seed)
     longest = max(len(tok.encode(t)) for _, t in prompts) + args.max_tokens + 64
     with VllmServer(args.vllm_python, reference_hf_dir(args.engine), dtype=args.vllm_dtype,
-                    max_model_len=max(longest, 2048), threads=args.peer_threads) as srv:
+                    max_model_len=max(longest, 2048), threads=args.peer_threads, bind=args.vllm_bind) as srv:
         print(f"vLLM: {' '.join(srv.command)}", flush=True)
         res = http_dqa(srv.url, "lookahead_llm", prompts, args.concurrency, args.max_tokens, log=print)
-    res["server"] = {"command": srv.command, "dtype": args.vllm_dtype}
+    res["server"] = {"command": srv.command, "dtype": args.vllm_dtype, "bind": args.vllm_bind}
     return res
 
 
@@ -194,6 +194,10 @@ def run_served(args, tok, docs: list[str]) -> dict:
     res = http_dqa(args.served_url.rstrip("/").removesuffix("/v1"), args.served_model,
                    dqa_prompts(tok, docs, args.questions, args.seed), args.concurrency, args.max_tokens, log=print)
     res["server"] = {"url": args.served_url}
+    if res.get("first_cached_tokens"):
+        print(f"warning: the served documents were already in the server's cache ({res['first_cached_tokens']} "
+              "tokens of the first questions were cached): its first-question TTFTs are not cold. Restart the "
+              "server, or pass another --seed, for a cold run.", flush=True)
     return res
 
 
@@ -500,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                    help="the python of vLLM CPU's venv (default: %(default)s)")
     p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default: %(default)s)")
+    p.add_argument("--vllm-bind", default="nobind",
+                   help="vLLM's VLLM_CPU_OMP_THREADS_BIND: nobind (every core, as ours), auto (vLLM's default: on a "
+                        "2-core machine its threads share one core) or a CPU list (default: %(default)s)")
     p.add_argument("--served-url", default=None,
                    help="also run the DQA workload against our server's OpenAI API here (e.g. http://127.0.0.1:8010, "
                         "Dynamo's frontend started on the same --engine), through the peers' client")

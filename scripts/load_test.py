@@ -200,11 +200,13 @@ def peer_servers(args, engine_dir: str, stack: contextlib.ExitStack) -> dict[str
     urls: dict[str, str] = {}
     for i, dtype in enumerate(args.vllm_dtypes):
         log_path = ROOT / "build" / "vllm" / f"load_test-{dtype}.log"
-        print(f"load_test: starting vLLM CPU ({dtype}, {args.peer_threads} threads) on {hf_dir}; log {log_path}",
+        print(f"load_test: starting vLLM CPU ({dtype}, {args.peer_threads} threads, bind {args.vllm_bind}) on {hf_dir}; "
+              f"log {log_path}",
               file=sys.stderr)
         srv = stack.enter_context(VllmServer(args.vllm_python, hf_dir, model=args.model, dtype=dtype,
                                              max_model_len=args.vllm_max_model_len, port=args.vllm_port + i,
-                                             threads=args.peer_threads, kv_gib=args.vllm_kv_gib, log_path=log_path))
+                                             threads=args.peer_threads, kv_gib=args.vllm_kv_gib, log_path=log_path,
+                                             bind=args.vllm_bind))
         urls[f"vllm {dtype}"] = srv.url
     return urls
 
@@ -322,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "starting one; --vllm-dtypes names its dtype")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="each vLLM server's KV cache, GiB (default: %(default)s)")
     p.add_argument("--vllm-max-model-len", type=int, default=8192)
+    p.add_argument("--vllm-bind", default="nobind",
+                   help="vLLM's VLLM_CPU_OMP_THREADS_BIND: nobind (every core, as ours), auto (vLLM's default: on a "
+                        "2-core machine its threads share one core) or a CPU list (default: %(default)s)")
     p.add_argument("--peer-threads", type=int, default=os.cpu_count() or 1,
                    help="the peer's OpenMP threads (default: the cores, as torch gives the engine)")
     p.add_argument("--server-pid-file", help="the server's PID file (serve.sh writes build/serve/tritonserver.pid): "

@@ -6,6 +6,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -124,6 +125,37 @@ def test_a_server_that_reports_no_cached_tokens_has_no_hit_rate():
     r = ps.Reply("x", 0.1, 0.2, prompt_tokens=10, cached_tokens=None, completion_tokens=1, computed_tokens=None)
     assert ps.computed(r) is None
     assert ps.computed(ps.Reply("x", 0.1, 0.2, 10, 4, 1, None)) == 6
+
+
+def test_documents_cached_before_the_run_are_flagged():
+    """A second run against the same server finds its documents cached: its "first question" is not cold."""
+    order = ["dqa-0-0", "dqa-1-0", "dqa-0-1"]
+    cold = {"dqa-0-0": ps.Reply("a", 9.0, 9.1, 6000, 0, 1, None), "dqa-1-0": ps.Reply("b", 9.0, 9.1, 6000, 0, 1, None),
+            "dqa-0-1": ps.Reply("c", 0.1, 0.2, 6010, 5990, 1, None)}
+    assert ps.first_cached(order, cold) == 0
+    warm = dict(cold, **{"dqa-1-0": ps.Reply("b", 0.1, 0.2, 6000, 5984, 1, None)})
+    assert ps.first_cached(order, warm) == 5984
+    unknown = dict(cold, **{"dqa-0-0": ps.Reply("a", 9.0, 9.1, 6000, None, 1, None)})
+    assert ps.first_cached(order, unknown) is None
+
+
+def test_vllm_runs_on_every_core_unless_told_otherwise():
+    """vLLM's own default binding reserves one core of two for its scheduler: our benches pass nobind."""
+    env = ps.vllm_env(2, 6)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert env["OMP_NUM_THREADS"] == "2" and env["VLLM_CPU_KVCACHE_SPACE"] == "6"
+    assert ps.vllm_env(1, 2, "0-1")["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert ps.VllmServer("/nowhere/python", Path("/tmp"), bind="auto").env["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    with pytest.raises(ValueError, match="bind"):
+        ps.vllm_env(2, 6, "")
+
+
+def test_cpu_model_names_the_dot_product_units(tmp_path):
+    from bench.runs import cpu_model
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert cpu_model(str(info)) == {"cpu_model": "Some CPU", "cpu_dot_products": ["avx512_bf16", "amx_bf16"]}
+    assert cpu_model(str(tmp_path / "absent")) == {}
 
 
 def test_pct():
