@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from bench import llama_cpp  # noqa: E402
 from bench.floor import best_of  # noqa: E402
+from bench.prefix_serve import VLLM_BIND_HELP  # noqa: E402
 from bench.runs import cpu_model, machine_info  # noqa: E402
 from bench.speed import reference_hf_dir  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
@@ -187,8 +188,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="llama.cpp weights/KV types (each with flash attention off and on)")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="a python with vllm (CPU) installed")
     p.add_argument("--vllm-bind", default="nobind",
-                   help="vLLM's VLLM_CPU_OMP_THREADS_BIND: nobind (every core, as ours), auto (vLLM's default: on a "
-                        "2-core machine its threads share one core) or a CPU list (default: %(default)s)")
+                   help=VLLM_BIND_HELP)
     p.add_argument("--threads", type=int, default=2, help="torch threads (and llama.cpp's -t/-tb)")
     p.add_argument("--repeats", type=int, default=1, help="grid repeats (order alternates); each row keeps its best")
     p.add_argument("--seed", type=int, default=0)

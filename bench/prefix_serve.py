@@ -267,7 +267,8 @@ class LlamaServer:
         self._log.close()
 
 
-VLLM_BINDS = ("nobind", "auto")
+VLLM_BIND_HELP = ("vLLM's VLLM_CPU_OMP_THREADS_BIND: nobind (every core, as ours), auto (vLLM's default: on a 2-core "
+                  "machine its threads share one core) or a CPU list (default: %(default)s)")
 
 
 def vllm_env(threads: int, kv_gib: int, bind: str = "nobind") -> dict[str, str]:
@@ -297,7 +298,6 @@ class VllmServer:
                         "--served-model-name", model, "--dtype", dtype, "--max-model-len", str(max_model_len),
                         "--enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)]
         self.env = vllm_env(threads, kv_gib, bind)
-        self.bind = bind
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "VllmServer":

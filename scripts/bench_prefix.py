@@ -32,7 +32,7 @@ from deploy.process import prepare_threads
 
 prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
 
-from bench.prefix_serve import dqa_doc, first_and_later, pct
+from bench.prefix_serve import VLLM_BIND_HELP, dqa_doc, first_and_later, pct
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -505,8 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the python of vLLM CPU's venv (default: %(default)s)")
     p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default: %(default)s)")
     p.add_argument("--vllm-bind", default="nobind",
-                   help="vLLM's VLLM_CPU_OMP_THREADS_BIND: nobind (every core, as ours), auto (vLLM's default: on a "
-                        "2-core machine its threads share one core) or a CPU list (default: %(default)s)")
+                   help=VLLM_BIND_HELP)
     p.add_argument("--served-url", default=None,
                    help="also run the DQA workload against our server's OpenAI API here (e.g. http://127.0.0.1:8010, "
                         "Dynamo's frontend started on the same --engine), through the peers' client")

@@ -42,6 +42,7 @@ import numpy as np
 from bench.load_report import plot, print_table
 from bench.load_workload import (Prompts, Record, Run, Schedule, concat_runs, process_tree_cpu_s,  # noqa: F401
                                  summarize)
+from bench.prefix_serve import VLLM_BIND_HELP
 from serving.grpc_stream import is_final, stream_request
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,8 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="each vLLM server's KV cache, GiB (default: %(default)s)")
     p.add_argument("--vllm-max-model-len", type=int, default=8192)
     p.add_argument("--vllm-bind", default="nobind",
-                   help="vLLM's VLLM_CPU_OMP_THREADS_BIND: nobind (every core, as ours), auto (vLLM's default: on a "
-                        "2-core machine its threads share one core) or a CPU list (default: %(default)s)")
+                   help=VLLM_BIND_HELP)
     p.add_argument("--peer-threads", type=int, default=os.cpu_count() or 1,
                    help="the peer's OpenMP threads (default: the cores, as torch gives the engine)")
     p.add_argument("--server-pid-file", help="the server's PID file (serve.sh writes build/serve/tritonserver.pid): "
