@@ -15,13 +15,15 @@ from bench import prefix_serve as ps
 
 class FakeServer:
     """Streams `chunks` words per request; `timings` adds llama-server's prompt_n; 'fail' in a prompt
-    gives a 400. Records the bodies and the most requests in flight at once."""
+    gives a 400. Records the bodies and the most requests in flight at once; with `hold`, the first
+    requests wait (up to 10 s) until `hold` of them are in flight, so a client that keeps `hold` open
+    reaches that peak however slowly its threads start on a loaded machine."""
 
-    def __init__(self, timings: bool = False, delay: float = 0.0):
+    def __init__(self, timings: bool = False, delay: float = 0.0, hold: int = 0):
         self.bodies: list[dict] = []
         self.live = 0
         self.peak = 0
-        lock = threading.Lock()
+        lock = threading.Condition()
         outer = self
 
         class H(BaseHTTPRequestHandler):
@@ -34,6 +36,8 @@ class FakeServer:
                     outer.bodies.append(body)
                     outer.live += 1
                     outer.peak = max(outer.peak, outer.live)
+                    lock.notify_all()
+                    lock.wait_for(lambda: outer.peak >= hold, timeout=10)
                 try:
                     if "fail" in body["prompt"]:
                         msg = b'{"error": "prompt refused"}'
@@ -94,7 +98,7 @@ def test_llama_server_timings_are_what_it_computed():
 
 
 def test_run_dqa_keeps_the_concurrency_and_sums():
-    s = FakeServer(delay=0.2)
+    s = FakeServer(delay=0.05, hold=3)
     try:
         prompts = [(f"r{i}", "x " * (i + 2)) for i in range(6)]
         res = ps.run_dqa(s.url, "m", prompts, concurrency=3, max_tokens=2, log=lambda _m: None)
