@@ -261,7 +261,9 @@ def test_a_dead_stub_is_restarted_and_streams_in_flight_get_an_error(watched):
     status = watched.sh("status", timeout=30)
     assert status.returncode == 0, status.stdout
     state = watched.state()
-    assert int(state["RESTARTS"]) >= 1 and "stub died" in state["LAST_DEATH"], state
+    # the monitor sees the dead stub, or (seen once under load) tritonserver aborting over it first
+    assert int(state["RESTARTS"]) >= 1 and ("stub died" in state["LAST_DEATH"]
+                                            or "tritonserver exited with signal SIGABRT" in state["LAST_DEATH"]), state
     assert watched.server_pid() != old_pid and not pid_alive(old_pid)
     assert not old_regions & set(shm_regions(watched.shm_prefix)), "the dead server's regions are left"
     # the dead server's log was kept: rotated to .1 (.2 if a restart attempt failed), not truncated
