@@ -110,16 +110,22 @@ def first_and_later(order: list[str], ttft: dict[str, float | None], doc_of) -> 
     """TTFT percentiles of each document's first request (in sending order: its document is cold)
     apart from the later ones (their document may be cached): `order` the request ids as sent,
     `ttft` id -> seconds, `doc_of(id)` the document a request asks about."""
-    seen: set = set()
-    first: list[float] = []
-    later: list[float] = []
-    for rid in order:
-        doc, t = doc_of(rid), ttft.get(rid)
-        if t is not None:
-            (later if doc in seen else first).append(t)
-        seen.add(doc)
+    firsts = first_requests(order, doc_of)
+    first = [ttft[rid] for rid in order if rid in firsts and ttft.get(rid) is not None]
+    later = [ttft[rid] for rid in order if rid not in firsts and ttft.get(rid) is not None]
     return {"ttft_first_p50_s": pct(first, 0.5), "ttft_later_p50_s": pct(later, 0.5),
             "ttft_later_p90_s": pct(later, 0.9)}
+
+
+def first_requests(order: list[str], doc_of) -> set[str]:
+    """The ids in `order` that are the first request of their document (`doc_of(id)`)."""
+    seen: set = set()
+    firsts: set[str] = set()
+    for rid in order:
+        if doc_of(rid) not in seen:
+            firsts.add(rid)
+        seen.add(doc_of(rid))
+    return firsts
 
 
 def dqa_doc(rid: str) -> str:
@@ -195,17 +201,8 @@ def first_cached(order: list[str], replies: dict[str, Reply]) -> int | None:
     """Cached prompt tokens the server reported for each document's first request (in sending order),
     summed: more than 0 means the documents were in its cache before the run, so the "first question"
     TTFTs are not cold. None where the server reports no cached tokens."""
-    seen: set = set()
-    total = 0
-    for rid in order:
-        doc = dqa_doc(rid)
-        if doc in seen or rid not in replies:
-            continue
-        seen.add(doc)
-        if replies[rid].cached_tokens is None:
-            return None
-        total += replies[rid].cached_tokens
-    return total
+    cached = [replies[rid].cached_tokens for rid in first_requests(order, dqa_doc) if rid in replies]
+    return None if None in cached else sum(cached)
 
 
 def wait_http(url: str, path: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
