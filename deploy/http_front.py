@@ -17,8 +17,8 @@ to tritonserver bound to an internal loopback port, after:
 
 Everything else passes through unchanged, responses streamed as they come (chunked SSE from
 /generate_stream included). When tritonserver dies or restarts mid-response, the client's connection is
-closed: a streaming client gets an error instead of waiting. gRPC does not go through here: its
-messages (protobuf, 50 MB tested) do not crash the server.
+closed: a streaming client gets an error instead of waiting. gRPC has a guard of its own,
+`deploy.grpc_guard`.
 
     python -m deploy.http_front --listen 127.0.0.1:8000 --upstream 127.0.0.1:8100
 """

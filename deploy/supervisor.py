@@ -9,8 +9,9 @@
 
 `run` expects R/model_repo (written by `serving.config_template`). It
 
-- binds the public HTTP port with `deploy.http_front` (body-size cap, JSON check) and starts
-  tritonserver on an internal loopback HTTP port; gRPC and metrics are tritonserver's own ports;
+- binds the public HTTP port with `deploy.http_front` (body-size cap, JSON check) and the public gRPC port with
+  `deploy.grpc_guard` (tensor checks, no `triton_grpc_error` upstream, serving methods only), and starts
+  tritonserver on internal loopback HTTP and gRPC ports; metrics is tritonserver's own port;
 - keeps each run's log: R/tritonserver.log is rotated to .1 ... .5 before every server start;
 - names the python backend's /dev/shm regions with a prefix unique to R (`lkv_<hash of R>_`), so after
   any death (SIGKILL of the server or of its stub included) its regions and stray
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import LookaheadError
+from .grpc_guard import Guard
 from .http_front import DEFAULT_MAX_BODY_BYTES, Front
 from .probe import ProbeResult, probe, probe_async
 from .process import prepare_threads
@@ -286,8 +288,10 @@ class Supervisor:
         self.files = RunFiles(settings.run_dir)
         self.prefix = shm_prefix_for(self.files.run_dir)
         self.front = Front("127.0.0.1", settings.http_port, "127.0.0.1", 0, max_body_bytes=settings.max_body_bytes)
+        self.guard = Guard("127.0.0.1", settings.grpc_port)
         self.proc: subprocess.Popen | None = None
         self.upstream_port = 0
+        self.upstream_grpc_port = 0
         self.state = "starting"
         self.restarts = 0
         self.last_death = ""
@@ -302,6 +306,7 @@ class Supervisor:
                   "PID": str(self.proc.pid if self.proc else ""),
                   "HTTP_PORT": str(self.s.http_port), "GRPC_PORT": str(self.s.grpc_port),
                   "METRICS_PORT": str(self.s.metrics_port), "UPSTREAM_HTTP_PORT": str(self.upstream_port),
+                  "UPSTREAM_GRPC_PORT": str(self.upstream_grpc_port),
                   "WATCH": "1" if self.s.watch else "0", "MAX_BODY_BYTES": str(self.s.max_body_bytes),
                   "SHM_PREFIX": self.prefix, "RESTARTS": str(self.restarts), "LAST_DEATH": self.last_death,
                   **{k.upper(): v for k, v in self.s.info.items()}}
@@ -309,13 +314,15 @@ class Supervisor:
 
     def _options(self) -> ServerOptions:
         backend = make_backend_dir(self.files.backends)
-        return ServerOptions(self.files.model_repo, backend, self.upstream_port, self.s.grpc_port,
+        return ServerOptions(self.files.model_repo, backend, self.upstream_port, self.upstream_grpc_port,
                              self.s.metrics_port, shm_prefix=self.prefix).shell_safe()
 
     # one server
     def _spawn(self) -> None:
         rotate_log(self.files.server_log)
-        self.upstream_port = free_port(avoid=(self.s.http_port, self.s.grpc_port, self.s.metrics_port))
+        public = (self.s.http_port, self.s.grpc_port, self.s.metrics_port)
+        self.upstream_port = free_port(avoid=public)
+        self.upstream_grpc_port = free_port(avoid=public + (self.upstream_port,))
         argv = self._options().argv()
         env = server_env()
         prepare_threads(env)                # tritonserver's python stub loads torch: it starts with them
@@ -324,9 +331,10 @@ class Supervisor:
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         _write_atomic(self.files.server_pid, f"{self.proc.pid}\n")
         self.front.upstream = ("127.0.0.1", self.upstream_port)
+        self.guard.upstream = ("127.0.0.1", self.upstream_grpc_port)
         self._stub_dead_reported = False
-        log.info("started tritonserver pid %d (internal HTTP port %d); log %s", self.proc.pid,
-                 self.upstream_port, self.files.server_log)
+        log.info("started tritonserver pid %d (internal HTTP port %d, gRPC port %d); log %s", self.proc.pid,
+                 self.upstream_port, self.upstream_grpc_port, self.files.server_log)
 
     async def _wait_ready(self) -> None:
         """Until the server answers ready and a probe generates a token; StartFailed with the reason."""
@@ -406,11 +414,12 @@ class Supervisor:
         try:
             await self.front.start()
         except OSError as e:
-            self.last_death = f"cannot listen on 127.0.0.1:{self.s.http_port}: {e.strerror or e}"
-            log.error("%s", self.last_death)
-            self._publish("failed")
-            self.files.supervisor_pid.unlink(missing_ok=True)
-            return 2
+            return self._cannot_listen(f"cannot listen on 127.0.0.1:{self.s.http_port}: {e.strerror or e}")
+        try:
+            await self.guard.start()
+        except (OSError, RuntimeError) as e:
+            self.front.close()
+            return self._cannot_listen(f"cannot listen on 127.0.0.1:{self.s.grpc_port} (gRPC): {e}")
         stubs, regions = clean_run(self.prefix)
         if stubs or regions:
             log.warning("removed what an earlier run of %s left: stubs %s, %d shm region(s)", self.files.run_dir,
@@ -439,6 +448,7 @@ class Supervisor:
                 self.front.server.close()
             await self._kill_server("stop" if self.stop_requested.is_set() else "shutdown")
             self.front.close()
+            await self.guard.stop()
             front_task.cancel()
             self._publish(self.state if self.state in ("failed", "dead") else "stopped")
             for directory in (self.files.model_repo, self.files.backends):
@@ -447,6 +457,13 @@ class Supervisor:
                 pid_file.unlink(missing_ok=True)
             log.info("supervisor exits (%s)", self.state)
         return rc
+
+    def _cannot_listen(self, why: str) -> int:
+        self.last_death = why
+        log.error("%s", why)
+        self._publish("failed")
+        self.files.supervisor_pid.unlink(missing_ok=True)
+        return 2
 
     async def _monitor(self) -> int:
         probe_due = time.monotonic() + self.s.probe_interval_s

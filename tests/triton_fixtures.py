@@ -47,9 +47,7 @@ class TritonServer:
         return f"http://127.0.0.1:{self.http_port}"
 
     def metrics(self) -> dict[str, float]:
-        """Our lookahead_* families from the metrics endpoint, by name (one instance)."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
-        return {m[1]: float(m[2]) for m in re.finditer(r"^(lookahead_\w+)\{[^}]*\} (\S+)$", text, re.M)}
+        return read_metrics(self.metrics_port)
 
     def log_tail(self, n: int = 40) -> str:
         lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if not ln.startswith(("|", "+"))]
@@ -67,6 +65,12 @@ class TritonServer:
                 raise AssertionError(f"tritonserver ignored SIGTERM for {timeout} s:\n{self.log_tail()}")
         return self.proc.returncode
 
+
+
+def read_metrics(port: int) -> dict[str, float]:
+    """Our lookahead_* families from a metrics endpoint, by name (one instance)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(lookahead_\w+)\{[^}]*\} (\S+)$", text, re.M)}
 
 
 def _ready(url: str) -> bool:
@@ -164,6 +168,9 @@ class ServeSh:
         if check and r.returncode != 0:
             raise AssertionError(f"serve.sh {action} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
         return r
+
+    def metrics(self) -> dict[str, float]:
+        return read_metrics(self.metrics_port)
 
     def state(self) -> dict[str, str]:
         from deploy.supervisor import RunFiles
