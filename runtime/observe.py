@@ -30,6 +30,11 @@ class Observer:
         """Lookahead mode: the step's frozen `StepPlan` (runtime/lookahead/step_plan.py), before
         the first layer."""
 
+    def on_queries(self, layer: int, rows: tuple[str, ...], lanes: list[int], q: torch.Tensor) -> None:
+        """Lookahead mode, a decode step in the torch layer: layer `layer`'s queries `q` [n, R, H, D] (post-RoPE;
+        dim 0 the lane, dim 1 named by `rows`, as in `on_scores`), just before they score the block summaries
+        (this step's own keys are not in the host pool yet)."""
+
     def on_scores(self, layer: int, rows: tuple[str, ...], lanes: list[int], idx: torch.Tensor,
                   scores: torch.Tensor) -> None:
         """Lookahead mode: one read of layer `layer`'s block summaries. `idx` [n, R, KVH, top_k]
@@ -76,6 +81,10 @@ class Observers(list):
     def plan(self, plan) -> None:
         for o in self:
             o.on_plan(plan)
+
+    def queries(self, layer: int, rows: tuple[str, ...], lanes: list[int], q: torch.Tensor) -> None:
+        for o in self:
+            o.on_queries(layer, rows, lanes, q)
 
     def scores(self, layer: int, rows: tuple[str, ...], lanes: list[int], idx: torch.Tensor,
                scores: torch.Tensor) -> None:

@@ -101,43 +101,124 @@ def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     return mask
 
 
+MARGINS = (8, 32)          # extra predicted blocks: does over-fetching by a few recover the boundary's flips?
+EXTRAS = ("reuse", *(f"margin{m}" for m in MARGINS), "mass_true", "mass_pred", "mass_missed", "mass_missed_reuse")
+
+
+def block_mass(q: torch.Tensor, k: torch.Tensor, scale: float, block_size: int, nb: int) -> torch.Tensor:
+    """The exact attention mass per logical block: q [H, D] over keys k [KVH, n, D] (the context before this
+    step's own row) -> [KVH, nb], each query head's softmax summed per block, averaged over its GQA group."""
+    kvh, n, _ = k.shape
+    h = q.shape[0]
+    logits = torch.einsum("gjd,gnd->gjn", q.float().view(kvh, h // kvh, -1), k.float()) * scale
+    probs = logits.softmax(-1).mean(1)                                           # [KVH, n]
+    pad = nb * block_size - n
+    if pad < 0:
+        probs = probs[:, :nb * block_size]
+    else:
+        probs = torch.nn.functional.pad(probs, (0, pad))
+    return probs.view(kvh, nb, block_size).sum(-1)
+
+
 class ScoreTap(Observer):
     """Sees every block score the lookahead backend computes for the run's one lane (the
     engine's `on_scores` hook, runtime/observe.py) and turns each pair (prediction made at step
-    s, real query at step s+1) into agreement at every K of a sweep."""
+    s, real query at step s+1) into agreement at every K of a sweep.
 
-    def __init__(self, ks: tuple[int, ...]):
+    Beside it, per K (`extras`, EXTRAS): `reuse`, the agreement of the baseline that reuses the current real
+    query's top-K as the next step's prediction; `margin<m>`, the share of the true top-K inside the draft's
+    top-(K + m); and, with `pool` (the host KV pool) given, the real query's exact attention mass on the true
+    top-K (`mass_true`), on the predicted top-K (`mass_pred`), and on the true blocks the prediction missed
+    (`mass_missed`; `mass_missed_reuse` for the reuse baseline)."""
+
+    def __init__(self, ks: tuple[int, ...], pool=None, scale: float = 1.0):
         self.ks = ks
+        self.pool, self.scale = pool, scale
         self.pending: dict[int, torch.Tensor] = {}     # layer -> prediction scores [KVH, NB]
+        self.prev_real: dict[int, torch.Tensor] = {}   # layer -> the last real query's scores
         self.steps: list[dict[int, list[float]]] = []  # per decode step: layer -> agreement per K
+        self.extras: list[dict[int, dict[str, list[float]]]] = []   # per decode step: layer -> name -> per K
         self.candidates: list[int] = []                # per decode step
+        self.table: list[int] = []
+        self.context_len = 0
+        self.mass: torch.Tensor | None = None          # this layer's real-query block mass [KVH, NB]
+
+    def on_batch(self, batch) -> None:
+        if batch.items:
+            it = batch.items[0]                        # a pre-decoding row (no stored token) reads them all
+            self.table, self.context_len = list(it.block_table), it.context_len + (it.num_tokens == 0)
+
+    def on_queries(self, layer: int, rows: tuple[str, ...], lanes: list[int], q: torch.Tensor) -> None:
+        if self.pool is None or "real" not in rows:
+            return
+        n = self.context_len - 1                       # the pool holds the keys before this step's row
+        k, _ = self.pool.read(layer, self.table, n)
+        bs = self.pool.block_size
+        self.mass = block_mass(q[lanes[0], rows.index("real")], k, self.scale, bs, -(-n // bs) + 1)
 
     def on_scores(self, layer: int, rows: tuple[str, ...], lanes: list[int], idx: torch.Tensor,
                   scores: torch.Tensor) -> None:
         lane = lanes[0]
         if rows == ("seed",):       # the last prompt token's query seeds the first working set
             self.pending[layer] = scores[lane, 0].clone()
+            self.prev_real[layer] = scores[lane, 0].clone()
             return
-        self._record(layer, scores[lane, rows.index("real")])        # a decode step's real query
+        real = scores[lane, rows.index("real")]
+        self._record(layer, real)                                    # a decode step's real query
+        self.prev_real[layer] = real.clone()
         if "draft" in rows:                                          # its prediction for the next
             self.pending[layer] = scores[lane, rows.index("draft")].clone()
 
     def _record(self, layer: int, true: torch.Tensor) -> None:
         if layer == 0:
             self.steps.append({})
+            self.extras.append({})
             self.candidates.append(int(torch.isfinite(true[0]).sum()))
-        pred = self.pending.pop(layer, None)
+        pred, prev = self.pending.pop(layer, None), self.prev_real.get(layer)
         if pred is None or self.candidates[-1] == 0:
             return
         # the backend scores only the blocks the contexts reach, so the two steps' widths can differ
-        width = max(pred.shape[-1], true.shape[-1])
-        pred, true = (torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=float("-inf"))
-                      for x in (pred, true))
-        row = []
+        width = max(pred.shape[-1], true.shape[-1], prev.shape[-1] if prev is not None else 0)
+        pred, true, prev = (None if x is None else
+                            torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=float("-inf"))
+                            for x in (pred, true, prev))
+        mass = None
+        if self.mass is not None:
+            mass = torch.nn.functional.pad(self.mass, (0, max(0, width - self.mass.shape[-1])))[:, :width]
+        row, extra = [], {name: [] for name in EXTRAS}
+        share = lambda a, t: float(((a & t).sum(-1).float() / t.sum(-1).float()).mean())  # noqa: E731
         for k in self.ks:
             t, p = top_k_mask(true, k), top_k_mask(pred, k)
-            row.append(float(((t & p).sum(-1).float() / t.sum(-1).float()).mean()))
+            row.append(share(p, t))
+            r = top_k_mask(prev, k) if prev is not None else None
+            extra["reuse"].append(share(r, t) if r is not None else float("nan"))
+            for m in MARGINS:
+                extra[f"margin{m}"].append(share(top_k_mask(pred, k + m), t))
+            if mass is not None:
+                extra["mass_true"].append(float((mass * t).sum(-1).mean()))
+                extra["mass_pred"].append(float((mass * p).sum(-1).mean()))
+                extra["mass_missed"].append(float((mass * (t & ~p)).sum(-1).mean()))
+                extra["mass_missed_reuse"].append(float((mass * (t & ~r)).sum(-1).mean()) if r is not None
+                                                  else float("nan"))
         self.steps[-1][layer] = row
+        self.extras[-1][layer] = {k: v for k, v in extra.items() if v}
+
+
+def extras_mean(steps: list[dict[int, dict[str, list[float]]]], num_ks: int) -> dict[str, dict]:
+    """name -> {"mean": [per K] over steps and layers, "min_layer": [per K] the worst layer's mean}."""
+    out = {}
+    for name in EXTRAS:
+        by_layer: dict[int, list[list[float]]] = defaultdict(list)
+        for s in steps:
+            for layer, e in s.items():
+                if name in e and not any(math.isnan(v) for v in e[name]):
+                    by_layer[layer].append(e[name])
+        if not by_layer:
+            continue
+        layer_means = {l: [mean(v[i] for v in vs) for i in range(num_ks)] for l, vs in by_layer.items()}
+        out[name] = {"mean": [mean(lm[i] for lm in layer_means.values()) for i in range(num_ks)],
+                     "min_layer": [min(lm[i] for lm in layer_means.values()) for i in range(num_ks)]}
+    return out
 
 
 def run_draft(factory: EngineFactory, prompt: str, draft: str, top_k: int, steps: int, ks: tuple,
@@ -150,7 +231,7 @@ def run_draft(factory: EngineFactory, prompt: str, draft: str, top_k: int, steps
     ids = eng.tokenizer.encode(prompt)
     logger = LoggingDraft(make_draft(draft, eng.manifest.model.vocab_size, len(ids), continuation, seed))
     eng.runner.chain.source = logger
-    tap = eng.observe(ScoreTap(ks))
+    tap = eng.observe(ScoreTap(ks, eng.runner.attn.pool, eng.runner.attn.scale))
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True, temperature=temperature, top_p=top_p, seed=seed)
     try:
         t0 = time.perf_counter()
@@ -176,6 +257,7 @@ def run_draft(factory: EngineFactory, prompt: str, draft: str, top_k: int, steps
             "agreement_per_layer": per_layer_mean(drafted, num_layers, len(ks)),         # [L][K]
             "agreement_per_layer_with_seed": per_layer_mean(tap.steps, num_layers, len(ks)),
             "seed_agreement": layer_mean(tap.steps[:1], len(ks)),                       # [K]
+            "extras": extras_mean(tap.extras[1:], len(ks)),                             # name -> mean/min [K]
             "agreement_when_draft_hit": layer_mean(hit, len(ks)),                       # [K]
             "agreement_when_draft_miss": layer_mean(miss, len(ks)),
             "agreement_after_predecode": layer_mean(pre, len(ks)),
@@ -239,7 +321,14 @@ def summarize(recs: list[dict], ks: tuple) -> list[dict]:
                            if any(r[key] is not None for r in rs) else None)
         avg_k = lambda key: ([mean(r[key][i] for r in rs if r[key] is not None)  # noqa: E731
                               for i in range(len(ks))] if any(r[key] is not None for r in rs) else None)
+        extras = {}
+        for name in EXTRAS:
+            have = [r["extras"][name] for r in rs if name in r.get("extras", {})]
+            if have:
+                extras[name] = {agg: [mean(h[agg][i] for h in have) for i in range(len(ks))]
+                                for agg in ("mean", "min_layer")}
         rows.append({"trajectory": traj, "source": src, "context": ctx, "draft": draft, "samples": len(rs),
+                     "extras": extras,
                      "prompt_tokens": [r["prompt_tokens"] for r in rs], "candidates_min": cand,
                      "candidates_max": max(r["candidates_max"] for r in rs),
                      "decode_steps": sum(r["decode_steps"] for r in rs),
@@ -279,6 +368,16 @@ def format_table(rows: list[dict], ks: tuple) -> str:
                 continue         # the seed (first step) is the same prediction for every draft
             lines.append(f"{r['trajectory']:<11}{r['source']:<7}{r['context']:>6}  {r['draft']:<11}"
                          f"{name:>8}" + "".join(f"{v:>9.3f}" for v in r[key]))
+    lines.append("\nbeside the agreement, per K (mean over steps and layers; min layer in brackets): reuse = the "
+                 "current real query's top-K reused as the prediction; margin<m> = share of the true top-K inside "
+                 "the draft's top-(K+m); mass = the real query's exact attention on the true top-K, on the "
+                 "predicted top-K, and on the true blocks the prediction (or reuse) missed")
+    lines.append(f"{'trajectory':<11}{'source':<7}{'ctx':>6}  {'draft':<11}{'':>18}" +
+                 "".join(f"{'K=' + str(k):>15}" for k in ks))
+    for r in rows:
+        for name, e in r.get("extras", {}).items():
+            lines.append(f"{r['trajectory']:<11}{r['source']:<7}{r['context']:>6}  {r['draft']:<11}{name:>18}" +
+                         "".join(f"{m:>9.3f}[{lo:.2f}]" for m, lo in zip(e["mean"], e["min_layer"])))
     return "\n".join(lines)
 
 

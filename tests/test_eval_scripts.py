@@ -198,6 +198,17 @@ def test_profile_agreement_runs_checks_and_resumes(tiny_dir, tmp_path, small_wor
         assert all(e["mean"] > 0.98 for e in rows[("full", src, "oracle")]["by_k"])
         # ... and the model's own draft, seeded by pre-decoding, is right at every step
         assert rows[("full", src, "dual_token")]["draft_accept_rate"] == 1.0
+        full = rows[("full", src, "oracle")]["extras"]     # so it misses no mass, with any margin
+        assert all(v < 1e-3 for v in full["mass_missed"]["mean"])
+        assert all(v > 0.98 for v in full["margin8"]["mean"])
+    for r in rows.values():
+        e = r["extras"]
+        for i in range(3):     # mass: a share of one softmax; the missed part of the true set's
+            assert 0 <= e["mass_missed"]["mean"][i] <= e["mass_true"]["mean"][i] <= 1 + 1e-5
+            assert 0 <= e["mass_pred"]["mean"][i] <= 1 + 1e-5
+            assert e["margin8"]["mean"][i] >= r["by_k"][i]["mean"] - 1e-9    # a superset covers more
+        # more blocks hold more mass; every candidate (K=128) holds all but the sink's and the window's
+        assert e["mass_true"]["mean"][0] <= e["mass_true"]["mean"][1] <= e["mass_true"]["mean"][2] < 1
     by_draft = {}
     for r in res["records"]:             # under `urgent` the output does not depend on the draft
         by_draft.setdefault((r["trajectory"], r["source"]), set()).add(tuple(r["output_ids"]))
@@ -210,6 +221,17 @@ def test_profile_agreement_runs_checks_and_resumes(tiny_dir, tmp_path, small_wor
     monkeypatch.setattr(profile_agreement, "run_draft", fail)
     profile_agreement.main(args)
     assert (tmp_path / "ag.jsonl").read_text().splitlines() == lines
+
+
+def test_block_mass_is_the_softmax_summed_per_block():
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(6, 16, generator=g), torch.randn(2, 37, 16, generator=g)
+    mass = profile_agreement.block_mass(q, k, 0.25, 8, 6)          # 37 keys: 4 full blocks and a part, + 1 empty
+    probs = torch.stack([(q[h] @ k[h // 3].T * 0.25).softmax(-1) for h in range(6)])      # [H, n]
+    want = torch.stack([probs[3 * g_:3 * g_ + 3].mean(0) for g_ in range(2)])
+    want = torch.nn.functional.pad(want, (0, 48 - 37)).view(2, 6, 8).sum(-1)
+    assert torch.allclose(mass, want, atol=1e-6) and torch.allclose(mass.sum(-1), torch.ones(2))
+    assert (mass[:, -1] == 0).all()
 
 
 def test_top_k_mask_breaks_ties_to_the_lower_block():

@@ -203,6 +203,8 @@ class LookaheadAttention:
         # and for the agreement metric) and the draft's prediction for the next step (used below).
         # Without look-ahead (R = 1) only the real query is scored, and fetched on demand.
         nb = max(d.context_lens) // self.layout.block_size + 1  # covers this and the next step
+        if self.observers:
+            self.observers.queries(layer, ROWS[d.rows], list(d.lane_list), qd)
         idx, scores = self.summaries.score(layer, qd, d.cand_masks, n, nb, self.cfg.top_k, self.cfg.group_score)
         if self.observers:
             self.observers.scores(layer, ROWS[d.rows], list(d.lane_list), idx, scores)
@@ -313,7 +315,7 @@ class LookaheadStep:
     `finish`. It owns what lives for the step: the decode rows to store at its end, the
     prediction and its presence as they stood when it began (the agreement's inputs), and which
     layer implementation runs its decode layers (the backend's C layer, unless an observer of
-    scores or copies is registered: those exist only in the torch layer)."""
+    queries, scores or copies is registered: those exist only in the torch layer)."""
 
     def __init__(self, attn: LookaheadAttention, plan: StepPlan):
         # the last step's stored rows land in the host pool before anything of this step reads it
@@ -331,7 +333,7 @@ class LookaheadStep:
         if d is None:
             return
         obs = attn.observers
-        self._c = attn.c_layer if not (obs and (obs.wants("on_scores") or obs.wants("on_copy"))) else None
+        self._c = attn.c_layer if not (obs and (obs.wants("on_scores") or obs.wants("on_queries") or obs.wants("on_copy"))) else None
         res, L = attn.residency, d.lane_ix
         if d.rows == 2:     # a layer's prediction changes only in its own layer: one copy for all
             self._pred, self._has = res.pred[:, L].clone(), res.has_pred[:, L].all(-1)
