@@ -391,6 +391,9 @@ def test_handler_streams_counts_and_cancels_on_a_tiny_engine(tmp_path):
         # raised by the engine at submit, naming its `prompt`: the client reads the OpenAI names
         with pytest.raises(exc.InvalidArgument, match="prompt/messages: holds token ids outside the vocabulary"):
             await collect(_req(token_ids=[1, 10 ** 6]))
+        # n over what the engine can ever hold (1 slot, no queue): a 400 naming n, not a 429 to retry
+        with pytest.raises(exc.InvalidArgument, match=r"^n: 2 choices can never be held at once.*send n <= 1"):
+            await collect(_req(sampling={"n": 2}, stop={"max_tokens": 4}))
         # a long request holds the one batch slot; a second one finds the queue full (max_queue 0);
         # then the long one's context is stopped
         ctx = _Context()
