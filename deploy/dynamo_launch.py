@@ -768,13 +768,14 @@ def run_front(run_dir: str | Path) -> int:
     import logging
 
     from .http_front import Front
-    from .openai_front import check_openai_request, echo_rewrite, openai_error_body
+    from .openai_front import check_openai_request, openai_error_body, prompt_logprobs_rewrite
 
     run_dir = Path(run_dir).resolve()
     dep = json.loads((run_dir / "deployment.json").read_text())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s front: %(message)s")
     front = Front(HOST, dep["http_port"], HOST, dep["internal_http_port"], check=check_openai_request,
-                  error_body=openai_error_body, upstream_name="the Dynamo frontend", rewrite=echo_rewrite)
+                  error_body=openai_error_body, upstream_name="the Dynamo frontend",
+                  rewrite=prompt_logprobs_rewrite)
     watcher = Watcher(run_dir, dep, say=lambda m: logging.info("%s", m)) if dep.get("watch") else None
 
     async def watch(stop: asyncio.Event) -> None:

@@ -16,9 +16,11 @@ to tritonserver bound to an internal loopback port, after:
   and Transfer-Encoding, several Content-Lengths, or a transfer coding other than chunked, get `400`.
 
 Everything else passes through unchanged, responses streamed as they come (chunked SSE from
-/generate_stream included). When tritonserver dies or restarts mid-response, the client's connection is
-closed: a streaming client gets an error instead of waiting. gRPC has a guard of its own,
-`deploy.grpc_guard`.
+/generate_stream included), except a response a `rewrite` transforms (the OpenAI front's echo): it is
+read whole, at most `max_response_bytes` (16 MiB by default, a cap of its own: such answers are
+larger than any request), and one over it is answered with the transform's own 400. When tritonserver
+dies or restarts mid-response, the client's connection is closed: a streaming client gets an error
+instead of waiting. gRPC has a guard of its own, `deploy.grpc_guard`.
 
     python -m deploy.http_front --listen 127.0.0.1:8000 --upstream 127.0.0.1:8100
 """
@@ -36,6 +38,8 @@ log = logging.getLogger("lookahead.http_front")
 
 # tritonserver 2.51 survives 4,000,035 bytes and crashes at 4,194,035: half the smaller, by default.
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
+# a response a `rewrite` transforms is read here whole: at most this much of it, and of its result
+DEFAULT_MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 MAX_BODY_LIMIT = 3_900_000              # a higher --max-body-bytes is refused
 MAX_HEAD_BYTES = 64 * 1024
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024   # read (and drop) at most this much of a refused body
@@ -51,6 +55,15 @@ QUEUE_FULL = b"the waiting queue is full"   # the scheduler's QueueFullError mes
 RETRY_AFTER_S = 1
 STREAM_CUT = ("tritonserver closed the stream before it finished (it died, or was restarted because its model "
               "stub died); the request did not complete: retry")
+
+
+class BodyTooLarge(Exception):
+    """A body (a request's, or a response read whole) longer than `limit` bytes; `unread`: the
+    bytes of the chunk that passed the limit, not read."""
+
+    def __init__(self, limit: int, unread: int = 0):
+        super().__init__(f"over {limit} bytes")
+        self.limit, self.unread = limit, unread
 
 
 class HttpError(Exception):
@@ -219,19 +232,23 @@ class Front:
 
     def __init__(self, listen_host: str, listen_port: int, upstream_host: str, upstream_port: int,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, check=None, error_body=None,
-                 upstream_name: str = "tritonserver", rewrite=None):
+                 upstream_name: str = "tritonserver", rewrite=None,
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES):
         """`check(request)`: raises HttpError for a request to answer here (after the JSON check);
         `error_body(status, message, field) -> bytes`: the JSON of such an answer (default Triton's
         {"error": message}); `upstream_name` names the server behind in 502 answers.
         `rewrite(request) -> transform | None`: may change the request's body before it goes
         upstream; a transform(status, body) -> body it returns gets the whole response body (read
-        here, not streamed) and its result is sent instead."""
+        here, not streamed) and its result is sent instead. Such a response, or its result, over
+        `max_response_bytes` is answered with `transform.too_large(limit)`, an HttpError naming
+        what the client asked for (the upstream connection is closed, never read on or cut short)."""
         if not 0 < max_body_bytes <= MAX_BODY_LIMIT:
             raise ValueError(f"max_body_bytes must be in 1..{MAX_BODY_LIMIT} (tritonserver 2.51 crashes on "
                              f"HTTP bodies over ~4 MB), got {max_body_bytes}")
         self.listen = (listen_host, listen_port)
         self.upstream = (upstream_host, upstream_port)
         self.max_body = max_body_bytes
+        self.max_response = max_response_bytes
         self.check, self.error_body, self.upstream_name = check, error_body, upstream_name
         self.rewrite = rewrite
         self.server: asyncio.base_events.Server | None = None
@@ -327,36 +344,16 @@ class Front:
         if kind == "length":
             req.body = await asyncio.wait_for(reader.readexactly(length), BODY_TIMEOUT_S)
         elif kind == "chunked":
-            req.body = await asyncio.wait_for(self._read_chunked(reader), BODY_TIMEOUT_S)
+            try:
+                req.body = await asyncio.wait_for(_read_chunked(reader, self.max_body), BODY_TIMEOUT_S)
+            except BodyTooLarge as e:
+                # the client is still sending: read the rest (bounded) before answering
+                await _drain_chunked(reader, e.unread)
+                raise HttpError(413, f"chunked request body exceeds the server's limit of {e.limit} bytes")
         check_json(req.body, headers)
         if self.check is not None:
             self.check(req)
         return req
-
-    async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
-        parts, total = [], 0
-        while True:
-            line = await reader.readuntil(b"\r\n")
-            size_text = line[:-2].split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-                if size < 0 or len(size_text) > 16:
-                    raise ValueError
-            except ValueError:
-                raise HttpError(400, f"bad chunk size {size_text[:20]!r}")
-            if size == 0:
-                while (await reader.readuntil(b"\r\n")) != b"\r\n":     # trailers: dropped
-                    pass
-                return b"".join(parts)
-            total += size
-            if total > self.max_body:
-                # the client is still sending: read the rest (bounded) before answering
-                await _drain_chunked(reader, size + 2)
-                raise HttpError(413, f"chunked request body exceeds the server's limit of {self.max_body} bytes")
-            data = await reader.readexactly(size + 2)
-            if data[-2:] != b"\r\n":
-                raise HttpError(400, "chunk not followed by CRLF")
-            parts.append(data[:-2])
 
     async def _answer(self, writer, status: int, message: str, field: str | None = None) -> None:
         body = self.error_body(status, message, field) if self.error_body else json.dumps({"error": message}).encode()
@@ -399,16 +396,12 @@ class Front:
 
     async def _transformed(self, req: Request, up_reader, up_writer, writer, resp: Response, keep: bool,
                            transform) -> bool:
-        """The whole response body read here, `transform(status, body)` sent on with its length."""
+        """The whole response body read here (at most `max_response` bytes), `transform(status,
+        body)` sent on with its length; a body or result over the limit: `transform.too_large`."""
         try:
-            if resp.kind == "length":
-                body = await up_reader.readexactly(resp.length)
-            elif resp.kind == "chunked":
-                body = await self._read_chunked(up_reader)
-            elif resp.kind == "eof":
-                body = await up_reader.read()
-            else:
-                body = b""
+            body = await _read_response_body(up_reader, resp, self.max_response)
+        except BodyTooLarge as e:
+            return await self._too_large(writer, up_writer, transform, e.limit)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, HttpError):
             self.refused += 1
             await self._answer(writer, 502, f"{self.upstream_name} closed the connection mid-response: retry")
@@ -421,6 +414,8 @@ class Front:
             await self._answer(writer, 502, f"the answer of {self.upstream_name} could not be completed here "
                                             f"({type(e).__name__}: {e})")
             return False
+        if len(body) > self.max_response:
+            return await self._too_large(writer, up_writer, transform, self.max_response)
         resp.headers = [(k, v) for k, v in resp.headers if k.lower() not in ("content-length", "transfer-encoding")]
         resp.headers.append(("Content-Length", str(len(body))))
         writer.write(client_head(req, resp, keep) + body)
@@ -428,6 +423,15 @@ class Front:
         if resp.closes or resp.kind == "eof":
             _close(up_writer)
         return keep
+
+    async def _too_large(self, writer, up_writer, transform, limit: int) -> bool:
+        """Answer a transformed response over `limit` with the transform's own error; the upstream
+        connection is closed (whatever is left of its body is never read)."""
+        _close(up_writer)
+        self.refused += 1
+        err = transform.too_large(limit)
+        await self._answer(writer, err.status, str(err), err.field)
+        return False
 
     async def _map_model_error(self, up_reader, resp: Response, writer) -> tuple[bytes, bytes | None] | None:
         """-> (the body's start read here, a chunk-size line read but not sent) for the relay, or None
@@ -511,6 +515,50 @@ async def _peek(reader: asyncio.StreamReader, kind: str, length: int) -> tuple[b
     if not 0 < size <= PEEK_BYTES:
         return b"", line
     return line + await reader.readexactly(size + 2), None
+
+
+async def _read_chunked(reader: asyncio.StreamReader, limit: int) -> bytes:
+    """A chunked body, de-chunked (trailers dropped); BodyTooLarge as soon as it passes `limit`
+    bytes (the chunk that passes it is not read)."""
+    parts, total = [], 0
+    while True:
+        line = await reader.readuntil(b"\r\n")
+        size_text = line[:-2].split(b";", 1)[0].strip()
+        try:
+            size = int(size_text, 16)
+            if size < 0 or len(size_text) > 16:
+                raise ValueError
+        except ValueError:
+            raise HttpError(400, f"bad chunk size {size_text[:20]!r}")
+        if size == 0:
+            while (await reader.readuntil(b"\r\n")) != b"\r\n":     # trailers: dropped
+                pass
+            return b"".join(parts)
+        total += size
+        if total > limit:
+            raise BodyTooLarge(limit, size + 2)
+        data = await reader.readexactly(size + 2)
+        if data[-2:] != b"\r\n":
+            raise HttpError(400, "chunk not followed by CRLF")
+        parts.append(data[:-2])
+
+
+async def _read_response_body(reader: asyncio.StreamReader, resp: Response, limit: int) -> bytes:
+    """A response's whole body, as its framing says; BodyTooLarge past `limit` bytes."""
+    if resp.kind == "length":
+        if resp.length > limit:
+            raise BodyTooLarge(limit)
+        return await reader.readexactly(resp.length)
+    if resp.kind == "chunked":
+        return await _read_chunked(reader, limit)
+    if resp.kind == "eof":
+        body = bytearray()
+        while data := await reader.read(65536):
+            body += data
+            if len(body) > limit:
+                raise BodyTooLarge(limit)
+        return bytes(body)
+    return b""
 
 
 async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:

@@ -11,6 +11,9 @@ guided decoding, `n`, `logprobs`, ...) are checked there (serving/dynamo_worker.
 their JSON types are, since the frontend's own message for a wrong type names no field
 ("invalid type: string "x", expected u8 at line 1 column 92").
 
+Completions `echo` and `prompt_logprobs` answers are written here (`prompt_logprobs_rewrite`):
+Dynamo's frontend computes but does not render them.
+
 Every refusal is one line, `<field>: <problem> (<fix>)`, in OpenAI's error shape
 {"error": {"message", "type": "invalid_request_error", "param", "code": 400}}.
 """
@@ -59,6 +62,7 @@ def check_openai_body(path: str, doc: Any) -> None:
     n = doc.get("n")
     if n is not None and not _int(n):
         raise HttpError(400, f"n: must be an integer, got {_short(n)} (send 1..16, or omit it)", "n")
+    _check_prompt_logprobs(path, doc)
     if path == CHAT:
         if doc.get("logprobs") is not None and not isinstance(doc["logprobs"], bool):
             raise HttpError(400, f"logprobs: must be true or false, got {_short(doc['logprobs'])} "
@@ -81,6 +85,23 @@ def check_openai_body(path: str, doc: Any) -> None:
             raise HttpError(400, "echo: is served for one prompt a request (send the prompts one at a time)", "echo")
 
 
+def _check_prompt_logprobs(path: str, doc: dict) -> None:
+    """`prompt_logprobs` (vLLM's extension, both routes): an integer (the worker checks 0..20), on
+    a non-streaming request (vLLM refuses it with stream: true too) and, on completions, one prompt."""
+    plp = doc.get("prompt_logprobs")
+    if plp is None:
+        return
+    if not _int(plp):
+        raise HttpError(400, f"prompt_logprobs: must be an integer, got {_short(plp)} (send 0..20, or omit it)",
+                        "prompt_logprobs")
+    if doc.get("stream"):
+        raise HttpError(400, "prompt_logprobs: are not available when stream is true (send stream: false, or "
+                             "omit prompt_logprobs)", "prompt_logprobs")
+    if path == COMPLETIONS and _num_prompts(doc.get("prompt")) != 1:
+        raise HttpError(400, "prompt_logprobs: are served for one prompt a request (send the prompts one at "
+                             "a time)", "prompt_logprobs")
+
+
 def _num_prompts(prompt: Any) -> int:
     """How many prompts a completions `prompt` holds: a string or a list of token ids is one; a
     list of strings or of id lists is one each."""
@@ -89,68 +110,115 @@ def _num_prompts(prompt: Any) -> int:
     return len(prompt) if isinstance(prompt, list) else 0
 
 
-def _prompt_text(prompt: Any) -> str | None:
-    """The text of a one-prompt `prompt` (None for token ids: the echo then joins the tokens' text)."""
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else None
-
-
-def echo_rewrite(req):
-    """deploy.http_front's rewrite: completions `echo` (lm-eval's loglikelihood requests send
-    echo: true, logprobs: k, max_tokens: 1). Dynamo 1.6.1's frontend asks the worker for the
-    prompt's log-probabilities but does not put them, nor the prompt, into the answer; it passes
-    the worker's `engine_data` on under `nvext` when asked. So the request goes on asking for it,
-    and the answer's choices get the prompt in front: the text, and with `logprobs` the prompt's
-    tokens, their log-probabilities (None for the first), top alternatives and text offsets, as
-    OpenAI's and vLLM's completions return them. Returns the response transform, or None for any
-    other request (which passes untouched)."""
+def prompt_logprobs_rewrite(req):
+    """deploy.http_front's rewrite of a completions request with `echo` or `prompt_logprobs`
+    (lm-eval's loglikelihood requests send echo: true, logprobs: k, max_tokens: 1). Dynamo 1.6.1's
+    frontend asks the worker for the prompt's log-probabilities (`prompt_logprobs`, else 1 for
+    echo) but puts neither them nor the prompt into a completions answer; it passes the worker's
+    `engine_data` on under `nvext` when asked. So the request asks for it, and for as many
+    alternatives as the answer lists (`_worker_k`), and `PromptLogprobsAnswer` writes the answer.
+    Returns that transform, or None for any other request (which passes untouched). A chat
+    answer needs none: the frontend writes its `prompt_logprobs` itself."""
     if req.method != "POST" or not req.body or req.target.split("?", 1)[0].rstrip("/") != COMPLETIONS:
         return None
     doc = json.loads(req.body)
-    if not isinstance(doc, dict) or doc.get("echo") is not True:
+    if not isinstance(doc, dict) or (doc.get("echo") is not True and doc.get("prompt_logprobs") is None):
         return None
     nvext = doc.get("nvext") if isinstance(doc.get("nvext"), dict) else {}
     fields = nvext.get("extra_fields") if isinstance(nvext.get("extra_fields"), list) else []
-    keep_engine_data = "engine_data" in fields
-    doc["nvext"] = {**nvext, "extra_fields": fields + ([] if keep_engine_data else ["engine_data"])}
+    answer = PromptLogprobsAnswer(echo=doc.get("echo") is True, logprobs=doc.get("logprobs"),
+                                  prompt_logprobs=doc.get("prompt_logprobs"), keep_engine_data="engine_data" in fields)
+    doc["nvext"] = {**nvext, "extra_fields": fields + ([] if answer.keep_engine_data else ["engine_data"])}
+    doc["prompt_logprobs"] = answer.worker_k()
     req.body = json.dumps(doc).encode()
-    k, text = doc.get("logprobs"), _prompt_text(doc.get("prompt"))
+    return answer
 
-    def transform(status: int, body: bytes) -> bytes:
+
+class PromptLogprobsAnswer:
+    """The transform of a completions answer (see `prompt_logprobs_rewrite`): each choice gets,
+    with `echo`, the prompt's text in front of its own and, with `logprobs` k, the prompt's tokens,
+    their log-probabilities (None for the first), k alternatives each and text offsets in front of
+    the output's, as OpenAI's and vLLM's completions return them; with `prompt_logprobs` k, vLLM's
+    `prompt_logprobs` field (per prompt token None for the first, else {token id: {logprob, rank,
+    decoded_token}} for the token and the k most likely). The prompt's text is its tokens' pieces
+    joined (the worker's `prompt_tokens`, runtime.tokenizer.TextTokenizer.token_texts), so the tokens
+    join to the text and every offset indexes it."""
+
+    def __init__(self, *, echo: bool, logprobs: int | None, prompt_logprobs: int | None, keep_engine_data: bool):
+        self.echo, self.logprobs, self.prompt_logprobs = echo, logprobs, prompt_logprobs
+        self.keep_engine_data = keep_engine_data
+
+    def worker_k(self) -> int:
+        """The alternatives the worker computes per prompt token: what the echo lists and what
+        `prompt_logprobs` asks, the larger (an echo without logprobs only needs the tokens)."""
+        echo_k = (self.logprobs or 0) if self.echo else 0
+        return max(echo_k, self.prompt_logprobs or 0)
+
+    def too_large(self, limit: int) -> HttpError:
+        """The answer when it would exceed the front's response limit: a 400 naming the field that
+        sized it, the one the client can lower."""
+        if self.prompt_logprobs:
+            field, fix = "prompt_logprobs", "send a smaller prompt_logprobs, or a shorter prompt"
+        elif self.echo and self.logprobs:
+            field, fix = "logprobs", "send a smaller logprobs, or a shorter prompt, or omit echo"
+        else:
+            field, fix = "echo", "send a shorter prompt, or omit echo"
+        return HttpError(400, f"{field}: the answer, {self.worker_k() + 1} log-probabilities for each prompt token, "
+                              f"is over the server's limit of {limit} bytes on an answer ({fix})", field)
+
+    def __call__(self, status: int, body: bytes) -> bytes:
         if status != 200:
             return body
         resp = json.loads(body)
         data = (resp.get("nvext") or {}).get("engine_data") or {}
-        if not keep_engine_data and isinstance(resp.get("nvext"), dict):
+        if not self.keep_engine_data and isinstance(resp.get("nvext"), dict):
             resp["nvext"].pop("engine_data", None)
             if not resp["nvext"]:
                 resp.pop("nvext")
-        ids, tokens, plp = data.get("prompt_token_ids"), data.get("prompt_tokens"), data.get("prompt_logprobs")
-        if not ids or tokens is None or plp is None:
-            raise ValueError("the worker sent no prompt log-probabilities for an echo request")
+        ids, tokens, plp = _prompt_data(data, (resp.get("usage") or {}).get("prompt_tokens"))
         for choice in resp.get("choices") or []:
-            choice["text"] = (text if text is not None else "".join(tokens)) + (choice.get("text") or "")
-            if k is not None:
-                choice["logprobs"] = echo_logprobs(ids, tokens, plp, k, choice.get("logprobs"))
+            if self.echo:
+                choice["text"] = "".join(tokens) + (choice.get("text") or "")
+                if self.logprobs is not None:
+                    choice["logprobs"] = echo_logprobs(ids, tokens, plp, self.logprobs, choice.get("logprobs"))
+            if self.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = [None if e is None else _top_k(e, self.prompt_logprobs, str(t))
+                                             for e, t in zip(plp, ids)]
         return json.dumps(resp).encode()
-    return transform
+
+
+def _prompt_data(data: dict, prompt_tokens: int | None) -> tuple[list[int], list[str], list]:
+    """(ids, token pieces, prompt_logprobs) of the worker's engine_data, checked whole: one entry
+    of each per prompt token, so an answer is never built from a payload cut short."""
+    ids, tokens, plp = data.get("prompt_token_ids"), data.get("prompt_tokens"), data.get("prompt_logprobs")
+    if not ids or tokens is None or plp is None:
+        raise ValueError("the worker sent no prompt log-probabilities for an echo / prompt_logprobs request")
+    n = prompt_tokens if isinstance(prompt_tokens, int) else len(ids)
+    if not len(ids) == len(tokens) == len(plp) == n:
+        raise ValueError(f"the worker's prompt data is incomplete: {len(ids)} ids, {len(tokens)} token texts and "
+                         f"{len(plp)} log-probability entries for {n} prompt tokens")
+    return ids, tokens, plp
+
+
+def _top_k(entries: dict, k: int, own: str) -> dict:
+    """One position's {token id: {logprob, rank, decoded_token}}: the k most likely and `own`."""
+    return {tid: e for tid, e in entries.items() if tid == own or (e.get("rank") or 1 << 30) <= k}
 
 
 def echo_logprobs(ids: list[int], tokens: list[str], plp: list, k: int, out: dict | None) -> dict:
     """OpenAI completions `logprobs` for prompt + output: the prompt's entries from the worker's
-    prompt_logprobs (per position None or {token id: {logprob, rank, decoded_token}}), then the
-    output's as the frontend rendered them; text offsets over the whole."""
+    prompt_logprobs (per position None or {token id: {logprob, rank, decoded_token}}; a prompt
+    token's own alternative is keyed by its piece of the text), then the output's as the frontend
+    rendered them; text offsets over the whole."""
     out = out or {}
     lps: list = [None]
     tops: list = [None]
     for i in range(1, len(ids)):
-        entries = plp[i] if i < len(plp) and plp[i] else {}
-        own = entries.get(str(ids[i]), {})
-        lps.append(own.get("logprob"))
+        own = str(ids[i])
+        entries = _top_k(plp[i] or {}, k, own)
+        lps.append((entries.get(own) or {}).get("logprob"))
         best = sorted(entries.items(), key=lambda e: e[1].get("rank") or 1 << 30)
-        tops.append({e.get("decoded_token", tid): e["logprob"] for tid, e in best
-                     if (e.get("rank") or 1 << 30) <= k or tid == str(ids[i])})
+        tops.append({tokens[i] if tid == own else e.get("decoded_token", tid): e["logprob"] for tid, e in best})
     all_tokens = list(tokens) + list(out.get("tokens") or [])
     offsets, at = [], 0
     for t in all_tokens:

@@ -3,7 +3,9 @@
 Each step decodes one token for every running sequence whose prompt is in the cache, and spends
 up to `prefill_chunk` tokens on prompts, so running streams keep flowing while new ones join.
 A sequence is admitted only when the pool can reserve every block it may ever need; until then
-it waits in a bounded queue. One that can never fit is rejected by `check_fits` at once.
+it waits in a bounded queue. One that can never fit is rejected by `check_fits` at once, and so is
+one whose `n` choices could never all be taken, even by an idle engine (its batch slots and pool,
+then `max_queue` waiting): a retry could not help it.
 
 Prefix caching (runtime/prefix_cache.py): at admission the prompt's full blocks are looked up by
 name; the cached prefix is shared (no block reserved for it, `num_cached` starts past it) and only
@@ -58,6 +60,19 @@ class Scheduler:
             raise CapacityError(f"the request needs {need} KV blocks but the host pool has "
                                 f"{self.allocator.num_blocks}; lower max_tokens or enlarge the pool",
                                 field="max_tokens")
+        most = self.most_held(seq)
+        if seq.params.n > most:
+            raise CapacityError(f"{seq.params.n} choices can never be held at once: this engine runs "
+                                f"{most - self.max_queue} sequences of this length at a time and queues "
+                                f"{self.max_queue} more", field="n",
+                                fix=f"send n <= {most}, or lower max_tokens")
+
+    def most_held(self, seq: Sequence) -> int:
+        """The most sequences of `seq`'s size the engine can ever take at once: those an idle
+        engine starts (batch slots, its whole pool) plus `max_queue` waiting. `check_queue` refuses
+        a request of more choices on an idle engine too, every time: a retry cannot help."""
+        return self.max_queue + _admissible([self._need(seq)] * self.max_batch_size, self.max_batch_size,
+                                            self.allocator.num_blocks)
 
     def check_queue(self, pending: int | Iterable[Sequence] = 0, seq: Sequence | None = None) -> None:
         """Raise QueueFullError when one more request would leave more than `max_queue` waiting.
@@ -84,14 +99,7 @@ class Scheduler:
         needs = [self._need(s) for s in waiting]
         needs += [1] * pending if isinstance(pending, int) else [self._need(s) for s in pending]
         needs.append(1 if seq is None else self._need(seq))
-        slots = self.max_batch_size - len(self.running)
-        free = self.allocator.num_free
-        admitted = 0
-        for need in needs:                # FIFO, as `_admit`: the first that cannot start stops it
-            if slots <= 0 or need > free:
-                break
-            slots, free, admitted = slots - 1, free - need, admitted + 1
-        return len(needs) - admitted
+        return len(needs) - _admissible(needs, self.max_batch_size - len(self.running), self.allocator.num_free)
 
     def _need(self, seq: Sequence) -> int:
         return blocks_needed(seq.max_len, self.block_size)
@@ -210,3 +218,15 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
+
+
+def _admissible(needs: list[int], slots: int, free: int) -> int:
+    """How many of the requests (their block needs, in arrival order) the next admission starts
+    with `slots` batch slots and `free` blocks: FIFO, as `Scheduler._admit`, so the first that
+    cannot start stops it."""
+    admitted = 0
+    for need in needs:
+        if slots <= 0 or need > free:
+            break
+        slots, free, admitted = slots - 1, free - need, admitted + 1
+    return admitted

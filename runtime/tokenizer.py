@@ -44,8 +44,30 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's exact piece of the text, so that `"".join(pieces)` is the decode of `ids`
+        with special tokens kept and a piece's offset in that join is where its text starts (what
+        completions `echo` lists as `tokens` and `text_offset`). A special token is its own text;
+        the bytes of a UTF-8 character split over tokens go to the token that completes it, the
+        others get "" (the last token takes whatever is left). Each piece is the decode of a short
+        window (from the last token that completed a piece, for decoders that read the token before,
+        e.g. SentencePiece's leading space) less the decode of the window's tokens before it: exact
+        for decoders whose decode of more tokens extends that of fewer (byte-level BPE, SentencePiece)."""
+        pieces: list[str] = []
+        ctx = done = 0          # the window starts at ctx; tokens before `done` have their pieces
+        before = ""             # the decode of ids[ctx:done]
+        for i in range(len(ids)):
+            text = self.decode(ids[ctx:i + 1], skip_special_tokens=False)
+            if text.endswith("\ufffd") and i + 1 < len(ids):
+                pieces.append("")               # an incomplete character: a later token completes it
+                continue
+            pieces.append(text[len(before):])
+            ctx, done = done, i + 1
+            before = self.decode(ids[ctx:done], skip_special_tokens=False)
+        return pieces
 
     def apply_chat_template(self, user_text: "str | list[dict[str, str]]") -> str:
         """Render one user turn, or a conversation (a list of {"role", "content"} messages, e.g.

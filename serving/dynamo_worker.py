@@ -24,9 +24,11 @@ How a request flows
   asked for (`output_options.logprobs` = k) `log_probs` and `top_logprobs`; a choice's last chunk
   its finish reason, the request's last `completion_usage` with
   `prompt_tokens_details.cached_tokens` (the frontend reports both to the client). A completions
-  `echo` reaches the worker as `output_options.prompt_logprobs`; the request's last chunk then
-  carries the prompt's ids, token texts and log-probabilities in `engine_data`, which the front
-  (deploy/openai_front.py `echo_rewrite`) writes into the answer.
+  `echo` (and a `prompt_logprobs` field) reaches the worker as `output_options.prompt_logprobs`;
+  the request's last chunk then carries the prompt's ids, each token's exact piece of the text
+  (`TextTokenizer.token_texts`) and the log-probabilities in `engine_data`, which the front
+  (deploy/openai_front.py `prompt_logprobs_rewrite`) writes into a completions answer (Dynamo's
+  frontend writes a chat answer's `prompt_logprobs` itself).
 - KV-aware routing: the prefix cache's events (`engine.kv_events`: blocks stored with their token
   ids, removed) go to Dynamo's `KvEventPublisher` (`KvEventRelay`), and the blocks in use to its
   `WorkerMetricsPublisher`, over the event plane; the model is registered with the engine's block
@@ -320,7 +322,8 @@ class EngineHandler:
         tokens = [0] * params_n(params)         # generated tokens per choice, for the usage
         cached: dict[int, int] = {}             # cached prompt tokens per choice
         prompt_lps: dict[int, list] = {}        # prompt log-probabilities per choice (echo)
-        decode = self.engine.tokenizer.decode
+        tokenizer = self.engine.tokenizer
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)     # noqa: E731 (a token's text)
         try:
             while True:
                 items = [await sink.queue.get()]
@@ -341,7 +344,7 @@ class EngineHandler:
                 for chunk in output_chunks(items, tokens, cached, prompt_lps, decode):
                     if "engine_data" in chunk:      # echo: the front puts the prompt's tokens in the answer
                         chunk["engine_data"]["prompt_token_ids"] = ids
-                        chunk["engine_data"]["prompt_tokens"] = [decode([t]) for t in ids]
+                        chunk["engine_data"]["prompt_tokens"] = tokenizer.token_texts(ids)
                     yield chunk
                 if request_done(items[-1]):
                     finished = True

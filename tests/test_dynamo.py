@@ -391,6 +391,9 @@ def test_handler_streams_counts_and_cancels_on_a_tiny_engine(tmp_path):
         # raised by the engine at submit, naming its `prompt`: the client reads the OpenAI names
         with pytest.raises(exc.InvalidArgument, match="prompt/messages: holds token ids outside the vocabulary"):
             await collect(_req(token_ids=[1, 10 ** 6]))
+        # n over what the engine can ever hold (1 slot, no queue): a 400 naming n, not a 429 to retry
+        with pytest.raises(exc.InvalidArgument, match=r"^n: 2 choices can never be held at once.*send n <= 1"):
+            await collect(_req(sampling={"n": 2}, stop={"max_tokens": 4}))
         # a long request holds the one batch slot; a second one finds the queue full (max_queue 0);
         # then the long one's context is stopped
         ctx = _Context()
@@ -457,6 +460,39 @@ def test_handler_n_logprobs_and_cached_tokens_on_a_tiny_engine(tmp_path):
         engine.close()
 
 
+@pytest.mark.timeout(60)
+def test_handler_sends_k_prompt_alternatives_and_the_tokens_exact_pieces(tmp_path):
+    """A prompt_logprobs request (echo) through EngineHandler on a tiny engine (byte tokenizer: every
+    non-ASCII character split over tokens): engine_data lists k alternatives plus the token per
+    position, and the tokens' pieces join to the prompt (they were "\ufffd" per byte before)."""
+    _dynamo_exceptions()
+    from runtime.engine import Engine
+    from serving.dynamo_worker import EngineHandler
+    from serving.loop import EngineLoop
+    from tiny_engine import make_tiny_engine
+
+    engine = Engine.from_dir(make_tiny_engine(tmp_path / "e"))
+    loop = EngineLoop(engine)
+    loop.start()
+    handler = EngineHandler(engine, loop)
+    text = "é 👍 東京"
+    ids = engine.tokenizer.encode(text)
+
+    async def main():
+        return [c async for c in handler.generate(_req(token_ids=ids, stop={"max_tokens": 1},
+                                                       output={"prompt_logprobs": 4}), _Context())]
+    try:
+        data = asyncio.run(main())[-1]["engine_data"]
+    finally:
+        loop.stop()
+        engine.close()
+    assert data["prompt_token_ids"] == ids and "".join(data["prompt_tokens"]) == text
+    assert data["prompt_logprobs"][0] is None
+    for tid, entries in zip(ids[1:], data["prompt_logprobs"][1:]):
+        assert str(tid) in entries and len(entries) in (4, 5)             # 4 best, plus the token if not one
+        assert {1, 2, 3, 4} <= {e["rank"] for e in entries.values()}
+
+
 @pytest.mark.timeout(120)
 def test_launcher_reports_a_worker_that_dies_at_start(tmp_path):
     """A tampered engine dir passes the launcher's quick check (no checksums) but not the worker's:
@@ -490,6 +526,7 @@ CHAT = "What is the capital of France? Answer in one sentence."
 CHAT_LONG = "Write a short poem about the sea."
 COMPLETION = "The history of the Roman Empire"
 COUNTING = "1, 2, 3, 4, 5,"
+TRICKY = "<|im_start|>Café 👍🏽 東京  tabs\tand\nlines"     # a special token, split characters, spaces
 SAMPLED = dict(temperature=0.75, top_p=0.875, top_k=20, seed=1234)
 
 
@@ -519,6 +556,8 @@ def reference(default_engine_dir):
     ref["n_logprobs"] = engine.generate([COMPLETION], SamplingParams(max_tokens=8, n=3, logprobs=2, **{
         k: v for k, v in SAMPLED.items() if k != "top_k"}))
     ref["echo"] = engine.generate([COMPLETION], SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1))[0]
+    ref["echo_k"] = engine.generate([COMPLETION], SamplingParams(max_tokens=1, prompt_logprobs=3))[0]
+    ref["tricky"] = engine.generate([TRICKY], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
     engine.close()
     del engine
     gc.collect()
@@ -657,6 +696,44 @@ class TestLive:
         assert "".join(lp.tokens[:n]) == COMPLETION and lp.text_offset[:2] == [0, len(lp.tokens[0])]
         with pytest.raises(openai.BadRequestError, match="echo"):
             client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=1, echo=True, stream=True)
+
+    def test_echo_lists_k_alternatives_per_prompt_token(self, client, reference):
+        """echo with logprobs 3: every prompt token lists its 3 most likely tokens (the frontend
+        alone asks the worker for 1), with the in-process engine's log-probabilities."""
+        ref = reference["echo_k"]
+        r = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=1, temperature=0, logprobs=3,
+                                      echo=True)
+        tops = r.choices[0].logprobs.top_logprobs[:len(ref.prompt_logprobs)]
+        assert tops[0] is None
+        for d, t in zip(tops[1:], ref.prompt_logprobs[1:]):
+            best = sorted(d.values(), reverse=True)[:3]
+            assert best == pytest.approx([lp for _, lp in t.top], abs=1e-4), (d, t)
+
+    def test_echo_tokens_join_to_the_text_and_offsets_index_it(self, client, reference):
+        """A special token, split UTF-8 characters and runs of spaces: the echo's tokens are the
+        text's exact pieces; `prompt_logprobs` (vLLM's field) is answered in the choice."""
+        ref = reference["tricky"]
+        r = client.completions.create(model=MODEL, prompt=TRICKY, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                      extra_body={"prompt_logprobs": 2})
+        choice = r.choices[0]
+        lp, plp = choice.logprobs, choice.model_extra["prompt_logprobs"]
+        assert choice.text.startswith(TRICKY) and "".join(lp.tokens) == choice.text
+        assert all(choice.text[at:at + len(t)] == t for at, t in zip(lp.text_offset, lp.tokens))
+        assert "<|im_start|>" in lp.tokens
+        assert len(plp) == len(ref.prompt_logprobs) and plp[0] is None
+        for got, t in zip(plp[1:], ref.prompt_logprobs[1:]):
+            assert got[str(t.token_id)]["logprob"] == pytest.approx(t.logprob, abs=1e-4)
+            assert got[str(t.token_id)]["rank"] == t.rank
+            assert {str(tid) for tid, _ in t.top} <= set(got)
+
+    def test_chat_prompt_logprobs_are_answered_and_refused_when_streaming(self, client):
+        import openai
+
+        r = _chat(client, CHAT, max_tokens=1, extra_body={"prompt_logprobs": 1})
+        plp = r.model_extra["prompt_logprobs"]
+        assert len(plp) == r.usage.prompt_tokens and plp[0] is None and all(len(e) in (1, 2) for e in plp[1:])
+        with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+            _chat(client, CHAT, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1})
 
     def test_usage_reports_cached_tokens(self, client):
         r = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=2, temperature=0)

@@ -88,6 +88,11 @@ def test_serve_sh_refuses_bad_router_and_prefix_caching_values():
     (COMPLETIONS, {"echo": True, "prompt": ["a", "b"]}, "echo"),                 # one prompt a request
     (COMPLETIONS, {"echo": "yes", "prompt": "a"}, "echo"),
     (COMPLETIONS, {"logprobs": True}, "logprobs"),
+    (COMPLETIONS, {"prompt_logprobs": "2", "prompt": "a"}, "prompt_logprobs"),
+    (COMPLETIONS, {"prompt_logprobs": 2, "prompt": "a", "stream": True}, "prompt_logprobs"),    # as vLLM
+    (COMPLETIONS, {"prompt_logprobs": 0, "prompt": ["a", "b"]}, "prompt_logprobs"),
+    (CHAT, {"prompt_logprobs": 1.5}, "prompt_logprobs"),
+    (CHAT, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
 ])
 def test_the_front_refuses_what_no_worker_sees_by_name(path, body, field):
     with pytest.raises(HttpError) as err:
@@ -103,6 +108,8 @@ def test_the_front_refuses_what_no_worker_sees_by_name(path, body, field):
     (COMPLETIONS, {"echo": False, "suffix": None, "logprobs": 2, "n": 1}),
     (COMPLETIONS, {"echo": True, "prompt": [[5, 6, 7]], "logprobs": 1, "max_tokens": 1}),    # lm-eval's request
     (COMPLETIONS, {"echo": True, "prompt": [5, 6, 7], "stream": False}),
+    (COMPLETIONS, {"prompt_logprobs": 3, "prompt": "a", "echo": True, "logprobs": 2}),
+    (CHAT, {"prompt_logprobs": 2, "stream": False}),
     ("/v1/models", {"tools": [1]}),
 ])
 def test_the_front_passes_what_is_off_or_served(path, body):
@@ -151,21 +158,23 @@ def test_the_front_answers_its_refusals_before_the_upstream(tmp_path):
 
 
 def test_echo_puts_the_prompt_and_its_logprobs_in_front_of_each_choice():
-    """The front's rewrite of a completions `echo`: the request asks for the worker's engine_data;
-    the answer gets the prompt's text, tokens, log-probabilities (None first), top alternatives
-    (k of them plus the prompt token) and offsets in front of the output's, and loses the
-    engine_data it did not ask for. Other requests are not touched."""
+    """The front's rewrite of a completions `echo`: the request asks for the worker's engine_data
+    and k alternatives per prompt token; the answer gets the prompt's text, tokens,
+    log-probabilities (None first), top alternatives (k of them plus the prompt token) and offsets
+    in front of the output's, and loses the engine_data it did not ask for. Other requests are not
+    touched (tests/test_openai_echo.py has the rest)."""
     from deploy.http_front import Request
-    from deploy.openai_front import echo_rewrite
+    from deploy.openai_front import prompt_logprobs_rewrite
 
     def request(body):
         req = Request("POST", "/v1/completions", "HTTP/1.1", [("Content-Type", "application/json")])
         req.body = json.dumps(body).encode()
         return req
-    assert echo_rewrite(request({"prompt": "a", "echo": False})) is None
+    assert prompt_logprobs_rewrite(request({"prompt": "a", "echo": False})) is None
     req = request({"model": "m", "prompt": "Hi there", "max_tokens": 1, "logprobs": 1, "echo": True})
-    transform = echo_rewrite(req)
-    assert json.loads(req.body)["nvext"] == {"extra_fields": ["engine_data"]}
+    transform = prompt_logprobs_rewrite(req)
+    sent = json.loads(req.body)
+    assert sent["nvext"] == {"extra_fields": ["engine_data"]} and sent["prompt_logprobs"] == 1
     plp = [None, {"7": {"logprob": -2.0, "rank": 3, "decoded_token": " there"},
                   "9": {"logprob": -0.5, "rank": 1, "decoded_token": "!"},
                   "4": {"logprob": -1.0, "rank": 2, "decoded_token": ","}}]
@@ -176,16 +185,18 @@ def test_echo_puts_the_prompt_and_its_logprobs_in_front_of_each_choice():
                                         "prompt_tokens": ["Hi", " there"]}}}
     out = json.loads(transform(200, json.dumps(answer).encode()))
     choice = out["choices"][0]
-    assert choice["text"] == "Hi there you" and "nvext" not in out
+    assert choice["text"] == "Hi there you" and "nvext" not in out and "prompt_logprobs" not in choice
     assert choice["logprobs"] == {"tokens": ["Hi", " there", " you"], "token_logprobs": [None, -2.0, -0.1],
                                   "top_logprobs": [None, {"!": -0.5, " there": -2.0}, {" you": -0.1}],
                                   "text_offset": [0, 2, 8]}
     assert transform(400, b'{"error": 1}') == b'{"error": 1}'           # errors pass as they are
     with pytest.raises(ValueError, match="no prompt log-probabilities"):
         transform(200, json.dumps({"choices": []}).encode())
-    # token-id prompts: the text is the tokens' own; echo without logprobs: the text only
+    # token-id prompts: the text is the tokens' own; echo without logprobs: the text only, k = 0 asked
     req = request({"prompt": [[3, 7]], "echo": True, "nvext": {"extra_fields": ["engine_data"]}})
-    out = json.loads(echo_rewrite(req)(200, json.dumps(answer).encode()))
+    transform = prompt_logprobs_rewrite(req)
+    assert json.loads(req.body)["prompt_logprobs"] == 0
+    out = json.loads(transform(200, json.dumps(answer).encode()))
     assert out["choices"][0]["text"] == "Hi there you" and out["choices"][0]["logprobs"]["tokens"] == [" you"]
     assert "engine_data" in out["nvext"]                                 # asked for: kept
 

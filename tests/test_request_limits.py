@@ -97,6 +97,26 @@ def test_queue_count_follows_free_blocks_in_arrival_order(tiny_dir):
     assert sched.num_queued_after(0, big) == 1 and sched.num_queued_after(0, small) == 1
 
 
+def test_n_the_engine_can_never_hold_is_refused_naming_n_and_a_possible_one_waits(tiny_dir):
+    """Issue 41: n over the batch slots plus the queue got QueueFullError ("retry later") on an idle
+    engine, every time. It is a CapacityError naming `n` and the limit; n at the limit is taken (the
+    rest of its choices wait), and the limit follows the pool when blocks, not slots, bound it."""
+    from runtime.errors import CapacityError
+
+    engine = Engine.from_dir(tiny_dir, max_queue=2, max_batch_size=4)
+    with pytest.raises(CapacityError) as err:
+        engine.add_request("x", SamplingParams(max_tokens=4, n=7))
+    assert not isinstance(err.value, QueueFullError) and err.value.field == "n"
+    assert str(err.value).startswith("n: 7 choices can never be held at once") and "send n <= 6" in str(err.value)
+    rid = engine.add_request("x", SamplingParams(max_tokens=4, n=6))      # 4 start, 2 wait
+    engine.step()
+    assert (len(engine.scheduler.running), len(engine.scheduler.waiting)) == (4, 2) and rid in engine._seqs
+    small = Engine.from_dir(tiny_dir, max_queue=1, max_batch_size=4, num_host_blocks=4)   # block_size 16
+    with pytest.raises(CapacityError, match=r"^n: 4 choices .* runs 2 sequences .*send n <= 3"):
+        small.add_request([3] * 20, SamplingParams(max_tokens=8, n=4, ignore_eos=True))   # 2 blocks each
+    small.add_request([3] * 20, SamplingParams(max_tokens=8, n=3, ignore_eos=True))
+
+
 # ---- malformed parameters -----------------------------------------------------------------------
 MALFORMED = {
     "100000 nested [ (the issue's)": (dict(sampling_parameters=text("[" * 100_000)),
