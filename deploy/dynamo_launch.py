@@ -211,12 +211,16 @@ def free_port(below_32768: bool = False) -> int:
 
 
 def check_engine(engine_dir: str | Path, lookahead_overrides: dict[str, Any] | None) -> None:
-    """A bad engine dir or setting, found before any process starts (checksums: the workers check them)."""
+    """A bad engine dir or setting, found before any process starts (checksums: the workers check them);
+    the tokenizer too, so a chat template that cannot render (or finish) is named here, not after a
+    wait for workers that never register."""
     from runtime.errors import LookaheadError
     from runtime.engine_dir import load_manifest
+    from runtime.tokenizer import TextTokenizer
     try:
         manifest = load_manifest(engine_dir, verify_checksums=False)
         manifest.lookahead.replace(**(lookahead_overrides or {}))
+        TextTokenizer.from_engine(manifest)
     except LookaheadError as e:
         raise LaunchError(f"engine {engine_dir}: {e}") from None
     except (TypeError, ValueError) as e:       # an override that is not a LookaheadConfig field

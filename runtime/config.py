@@ -7,6 +7,7 @@ and a run (or request) may override fields through `LookaheadConfig.replace(**ov
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -244,14 +245,22 @@ class LookaheadConfig:
         return cls(**_known_fields(cls, d, "lookahead"))
 
 
+def check_known_keys(d: dict[Any, Any], names: "set[str] | tuple[str, ...]", prefix: str = "") -> None:
+    """Every key of `d` is one of `names`; else a ConfigError naming the first unknown key (with
+    `prefix`, e.g. "model."), the closest known name, and the known ones."""
+    unknown = sorted(map(str, set(d) - set(names)))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"{prefix}{unknown[0][:80]}", "is not a known field",
+                          f"{hint}known: {', '.join(sorted(names))}")
+
+
 def _known_fields(cls: type, d: dict[str, Any], section: str) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise ConfigError(section, f"must be a mapping of fields, got {_got(d)}", "rebuild the engine")
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - names
-    if unknown:
-        raise ConfigError(f"{section}.{sorted(map(str, unknown))[0]}", "is not a known field",
-                          f"known: {', '.join(sorted(names))}")
+    check_known_keys(d, names, f"{section}.")
     required = [f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     for name in required:

@@ -24,7 +24,7 @@ from .sparse import BlockSelection
 from .block_manager import BlockAllocator, blocks_needed
 from .config import LookaheadConfig
 from .device import resolve_device
-from .engine_dir import TOKENIZER_DIR, Manifest, group_size, load_manifest
+from .engine_dir import Manifest, group_size, load_manifest
 from .errors import RequestError
 from .kv_pool import KVPool
 from .memory_plan import DTYPE_BYTES, check_memory, plan_memory
@@ -253,10 +253,12 @@ class Engine:
                                  device_type=device.type, weight_saving=max(0, saving),
                                  prefill=precision, int8_group=int8_group(manifest) if quantized else None,
                                  decode=config.decode_precision))
+        # the tokenizer first (fast): ids past the vocabulary, or a chat template that cannot render,
+        # are refused before the weights are read
+        tokenizer = TextTokenizer.from_engine(manifest)
         ops = ops or select_ops(device, dtype, impl, quantized=quantized, prefill=precision)
         # weights.safetensors read onto `device`, or a random_weights recipe generated there
         model = load_model(manifest, device, ops, dtype)
-        tokenizer = TextTokenizer(Path(path) / TOKENIZER_DIR)
         return cls(manifest, model, tokenizer, config, num_host_blocks, max_queue, transfer,
                    debug_checks=debug_checks, fused=fused)
 

@@ -8,8 +8,11 @@
 Written by `builder` (which calls `write_manifest`), read by `runtime.Engine.from_dir` (which calls
 `load_manifest`). Any failure is an `EngineDirError` that says which file or field and what to do.
 The checksums are not signed, so `load_manifest` also distrusts a dir whose manifest matches its
-files: every path it names must stay inside the dir (no `..`, no absolute path, no symlink out),
-and the weights' safetensors header must describe exactly the model's tensors before any is read.
+files: engine.yaml is bounded before it is parsed (MAX_MANIFEST_BYTES, no YAML aliases, known keys,
+bounded strings), every path it names must stay inside the dir (no `..`, no absolute path, no
+symlink out), and the weights' safetensors header must describe exactly the model's tensors before
+any is read. Every other reader of the dir (tokenizer, chat template, Dynamo worker) gets its paths
+from `engine_file`: inside the dir, and listed with a checksum.
 
 Two optional sections (format_version 2; a dir without them is written as version 1, as before):
 
@@ -25,13 +28,14 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .config import LookaheadConfig, ModelConfig
+from .config import LookaheadConfig, ModelConfig, check_known_keys
 from .errors import ConfigError, EngineDirError
 
 FORMAT_VERSION = 1               # what a plain engine dir is written as
@@ -54,9 +58,19 @@ GRANULARITIES = ("per_output_channel", "per_group")
 QUANTIZABLE = ("embed_tokens", "wqkv", "wo", "w13", "w2", "lm_head")
 RANDOM_INITS = ("normal_fan_in",)   # weights ~ N(0, 1/fan_in); norms ~ 1 + 0.1 N(0, 1)
 MAX_HEADER_BYTES = 100 << 20     # the safetensors library's own limit on a header
-# Files the runtime reads whether or not the manifest lists them (TextTokenizer reads the config
-# if present): each must lie inside the engine dir, and be listed, so its checksum covers it.
-RUNTIME_READS = (WEIGHTS, f"{TOKENIZER_DIR}/tokenizer.json", f"{TOKENIZER_DIR}/tokenizer_config.json")
+SHA256 = re.compile(r"[0-9a-f]{64}")     # a digest in engine.yaml's files
+# Files the runtime reads when they are there (the tokenizer's config and chat template, which the
+# Dynamo worker hands its frontend too): each must lie inside the engine dir, and be listed, so its
+# checksum covers it; `engine_file` is how every reader gets their paths.
+RUNTIME_READS = (WEIGHTS, f"{TOKENIZER_DIR}/tokenizer.json", f"{TOKENIZER_DIR}/tokenizer_config.json",
+                 f"{TOKENIZER_DIR}/chat_template.jinja")
+# engine.yaml is parsed before anything is checked, so its size and shape are bounded first: a real
+# one is a few KB, a name a few words, a string field (a path, a version) a line.
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_NAME_CHARS = 256
+MAX_STRING_CHARS = 4096
+TOP_LEVEL_FIELDS = ("format_version", "name", "dtype", "model", "lookahead", "source", "versions",
+                    "quantization", "random_weights", "tokenizer", "files")
 
 # Runtime weight names and shapes (C = ModelConfig). Fused projections save a matmul launch each.
 WEIGHT_LAYOUT = """
@@ -144,6 +158,24 @@ def contained_path(d: Path, rel: Any, mpath: Path) -> Path:
     return p
 
 
+def engine_file(manifest: "Manifest", rel: str) -> Path | None:
+    """The path to read the engine dir's file `rel` from, or None when the dir has none. The one
+    way any process (runtime, Triton model, Dynamo worker) opens a file of a loaded engine dir: it
+    lies inside the dir (`contained_path`) and is listed in engine.yaml's files, so a checksum
+    covers it; a file there but not listed is refused, never read."""
+    return _listed_path(manifest.path, rel, manifest.files, manifest.path / MANIFEST)
+
+
+def _listed_path(d: Path, rel: str, files: dict[str, str], mpath: Path) -> Path | None:
+    p = contained_path(d, rel, mpath)
+    if rel in files:
+        return p
+    if p.exists() or p.is_symlink():
+        raise EngineDirError(f"{p} is not listed in {mpath}'s files, so no checksum covers it: it was "
+                             "added after the build (remove it, or rebuild the engine)")
+    return None
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -211,25 +243,21 @@ def load_manifest(engine_dir: str | Path, *, verify_checksums: bool = True) -> M
         raise EngineDirError(f"engine dir {d} does not exist "
                              f"(build one: python scripts/build_engine.py --model default --output {d})")
     mpath = d / MANIFEST
-    if not mpath.is_file():
-        raise EngineDirError(f"{mpath} is missing: {d} is not a complete engine dir (rebuild it)")
-    try:
-        doc = yaml.safe_load(mpath.read_text())
-    except yaml.YAMLError as e:
-        raise EngineDirError(f"{mpath} is not valid YAML ({e.__class__.__name__}); rebuild the engine") from None
-    if not isinstance(doc, dict):
-        raise EngineDirError(f"{mpath} does not hold a mapping; rebuild the engine")
+    doc = _read_manifest(d, mpath)
     version = doc.get("format_version")
     if version not in SUPPORTED_FORMAT_VERSIONS or isinstance(version, bool):
-        raise EngineDirError(f"{mpath}: format_version {version!r} is incompatible with this runtime "
+        raise EngineDirError(f"{mpath}: format_version {_short(version)} is incompatible with this runtime "
                              f"(expects {' or '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); rebuild the "
                              "engine with this version's builder")
     for key in ("model", "dtype", "lookahead", "files"):
         if key not in doc:
             raise EngineDirError(f"{mpath}: field {key!r} is missing; rebuild the engine")
-    if doc["dtype"] not in DTYPES:
-        raise EngineDirError(f"{mpath}: dtype {doc['dtype']!r} is not one of {DTYPES}")
+    if not isinstance(doc["dtype"], str) or doc["dtype"] not in DTYPES:
+        raise EngineDirError(f"{mpath}: dtype {_short(doc['dtype'])} is not one of {DTYPES}")
     try:
+        check_known_keys(doc, TOP_LEVEL_FIELDS)
+        _check_strings(doc)
+        name = _name(doc.get("name", d.name))
         model = ModelConfig.from_dict(doc["model"])
         lookahead = LookaheadConfig.from_dict(doc["lookahead"])
     except (ConfigError, TypeError) as e:
@@ -248,8 +276,72 @@ def load_manifest(engine_dir: str | Path, *, verify_checksums: bool = True) -> M
     tokenizer = doc.get("tokenizer")
     return Manifest(path=d, model=model, dtype=doc["dtype"], lookahead=lookahead, files=files,
                     source=_mapping(doc.get("source")), versions=_mapping(doc.get("versions")),
-                    name=str(doc.get("name", d.name)), quantization=quantization,
+                    name=name, quantization=quantization,
                     random_weights=random_weights, tokenizer=_mapping(tokenizer) if tokenizer is not None else None)
+
+
+class _ManifestLoader(yaml.SafeLoader):
+    """yaml.SafeLoader without anchors and aliases: an alias lets one node stand for many, so a
+    1 KB engine.yaml can stand for gigabytes (a "billion laughs") once anything walks or prints it.
+    The builder never writes them (write_manifest's safe_dump of fresh objects)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if getattr(event, "anchor", None) is not None:
+            raise _AliasError(event.start_mark)
+        return super().compose_node(parent, index)
+
+
+class _AliasError(yaml.YAMLError):
+    def __init__(self, mark: Any):
+        self.mark = mark
+
+
+def _read_manifest(d: Path, mpath: Path) -> dict[str, Any]:
+    """engine.yaml as a mapping: inside the dir, at most MAX_MANIFEST_BYTES, UTF-8 YAML without
+    anchors or aliases, nested at most as deep as the parser's recursion allows."""
+    contained_path(d, MANIFEST, mpath)
+    if not mpath.is_file():
+        raise EngineDirError(f"{mpath} is missing: {d} is not a complete engine dir (rebuild it)")
+    with open(mpath, "rb") as f:
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise EngineDirError(f"{mpath} is over {MAX_MANIFEST_BYTES >> 20} MiB (a built one is a few KB): "
+                             "rebuild the engine")
+    try:
+        doc = yaml.load(raw.decode("utf-8"), Loader=_ManifestLoader)
+    except UnicodeDecodeError:
+        raise EngineDirError(f"{mpath} is not UTF-8 text; rebuild the engine") from None
+    except _AliasError as e:
+        raise EngineDirError(f"{mpath} line {e.mark.line + 1}: YAML anchors and aliases (&name, *name) are not "
+                             "allowed in engine.yaml (a few bytes of them can stand for gigabytes); rebuild "
+                             "the engine") from None
+    except yaml.YAMLError as e:
+        raise EngineDirError(f"{mpath} is not valid YAML ({e.__class__.__name__}); rebuild the engine") from None
+    except RecursionError:
+        raise EngineDirError(f"{mpath} nests too deep to be an engine.yaml; rebuild the engine") from None
+    if not isinstance(doc, dict):
+        raise EngineDirError(f"{mpath} does not hold a mapping; rebuild the engine")
+    return doc
+
+
+def _check_strings(v: Any, where: str = "") -> None:
+    """Every string in engine.yaml (keys and values) is at most MAX_STRING_CHARS long."""
+    if isinstance(v, str) and len(v) > MAX_STRING_CHARS:
+        raise ConfigError(where or "engine.yaml", f"is a string of {len(v)} characters, over {MAX_STRING_CHARS}",
+                          "rebuild the engine")
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for key, value in items:
+        _check_strings(key, where)
+        _check_strings(value, f"{where}.{key}" if where else str(key))
+
+
+def _name(v: Any) -> str:
+    """engine.yaml's `name`: a string of 1 to MAX_NAME_CHARS printable characters."""
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_NAME_CHARS or not v.isprintable():
+        raise ConfigError("name", f"must be a string of 1 to {MAX_NAME_CHARS} printable characters, got "
+                                  f"{_short(v)}", "rebuild the engine (scripts/build_engine.py --name NAME)")
+    return v
 
 
 def _quantization(q: Any, mpath: Path, model: ModelConfig, dtype: str) -> dict[str, Any] | None:
@@ -315,8 +407,9 @@ def _check_files(d: Path, mpath: Path, files: Any, verify_checksums: bool,
     """The manifest's `files:` (relative path -> sha256): every one inside the dir, present and
     (verify_checksums) matching; every file the runtime reads listed among them. weights_file:
     False for a random-weights recipe, which must list none."""
-    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-        raise EngineDirError(f"{mpath}: files must map relative paths to sha256 digests; rebuild the engine")
+    if not isinstance(files, dict) or not all(isinstance(v, str) and SHA256.fullmatch(v) for v in files.values()):
+        raise EngineDirError(f"{mpath}: files must map relative paths to sha256 digests (64 hex digits); "
+                             "rebuild the engine")
     for required in ((WEIGHTS,) if weights_file else ()) + (f"{TOKENIZER_DIR}/tokenizer.json",):
         if required not in files:
             raise EngineDirError(f"{mpath}: lists no {required}; rebuild the engine")
@@ -325,10 +418,7 @@ def _check_files(d: Path, mpath: Path, files: Any, verify_checksums: bool,
                              "at load; rebuild the engine")
     paths = {rel: contained_path(d, rel, mpath) for rel in files}     # all checked before any is read
     for rel in RUNTIME_READS:
-        p = contained_path(d, rel, mpath)
-        if rel not in files and (p.exists() or p.is_symlink()):
-            raise EngineDirError(f"{p} is not listed in {mpath}'s files, so no checksum covers it: it was "
-                                 "added after the build (remove it, or rebuild the engine)")
+        _listed_path(d, rel, files, mpath)
     for rel, digest in files.items():
         p = paths[rel]
         if not p.is_file():
@@ -420,5 +510,5 @@ def _short(v: Any, limit: int = 80) -> str:
 
 
 def read_report(engine_dir: str | Path) -> dict[str, Any]:
-    p = Path(engine_dir) / REPORT
-    return json.loads(p.read_text()) if p.is_file() else {}
+    p = engine_file(load_manifest(engine_dir, verify_checksums=False), REPORT)
+    return json.loads(p.read_text()) if p is not None else {}

@@ -1,41 +1,65 @@
 """Tokenizer wrapper (the `tokenizers` library on tokenizer.json) with incremental detokenization.
 
-The chat template comes from the engine dir, which anyone who can write the dir controls (the
-manifest's checksums are not signed), so it is rendered in jinja2's immutable sandbox, as
-transformers renders the templates it downloads: a template that reaches for Python internals
-(`cycler.__init__.__globals__.os`, `''.__class__.__mro__`) fails with an EngineDirError instead
-of running code.
+An engine's tokenizer (`TextTokenizer.from_engine`) reads its files through
+`engine_dir.engine_file` (listed in engine.yaml, inside the dir), refuses a tokenizer with ids past
+the model's vocabulary, and renders its chat template once at load (runtime/chat_template.py: in
+jinja2's sandbox, in a helper process under a CPU, memory and output budget).
 """
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tokenizers import Tokenizer
 
+from .chat_template import ChatTemplate, RenderBudget, find_chat_template, one_line
 from .errors import EngineDirError
 
-
-def _one_line(e: BaseException, limit: int = 200) -> str:
-    text = " ".join(f"{e.__class__.__name__}: {e}".split())
-    return text if len(text) <= limit else text[:limit] + "..."
+# Special tokens a tokenizer may add past the model's vocabulary (a GGUF conversion adds e.g.
+# <|endoftext|>; the builder warns, and a request holding one is refused): a few, never a vocabulary.
+MAX_ADDED_PAST_VOCAB = 256
 
 
 class TextTokenizer:
-    def __init__(self, tokenizer_dir: str | Path):
+    """tokenizer.json (+ tokenizer_config.json and the chat template, when there are) of
+    `tokenizer_dir`. vocab_size: the model's; ids past it are refused (`check_vocab`). locate(name):
+    the path to read the file `name` from, or None when there is none (default: the file in
+    tokenizer_dir, if any); `from_engine` reads an engine dir's through engine_dir.engine_file."""
+
+    def __init__(self, tokenizer_dir: str | Path, *, vocab_size: int | None = None,
+                 locate: Callable[[str], Path | None] | None = None, budget: RenderBudget | None = None):
         d = Path(tokenizer_dir)
-        path = d / "tokenizer.json"
+        locate = locate or (lambda name: d / name if (d / name).is_file() else None)
+        path = locate("tokenizer.json") or d / "tokenizer.json"
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as e:   # the tokenizers library raises plain Exceptions for any bad file
-            raise EngineDirError(f"{path} cannot be loaded by the tokenizers library ({_one_line(e)}): "
+            raise EngineDirError(f"{path} cannot be loaded by the tokenizers library ({one_line(e)}): "
                                  "rebuild the engine") from None
-        self._config_path = cfg_path = d / "tokenizer_config.json"
-        self.config = _read_config(cfg_path) if cfg_path.is_file() else {}
-        self.chat_template = _pick_template(self.config.get("chat_template"), cfg_path)
-        self._template = None       # compiled on first use: jinja2 is only needed for chat prompts
+        if vocab_size is not None:
+            check_vocab(self._tok, vocab_size, path)
+        cfg_path = locate("tokenizer_config.json")
+        self.config = _read_config(cfg_path) if cfg_path is not None else {}
+        self.template: ChatTemplate | None = find_chat_template(
+            self.config, cfg_path or d / "tokenizer_config.json", locate, budget=budget,
+            bos_token=self.config.get("bos_token", ""), eos_token=self.config.get("eos_token", ""))
+
+    @classmethod
+    def from_engine(cls, manifest: Any, budget: RenderBudget | None = None) -> "TextTokenizer":
+        """The tokenizer of a loaded engine dir (`engine_dir.Manifest`), its chat template checked
+        by one render (ChatTemplate.check)."""
+        from .engine_dir import TOKENIZER_DIR, engine_file
+
+        tok = cls(manifest.path / TOKENIZER_DIR, vocab_size=manifest.model.vocab_size, budget=budget,
+                  locate=lambda name: engine_file(manifest, f"{TOKENIZER_DIR}/{name}"))
+        if tok.template is not None:
+            tok.template.check()
+        return tok
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.template.text if self.template is not None else None
 
     @property
     def vocab_size(self) -> int:
@@ -74,62 +98,36 @@ class TextTokenizer:
         earlier user and assistant turns then the new user turn), with the engine's chat
         template, ready for generation.
 
-        Sandboxed (see the module docstring); any template error, a sandbox refusal included, is
-        an EngineDirError naming `tokenizer_config.json: chat_template`."""
-        if not self.chat_template:
+        Sandboxed and budgeted (runtime/chat_template.py); any failure, a sandbox refusal or an
+        exhausted budget included, is an EngineDirError naming the template."""
+        if self.template is None:
             return user_text if isinstance(user_text, str) else "".join(m["content"] for m in user_text)
-        import jinja2  # transformers' dependency
-        try:
-            if self._template is None:
-                self._template = _sandbox().from_string(self.chat_template)
-            messages = [{"role": "user", "content": user_text}] if isinstance(user_text, str) else user_text
-            return self._template.render(messages=messages,
-                                         add_generation_prompt=True,
-                                         bos_token=self.config.get("bos_token", ""),
-                                         eos_token=self.config.get("eos_token", ""))
-        except jinja2.TemplateError as e:     # SecurityError, TemplateSyntaxError, UndefinedError, ...
-            raise EngineDirError(f"{self._config_path}: chat_template cannot be rendered ({_one_line(e)}): "
-                                 "rebuild the engine from a trusted model, or send raw prompts (--raw)") from None
+        messages = [{"role": "user", "content": user_text}] if isinstance(user_text, str) else user_text
+        return self.template.render(messages)
+
+
+def check_vocab(tok: Tokenizer, vocab_size: int, path: Path) -> None:
+    """Every id of `tok` indexes the model's embedding (< vocab_size), but for at most
+    MAX_ADDED_PAST_VOCAB special tokens added on top of the vocabulary."""
+    regular = tok.get_vocab(with_added_tokens=False).values()
+    added = tok.get_added_tokens_decoder()
+    past = [i for i in regular if i >= vocab_size]
+    past_added = [i for i, t in added.items() if i >= vocab_size]
+    if past or len(past_added) > MAX_ADDED_PAST_VOCAB or any(not added[i].special for i in past_added):
+        top = max([*past, *past_added])
+        raise EngineDirError(f"{path}: the tokenizer has {len(past) + len(past_added)} token ids past the model's "
+                             f"vocabulary (ids up to {top}; engine.yaml's model.vocab_size is {vocab_size}): the "
+                             "tokenizer and the weights belong to different models; rebuild the engine")
 
 
 def _read_config(path: Path) -> dict[str, Any]:
     try:
         cfg = json.loads(path.read_text())
     except (UnicodeDecodeError, ValueError) as e:
-        raise EngineDirError(f"{path} is not valid JSON ({_one_line(e)}): rebuild the engine") from None
+        raise EngineDirError(f"{path} is not valid JSON ({one_line(e)}): rebuild the engine") from None
     if not isinstance(cfg, dict):
         raise EngineDirError(f"{path} does not hold a JSON object: rebuild the engine")
     return cfg
-
-
-def _pick_template(value: Any, cfg_path: Path) -> str | None:
-    """The template text: a string, or (the Hugging Face list form) the entry named "default"."""
-    if isinstance(value, list):
-        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
-    if value is not None and not isinstance(value, str):
-        raise EngineDirError(f"{cfg_path}: chat_template must be a string, got a {type(value).__name__}: "
-                             "rebuild the engine")
-    return value
-
-
-def _sandbox():
-    """An immutable sandboxed environment set up as transformers' apply_chat_template sets its
-    own (trim_blocks, lstrip_blocks, loop controls, raise_exception, a tojson that does not
-    HTML-escape), so a template renders here as it does there."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
 
 
 class IncrementalDetokenizer:

@@ -137,17 +137,19 @@ start() {
   [ "$MAX_BODY" -ge 1 ] && [ "$MAX_BODY" -le 3900000 ] \
     || die "--max-body-bytes must be in 1..3900000 (tritonserver 2.51 crashes on HTTP bodies over ~4 MB), got $MAX_BODY"
   # The device and the engine dir are checked first, with the runtime's own messages (fast: no
-  # checksums here; the server verifies them when it loads the engine). Prints the device.
+  # checksums here; the server verifies them when it loads the engine; the tokenizer and its chat
+  # template, rendered once, as the engine loads them). Prints the device.
   local device
   device="$("$PY" -c "import sys; from runtime.errors import LookaheadError
 from runtime.device import resolve_device
 from runtime.engine_dir import load_manifest
+from runtime.tokenizer import TextTokenizer
 try:
     dev = resolve_device(sys.argv[1])
 except LookaheadError as e:
     sys.exit(f'serve.sh: error: {e}')
 try:
-    load_manifest(sys.argv[2], verify_checksums=False)
+    TextTokenizer.from_engine(load_manifest(sys.argv[2], verify_checksums=False))
 except LookaheadError as e:
     sys.exit(f'serve.sh: error: bad engine dir: {e}')
 print(dev)" "$DEVICE" "$ENGINE")" || exit 1

@@ -200,24 +200,27 @@ def sampling_params_from_request(request: dict[str, Any], max_model_len: int,
 
 
 # ---- the model dir the frontend reads --------------------------------------------------------------
-def make_model_dir(engine_dir: str | Path, out_dir: str | Path, *, max_model_len: int | None = None) -> Path:
+def make_model_dir(engine_dir: str | Path, out_dir: str | Path, *, max_model_len: int | None = None,
+                   tokenizer: Any = None) -> Path:
     """Write the local model dir Dynamo's frontend tokenizes from: tokenizer.json,
-    tokenizer_config.json (chat_template inlined from chat_template.jinja when it is not there),
-    config.json (a minimal Llama-style config: context length, special token ids) and
-    generation_config.json. Each file is written to a temporary name and renamed, so workers
-    sharing one dir never expose a half-written file (they all write the same bytes)."""
-    from runtime.engine_dir import TOKENIZER_DIR, load_manifest
+    tokenizer_config.json (with the chat template the runtime renders inlined: its own, or
+    chat_template.jinja's), config.json (a minimal Llama-style config: context length, special
+    token ids) and generation_config.json. The engine's files are read as the runtime reads them
+    (TextTokenizer.from_engine: listed in engine.yaml, inside the dir, the template rendered once).
+    Each file is written to a temporary name and renamed, so workers sharing one dir never expose
+    a half-written file (they all write the same bytes). tokenizer: the engine's, when it is
+    loaded already (the worker's), else loaded here."""
+    from runtime.engine_dir import TOKENIZER_DIR, engine_file, load_manifest
+    from runtime.tokenizer import TextTokenizer
 
     engine_dir, out = Path(engine_dir), Path(out_dir)
     manifest = load_manifest(engine_dir, verify_checksums=False)
     m = manifest.model
-    tok_dir = engine_dir / TOKENIZER_DIR
+    tok = tokenizer or TextTokenizer.from_engine(manifest)
+    tok_cfg = dict(tok.config)
+    if tok.chat_template is not None:
+        tok_cfg["chat_template"] = tok.chat_template
     out.mkdir(parents=True, exist_ok=True)
-    cfg_path = tok_dir / "tokenizer_config.json"
-    tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    jinja = tok_dir / "chat_template.jinja"
-    if not tok_cfg.get("chat_template") and jinja.is_file():
-        tok_cfg["chat_template"] = jinja.read_text()
     eos = list(m.eos_token_ids)
     ctx = min(max_model_len or m.max_position_embeddings, m.max_position_embeddings)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
@@ -228,7 +231,7 @@ def make_model_dir(engine_dir: str | Path, out_dir: str | Path, *, max_model_len
               "tie_word_embeddings": m.tie_word_embeddings, "bos_token_id": m.bos_token_id,
               "eos_token_id": eos[0] if len(eos) == 1 else eos, "torch_dtype": manifest.dtype}
     gen = {"bos_token_id": m.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos}
-    _atomic_copy(tok_dir / "tokenizer.json", out / "tokenizer.json")
+    _atomic_copy(engine_file(manifest, f"{TOKENIZER_DIR}/tokenizer.json"), out / "tokenizer.json")
     _atomic_write(out / "tokenizer_config.json", json.dumps(tok_cfg, indent=1, ensure_ascii=False))
     _atomic_write(out / "config.json", json.dumps(config, indent=1))
     _atomic_write(out / "generation_config.json", json.dumps(gen, indent=1))
@@ -642,7 +645,8 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
     engine = off_main_thread(lambda: Engine.from_dir(
         args.engine, device=args.device, verify_checksums=not args.no_verify_checksums,
         num_host_blocks=args.num_host_blocks, max_queue=args.max_queue, **overrides))
-    model_dir = make_model_dir(args.engine, run_dir / "model", max_model_len=engine.max_model_len)
+    model_dir = make_model_dir(args.engine, run_dir / "model", max_model_len=engine.max_model_len,
+                               tokenizer=engine.tokenizer)
     info = {"worker_index": args.worker_index, "pid": os.getpid(), "mode": engine.config.mode,
             "device": str(engine.device),
             "model": args.model_name, "max_model_len": engine.max_model_len,

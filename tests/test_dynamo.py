@@ -24,6 +24,7 @@ import time
 import urllib.request
 
 import pytest
+import yaml
 
 from runtime.errors import RequestError
 from deploy import dynamo_launch
@@ -256,8 +257,14 @@ def test_errors_name_the_openai_fields():
 def test_model_dir_holds_tokenizer_template_and_config(tmp_path):
     from tiny_engine import make_tiny_engine
 
+    from runtime.engine_dir import sha256_file
+
     engine_dir = make_tiny_engine(tmp_path / "engine")
-    (engine_dir / "tokenizer" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    jinja = engine_dir / "tokenizer" / "chat_template.jinja"
+    jinja.write_text("{{ messages[0]['content'] }}")
+    doc = yaml.safe_load((engine_dir / "engine.yaml").read_text())
+    doc["files"]["tokenizer/chat_template.jinja"] = sha256_file(jinja)      # as the builder lists it
+    (engine_dir / "engine.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     out = make_model_dir(engine_dir, tmp_path / "model", max_model_len=1024)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "tokenizer.json",
                                                       "tokenizer_config.json"]

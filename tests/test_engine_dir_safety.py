@@ -88,14 +88,12 @@ def test_hostile_chat_template_runs_no_code(eng_dir, tmp_path, index):
     marker = tmp_path / "pwned"
     write_template(eng_dir, hostile_templates(marker)[index])
     reseal(eng_dir, add=["tokenizer/tokenizer_config.json"])
-    engine = Engine.from_dir(eng_dir, mode="dense")
     with pytest.raises(EngineDirError) as e:
-        engine.tokenizer.apply_chat_template("hi")
+        Engine.from_dir(eng_dir, mode="dense")      # the load renders the template once
     msg = one_line_error(e)
     assert "tokenizer/tokenizer_config.json: chat_template" in msg and "SecurityError" in msg
     time.sleep(0.05)                        # a Popen would have been asynchronous
     assert not marker.exists()
-    engine.close()
 
 
 def test_format_string_cannot_reach_globals(eng_dir):
@@ -362,3 +360,196 @@ def test_overrides_are_checked_too(kwargs, field):
 def test_quoted_int_says_how_to_fix_it():
     with pytest.raises(ConfigError, match="without quotes"):
         LookaheadConfig(max_batch_size="8")
+
+
+# ---- issue 41: every file any process reads is listed and inside the dir --------------------------
+
+def test_unlisted_chat_template_linked_out_is_never_read(eng_dir, tmp_path):
+    """The pen test's dir: tokenizer/chat_template.jinja links to a secret outside, is left out of
+    engine.yaml's files, and the config holds no template; the Dynamo worker used to hand the
+    linked text to its frontend as the chat template."""
+    from serving.dynamo_worker import make_model_dir
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0 SECRET")
+    (eng_dir / "tokenizer" / "chat_template.jinja").symlink_to(secret)
+    for listed in (False, True):
+        if listed:
+            reseal(eng_dir, add=["tokenizer/chat_template.jinja"])      # with the right digest
+        for read in (load_manifest, lambda d: make_model_dir(d, tmp_path / "model")):
+            with pytest.raises(EngineDirError) as e:
+                read(eng_dir)
+            msg = one_line_error(e)
+            assert "tokenizer/chat_template.jinja is a symlink" in msg and "outside the engine dir" in msg
+    assert not (tmp_path / "model").exists()
+
+
+def test_engine_file_refuses_what_the_manifest_does_not_list(eng_dir):
+    from runtime.engine_dir import engine_file
+
+    m = load_manifest(eng_dir)
+    assert engine_file(m, "tokenizer/tokenizer.json") == eng_dir / "tokenizer" / "tokenizer.json"
+    assert engine_file(m, "tokenizer/chat_template.jinja") is None                  # absent: nothing to read
+    (eng_dir / "tokenizer" / "chat_template.jinja").write_text("{{ 'added later' }}")
+    with pytest.raises(EngineDirError, match="chat_template.jinja is not listed"):
+        engine_file(m, "tokenizer/chat_template.jinja")
+    with pytest.raises(EngineDirError, match="chat_template.jinja is not listed"):
+        load_manifest(eng_dir)
+    with pytest.raises(EngineDirError, match="points outside the engine dir"):
+        engine_file(m, "../e/engine.yaml")
+
+
+def test_the_runtime_renders_the_template_the_frontend_gets(eng_dir, tmp_path):
+    """A listed chat_template.jinja (transformers 5's place for it) is the template of both."""
+    from serving.dynamo_worker import make_model_dir
+
+    (eng_dir / "tokenizer" / "chat_template.jinja").write_text("<{{ messages[0]['content'] }}>")
+    reseal(eng_dir, add=["tokenizer/chat_template.jinja"])
+    tok = TextTokenizer.from_engine(load_manifest(eng_dir))
+    assert tok.apply_chat_template("hi") == "<hi>"
+    out = json.loads((make_model_dir(eng_dir, tmp_path / "m", tokenizer=tok) / "tokenizer_config.json").read_text())
+    assert out["chat_template"] == tok.chat_template
+
+
+# ---- engine.yaml is bounded before it is expanded ---------------------------------------------------
+
+def billion_laughs(levels: int) -> str:
+    """`name:` as nested aliases, 10 ** levels "lol"s from a few hundred bytes (the pen test used
+    more levels; str() of this one alone is ~7 MB)."""
+    lines = ['a0: &a0 "lol"'] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + f"\nname: *a{levels}\n"
+
+
+def write_yaml_text(d, text):
+    (d / "engine.yaml").write_text(text)
+
+
+def test_yaml_aliases_are_refused(eng_dir):
+    doc = manifest_doc(eng_dir)
+    del doc["name"]
+    bomb = billion_laughs(6)
+    assert len(bomb) < 1024
+    write_yaml_text(eng_dir, bomb.replace("\nname:", "\n" + yaml.safe_dump(doc, sort_keys=False) + "name:"))
+    with pytest.raises(EngineDirError) as e:
+        load_manifest(eng_dir)
+    assert "line 1: YAML anchors and aliases (&name, *name) are not allowed" in one_line_error(e)
+
+
+def test_an_oversized_engine_yaml_is_refused_unread(eng_dir):
+    text = (eng_dir / "engine.yaml").read_text()
+    write_yaml_text(eng_dir, text + "# " + "x" * (1 << 20) + "\n")
+    with pytest.raises(EngineDirError, match="engine.yaml is over 1 MiB"):
+        load_manifest(eng_dir)
+
+
+@pytest.mark.parametrize("field,value,expect", [
+    ("name", "x" * 300, "name: must be a string of 1 to 256 printable characters"),
+    ("name", ["a", "b"], "name: must be a string of 1 to 256"),
+    ("name", "two\nlines", "name: must be a string"),
+    ("source", {"path": "p" * 5000}, "source.path: is a string of 5000 characters, over 4096"),
+    ("versions", {"v" * 5000: "1"}, "versions: is a string of 5000 characters"),
+])
+def test_strings_are_typed_and_bounded(eng_dir, field, value, expect):
+    doc = manifest_doc(eng_dir)
+    doc[field] = value
+    write_yaml_text(eng_dir, yaml.safe_dump(doc, sort_keys=False))
+    with pytest.raises(EngineDirError) as e:
+        load_manifest(eng_dir)
+    assert expect in one_line_error(e)
+
+
+def test_a_digest_must_be_a_sha256(eng_dir):
+    doc = manifest_doc(eng_dir)
+    doc["files"]["weights.safetensors"] = "x" * 64
+    write_yaml_text(eng_dir, yaml.safe_dump(doc, sort_keys=False))
+    with pytest.raises(EngineDirError, match="files must map relative paths to sha256 digests"):
+        load_manifest(eng_dir, verify_checksums=False)
+
+
+@pytest.mark.parametrize("section,key,expect", [
+    (None, "quantisation", "quantisation: is not a known field (did you mean 'quantization'? known: dtype, "),
+    ("model", "num_layer", "model.num_layer: is not a known field (did you mean 'num_layers'?"),
+    ("lookahead", "topk", "lookahead.topk: is not a known field (did you mean 'top_k'?"),
+])
+def test_unknown_keys_are_refused_with_a_suggestion(eng_dir, section, key, expect):
+    doc = manifest_doc(eng_dir)
+    (doc[section] if section else doc)[key] = 1
+    write_yaml_text(eng_dir, yaml.safe_dump(doc, sort_keys=False))
+    with pytest.raises(EngineDirError) as e:
+        load_manifest(eng_dir)
+    assert expect in one_line_error(e)
+
+
+# ---- the tokenizer fits the model's vocabulary ------------------------------------------------------
+
+def test_tokenizer_ids_past_the_vocab_are_refused_at_load(tmp_path):
+    d = make_tiny_engine(tmp_path / "e", vocab_size=200)         # the byte tokenizer has 256 ids
+    with pytest.raises(EngineDirError) as e:
+        Engine.from_dir(d)
+    msg = one_line_error(e)
+    assert "tokenizer.json: the tokenizer has 56 token ids past the model's vocabulary (ids up to 255; " \
+           "engine.yaml's model.vocab_size is 200)" in msg
+
+
+def test_added_tokens_past_the_vocab(eng_dir):
+    """A few added special tokens past the vocabulary (a GGUF's <|endoftext|>: the builder warns, a
+    request holding one is refused) load; a vocabulary's worth of added tokens does not."""
+    from tiny_engine import byte_tokenizer
+
+    path = eng_dir / "tokenizer" / "tokenizer.json"
+    tok = byte_tokenizer()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(path))
+    reseal(eng_dir)
+    assert TextTokenizer.from_engine(load_manifest(eng_dir)).encode("<|endoftext|>") == [256]
+    tok.add_tokens([f"tok{i}" for i in range(300)])
+    tok.save(str(path))
+    reseal(eng_dir)
+    with pytest.raises(EngineDirError, match=r"has 301 token ids past .*ids up to 556; .*vocab_size is 256"):
+        TextTokenizer.from_engine(load_manifest(eng_dir))
+
+
+# ---- chat templates render under a budget -----------------------------------------------------------
+
+SMALL = dict(cpu_seconds=1, memory_bytes=256 << 20, max_chars=100_000)
+
+
+@pytest.mark.parametrize("template,expect", [
+    # 10 ** 9 iterations: over a minute unbudgeted (the pen test's 10 ** 10: hours)
+    ("{% for i in range(100000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}",
+     "ran past its CPU budget of 1 s"),
+    ("{{ 'x' * 400000000 }}", "ran past its memory budget of 256 MiB"),
+    ("{% for i in range(1000) %}{{ 'x' * 1000 }}{% endfor %}", "output ran past its budget of 100000 characters"),
+])
+def test_a_template_past_its_budget_is_a_typed_error(eng_dir, template, expect):
+    from runtime.chat_template import RenderBudget
+
+    write_template(eng_dir, template)
+    tok = TextTokenizer(eng_dir / "tokenizer", budget=RenderBudget(**SMALL))
+    with pytest.raises(EngineDirError) as e:
+        tok.apply_chat_template("hi")
+    msg = one_line_error(e)
+    assert "tokenizer/tokenizer_config.json: chat_template cannot be rendered" in msg and expect in msg
+    write_template(eng_dir, SMOLLM2_TEMPLATE)           # the helper restarts: the next render works
+    tok = TextTokenizer(eng_dir / "tokenizer", budget=RenderBudget(**SMALL))
+    assert tok.apply_chat_template("hi").endswith("<|im_start|>assistant\n")
+
+
+def test_a_template_that_cannot_finish_is_refused_at_load(eng_dir, monkeypatch):
+    """The engine renders its template once at load: the pen test's 3 GB string (default budget)
+    and an endless loop (a 1 s budget here) fail there, naming the template, for the CLI, the
+    Triton model and the Dynamo worker alike; the Dynamo launcher checks it before starting any."""
+    from deploy import dynamo_launch
+    from runtime import chat_template
+
+    write_template(eng_dir, "{{ 'x' * 3000000000 }}")
+    reseal(eng_dir, add=["tokenizer/tokenizer_config.json"])
+    with pytest.raises(EngineDirError) as e:
+        Engine.from_dir(eng_dir)
+    assert "tokenizer_config.json: chat_template cannot be rendered (it ran past its memory budget" \
+        in one_line_error(e)
+    monkeypatch.setattr(chat_template, "DEFAULT_BUDGET", chat_template.RenderBudget(cpu_seconds=1))
+    write_template(eng_dir, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    reseal(eng_dir)
+    with pytest.raises(dynamo_launch.LaunchError, match="chat_template cannot be rendered .*CPU budget of 1 s"):
+        dynamo_launch.check_engine(eng_dir, None)
