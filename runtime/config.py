@@ -150,6 +150,9 @@ class LookaheadConfig:
                                    # pre-decoding (1: after every miss; 0: never)
     prefetch_lead: int = 2         # pingpong: layer l+lead is fetched while layer l computes
     prefill_chunk: int = 512       # tokens per prefill chunk
+    prefill_top_k: int = 0         # lookahead: a prompt chunk attends to its sink, the top-K blocks its rows
+                                   # select, the prefill_window before it and itself (0: dense prefill)
+    prefill_window: int = 1024     # tokens before a chunk that it attends to densely when prefill_top_k > 0
     max_batch_size: int = 8
     max_model_len: int = 8192
     device_budget_bytes: int | None = None  # None: derived from top_k, sink and window
@@ -194,6 +197,8 @@ class LookaheadConfig:
         _check_int(self.resync_after, "resync_after", 0, 1 << 30, "1 re-seeds after every miss, 0 never")
         _check_int(self.prefetch_lead, "prefetch_lead", 1, 1024, "e.g. 2")
         _check_int(self.prefill_chunk, "prefill_chunk", 1, 1 << 20, "e.g. 512")
+        _check_int(self.prefill_top_k, "prefill_top_k", 0, 1 << 20, "a number of blocks, e.g. 256; 0 for dense")
+        _check_int(self.prefill_window, "prefill_window", 0, 1 << 24, "a number of tokens, e.g. 1024")
         _check_int(self.max_batch_size, "max_batch_size", 1, 4096, "e.g. 8")
         _check_int(self.max_model_len, "max_model_len", 1, 1 << 24, "e.g. 8192")
         if self.device_budget_bytes is not None:

@@ -49,6 +49,7 @@ from .integrity import check_integrity
 from .metrics import LookaheadMetrics
 from .residency import ALL_LANES, Admission, LayerResult, ResidencyManager, make_policy
 from .step_plan import DecodePart, PrefillPart, StepPlan
+from .prefill_select import PrefillSelection
 from .summaries import BlockSummaries, SummaryStore
 
 ROWS = {2: ("real", "draft"), 1: ("real",)}     # the query rows of a decode lane (Observer.on_scores)
@@ -83,6 +84,8 @@ class LookaheadAttention:
         self.tier = DeviceTier(self.layout, policy.num_buffers, num_lanes, self.kvh, self.hd, pool.k.dtype, device)
         self.summaries = BlockSummaries(mcfg.num_layers, num_lanes, max_blocks, self.kvh, self.hd, pool.k.dtype,
                                         device, ops)
+        # a long prompt's later chunks attend to their selected blocks (prefill_top_k > 0), else densely
+        self.prefill_select = PrefillSelection(cfg, self.summaries) if cfg.prefill_top_k else None
         self.metrics = LookaheadMetrics(mcfg.num_layers, num_lanes, device=device)
         self.residency = ResidencyManager(cfg, policy, mcfg.num_layers, num_lanes, self.kvh, max_blocks, pool,
                                           self.tier, transfer, self.metrics, self.observers, device, ops)
@@ -167,16 +170,18 @@ class LookaheadAttention:
         the chunk that completes the prompt seeds the first working set."""
         it = part.item
         rows = slice(it.row_start, it.row_start + it.num_tokens)
+        table, length = it.block_table, it.context_len
+        if self.prefill_select is not None and it.start_pos > 0 and not p.store_only:
+            table, length = self.prefill_select.select(layer, part.lane, q[rows], table, length) or (table, length)
         if not p.store_only and self.ops.prefill_attention is not None and self.device.type == "cpu":
             # the table's prefill kernel, straight from the host pool (stored before this call)
-            out[rows] = self.ops.prefill_attention(q[rows], self.pool.k[layer], self.pool.v[layer], it.block_table,
-                                                   it.context_len, self.scale).to(out.dtype)
+            out[rows] = self.ops.prefill_attention(q[rows], self.pool.k[layer], self.pool.v[layer], table,
+                                                   length, self.scale).to(out.dtype)
         elif not p.store_only:               # a replayed prefill only stores and seeds
             if it.start_pos == 0:            # the rows as the pool stores them (a no-op at fp32)
                 kc, vc = (t[rows].transpose(0, 1).to(self.pool.k.dtype) for t in (k, v))
             else:                            # from the host pool onto the device (a view on CPU)
-                kc, vc = (t.to(self.device, non_blocking=True)
-                          for t in self.pool.read(layer, it.block_table, it.context_len))
+                kc, vc = (t.to(self.device, non_blocking=True) for t in self.pool.read(layer, table, length))
             out[rows] = prefill_attention(q[rows], kc, vc)
         if part.completes_prompt:
             self._seed(layer, part, q[it.row_start + it.num_tokens - 1])
