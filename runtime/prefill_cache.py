@@ -43,38 +43,39 @@ class PrefillCache:
         self.hits = self.misses = 0     # prompts replayed / recorded
 
     @staticmethod
-    def _key(model, seq: Sequence, kv_dtype) -> tuple:
+    def _key(model, seq: Sequence, kv_dtype, variant: str) -> tuple:
         # the KV storage dtype too: a prefill under fp16 KV attends over rounded keys, so its
-        # logits are not an fp32 engine's (and the reverse); and the prefill precision (siblings
-        # at another one compute with a twin of the model: the same layers, another kernel table)
+        # logits are not an fp32 engine's (and the reverse); the prefill precision (siblings
+        # at another one compute with a twin of the model: the same layers, another kernel table);
+        # and the attention's variant (a block-sparse prefill attends to fewer keys than a dense one)
         ops = getattr(model, "ops", None)
-        return (id(getattr(model, "layers", model)), getattr(ops, "prefill", "float32"), str(kv_dtype),
+        return (id(getattr(model, "layers", model)), getattr(ops, "prefill", "float32"), str(kv_dtype), variant,
                 tuple(seq.prompt_ids))
 
     def replay(self, model, work: list[tuple[Sequence, int]], items: list[StepItem],
-               kv_dtype: torch.dtype | None = None) -> "Replay | None":
+               kv_dtype: torch.dtype | None = None, variant: str = "dense") -> "Replay | None":
         """The step's replay when every item is a prefill chunk of a prompt recorded by an engine
         over the same model and KV storage dtype, else None."""
         if not work or not all(seq.in_prefill for seq, _ in work):
             return None
         if any(seq.params.prompt_logprobs is not None for seq, _ in work):
             return None                # a replay computes no hidden states to score the prompt with
-        entries = [self._entries.get(self._key(model, seq, kv_dtype)) for seq, _ in work]
+        entries = [self._entries.get(self._key(model, seq, kv_dtype, variant)) for seq, _ in work]
         if any(e is None or e.logits is None for e in entries):
             return None
         for (seq, _), it in zip(work, items):
-            self._entries.move_to_end(self._key(model, seq, kv_dtype))
+            self._entries.move_to_end(self._key(model, seq, kv_dtype, variant))
             self.hits += it.start_pos == 0
         return Replay(list(zip(work, items, entries)))
 
     def record(self, model, work: list[tuple[Sequence, int]], items: list[StepItem],
-               kv_dtype: torch.dtype | None = None) -> "Recording | None":
+               kv_dtype: torch.dtype | None = None, variant: str = "dense") -> "Recording | None":
         """What this step should record: the prefill chunks that start or continue a prompt."""
         rec = []
         for (seq, n), it in zip(work, items):
             if not seq.in_prefill:
                 continue
-            key = self._key(model, seq, kv_dtype)
+            key = self._key(model, seq, kv_dtype, variant)
             entry = self._entries.get(key)
             if it.start_pos == 0 and (entry is None or entry.logits is None):
                 entry = self._entries[key] = _Entry()         # a new prompt (or a restarted one)

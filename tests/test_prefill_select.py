@@ -109,3 +109,27 @@ def test_an_engine_with_every_candidate_in_budget_prefills_as_dense(tmp_path):
     # sparse at K = 8 (their 15+ candidates, before a 256-token window)
     assert outs[1000] == outs[0] and outs["1000/chunks"] == (0, 4)
     assert outs["8/chunks"] == (4, 0)
+
+
+def test_a_sparse_prefill_never_replays_a_dense_one(tmp_path):
+    """Siblings share a prefill cache (the evals' modes): a block-sparse prefill computes its own, and a dense
+    sibling's later run replays the dense recording, not the sparse one."""
+    from runtime.engine import Engine
+    from runtime.prefill_cache import PrefillCache
+    from runtime.sampling import SamplingParams
+    d = make_tiny_engine(tmp_path / "tiny", seed=4)
+    ids = random_prompts(2000, seed=2)[0]
+    cache = PrefillCache(max_prompts=2)
+    base = Engine.from_dir(d, max_model_len=4096)
+    out = {}
+    try:
+        for name, ptk in (("dense", 0), ("sparse", 8), ("dense again", 0), ("sparse again", 8)):
+            e = base.sibling(cache, mode="lookahead", prefill_top_k=ptk, prefill_window=256, max_model_len=4096)
+            hits = cache.hits
+            out[name] = (e.generate([ids], SamplingParams(max_tokens=5))[0].token_ids, cache.hits - hits)
+            e.close()
+    finally:
+        base.close()
+    assert out["dense"][1] == 0 and out["sparse"][1] == 0
+    assert out["dense again"] == (out["dense"][0], 1) and out["sparse again"] == (out["sparse"][0], 1)
+    assert out["sparse"][0] != out["dense"][0]        # a random tiny model: 8 blocks of ~100 change its tokens

@@ -86,6 +86,8 @@ class LookaheadAttention:
                                         device, ops)
         # a long prompt's later chunks attend to their selected blocks (prefill_top_k > 0), else densely
         self.prefill_select = PrefillSelection(cfg, self.summaries) if cfg.prefill_top_k else None
+        self.prefill_variant = (f"sparse(top_k={cfg.prefill_top_k},window={cfg.prefill_window},"
+                                f"block={cfg.block_size})" if cfg.prefill_top_k else "dense")
         self.metrics = LookaheadMetrics(mcfg.num_layers, num_lanes, device=device)
         self.residency = ResidencyManager(cfg, policy, mcfg.num_layers, num_lanes, self.kvh, max_blocks, pool,
                                           self.tier, transfer, self.metrics, self.observers, device, ops)

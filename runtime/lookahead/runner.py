@@ -81,7 +81,8 @@ class LookaheadRunner:
         work = sorted(work, key=lambda w: self.lanes[w[0].seq_id])
         rows = self._rows(work)
         cache, num_layers = self.prefill_cache, len(self.model.layers)
-        replay = cache.replay(self.model, work, rows.items, self.attn.pool.dtype) if cache is not None else None
+        variant = self.attn.prefill_variant
+        replay = cache.replay(self.model, work, rows.items, self.attn.pool.dtype, variant) if cache is not None else None
         plan = build_plan(rows, self.attn.layout, self.attn.max_blocks, self.attn.device,
                           store_only=replay is not None)
         if self.observers:
@@ -93,7 +94,7 @@ class LookaheadRunner:
             self.last_step = step.finish()
             self._advance(work, rows)
             return out
-        rec = cache.record(self.model, work, rows.items, self.attn.pool.dtype) if cache is not None else None
+        rec = cache.record(self.model, work, rows.items, self.attn.pool.dtype, variant) if cache is not None else None
         if self._fused_weights != self.model.weights_version:       # load_weights replaced the tensors
             self._bind_fused()
         hidden = None
