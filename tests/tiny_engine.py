@@ -13,6 +13,12 @@ from runtime.model import LlamaModel
 TINY = dict(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
             num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=4096, rope_theta=10000.0)
 
+# qwen3's per-head q/k RMSNorm with YaRN RoPE (factor 4 over a 1024-token original context): the
+# architecture and scaling every path must apply (head_dim 32 with hidden 64 and 6 heads: q is
+# wider than the residual stream)
+QWEN3_YARN = dict(architecture="qwen3", head_dim=32,
+                  rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})
+
 
 def byte_tokenizer() -> Tokenizer:
     """A byte-level tokenizer with exactly 256 tokens (one per byte), no merges."""
