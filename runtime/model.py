@@ -330,10 +330,11 @@ class LlamaModel(nn.Module):
         self.weights_version += 1          # new tensors: a fused decoder bound to the old ones re-binds
 
     @classmethod
-    def random(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> "LlamaModel":
+    def random(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+               max_positions: int | None = None) -> "LlamaModel":
         """A model with small random weights, for unit tests and GPU timing in a real shape."""
         g = torch.Generator().manual_seed(seed)
-        m = cls(cfg, dtype=dtype)
+        m = cls(cfg, dtype=dtype, max_positions=max_positions)
         with torch.no_grad():
             for name, p in m.named_parameters():
                 if name.endswith("norm.weight"):

@@ -34,11 +34,12 @@ def make_tiny_engine(path: Path, seed: int = 0, lookahead: LookaheadConfig | Non
                      **model_overrides) -> Path:
     cfg = ModelConfig(**{**TINY, **model_overrides})
     path.mkdir(parents=True, exist_ok=True)
-    model = LlamaModel.random(cfg, seed=seed)
+    lookahead = lookahead or LookaheadConfig()
+    model = LlamaModel.random(cfg, seed=seed, max_positions=lookahead.max_model_len)   # only its weights are saved
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / WEIGHTS))
     (path / TOKENIZER_DIR).mkdir(exist_ok=True)
     byte_tokenizer().save(str(path / TOKENIZER_DIR / "tokenizer.json"))
-    write_manifest(path, name="tiny", model=cfg, dtype="float32", lookahead=lookahead or LookaheadConfig(),
+    write_manifest(path, name="tiny", model=cfg, dtype="float32", lookahead=lookahead,
                    source={"kind": "random", "seed": seed}, versions={})
     return path
 
