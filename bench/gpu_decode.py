@@ -5,7 +5,7 @@
         --steps 2 --warmup 1 --top-k 2 --recent-window 16 --bandwidth-gib 0.0625 --out /tmp/b   # CPU smoke
 
 The engines are engine dirs (`NAME=DIR`, comma-separated), normally the random-weights dirs of
-`scripts/build_engine.py --random-weights SHAPE` in the real shapes (SmolLM2-135M, Llama-3-8B):
+`scripts/build_engine.py --random-weights SHAPE` in the real shapes (SmolLM2-135M, Llama-3.1-8B, Qwen3-8B):
 `Engine.from_dir(DIR, device=...)` generates their weights on the device. Timing only: random
 weights say nothing about accuracy, and they make the draft agree with the model about as often
 as chance, so the lookahead rows copy more than a trained model's would.

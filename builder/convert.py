@@ -2,8 +2,9 @@
 
 Per layer, q/k/v become one `wqkv` (rows q | k | v, heads in Hugging Face order: the runtime's RoPE
 uses the same rotate-half convention, so no permutation is needed) and gate/up become one `w13`
-(rows gate | up). Everything is checked against the shapes the config implies *before* fusing, so a
-config that disagrees with its weights is reported by tensor name instead of as a failed `cat`.
+(rows gate | up); qwen3's per-head `q_norm` / `k_norm` weights are kept as they are. Everything is
+checked against the shapes the config implies *before* fusing, so a config that disagrees with its
+weights is reported by tensor name instead of as a failed `cat`.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, Shape]:
         if cfg.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)})
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
@@ -76,7 +79,7 @@ def convert(tensors: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dty
     check_tensors(tensors, cfg, where)
     out = {"embed_tokens.weight": tensors["model.embed_tokens.weight"], "norm.weight": tensors["model.norm.weight"]}
     for i in range(cfg.num_layers):
-        out.update(_layer(tensors, i, cfg.attention_bias))
+        out.update(_layer(tensors, i, cfg))
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = tensors["lm_head.weight"]
     out = {k: v.to(dtype).contiguous() for k, v in out.items()}
@@ -84,7 +87,7 @@ def convert(tensors: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dty
     return out
 
 
-def _layer(t: dict[str, torch.Tensor], i: int, bias: bool) -> dict[str, torch.Tensor]:
+def _layer(t: dict[str, torch.Tensor], i: int, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     hf, rt = f"model.layers.{i}.", f"layers.{i}."
     attn = [t[hf + f"self_attn.{p}_proj.weight"] for p in "qkv"]
     layer = {
@@ -95,8 +98,10 @@ def _layer(t: dict[str, torch.Tensor], i: int, bias: bool) -> dict[str, torch.Te
         rt + "w13.weight": torch.cat([t[hf + "mlp.gate_proj.weight"], t[hf + "mlp.up_proj.weight"]], dim=0),
         rt + "w2.weight": t[hf + "mlp.down_proj.weight"],
     }
-    if bias:
+    if cfg.attention_bias:
         layer[rt + "wqkv.bias"] = torch.cat([t[hf + f"self_attn.{p}_proj.bias"] for p in "qkv"])
+    if cfg.qk_norm:                                      # qwen3: one RMSNorm weight [head_dim] each
+        layer[rt + "q_norm.weight"], layer[rt + "k_norm.weight"] = (t[hf + f"self_attn.{p}_norm.weight"] for p in "qk")
     return layer
 
 

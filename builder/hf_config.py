@@ -11,12 +11,14 @@ from typing import Any
 
 from runtime.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from runtime.errors import ConfigError
-from runtime.rope import rope_inv_freq
+from runtime.rope_scaling import TYPE_KEYS
 
 from .errors import SourceError
 
-# transformers' defaults for keys a config.json may omit (LlamaConfig, Qwen2Config, MistralConfig).
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 4096 * 32}
+# transformers' defaults for keys a config.json may omit (LlamaConfig, Qwen2Config, MistralConfig,
+# Qwen3Config; head_dim: hidden_size // heads unless named here).
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 4096 * 32, "qwen3": 32768}
+_DEFAULT_HEAD_DIM = {"qwen3": 128}
 _MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -42,7 +44,7 @@ def model_config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None 
         raise SourceError(f"{where} has no {missing[0]!r}", fix="the checkpoint's config is incomplete")
     _refuse_unsupported_variants(cfg, arch, where)
     heads = cfg["num_attention_heads"]
-    theta, scaling = _rope(cfg)
+    theta, scaling = _rope(cfg, where)
     fields = dict(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -51,25 +53,21 @@ def model_config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None 
         num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        head_dim=cfg.get("head_dim") or _DEFAULT_HEAD_DIM.get(arch) or _div(cfg["hidden_size"], heads),
         max_position_embeddings=cfg.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[arch],
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_number(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases (and no o_proj bias); Llama's attention_bias is refused above.
+        # Qwen2 always has q/k/v biases (and no o_proj bias); the others' attention_bias is refused above.
         attention_bias=arch == "qwen2",
         bos_token_id=_first(cfg.get("bos_token_id"), (generation or {}).get("bos_token_id")),
         eos_token_ids=_eos_ids(cfg, generation),
     )
     try:
-        model = ModelConfig(**fields)
-        rope_inv_freq(model.head_dim, model.rope_theta, model.rope_scaling)
+        return ModelConfig(**fields)           # every field typed and range-checked, rope_scaling's too
     except ConfigError as e:
         raise SourceError(f"{where}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise SourceError(f"{where}: rope scaling {scaling} is malformed ({e.__class__.__name__}: {e})") from None
-    return model
 
 
 def _architecture(cfg: dict[str, Any], where: str) -> str:
@@ -96,23 +94,45 @@ def _refuse_unsupported_variants(cfg: dict[str, Any], arch: str, where: str) -> 
         max_pos = cfg.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[arch]
         if window is not None and window < max_pos:
             refuse(f"with sliding_window={window} < max_position_embeddings={max_pos}")
-    if arch == "qwen2" and cfg.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         refuse("with use_sliding_window=true")
-    if (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0) != 1.0:
+    layer_types = cfg.get("layer_types") or []
+    other = [t for t in layer_types if t != "full_attention"] if isinstance(layer_types, list) else [layer_types]
+    if other:
+        refuse(f"with layer_types holding {other[0]!r} (every layer must be full_attention)")
+    params = cfg.get("rope_parameters")
+    rotary = params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0 or rotary != 1.0:
         refuse("with partial rotary embeddings")
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling or None) from either config layout; scaling keeps its own keys."""
+def _rope(cfg: dict[str, Any], where: str) -> tuple[Any, dict[str, Any] | None]:
+    """(theta, scaling or None) from either config layout; scaling keeps its own keys (ModelConfig
+    checks them: runtime/rope_scaling.py). A plain default scaling is None."""
     params = cfg.get("rope_parameters")
     if params:  # transformers >= 5: theta and scaling share one dict
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        if not isinstance(params, dict):
+            raise SourceError(f"{where}: rope_parameters must be a mapping, got {params!r}")
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
     else:
-        theta = float(cfg.get("rope_theta", 10000.0))
-        scaling = dict(cfg.get("rope_scaling") or {})
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    return theta, (None if kind == "default" else scaling)
+        theta, scaling = cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling")
+        if not scaling:
+            return _number(theta), None
+        if not isinstance(scaling, dict):
+            raise SourceError(f"{where}: rope_scaling must be a mapping or null, got {scaling!r}")
+    plain = all(k in TYPE_KEYS for k in scaling) and all(scaling[k] == "default" for k in scaling)
+    return _number(theta), None if plain else dict(scaling)
+
+
+def _number(v: Any) -> Any:
+    """A JSON number as a float; anything else as it is, for ModelConfig to refuse by name."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+
+def _div(a: Any, b: Any) -> Any:
+    """a // b for the integers a config.json should hold; else `a`, for ModelConfig to refuse."""
+    return a // b if all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b)) and b > 0 else a
 
 
 def _first(*values: Any) -> int | None:

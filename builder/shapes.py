@@ -9,6 +9,10 @@ from typing import Any
 
 from runtime.config import ModelConfig
 
+QWEN3_8B = dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643, eos_token_ids=(151645, 151643))
+
 SHAPES: dict[str, dict[str, Any]] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct: the default model's geometry
     "smollm2-135m": dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -22,6 +26,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                       tie_word_embeddings=False, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
+    # Qwen/Qwen3-8B: 36 layers, q/k RMSNorm per head (head_dim 128 = hidden / heads here), 40K context
+    "qwen3-8b": dict(QWEN3_8B),
+    # Qwen3-8B with the YaRN scaling its model card gives for 128K (what the papers run long contexts with)
+    "qwen3-8b-yarn": dict(QWEN3_8B, max_position_embeddings=131072,
+                          rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
     # a tiny model with the default tokenizer's vocab: fast tests of the recipe path
     "tiny": dict(architecture="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
                  num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096, rope_theta=10000.0,

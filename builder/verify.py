@@ -163,7 +163,7 @@ def _load_reference(source_dir: Path) -> torch.nn.Module:
 
 
 def _load_engine(engine_dir: Path, cfg: ModelConfig, dtype: torch.dtype) -> LlamaModel:
-    model = LlamaModel(cfg, dtype=dtype)
+    model = LlamaModel(cfg, dtype=dtype, max_positions=MAX_PROMPT_TOKENS + GREEDY_TOKENS)   # the positions it runs
     model.load_weights(load_file(str(engine_dir / WEIGHTS)))
     return model.eval()
 

@@ -97,7 +97,8 @@ def held_out_text() -> tuple[str, str]:
 
 
 def load_int8_engine(engine_dir: Path, cfg: ModelConfig, quantization: dict[str, Any]) -> LlamaModel:
-    model = LlamaModel(cfg, dtype=torch.float32, empty=True, quantized=quantization["quantized"])
+    model = LlamaModel(cfg, dtype=torch.float32, empty=True, quantized=quantization["quantized"],
+                       max_positions=max(PPL_TOKENS, MAX_PROMPT_TOKENS + GREEDY_TOKENS))    # the positions it runs
     model.load_weights(load_file(str(engine_dir / WEIGHTS)))
     return model.eval().requires_grad_(False)
 

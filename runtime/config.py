@@ -12,41 +12,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .checks import check, check_bool, check_int, check_real, got, is_int
 from .errors import ConfigError
+from .rope_scaling import check_rope_scaling
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
-
-
-def _check(cond: bool, field_name: str, problem: str, fix: str = "") -> None:
-    if not cond:
-        raise ConfigError(field_name, problem, fix)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)       # True is an int to Python, not to us
-
-
-def _got(v: Any) -> str:
-    return f"{v!r} (a {type(v).__name__})" if not isinstance(v, (int, float)) or isinstance(v, bool) else repr(v)
-
-
-def _check_int(v: Any, field_name: str, lo: int, hi: int, fix: str = "") -> None:
-    """`v` is a real int (not a bool, not a string) in [lo, hi]. The upper bounds are generous but
-    finite: a shape field of 10^8 would otherwise build 10^8 modules or allocate for minutes."""
-    if not _is_int(v):
-        hint = "write it without quotes" if isinstance(v, str) and v.strip().lstrip("-").isdigit() else fix
-        raise ConfigError(field_name, f"must be an integer in [{lo}, {hi}], got {_got(v)}", hint)
-    _check(lo <= v <= hi, field_name, f"must be in [{lo}, {hi}], got {v}", fix)
-
-
-def _check_real(v: Any, field_name: str, lo: float, hi: float, fix: str = "", lo_open: bool = True) -> None:
-    """`v` is a finite int or float in (lo, hi] (or [lo, hi] when not lo_open)."""
-    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
-        hint = ("write a number without quotes; YAML reads 1e-5 as a string, 1.0e-5 as a number"
-                if isinstance(v, str) else fix)
-        raise ConfigError(field_name, f"must be a finite number, got {_got(v)}", hint)
-    ok = (lo < v if lo_open else lo <= v) and v <= hi
-    _check(ok, field_name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}", fix)
+# qwen3: the Llama block with an RMSNorm over each head of q and of k before RoPE (`qk_norm`)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
+QK_NORM_ARCHITECTURES = ("qwen3",)
 
 
 # Upper bounds of ModelConfig's shape fields: several times the largest open Llama-family models.
@@ -77,27 +49,32 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _check(self.architecture in SUPPORTED_ARCHITECTURES, "architecture",
+        check(self.architecture in SUPPORTED_ARCHITECTURES, "architecture",
                f"{self.architecture!r} is not supported",
                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         for name, hi in MODEL_LIMITS.items():
-            _check_int(getattr(self, name), name, 1, hi, "rebuild the engine from the model's config.json")
-        _check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+            check_int(getattr(self, name), name, 1, hi, "rebuild the engine from the model's config.json")
+        check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
                f"{self.num_kv_heads} does not divide num_heads={self.num_heads}")
-        _check(self.head_dim % 2 == 0, "head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
-        _check_real(self.rms_norm_eps, "rms_norm_eps", 0.0, 1.0, "e.g. 1.0e-5")
-        _check_real(self.rope_theta, "rope_theta", 0.0, 1e12, "e.g. 10000.0")
-        _check(self.rope_scaling is None or isinstance(self.rope_scaling, dict), "rope_scaling",
-               f"must be a mapping or null, got {_got(self.rope_scaling)}")
+        check(self.head_dim % 2 == 0, "head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
+        check_real(self.rms_norm_eps, "rms_norm_eps", 0.0, 1.0, "e.g. 1.0e-5")
+        check_real(self.rope_theta, "rope_theta", 0.0, 1e12, "e.g. 10000.0")
+        check_rope_scaling(self.rope_scaling)
         for name in ("tie_word_embeddings", "attention_bias"):
             v = getattr(self, name)
-            _check(isinstance(v, bool), name, f"must be true or false, got {_got(v)}")
+            check(isinstance(v, bool), name, f"must be true or false, got {got(v)}")
         if self.bos_token_id is not None:
-            _check_int(self.bos_token_id, "bos_token_id", 0, self.vocab_size - 1)
+            check_int(self.bos_token_id, "bos_token_id", 0, self.vocab_size - 1)
         eos = self.eos_token_ids
-        _check(isinstance(eos, (list, tuple)) and all(_is_int(t) and 0 <= t < self.vocab_size for t in eos),
+        check(isinstance(eos, (list, tuple)) and all(is_int(t) and 0 <= t < self.vocab_size for t in eos),
                "eos_token_ids", f"must be a list of token ids in [0, {self.vocab_size}), got {eos!r}")
         object.__setattr__(self, "eos_token_ids", tuple(eos))
+
+    @property
+    def qk_norm(self) -> bool:
+        """Each head of q and of k is RMS-normalised (weights `q_norm`, `k_norm` [head_dim]) between
+        the projection and RoPE."""
+        return self.architecture in QK_NORM_ARCHITECTURES
 
     @property
     def q_size(self) -> int:
@@ -172,49 +149,49 @@ class LookaheadConfig:
                                    # prompt kernel; 1.5x faster at 1 row, 3x at 8: docs/SETTINGS.md)
 
     def __post_init__(self) -> None:
-        _check(self.mode in MODES, "mode", f"{self.mode!r} is unknown", f"use one of {MODES}")
+        check(self.mode in MODES, "mode", f"{self.mode!r} is unknown", f"use one of {MODES}")
         bs = self.block_size
-        _check_int(bs, "block_size", 1, 4096, "e.g. 16")
-        _check(bs & (bs - 1) == 0, "block_size", f"must be a power of two, got {bs!r}", "e.g. 16")
-        _check_int(self.top_k, "top_k", 1, 1 << 20, "a number of blocks; the papers use 128")
-        _check_real(self.fetch_ratio, "fetch_ratio", 0.0, 1.0, "0.2 by default; OasisKV uses 0.05")
-        _check_int(self.num_sink_blocks, "num_sink_blocks", 0, 1 << 16, "e.g. 1")
-        _check_int(self.recent_window, "recent_window", 0, 1 << 24, "a number of tokens, e.g. 64")
-        _check(self.residency in RESIDENCY, "residency", f"{self.residency!r} is unknown",
+        check_int(bs, "block_size", 1, 4096, "e.g. 16")
+        check(bs & (bs - 1) == 0, "block_size", f"must be a power of two, got {bs!r}", "e.g. 16")
+        check_int(self.top_k, "top_k", 1, 1 << 20, "a number of blocks; the papers use 128")
+        check_real(self.fetch_ratio, "fetch_ratio", 0.0, 1.0, "0.2 by default; OasisKV uses 0.05")
+        check_int(self.num_sink_blocks, "num_sink_blocks", 0, 1 << 16, "e.g. 1")
+        check_int(self.recent_window, "recent_window", 0, 1 << 24, "a number of tokens, e.g. 64")
+        check(self.residency in RESIDENCY, "residency", f"{self.residency!r} is unknown",
                f"use one of {RESIDENCY}")
-        _check(self.miss_policy in MISS_POLICIES, "miss_policy", f"{self.miss_policy!r} is unknown",
+        check(self.miss_policy in MISS_POLICIES, "miss_policy", f"{self.miss_policy!r} is unknown",
                f"use one of {MISS_POLICIES}")
-        _check(self.draft in DRAFTS, "draft", f"{self.draft!r} is unknown", f"use one of {DRAFTS}")
-        _check(self.group_score in GROUP_SCORES, "group_score", f"{self.group_score!r} is unknown",
+        check(self.draft in DRAFTS, "draft", f"{self.draft!r} is unknown", f"use one of {DRAFTS}")
+        check(self.group_score in GROUP_SCORES, "group_score", f"{self.group_score!r} is unknown",
                f"use one of {GROUP_SCORES}")
         if self.draft == "none":    # no prediction: only the real query's on-demand fetch fills the set
-            _check(self.miss_policy == "urgent", "miss_policy",
+            check(self.miss_policy == "urgent", "miss_policy",
                    f"{self.miss_policy!r} with draft 'none' would never fill the working set",
                    "use miss_policy 'urgent' (blocks fetched on demand), or a draft")
-            _check(self.residency == "resident", "residency",
+            check(self.residency == "resident", "residency",
                    f"{self.residency!r} refills from predictions, and draft 'none' makes none",
                    "use residency 'resident', or a draft")
-        _check_int(self.resync_after, "resync_after", 0, 1 << 30, "1 re-seeds after every miss, 0 never")
-        _check_int(self.prefetch_lead, "prefetch_lead", 1, 1024, "e.g. 2")
-        _check_int(self.prefill_chunk, "prefill_chunk", 1, 1 << 20, "e.g. 512")
-        _check_int(self.prefill_top_k, "prefill_top_k", 0, 1 << 20, "a number of blocks, e.g. 256; 0 for dense")
-        _check_int(self.prefill_window, "prefill_window", 0, 1 << 24, "a number of tokens, e.g. 1024")
-        _check_int(self.max_batch_size, "max_batch_size", 1, 4096, "e.g. 8")
-        _check_int(self.max_model_len, "max_model_len", 1, 1 << 24, "e.g. 8192")
+        check_int(self.resync_after, "resync_after", 0, 1 << 30, "1 re-seeds after every miss, 0 never")
+        check_int(self.prefetch_lead, "prefetch_lead", 1, 1024, "e.g. 2")
+        check_int(self.prefill_chunk, "prefill_chunk", 1, 1 << 20, "e.g. 512")
+        check_int(self.prefill_top_k, "prefill_top_k", 0, 1 << 20, "a number of blocks, e.g. 256; 0 for dense")
+        check_int(self.prefill_window, "prefill_window", 0, 1 << 24, "a number of tokens, e.g. 1024")
+        check_int(self.max_batch_size, "max_batch_size", 1, 4096, "e.g. 8")
+        check_int(self.max_model_len, "max_model_len", 1, 1 << 24, "e.g. 8192")
         if self.device_budget_bytes is not None:
-            _check_int(self.device_budget_bytes, "device_budget_bytes", 1, 1 << 50, "a number of bytes, or null")
+            check_int(self.device_budget_bytes, "device_budget_bytes", 1, 1 << 50, "a number of bytes, or null")
         if self.kv_dtype is not None:
-            _check(isinstance(self.kv_dtype, str) and self.kv_dtype in KV_DTYPES, "kv_dtype",
+            check(isinstance(self.kv_dtype, str) and self.kv_dtype in KV_DTYPES, "kv_dtype",
                    f"{self.kv_dtype!r} is not a KV storage dtype" if isinstance(self.kv_dtype, str)
-                   else f"must be a dtype name, got {_got(self.kv_dtype)}", f"use one of {', '.join(KV_DTYPES)}")
-        _check(isinstance(self.prefill_precision, str) and self.prefill_precision in PREFILL_PRECISIONS,
+                   else f"must be a dtype name, got {got(self.kv_dtype)}", f"use one of {', '.join(KV_DTYPES)}")
+        check(isinstance(self.prefill_precision, str) and self.prefill_precision in PREFILL_PRECISIONS,
                "prefill_precision", f"{self.prefill_precision!r} is not a prefill precision",
                f"use one of {', '.join(PREFILL_PRECISIONS)}")
-        _check(isinstance(self.decode_precision, str) and self.decode_precision in DECODE_PRECISIONS,
+        check(isinstance(self.decode_precision, str) and self.decode_precision in DECODE_PRECISIONS,
                "decode_precision", f"{self.decode_precision!r} is not a decode precision",
                f"use one of {', '.join(DECODE_PRECISIONS)}")
-        _check(isinstance(self.prefix_caching, bool), "prefix_caching",
-               f"must be true or false, got {_got(self.prefix_caching)}", "write true or false, without quotes")
+        check(isinstance(self.prefix_caching, bool), "prefix_caching",
+               f"must be true or false, got {got(self.prefix_caching)}", "write true or false, without quotes")
 
     @property
     def fetch_cap(self) -> int:
@@ -226,7 +203,7 @@ class LookaheadConfig:
         in the weights' dtype. Lookahead's ops take K/V in the queries' dtype, or float16/bfloat16
         under float32 queries (plugins/CONTRACTS.md); dense attention upcasts any pairing."""
         cfg = self if self.kv_dtype is not None else dataclasses.replace(self, kv_dtype=weights_dtype)
-        _check(cfg.mode != "lookahead" or weights_dtype == "float32" or cfg.kv_dtype == weights_dtype, "kv_dtype",
+        check(cfg.mode != "lookahead" or weights_dtype == "float32" or cfg.kv_dtype == weights_dtype, "kv_dtype",
                f"{cfg.kv_dtype} under {weights_dtype} weights is not supported in lookahead mode",
                f"use kv_dtype {weights_dtype}, or an fp32 engine")
         return cfg
@@ -263,7 +240,7 @@ def check_known_keys(d: dict[Any, Any], names: "set[str] | tuple[str, ...]", pre
 
 def _known_fields(cls: type, d: dict[str, Any], section: str) -> dict[str, Any]:
     if not isinstance(d, dict):
-        raise ConfigError(section, f"must be a mapping of fields, got {_got(d)}", "rebuild the engine")
+        raise ConfigError(section, f"must be a mapping of fields, got {got(d)}", "rebuild the engine")
     names = {f.name for f in dataclasses.fields(cls)}
     check_known_keys(d, names, f"{section}.")
     required = [f.name for f in dataclasses.fields(cls)

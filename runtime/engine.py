@@ -123,8 +123,9 @@ class Engine:
         # thread that builds the engine (a thread started later may inherit another default: a
         # lookahead engine's copy worker runs single-threaded, and OpenMP hands that to new threads)
         self.threads = torch.get_num_threads()
-        self.device, self.ops, self.debug_checks, self.fused = model.device, model.ops, debug_checks, fused
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
+        model = model.with_positions(self.max_model_len)     # RoPE tables for every position it runs
+        self.device, self.ops, self.debug_checks, self.fused = model.device, model.ops, debug_checks, fused
         config = clamp_top_k(config, self.max_model_len).with_kv_dtype(manifest.dtype)   # unset: the weights'
         self.manifest, self.model, self.tokenizer, self.config = manifest, model, tokenizer, config
         self.prefill_cache = prefill_cache
@@ -258,7 +259,7 @@ class Engine:
         tokenizer = TextTokenizer.from_engine(manifest)
         ops = ops or select_ops(device, dtype, impl, quantized=quantized, prefill=precision)
         # weights.safetensors read onto `device`, or a random_weights recipe generated there
-        model = load_model(manifest, device, ops, dtype)
+        model = load_model(manifest, device, ops, dtype, max_positions=config.max_model_len)
         return cls(manifest, model, tokenizer, config, num_host_blocks, max_queue, transfer,
                    debug_checks=debug_checks, fused=fused)
 

@@ -78,6 +78,8 @@ embed_tokens.weight              [vocab_size, hidden_size]
 layers.{i}.attn_norm.weight      [hidden_size]
 layers.{i}.wqkv.weight           [q_size + 2 * kv_size, hidden_size]   rows: q | k | v (HF head order)
 layers.{i}.wqkv.bias             [q_size + 2 * kv_size]                only if attention_bias
+layers.{i}.q_norm.weight         [head_dim]                            only if qk_norm (qwen3): each q head's RMSNorm
+layers.{i}.k_norm.weight         [head_dim]                            only if qk_norm: each k head's
 layers.{i}.wo.weight             [hidden_size, q_size]
 layers.{i}.mlp_norm.weight       [hidden_size]
 layers.{i}.w13.weight            [2 * intermediate_size, hidden_size]  rows: gate | up
@@ -108,6 +110,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         })
         if cfg.attention_bias:
             shapes[p + "wqkv.bias"] = (qkv,)
+        if cfg.qk_norm:
+            shapes.update({p + "q_norm.weight": (cfg.head_dim,), p + "k_norm.weight": (cfg.head_dim,)})
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes

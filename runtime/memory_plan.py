@@ -11,7 +11,7 @@ constructors allocate:
     prefill_weights the prefill kernels' copy of each layer's 2-D weights (prefill_precision
                     bfloat16: bf16 panels; int8: int8 panels with their scales and offset sums;
                     decode_precision int8 takes the int8 ones, once, and the logits' weight's)
-    rope            RotaryEmbedding's cos/sin tables [max_position_embeddings, head_dim]
+    rope            RotaryEmbedding's cos/sin tables [max_model_len, head_dim]
     host_kv_pool    KVPool's k and v [L, KVH, num_host_blocks, block_size, D], in kv_dtype; a
                     lookahead pool pinned for a GPU counts what pinning takes (`PINNING`)
     device_tier     LookaheadAttention's dev_k/dev_v [buffers, lanes, KVH, slots, block_size, D],
@@ -197,7 +197,7 @@ def _plan(p: PlanInputs) -> MemoryPlan:
     n_blocks = p.num_host_blocks or c.max_batch_size * max_blocks
     w, packed = _weight_bytes(m, b) if p.weights else (0, 0)
     w = max(0, w - p.weight_saving) if p.weights else 0      # int8 roles: their stored bytes
-    rope = 2 * m.max_position_embeddings * d * b if p.weights else 0
+    rope = 2 * max_len * d * b if p.weights else 0        # cos and sin of every position it runs
     pool = 2 * L * kvh * n_blocks * bs * d * kv
     if c.mode == "lookahead" and p.device_type == "cuda" and p.pinning == "allocator":
         pool = 2 * pinned_bytes(pool // 2)          # K and V: one pinned allocation each
@@ -245,7 +245,8 @@ def _weight_bytes(m: ModelConfig, b: int) -> tuple[int, int]:
     row count is a multiple of 8; the logits' weight is the embedding when tied."""
     h, qkv, inter = m.hidden_size, m.q_size + 2 * m.kv_size, m.intermediate_size
     mats = [(qkv, h), (h, m.q_size), (2 * inter, h), (h, inter)]
-    per_layer = sum(r * k for r, k in mats) + 2 * h + (qkv if m.attention_bias else 0)
+    per_layer = (sum(r * k for r, k in mats) + 2 * h + (qkv if m.attention_bias else 0)
+                 + (2 * m.head_dim if m.qk_norm else 0))
     head = m.vocab_size * h
     params = m.num_layers * per_layer + h + head * (1 if m.tie_word_embeddings else 2)
     packed = m.num_layers * sum(r * k for r, k in mats if r % 8 == 0) + (head if m.vocab_size % 8 == 0 else 0)

@@ -1,4 +1,4 @@
-"""One Llama-family model definition (llama, qwen2, mistral without sliding window).
+"""One Llama-family model definition (llama, qwen2, mistral without sliding window, qwen3 dense).
 
 Attention is delegated: every layer calls `attn.forward(layer_idx, q, k, v)` on the step's
 `AttentionBackend`, which stores K/V and computes attention the way the current mode wants
@@ -147,6 +147,27 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.w13 = _linear(q, "w13", cfg.hidden_size, 2 * cfg.intermediate_size)
         self.w2 = _linear(q, "w2", cfg.intermediate_size, cfg.hidden_size)
+        # qwen3: an RMSNorm over each head of q and of k, after the projection, before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+            rope_tables: tuple[torch.Tensor, torch.Tensor] | None, ops: Ops, linear) -> tuple[torch.Tensor, ...]:
+        """The attention's inputs of the residual stream x [T, hidden]: rmsnorm -> wqkv (+ bias)
+        -> each q and k head's RMSNorm (qk_norm) -> RoPE of q and k: q [T, H, D], k and v
+        [T, KVH, D]. The one place the Python path applies them (plugins/cpu/decode.c's
+        project_qkv is its C twin)."""
+        c, T = self.cfg, x.shape[0]
+        qkv = linear(self.attn_norm(x, ops), self.wqkv.weight, self.wqkv.bias)  # [T, q + 2kv]
+        # q and k are adjacent in qkv: one rotation covers both heads' sets (half the small ops)
+        qk = qkv[:, : c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat([_head_norm(self.q_norm, qk[:, : c.num_heads], ops),
+                            _head_norm(self.k_norm, qk[:, c.num_heads:], ops)], dim=1)
+        qk = rope.apply(qk, positions, rope_tables)
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]                    # [T, H, D], [T, KVH, D]
+        v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim)
+        return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 attn: AttentionBackend, rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
@@ -154,16 +175,18 @@ class DecoderLayer(nn.Module):
         """linear: the step's projection (`step_linear`; default `ops.linear` for every row)."""
         c, linear = self.cfg, linear or ops.linear
         T = x.shape[0]
-        qkv = linear(self.attn_norm(x, ops), self.wqkv.weight, self.wqkv.bias)  # [T, q + 2kv]
-        # q and k are adjacent in qkv: one rotation covers both heads' sets (half the small ops)
-        qk = rope.apply(qkv[:, : c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim),
-                        positions, rope_tables)
-        q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]                    # [T, H, D], [T, KVH, D]
-        v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim)
+        q, k, v = self.qkv(x, positions, rope, rope_tables, ops, linear)
         o = attn.forward(self.layer_idx, q, k, v)                           # [T, H, D]
         x = x + linear(o.reshape(T, c.q_size), self.wo.weight)
         gate, up = linear(self.mlp_norm(x, ops), self.w13.weight).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.w2.weight)
+
+
+def _head_norm(norm: RMSNorm, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+    """`norm` over the last dim of heads x [T, n, D]: as rows [T * n, D] (what `ops.rms_norm`
+    takes, and what decode.c normalises)."""
+    T, n, D = x.shape
+    return norm(x.reshape(T * n, D), ops).view(T, n, D)
 
 
 def step_linear(ops: Ops, batch=None, prompt: bool = False):
@@ -201,10 +224,12 @@ class LlamaModel(nn.Module):
     implementations its projections call (default: `select_ops(device, dtype, quantized=...)`).
     `quantized`: the roles (engine_dir.QUANTIZABLE) held as int8 (`Int8Linear`, `Int8Embedding`);
     such a model is built `empty` and loaded with `load_weights`, in float32.
+    `max_positions`: the RoPE tables' positions, the longest sequence it will run (an engine's
+    max_model_len; None: the model's max_position_embeddings); `with_positions` makes more.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 empty: bool = False, ops: Ops | None = None, quantized: Any = ()):
+                 empty: bool = False, ops: Ops | None = None, quantized: Any = (), max_positions: int | None = None):
         super().__init__()
         self.cfg = cfg
         q = frozenset(quantized or ())
@@ -223,8 +248,12 @@ class LlamaModel(nn.Module):
                             else _linear(q, "lm_head", cfg.hidden_size, cfg.vocab_size))
         if not empty:
             self.to(device=device, dtype=dtype)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                    cfg.rope_scaling, dtype, device)
+        self.rope = self._rope(max_positions or cfg.max_position_embeddings, dtype, device)
+
+    def _rope(self, max_positions: int, dtype: torch.dtype, device: str | torch.device) -> RotaryEmbedding:
+        c = self.cfg
+        return RotaryEmbedding(c.head_dim, min(max_positions, c.max_position_embeddings), c.rope_theta,
+                               c.rope_scaling, dtype, device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 batch=None, prompt: bool = False) -> torch.Tensor:
@@ -242,6 +271,16 @@ class LlamaModel(nn.Module):
         """This model (its weights and layers shared, not copied) computing with the table `ops`."""
         twin = copy.copy(self)
         twin.__dict__["ops"] = ops
+        return twin
+
+    def with_positions(self, max_positions: int) -> "LlamaModel":
+        """This model, or where its RoPE tables hold fewer than `max_positions` (capped at
+        max_position_embeddings) a twin sharing its weights with tables that long (an engine with a
+        longer max_model_len over a loaded model: `Engine.sibling`)."""
+        if min(max_positions, self.cfg.max_position_embeddings) <= self.rope.max_positions:
+            return self
+        twin = copy.copy(self)
+        twin.__dict__["rope"] = self._rope(max_positions, self.rope.cos.dtype, self.rope.cos.device)
         return twin
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -273,7 +312,9 @@ class LlamaModel(nn.Module):
             w = m.weight
             return w if isinstance(w, torch.Tensor) else (w.qweight, w.scale)
         layers = [(layer.attn_norm.weight, layer.mlp_norm.weight, weight(layer.wqkv), layer.wqkv.bias,
-                   weight(layer.wo), weight(layer.w13), weight(layer.w2)) for layer in self.layers]
+                   weight(layer.wo), weight(layer.w13), weight(layer.w2),
+                   *((layer.q_norm.weight, layer.k_norm.weight) if layer.q_norm is not None else ()))
+                  for layer in self.layers]
         eps = {m.eps for m in self.modules() if isinstance(m, RMSNorm)}
         if len(eps) != 1:
             return None, "RMSNorm eps differ"
@@ -289,10 +330,11 @@ class LlamaModel(nn.Module):
         self.weights_version += 1          # new tensors: a fused decoder bound to the old ones re-binds
 
     @classmethod
-    def random(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> "LlamaModel":
+    def random(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+               max_positions: int | None = None) -> "LlamaModel":
         """A model with small random weights, for unit tests and GPU timing in a real shape."""
         g = torch.Generator().manual_seed(seed)
-        m = cls(cfg, dtype=dtype)
+        m = cls(cfg, dtype=dtype, max_positions=max_positions)
         with torch.no_grad():
             for name, p in m.named_parameters():
                 if name.endswith("norm.weight"):
@@ -320,15 +362,17 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype,
 
 
 def load_model(manifest: Manifest, device: str | torch.device = "cpu", ops: Ops | None = None,
-               dtype: torch.dtype | None = None) -> LlamaModel:
+               dtype: torch.dtype | None = None, max_positions: int | None = None) -> LlamaModel:
     """The model of an engine dir (`load_manifest` has checked it), on `device`, in eval mode
     without gradients: weights.safetensors read straight to `device`, or the `random_weights`
-    recipe generated there."""
+    recipe generated there. max_positions: its RoPE tables' (the engine's max_model_len; None:
+    engine.yaml's)."""
     from safetensors.torch import load_file
 
     dtype = dtype or getattr(torch, manifest.dtype)
     quantized = (manifest.quantization or {}).get("quantized", ())
-    model = LlamaModel(manifest.model, dtype=dtype, device=device, empty=True, ops=ops, quantized=quantized)
+    model = LlamaModel(manifest.model, dtype=dtype, device=device, empty=True, ops=ops, quantized=quantized,
+                       max_positions=max_positions or manifest.lookahead.max_model_len)
     if manifest.random_weights is not None:
         model.load_weights(dict(random_weights(manifest.model, int(manifest.random_weights["seed"]), dtype, device)))
     else:

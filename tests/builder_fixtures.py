@@ -34,11 +34,12 @@ def write_tokenizer(path: Path, chat_template: bool = True) -> None:
 
 
 def write_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a tiny random `arch` model (llama | qwen2 | mistral) with its tokenizer into `path`."""
+    """Save a tiny random `arch` model (llama | qwen2 | mistral | qwen3) with its tokenizer into
+    `path`; `overrides` are its config's (e.g. head_dim, rope_parameters)."""
     import transformers
 
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                  "mistral": transformers.MistralConfig}[arch]
+                  "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[arch]
     config = config_cls(**{**TINY, **({"sliding_window": None} if arch == "mistral" else {}), **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

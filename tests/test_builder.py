@@ -46,6 +46,9 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
         "llama_tied": write_checkpoint(root / "llama_tied", "llama", seed=1, tie_word_embeddings=True),
         "qwen2": write_checkpoint(root / "qwen2", "qwen2", seed=2, tie_word_embeddings=True),
         "mistral": write_checkpoint(root / "mistral", "mistral", seed=3),
+        # q/k RMSNorm per head, head_dim 32 with hidden 64 and 4 heads (q wider than the stream), YaRN
+        "qwen3": write_checkpoint(root / "qwen3", "qwen3", seed=4, head_dim=32, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}),
     }
 
 
@@ -70,7 +73,7 @@ def assert_nothing_written(output: Path) -> None:
 
 # --- successful builds -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "mistral", "qwen3"])
 def test_build_matches_transformers_fp32(ckpts, tmp_path, name):
     out = tmp_path / "engine"
     result = quiet_build(model=str(ckpts[name]), output=out)
@@ -80,7 +83,7 @@ def test_build_matches_transformers_fp32(ckpts, tmp_path, name):
     assert {k: tuple(v.shape) for k, v in weights.items()} == expected_shapes(cfg)
     assert all(v.dtype == torch.float32 for v in weights.values())
     assert ("lm_head.weight" in weights) == (not cfg.tie_word_embeddings)
-    assert cfg.attention_bias == (name == "qwen2")
+    assert cfg.attention_bias == (name == "qwen2") and cfg.qk_norm == (name == "qwen3")
     v = result.report["verification"]
     assert v["passed"] and v["max_abs_logit_diff"] < 1e-4 and v["argmax_agreement"] == 1.0
     assert all(p["greedy"]["match"] == "exact" for p in v["prompts"])
@@ -106,6 +109,17 @@ def test_layout_is_fused_in_hf_order(ckpts, tmp_path):
     assert torch.equal(ours["layers.1.w13.weight"], torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]))
     assert torch.equal(ours["layers.1.attn_norm.weight"], hf["model.layers.1.input_layernorm.weight"])
     assert torch.equal(ours["layers.1.mlp_norm.weight"], hf["model.layers.1.post_attention_layernorm.weight"])
+
+
+def test_qwen3_q_and_k_norms_are_kept(ckpts, tmp_path):
+    out = tmp_path / "engine"
+    quiet_build(model=str(ckpts["qwen3"]), output=out, verify=False)
+    hf = load_file(str(ckpts["qwen3"] / "model.safetensors"))
+    ours = load_file(str(out / WEIGHTS))
+    for p in "qk":
+        assert torch.equal(ours[f"layers.1.{p}_norm.weight"], hf[f"model.layers.1.self_attn.{p}_norm.weight"])
+    cfg = load_manifest(out).model
+    assert (cfg.architecture, cfg.head_dim, cfg.q_size, cfg.rope_scaling["rope_type"]) == ("qwen3", 32, 128, "yarn")
 
 
 def test_bfloat16_engine(ckpts, tmp_path):
@@ -283,13 +297,30 @@ def _drop_tensor(src: Path) -> None:
 
 BAD_SOURCES = {
     "unsupported architecture": (lambda s: edit_config(s, model_type="gpt2"), SourceError,
-                                 re.escape("architecture 'gpt2' is not supported (supported: llama, qwen2, mistral)")),
+                                 re.escape("architecture 'gpt2' is not supported (supported: llama, qwen2, mistral, "
+                                           "qwen3)")),
+    "qwen3 mixture of experts": (lambda s: edit_config(s, model_type="qwen3_moe"), SourceError,
+                                 "architecture 'qwen3_moe' is not supported"),
+    "qwen3 sliding window": (lambda s: edit_config(s, model_type="qwen3", use_sliding_window=True), SourceError,
+                             "qwen3 with use_sliding_window=true"),
+    "sliding layer types": (lambda s: edit_config(s, layer_types=["full_attention", "sliding_attention"]),
+                            SourceError, "layer_types holding 'sliding_attention'"),
+    "qwen3 attention bias": (lambda s: edit_config(s, model_type="qwen3", attention_bias=True), SourceError,
+                             "qwen3 with attention_bias=true"),
     "gemma3": (lambda s: edit_config(s, model_type="gemma3"), SourceError, "'gemma3' is not supported"),
     "mistral sliding window": (lambda s: edit_config(s, model_type="mistral", sliding_window=64), SourceError,
                                "sliding_window=64"),
-    "unsupported rope scaling": (lambda s: edit_config(s, rope_parameters={"rope_type": "yarn", "factor": 4.0,
-                                                                          "rope_theta": 1e4}),
-                                 SourceError, "'yarn' is not supported"),
+    "dynamic rope scaling": (lambda s: edit_config(s, rope_parameters={"rope_type": "dynamic", "factor": 4.0,
+                                                                      "rope_theta": 1e4}),
+                             SourceError, "rope_scaling.rope_type: 'dynamic' is not supported"),
+    "longrope": (lambda s: edit_config(s, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                                          "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                                          "original_max_position_embeddings": 64}),
+                 SourceError, "rope_scaling.rope_type: 'longrope' is not supported"),
+    "a yarn field not implemented": (lambda s: edit_config(s, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4,
+        "finetuned": True}), SourceError, "rope_scaling.finetuned: is not a field of rope_type yarn"),
+    "partial rotary": (lambda s: edit_config(s, partial_rotary_factor=0.5), SourceError, "partial rotary"),
     "truncated safetensors": (_truncate, SourceError, "model.safetensors is not a readable safetensors file"),
     "corrupt header": (_corrupt_header, SourceError, "model.safetensors is not a readable safetensors file"),
     "hidden_size mismatch": (lambda s: edit_config(s, hidden_size=128), SourceError,
@@ -440,6 +471,16 @@ def test_random_weights_llama3_8b_is_a_recipe(tmp_path, small_tokenizer):
     assert m.random_weights["num_parameters"] > 8e9 and m.random_weights["dtype"] == "bfloat16"
 
 
+@pytest.mark.parametrize("shape,max_pos,scaling", [("qwen3-8b", 40960, None), ("qwen3-8b-yarn", 131072, "yarn")])
+def test_random_weights_qwen3_8b_is_a_recipe(tmp_path, small_tokenizer, shape, max_pos, scaling):
+    out = tmp_path / shape
+    quiet_build(output=out, random_weights=shape, dtype="bfloat16", tokenizer=str(small_tokenizer))
+    m = load_manifest(out)
+    assert (m.model.architecture, m.model.num_layers, m.model.num_kv_heads, m.model.head_dim) == ("qwen3", 36, 8, 128)
+    assert (m.model.rope_scaling or {}).get("rope_type") == scaling and m.model.max_position_embeddings == max_pos
+    assert m.lookahead.max_model_len == 32768 and 8e9 < m.random_weights["num_parameters"] < 8.3e9
+
+
 @pytest.mark.real_model
 def test_random_weights_default_tokenizer(tmp_path):
     """Without --tokenizer: the default model's tokenizer, whose 49152 tokens are the shape's vocab."""
@@ -453,7 +494,7 @@ def test_random_weights_options(tmp_path, capsys, ckpts):
     out = str(tmp_path / "e")
     cases = [
         (["--random-weights", "gpt5"], "error: --random-weights gpt5: is not a known shape (use one of: "
-                                       "smollm2-135m, llama3-8b, tiny)"),
+                                       "smollm2-135m, llama3-8b, qwen3-8b, qwen3-8b-yarn, tiny)"),
         (["--random-weights", "tiny", "--model", "default"], "error: --random-weights tiny: cannot be combined "
                                                                "with --model (pass one of them)"),
         (["--random-weights", "tiny", "--quantize", "int8"], "error: --random-weights tiny: cannot be combined "
@@ -496,6 +537,8 @@ def test_hf_config_details():
     eos = model_config_from_hf({**base, "eos_token_id": [2, 3]}, {"eos_token_id": [3, 7]}).eos_token_ids
     assert eos == (2, 3, 7)
     assert model_config_from_hf({**base, "model_type": "qwen2"}).attention_bias
+    qwen3 = model_config_from_hf({**base, "model_type": "qwen3"})        # Qwen3Config's head_dim: 128
+    assert (qwen3.head_dim, qwen3.qk_norm, qwen3.max_position_embeddings, qwen3.attention_bias) == (128, True, 32768, False)
     assert model_config_from_hf({**base, "model_type": "mistral", "sliding_window": None}).architecture == "mistral"
     with pytest.raises(SourceError, match="sliding_window=4096"):   # transformers' default window
         model_config_from_hf({**base, "model_type": "mistral", "max_position_embeddings": 32768})

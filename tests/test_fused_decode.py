@@ -1,7 +1,8 @@
 """The fused dense decode step (plugins/cpu/decode.c via plugins/cpu/fused.py, issue 18 item 4):
 one C call per step in place of the model's layers over DenseStep, which stay the reference.
 
-What is checked, on fresh random tiny models (fp32, and weight-only int8 with a qkv bias), at
+What is checked, on fresh random tiny models (fp32, weight-only int8 with a qkv bias, and qwen3:
+q/k norms with YaRN), at
 batch 1 and 3, several contexts and block sizes, with fp32 / fp16 / bf16 KV:
 - the default (one C call a step; SiLU with torch's own vector exp, where fused.silu_binding finds
   that it reproduces F.silu here) and torch's SiLU between C calls (`silu="torch"`): every logit,
@@ -31,7 +32,7 @@ from runtime.engine_dir import TOKENIZER_DIR, WEIGHTS, write_manifest
 from runtime.model import LlamaModel
 from runtime.observe import Observer
 from runtime.sampling import SamplingParams
-from tiny_engine import TINY, byte_tokenizer, make_tiny_engine, random_prompts
+from tiny_engine import QWEN3_YARN, TINY, byte_tokenizer, make_tiny_engine, random_prompts
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no CPU kernels")
 
@@ -60,9 +61,11 @@ def make_int8_engine(path: Path, seed: int = 0, group_size: int = DEFAULT_GROUP_
 
 
 def fp32_and_int8_dirs(root: Path, seed: int) -> dict[str, Path]:
-    """A tiny random fp32 engine and an int8 one (with a qkv bias), head_dim 32: the C kernels' shapes."""
+    """A tiny random fp32 engine, an int8 one (with a qkv bias) and an fp32 qwen3 one (q/k norms,
+    YaRN), head_dim 32: the C kernels' shapes."""
     return {"fp32": make_tiny_engine(root / "fp32", seed=seed, **SHAPE),
-            "int8": make_int8_engine(root / "int8", seed=seed + 1, attention_bias=True)}
+            "int8": make_int8_engine(root / "int8", seed=seed + 1, attention_bias=True),
+            "qwen3": make_tiny_engine(root / "qwen3", seed=seed + 2, **QWEN3_YARN)}
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,8 @@ def dirs(tmp_path_factory):
     return {"fp32": make_tiny_engine(root / "fp32", seed=21, **SHAPE),
             "int8": make_int8_engine(root / "int8", seed=22, attention_bias=True),
             "int8g16": make_int8_engine(root / "int8g16", seed=23, group_size=16, attention_bias=True),
-            "int8pc": make_int8_engine(root / "int8pc", seed=24, group_size=0)}
+            "int8pc": make_int8_engine(root / "int8pc", seed=24, group_size=0),
+            "qwen3": make_tiny_engine(root / "qwen3", seed=25, **QWEN3_YARN)}
 
 
 @pytest.fixture(autouse=True)
@@ -130,7 +134,7 @@ def run(eng: Engine, prompts, params=GREEDY):
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("model", ["fp32", "int8", "int8g16", "int8pc"])
+@pytest.mark.parametrize("model", ["fp32", "int8", "int8g16", "int8pc", "qwen3"])
 @pytest.mark.parametrize("batch,context,block_size", [(1, 1, 4), (1, 37, 4), (3, 64, 16), (3, 300, 4)])
 def test_fused_step_equals_python_path(dirs, model, kv_dtype, batch, context, block_size):
     prompts = random_prompts(*([context] if batch == 1 else [context, max(1, context // 3), context - 5]),
@@ -156,7 +160,7 @@ def test_fused_step_equals_python_path(dirs, model, kv_dtype, batch, context, bl
             assert torch.equal(eng.pool.k, ref_eng.pool.k) and torch.equal(eng.pool.v, ref_eng.pool.v)
 
 
-@pytest.mark.parametrize("model", ["fp32", "int8", "int8g16"])
+@pytest.mark.parametrize("model", ["fp32", "int8", "int8g16", "qwen3"])
 def test_bit_equal_at_two_threads(dirs, model):
     torch.set_num_threads(2)
     prompts = random_prompts(600, 41, seed=5)       # 600 keys: the attention kernel splits key ranges

@@ -3,7 +3,7 @@ lkv_ext_*, issue 18 item 4): a lookahead decode step runs each layer's non-atten
 one call each side of the backend's (Python) attention, in place of the model's Python layers,
 which stay the reference.
 
-Checked on fresh random tiny models (fp32, and weight-only int8 with a qkv bias), at 1 and 3
+Checked on fresh random tiny models (fp32, weight-only int8 with a qkv bias, qwen3 with YaRN), at 1 and 3
 sequences, for every residency and miss policy and for sparse attention without look-ahead
 (`draft none`), with fp32 and fp16 KV, at 1 and 2 threads:
 - every emitted logit and token, every byte of the host pool, the device tier, the slot tables and
@@ -118,7 +118,7 @@ def check_equal(eng, ref_eng, got, ref, tokens, ref_tokens):
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
-@pytest.mark.parametrize("model", ["fp32", "int8"])
+@pytest.mark.parametrize("model", ["fp32", "int8", "qwen3"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_layers_equal_python_path(dirs, mode, model, kv_dtype, batch):

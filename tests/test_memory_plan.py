@@ -107,7 +107,7 @@ def test_packed_weights_match_the_kernels_copies(eng_dir):
 
 
 @pytest.mark.parametrize("changes", [dict(), dict(tie_word_embeddings=True), dict(attention_bias=True),
-                                     dict(vocab_size=250, num_layers=5)])
+                                     dict(vocab_size=250, num_layers=5), dict(architecture="qwen3", head_dim=32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weights_match_the_model_and_the_layout(changes, dtype):
     cfg = ModelConfig(**{**TINY, **changes})

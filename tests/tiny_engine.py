@@ -13,6 +13,12 @@ from runtime.model import LlamaModel
 TINY = dict(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
             num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=4096, rope_theta=10000.0)
 
+# qwen3's per-head q/k RMSNorm with YaRN RoPE (factor 4 over a 1024-token original context): the
+# architecture and scaling every path must apply (head_dim 32 with hidden 64 and 6 heads: q is
+# wider than the residual stream)
+QWEN3_YARN = dict(architecture="qwen3", head_dim=32,
+                  rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})
+
 
 def byte_tokenizer() -> Tokenizer:
     """A byte-level tokenizer with exactly 256 tokens (one per byte), no merges."""
@@ -28,11 +34,12 @@ def make_tiny_engine(path: Path, seed: int = 0, lookahead: LookaheadConfig | Non
                      **model_overrides) -> Path:
     cfg = ModelConfig(**{**TINY, **model_overrides})
     path.mkdir(parents=True, exist_ok=True)
-    model = LlamaModel.random(cfg, seed=seed)
+    lookahead = lookahead or LookaheadConfig()
+    model = LlamaModel.random(cfg, seed=seed, max_positions=lookahead.max_model_len)   # only its weights are saved
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / WEIGHTS))
     (path / TOKENIZER_DIR).mkdir(exist_ok=True)
     byte_tokenizer().save(str(path / TOKENIZER_DIR / "tokenizer.json"))
-    write_manifest(path, name="tiny", model=cfg, dtype="float32", lookahead=lookahead or LookaheadConfig(),
+    write_manifest(path, name="tiny", model=cfg, dtype="float32", lookahead=lookahead,
                    source={"kind": "random", "seed": seed}, versions={})
     return path
 

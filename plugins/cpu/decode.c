@@ -6,7 +6,8 @@
  * the pool (fp32, fp16 or bf16), fp32 activations, each projection fp32 (packed, ops.packed_weight)
  * or weight-only int8. Per layer, the stages of the Python path in its order:
  *
- *   rmsnorm -> wqkv (+ bias) -> RoPE of q and k -> K/V rows rounded into the pool's dtype and
+ *   rmsnorm -> wqkv (+ bias) -> [RMSNorm of each q and k head] -> RoPE of q and k (project_qkv)
+ *   -> K/V rows rounded into the pool's dtype and
  *   stored at their slots -> paged attention over each sequence's run -> wo, + residual ->
  *   rmsnorm -> w13 -> SiLU(gate) * up -> w2, + residual
  *
@@ -52,6 +53,7 @@ typedef struct {
     const float *attn_norm, *mlp_norm;   /* [hidden] */
     LkvLinear wqkv, wo, w13, w2;
     void *k, *v;                         /* this layer's pool K/V: [KVH, num_blocks, block_size, D] */
+    const float *q_norm, *k_norm;        /* qk_norm (qwen3): each q / k head's RMSNorm [D]; else NULL */
 } LkvLayer;
 
 typedef struct {
@@ -171,6 +173,31 @@ static NOFMA void rope_heads(const float *src, float *dst, int64_t nh, int64_t D
             const float a = x[d] * c[d], r = x[d - half] * s[d];
             y[d] = a + r;
         }
+    }
+}
+
+/* The attention's inputs of layer l for the step's B rows, the one place this file applies them
+ * (runtime/model.py DecoderLayer.qkv is the Python path's): rmsnorm(x) -> wqkv (+ bias) into
+ * w->qkv [B, q + 2kv]; where the layer has q_norm / k_norm (qwen3), each q and k head of a row
+ * RMS-normalised in place there (lkv_rmsnorm over the heads as rows of D: what ops.rms_norm calls
+ * on the Python path); then RoPE at the row's position: q [B, H, D] into q, k [B, KVH, D] into k.
+ * v stays in w->qkv (each row's last KVH * D). */
+static void project_qkv(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, float *q, float *k,
+                        int nthreads) {
+    const LkvLayer *L = m->layers + l;
+    const int64_t B = st->B, E = m->hidden, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
+    const int64_t nq = H * D, nkv = KVH * D, nqkv = nq + 2 * nkv;
+    lkv_rmsnorm(w->x, E, L->attn_norm, m->eps, w->h, E, B, E);
+    linear(&L->wqkv, w->h, B, w->qkv, nthreads);
+    for (int64_t b = 0; b < B; b++) {
+        float *row = w->qkv + b * nqkv;
+        const float *c = m->cos + st->positions[b] * D, *s = m->sin + st->positions[b] * D;
+        if (L->q_norm) {
+            lkv_rmsnorm(row, D, L->q_norm, m->eps, row, D, H, D);
+            lkv_rmsnorm(row + nq, D, L->k_norm, m->eps, row + nq, D, KVH, D);
+        }
+        rope_heads(row, q + b * nq, H, D, c, s);
+        rope_heads(row + nq, k + b * nkv, KVH, D, c, s);
     }
 }
 
@@ -324,17 +351,14 @@ static int attention_half(const LkvModel *m, const LkvStep *st, const LkvWork *w
     const int64_t B = st->B, E = m->hidden, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
     const int64_t nq = H * D, nkv = KVH * D, nqkv = nq + 2 * nkv, bs = m->block_size;
     const int64_t es = m->kv_dtype == KV_F32 ? 4 : 2, hs = m->num_blocks * bs * D;   /* head stride */
-    lkv_rmsnorm(w->x, E, L->attn_norm, m->eps, w->h, E, B, E);
-    linear(&L->wqkv, w->h, B, w->qkv, nthreads);
-    float krot[MAX_KV_ROW];                        /* one row's rotated keys */
+    float *krot = w->o;               /* the rotated keys [B, KVH, D]: o is free until attention */
+    project_qkv(m, st, w, l, w->q, krot, nthreads);
     for (int64_t b = 0; b < B; b++) {
-        const float *row = w->qkv + b * nqkv, *c = m->cos + st->positions[b] * D, *s = m->sin + st->positions[b] * D;
-        rope_heads(row, w->q + b * nq, H, D, c, s);
-        rope_heads(row + nq, krot, KVH, D, c, s);
+        const float *row = w->qkv + b * nqkv;
         const int64_t slot = st->slot_blocks[b] * bs * D + st->slot_offsets[b] * D;
         for (int64_t h = 0; h < KVH; h++) {
             const int64_t at = (h * hs + slot) * es;
-            store_row(krot + h * D, (char *)L->k + at, D, m->kv_dtype);
+            store_row(krot + b * nkv + h * D, (char *)L->k + at, D, m->kv_dtype);
             store_row(row + nq + nkv + h * D, (char *)L->v + at, D, m->kv_dtype);
         }
     }
@@ -408,7 +432,8 @@ void lkv_silu_mul(const float *gu, float *act, int64_t B, int64_t I, const void 
  * Python path's order and rounding (the stages above, split at attention):
  *
  *   lkv_ext_begin: embedding of the B rows -> x;
- *   per layer l:   lkv_ext_qkv  rmsnorm -> wqkv (+ bias) -> RoPE of q and k -> q [B, H, D],
+ *   per layer l:   lkv_ext_qkv  project_qkv (rmsnorm -> wqkv (+ bias) -> [q / k head RMSNorm] ->
+ *                               RoPE of q and k) -> q [B, H, D],
  *                               k [B, KVH, D] (rotated), v [B, KVH, D], fp32, into the caller's;
  *                  (the backend's attention of q, k, v -> o [B, H, D])
  *                  lkv_ext_rest wo(o), + residual -> rmsnorm -> w13 -> SiLU(gate) * up -> w2, + residual;
@@ -425,17 +450,9 @@ int lkv_ext_begin(const LkvModel *m, const LkvStep *st, const LkvWork *w) {
 
 void lkv_ext_qkv(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, float *q, float *k, float *v,
                  int nthreads) {
-    const LkvLayer *L = m->layers + l;
-    const int64_t B = st->B, E = m->hidden, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
-    const int64_t nq = H * D, nkv = KVH * D, nqkv = nq + 2 * nkv;
-    lkv_rmsnorm(w->x, E, L->attn_norm, m->eps, w->h, E, B, E);
-    linear(&L->wqkv, w->h, B, w->qkv, nthreads);
-    for (int64_t b = 0; b < B; b++) {
-        const float *row = w->qkv + b * nqkv, *c = m->cos + st->positions[b] * D, *s = m->sin + st->positions[b] * D;
-        rope_heads(row, q + b * nq, H, D, c, s);
-        rope_heads(row + nq, k + b * nkv, KVH, D, c, s);
-        memcpy(v + b * nkv, row + nq + nkv, sizeof(float) * nkv);
-    }
+    const int64_t nq = m->heads * m->head_dim, nkv = m->kv_heads * m->head_dim, nqkv = nq + 2 * nkv;
+    project_qkv(m, st, w, l, q, k, nthreads);
+    for (int64_t b = 0; b < st->B; b++) memcpy(v + b * nkv, w->qkv + b * nqkv + nq + nkv, sizeof(float) * nkv);
 }
 
 void lkv_ext_rest(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, const float *o, int nthreads) {

@@ -51,7 +51,7 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", _p), ("mlp_norm", _p), ("wqkv", _Linear), ("wo", _Linear), ("w13", _Linear),
-                ("w2", _Linear), ("k", _p), ("v", _p)]
+                ("w2", _Linear), ("k", _p), ("v", _p), ("q_norm", _p), ("k_norm", _p)]
 
 
 class _Model(ctypes.Structure):
@@ -93,7 +93,8 @@ Weight = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer's tensors: each projection an fp32 [N, K] tensor or (qweight, scale)."""
+    """One decoder layer's tensors: each projection an fp32 [N, K] tensor or (qweight, scale);
+    q_norm / k_norm: each q / k head's RMSNorm weight [head_dim] (qwen3), or None."""
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
     wqkv: Weight
@@ -101,6 +102,8 @@ class LayerWeights:
     wo: Weight
     w13: Weight
     w2: Weight
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 def unsupported(dims: Dims, embed, layers: list[LayerWeights], final_norm: torch.Tensor, cos: torch.Tensor,
@@ -157,6 +160,9 @@ def unsupported(dims: Dims, embed, layers: list[LayerWeights], final_norm: torch
             return f"layers.{i}.wqkv.bias"
         if not all(fp32(t, (d.hidden,)) and t.is_contiguous() for t in (lw.attn_norm, lw.mlp_norm)):
             return f"layers.{i} norms"
+        qk = (lw.q_norm, lw.k_norm)
+        if qk != (None, None) and not all(fp32(t, (d.head_dim,)) and t.is_contiguous() for t in qk):
+            return f"layers.{i} q/k norms"
     if not (fp32(final_norm, (d.hidden,)) and final_norm.is_contiguous()):
         return "final norm"
     if not all(t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 2 and t.shape[1] == d.head_dim
@@ -270,7 +276,7 @@ class FusedDecoder:
         # not the pool: its contents change every step (read where they lie), its storage never
         out = [final_norm, cos, sin, *((embed,) if isinstance(embed, torch.Tensor) else embed)]
         for lw in layers:
-            out += [lw.attn_norm, lw.mlp_norm, *(() if lw.wqkv_bias is None else (lw.wqkv_bias,))]
+            out += [t for t in (lw.attn_norm, lw.mlp_norm, lw.wqkv_bias, lw.q_norm, lw.k_norm) if t is not None]
             for w in (lw.wqkv, lw.wo, lw.w13, lw.w2):
                 out += [w] if isinstance(w, torch.Tensor) else list(w)
         return out
@@ -297,7 +303,7 @@ class FusedDecoder:
         arr = (_Layer * d.num_layers)()
         for i, lw in enumerate(layers):
             arr[i] = _Layer(ptr(lw.attn_norm), ptr(lw.mlp_norm), lin(lw.wqkv, lw.wqkv_bias), lin(lw.wo), lin(lw.w13),
-                            lin(lw.w2), ptr(pool_k[i]), ptr(pool_v[i]))
+                            lin(lw.w2), ptr(pool_k[i]), ptr(pool_v[i]), ptr(lw.q_norm), ptr(lw.k_norm))
         q8 = not isinstance(embed, torch.Tensor)
         self._model = _Model(d.num_layers, d.hidden, d.heads, d.kv_heads, d.head_dim, d.inter, d.vocab,
                              pool_k.shape[2], pool_k.shape[3], cos.shape[0], KV_DTYPES[pool_k.dtype],
