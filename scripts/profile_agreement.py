@@ -40,7 +40,8 @@ prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads 
 import torch
 
 from bench import longctx_data as data
-from bench.runs import EngineFactory, add_run_args, append_record, engine_policy, machine_info, set_threads
+from bench.runs import (EngineFactory, add_run_args, append_record, engine_policy, machine_info, set_threads,
+                        typed_value)
 from runtime.draft import DraftSource, DualTokenDraft, RandomDraft
 from runtime.observe import Observer
 
@@ -50,6 +51,7 @@ SWEEP = (16, 32, 64, 128, 256)
 DRAFTS = ("dual_token", "oracle", "random", "context_seed")   # context_seed: the chain before pre-decoding
 SOURCES = ("ruler", "essay", "multiturn")
 PRODUCTION_K = 128
+RUN_FIELDS = ("mode", "residency", "miss_policy", "top_k", "resync_after")    # each run sets these itself
 
 
 # ---- drafts -----------------------------------------------------------------------------------
@@ -222,11 +224,12 @@ def extras_mean(steps: list[dict[int, dict[str, list[float]]]], num_ks: int) -> 
 
 
 def run_draft(factory: EngineFactory, prompt: str, draft: str, top_k: int, steps: int, ks: tuple,
-              continuation: list[int] | None, seed: int, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+              continuation: list[int] | None, seed: int, temperature: float = 0.0, top_p: float = 1.0,
+              overrides: dict | None = None) -> dict:
     """One run under `urgent` with the given draft (greedy, or seeded sampling); agreement at
-    every K from the tap."""
+    every K from the tap. `overrides`: other lookahead settings (--set)."""
     from runtime.sampling import SamplingParams
-    eng = factory.make(mode="lookahead", residency="resident", miss_policy="urgent", top_k=top_k,
+    eng = factory.make(**(overrides or {}), mode="lookahead", residency="resident", miss_policy="urgent", top_k=top_k,
                        **({"resync_after": 0} if draft == "context_seed" else {}))
     ids = eng.tokenizer.encode(prompt)
     logger = LoggingDraft(make_draft(draft, eng.manifest.model.vocab_size, len(ids), continuation, seed))
@@ -454,6 +457,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=1, help="prompts per source and context")
     p.add_argument("--steps", type=int, default=24, help="decode steps measured per run")
     p.add_argument("--template", choices=("chat", "base"), default="chat")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a lookahead setting for every run, e.g. --set fetch_ratio=1.0 (repeatable)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: seeded sampling (seed + index)")
     p.add_argument("--top-p", type=float, default=1.0)
     add_run_args(p, "agreement", "per-run", "summarize and plot the runs --jsonl holds for these settings")
@@ -464,6 +469,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("the oracle replays the dual_token run's continuation: add dual_token to --drafts")
     args.drafts = [d for d in DRAFTS if d in args.drafts]        # dual_token first
     args.ks = sorted(set(args.ks))
+    sets = {}
+    for item in args.overrides:
+        name, eq, value = item.partition("=")
+        if not eq or name in RUN_FIELDS:
+            p.error(f"--set {item!r}: expected FIELD=VALUE, FIELD a lookahead setting other than {RUN_FIELDS}")
+        sets[name] = typed_value(value)
+    args.overrides = sets
     return args
 
 
@@ -479,7 +491,8 @@ def main(argv: list[str] | None = None) -> dict:
     settings = hashlib.sha1(json.dumps({"engine": str(Path(args.engine).resolve()), "ks": args.ks,
                                         "steps": args.steps, "production_k": args.production_k, "template": args.template,
                                         "seed": args.seed, "policy": engine_policy(args.engine),
-                                        "chain": "predecode", "temperature": args.temperature, "top_p": args.top_p},
+                                        "chain": "predecode", "temperature": args.temperature, "top_p": args.top_p,
+                                        **({"set": args.overrides} if args.overrides else {})},
                                        sort_keys=True).encode()).hexdigest()[:12]
     jsonl = Path(args.jsonl)
     jsonl.parent.mkdir(parents=True, exist_ok=True)
@@ -513,7 +526,8 @@ def main(argv: list[str] | None = None) -> dict:
         bar.set_postfix_str(f"{traj} {src}@{ctx} #{i} {draft}")
         ref = done.get((traj, src, ctx, i, "dual_token"))
         res = run_draft(factory, prompts[(src, ctx)][i], draft, run_k(traj, ctx, args.steps, bs, args.production_k), args.steps,
-                        ks, ref["output_ids"] if ref else None, args.seed + i, args.temperature, args.top_p)
+                        ks, ref["output_ids"] if ref else None, args.seed + i, args.temperature, args.top_p,
+                        args.overrides)
         rec = {"settings": settings, "trajectory": traj, "source": src, "context": ctx, "index": i,
                "draft": draft, "run_top_k": run_k(traj, ctx, args.steps, bs, args.production_k), "ks": list(ks), **res}
         if ref is not None and res["output_ids"] != ref["output_ids"]:
