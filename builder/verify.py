@@ -31,7 +31,7 @@ import inspect
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file
@@ -69,12 +69,16 @@ TOLERANCES = {"float32": Tolerance(1e-3, 0.0, True), "bfloat16": Tolerance(0.15,
 PREFILL_TIE = 0.01
 
 
-def verify(source_dir: Path, engine_dir: Path, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
-    """Compare the engine being built in `engine_dir` with transformers on `source_dir`.
+def verify(source_dir: Path, engine_dir: Path, cfg: ModelConfig, dtype: str, long: Any = None,
+           log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Compare the engine being built in `engine_dir` with transformers on `source_dir`; `long`: the
+    long-position check's plan (`verify_long.LongPlan`; None: not asked).
 
     Returns the report section; raises VerifyError (with the numbers) beyond tolerance.
     """
     from transformers import AutoTokenizer
+
+    from .verify_long import check_long
 
     tol = TOLERANCES[dtype]
     t0 = time.perf_counter()
@@ -99,6 +103,8 @@ def verify(source_dir: Path, engine_dir: Path, cfg: ModelConfig, dtype: str) -> 
     _enforce(report, tol)
     if dtype == "float32":
         report["prefill"] = verify_prefill(runs, ours, quantized=False)
+    if long is not None:
+        report["long"] = check_long(ref, ours, tok, long, tol, log)
     report["passed"] = True
     return report
 
@@ -176,11 +182,15 @@ def _ids(tok: Any, text: str, limit: int) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)  # [T]
 
 
+def cache_name(ref: torch.nn.Module) -> str:
+    """transformers 5.x names the KV cache `cache`; 4.x named it `past_key_values` (input and output)."""
+    return "cache" if "cache" in inspect.signature(ref.forward).parameters else "past_key_values"
+
+
 @torch.inference_mode()
 def _reference_greedy(ref: torch.nn.Module, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers extends `ids` [T] by `n` greedy tokens -> (sequence [T + n], logits [T + n, V])."""
-    # transformers 5.x names the KV cache `cache`; 4.x named it `past_key_values` (input and output).
-    name = "cache" if "cache" in inspect.signature(ref.forward).parameters else "past_key_values"
+    name = cache_name(ref)
     out = ref(input_ids=ids[None], use_cache=True)
     logits, seq = [out.logits[0]], ids
     for _ in range(n):

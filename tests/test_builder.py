@@ -349,7 +349,7 @@ def test_cli_help_lists_every_option(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
     for flag in ("--model", "--output", "--dtype", "--force", "--no-verify", "--name", "--quantize",
-                 "--random-weights", "--seed", "--tokenizer"):
+                 "--random-weights", "--seed", "--tokenizer", "--no-long-verify", "--long-verify-tokens"):
         assert flag in text
     for name in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):                # the named sources
         assert f"'{name}'" in re.sub(r"\s+", "", text)                      # argparse wraps at hyphens
