@@ -27,7 +27,6 @@ Tolerances (`TOLERANCES`), scaled by the prompt's largest |reference logit| (at 
 """
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from runtime.model import LlamaModel
 
 from .errors import SourceError, VerifyError
 from .quiet import quiet_transformers
+from .verify_long import LongTolerance, cache_name, check_long
 
 PROMPTS = (
     "The capital of France is Paris, the capital of Germany is Berlin, and the capital of Italy is Rome. "
@@ -78,8 +78,6 @@ def verify(source_dir: Path, engine_dir: Path, cfg: ModelConfig, dtype: str, lon
     """
     from transformers import AutoTokenizer
 
-    from .verify_long import check_long
-
     tol = TOLERANCES[dtype]
     t0 = time.perf_counter()
     ref = _load_reference(source_dir)
@@ -104,9 +102,16 @@ def verify(source_dir: Path, engine_dir: Path, cfg: ModelConfig, dtype: str, lon
     if dtype == "float32":
         report["prefill"] = verify_prefill(runs, ours, quantized=False)
     if long is not None:
-        report["long"] = check_long(ref, ours, tok, long, tol, log)
+        report["long"] = check_long(ref, ours, tok, long, _long_tolerance(tol), log)
     report["passed"] = True
     return report
+
+
+def _long_tolerance(tol: Tolerance) -> LongTolerance:
+    """The long check's bars for `tol`: fp32 wants every argmax (a near tie aside), as its greedy tokens."""
+    if tol.greedy_must_match:
+        return LongTolerance(tol.rel_logit, min_agreement=1.0, tie=tol.rel_logit)
+    return LongTolerance(tol.rel_logit, min_agreement=tol.min_argmax_agreement, tie=0.0)
 
 
 @dataclass(frozen=True)
@@ -180,11 +185,6 @@ def _ids(tok: Any, text: str, limit: int) -> torch.Tensor:
         raise VerifyError(f"the tokenizer turns the verification prompt {text[:30]!r}... into no tokens",
                           fix="check the tokenizer, or pass --no-verify")
     return torch.tensor(ids, dtype=torch.long)  # [T]
-
-
-def cache_name(ref: torch.nn.Module) -> str:
-    """transformers 5.x names the KV cache `cache`; 4.x named it `past_key_values` (input and output)."""
-    return "cache" if "cache" in inspect.signature(ref.forward).parameters else "past_key_values"
 
 
 @torch.inference_mode()

@@ -10,7 +10,7 @@ Both sides run `CHUNK` tokens per forward: transformers over its KV cache, the e
 `runtime.attention_ref.CachedCausalAttention`; memory is the prompt's K/V plus one chunk's scores
 (chunk x prompt per head), never a prompt x prompt matrix, and only the last rows reach the lm_head.
 
-Tolerance: the build's own (`LongTolerance.of`): max |Δlogit| over the rows <= rel_logit x the
+Tolerance: the build's own (each verifier passes its bars as a `LongTolerance`): max |Δlogit| over the rows <= rel_logit x the
 rows' largest |reference logit| (at least 1), and the share of rows whose argmax is the reference's
 >= min_agreement, where a disagreement within `tie` x that largest logit of the reference's own
 margin counts as a tie (fp32: every row must agree, as its greedy tokens must; bf16 and int8: their
@@ -18,6 +18,7 @@ agreement bars, strict). The next-token NLL over the rows is recorded for both, 
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -29,7 +30,6 @@ from runtime.attention_ref import CachedCausalAttention
 from runtime.model import LlamaModel
 
 from .errors import VerifyError
-from .verify import Tolerance, cache_name
 
 LONG_CONTEXT = 16384          # a source with at least this context gets the check
 DEFAULT_TOKENS = 8192         # the prompt's length by default (see docs/SETTINGS.md for the time it takes)
@@ -44,14 +44,6 @@ class LongTolerance:
     rel_logit: float       # max |Δlogit| <= rel_logit * max(1, max |reference logit|) over the rows
     min_agreement: float   # rows whose argmax is the reference's (or a tie)
     tie: float             # a disagreement counts as a tie within tie * max(1, max |reference logit|)
-
-    @classmethod
-    def of(cls, tol: Any) -> "LongTolerance":
-        """The bars of a short check's tolerance (verify.Tolerance, verify_int8.Int8Tolerance)."""
-        if isinstance(tol, Tolerance):
-            strict = tol.greedy_must_match
-            return cls(tol.rel_logit, 1.0 if strict else tol.min_argmax_agreement, tol.rel_logit if strict else 0.0)
-        return cls(tol.rel_logit, tol.min_greedy_agreement, 0.0)
 
 
 @dataclass(frozen=True)
@@ -72,9 +64,10 @@ class LongPlan:
         return {"checked": False, "why": self.why}
 
 
-def check_long(ref: torch.nn.Module, ours: LlamaModel, tok: Any, plan: LongPlan, tol: Any, log: Log) -> dict[str, Any]:
-    """The report section for `plan`: the check under the short check's tolerance `tol`, or why skipped."""
-    return verify_long(ref, ours, tok, plan, LongTolerance.of(tol), log) if plan.tokens else plan.skipped()
+def check_long(ref: torch.nn.Module, ours: LlamaModel, tok: Any, plan: LongPlan, tol: LongTolerance,
+               log: Log) -> dict[str, Any]:
+    """The report section for `plan`: the check's numbers, or why it was skipped."""
+    return verify_long(ref, ours, tok, plan, tol, log) if plan.tokens else plan.skipped()
 
 
 def verify_long(ref: torch.nn.Module, ours: LlamaModel, tok: Any, plan: LongPlan, tol: LongTolerance,
@@ -133,6 +126,11 @@ def long_text_ids(tok: Any, n: int) -> tuple[torch.Tensor, str]:
             return torch.tensor(ids[:n], dtype=torch.long), f"{len(essays)} Paul Graham essays"
     raise VerifyError(f"the essays make {len(ids)} tokens, fewer than the {n} asked for",
                       fix=f"pass --long-verify-tokens {len(ids)} or less")
+
+
+def cache_name(ref: torch.nn.Module) -> str:
+    """transformers 5.x names the KV cache `cache`; 4.x named it `past_key_values` (input and output)."""
+    return "cache" if "cache" in inspect.signature(ref.forward).parameters else "past_key_values"
 
 
 def _tail(start: int, length: int, total: int, rows: int) -> int:
