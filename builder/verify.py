@@ -27,11 +27,10 @@ Tolerances (`TOLERANCES`), scaled by the prompt's largest |reference logit| (at 
 """
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file
@@ -43,6 +42,7 @@ from runtime.model import LlamaModel
 
 from .errors import SourceError, VerifyError
 from .quiet import quiet_transformers
+from .verify_long import LongTolerance, cache_name, check_long
 
 PROMPTS = (
     "The capital of France is Paris, the capital of Germany is Berlin, and the capital of Italy is Rome. "
@@ -69,8 +69,10 @@ TOLERANCES = {"float32": Tolerance(1e-3, 0.0, True), "bfloat16": Tolerance(0.15,
 PREFILL_TIE = 0.01
 
 
-def verify(source_dir: Path, engine_dir: Path, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
-    """Compare the engine being built in `engine_dir` with transformers on `source_dir`.
+def verify(source_dir: Path, engine_dir: Path, cfg: ModelConfig, dtype: str, long: Any = None,
+           log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Compare the engine being built in `engine_dir` with transformers on `source_dir`; `long`: the
+    long-position check's plan (`verify_long.LongPlan`; None: not asked).
 
     Returns the report section; raises VerifyError (with the numbers) beyond tolerance.
     """
@@ -99,8 +101,17 @@ def verify(source_dir: Path, engine_dir: Path, cfg: ModelConfig, dtype: str) -> 
     _enforce(report, tol)
     if dtype == "float32":
         report["prefill"] = verify_prefill(runs, ours, quantized=False)
+    if long is not None:
+        report["long"] = check_long(ref, ours, tok, long, _long_tolerance(tol), log)
     report["passed"] = True
     return report
+
+
+def _long_tolerance(tol: Tolerance) -> LongTolerance:
+    """The long check's bars for `tol`: fp32 wants every argmax (a near tie aside), as its greedy tokens."""
+    if tol.greedy_must_match:
+        return LongTolerance(tol.rel_logit, min_agreement=1.0, tie=tol.rel_logit)
+    return LongTolerance(tol.rel_logit, min_agreement=tol.min_argmax_agreement, tie=0.0)
 
 
 @dataclass(frozen=True)
@@ -179,8 +190,7 @@ def _ids(tok: Any, text: str, limit: int) -> torch.Tensor:
 @torch.inference_mode()
 def _reference_greedy(ref: torch.nn.Module, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers extends `ids` [T] by `n` greedy tokens -> (sequence [T + n], logits [T + n, V])."""
-    # transformers 5.x names the KV cache `cache`; 4.x named it `past_key_values` (input and output).
-    name = "cache" if "cache" in inspect.signature(ref.forward).parameters else "past_key_values"
+    name = cache_name(ref)
     out = ref(input_ids=ids[None], use_cache=True)
     logits, seq = [out.logits[0]], ids
     for _ in range(n):

@@ -46,12 +46,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from runtime.attention_ref import CachedCausalAttention
 from runtime.config import ModelConfig
 from runtime.engine_dir import TOKENIZER_DIR, WEIGHTS, group_size
 from runtime.model import LlamaModel
 
 from .errors import VerifyError
 from .quiet import quiet_transformers
+from .verify_long import LongTolerance, check_long, compact
 from .verify import (MAX_PROMPT_TOKENS, PROMPTS, _engine_logits, _ids, _load_reference, _reference_greedy,
                      prefill_logits, prefill_model)
 
@@ -105,8 +107,9 @@ def load_int8_engine(engine_dir: Path, cfg: ModelConfig, quantization: dict[str,
 
 def verify_int8(source_dir: Path, engine_dir: Path, cfg: ModelConfig, quantization: dict[str, Any],
                 log: Callable[[str], None] = lambda line: None,
-                tolerance: Int8Tolerance | None = None) -> dict[str, Any]:
-    """Compare the int8 engine being built in `engine_dir` with transformers (fp32) on `source_dir`.
+                tolerance: Int8Tolerance | None = None, long: Any = None) -> dict[str, Any]:
+    """Compare the int8 engine being built in `engine_dir` with transformers (fp32) on `source_dir`;
+    `long`: the long-position check's plan (`verify_long.LongPlan`; None: not asked).
 
     Returns the report section; raises VerifyError (with the numbers) beyond `tolerance` (default
     INT8_TOLERANCE)."""
@@ -156,6 +159,9 @@ def verify_int8(source_dir: Path, engine_dir: Path, cfg: ModelConfig, quantizati
         "prefill": prefill,
     }
     _enforce(report, tolerance)
+    if long is not None:
+        report["long"] = check_long(ref, ours, tok, long, LongTolerance(
+            tolerance.rel_logit, min_agreement=tolerance.min_greedy_agreement, tie=0.0), log)
     report["passed"] = True
     return report
 
@@ -190,7 +196,7 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
             "greedy_prompts": f"{len(report['prompts'])} x {report['greedy_tokens']} tokens",
             "perplexity": {"text": ppl["text"], "num_tokens": ppl["num_tokens"], "fp32": round(ppl["fp32"], 4),
                            "int8": round(ppl["int8"], 4), "increase": round(ppl["increase"], 5)},
-            "prefill": _prefill_summary(report.get("prefill"))}
+            "prefill": _prefill_summary(report.get("prefill")), "long": compact(report.get("long"))}
 
 
 def _prefill_summary(pf: dict[str, Any] | None) -> dict[str, Any]:
@@ -201,28 +207,10 @@ def _prefill_summary(pf: dict[str, Any] | None) -> dict[str, Any]:
             "perplexity_increase": round(pf["perplexity_increase"], 5)}
 
 
-class _KVCache:
-    """Causal attention with a per-layer K/V cache: one sequence, positions appended in order."""
-
-    def __init__(self) -> None:
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if layer_idx in self.k:
-            k, v = torch.cat([self.k[layer_idx], k]), torch.cat([self.v[layer_idx], v])
-        self.k[layer_idx], self.v[layer_idx] = k, v
-        T, S = q.shape[0], k.shape[0]
-        mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)          # query i sees keys <= S - T + i
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1)
-
-
 @torch.inference_mode()
 def _engine_greedy(model: LlamaModel, ids: torch.Tensor, n: int) -> list[int]:
     """The engine's own greedy continuation of `ids` [T], `n` tokens (KV-cached)."""
-    cache, out = _KVCache(), []
+    cache, out = CachedCausalAttention(), []
     hidden = model(ids, torch.arange(ids.shape[0]), cache)
     pos = ids.shape[0]
     for _ in range(n):

@@ -32,6 +32,25 @@ class CausalAttention:
         return out.transpose(0, 1)
 
 
+class CachedCausalAttention:
+    """Causal attention with a per-layer K/V cache: one sequence whose positions arrive in order,
+    one chunk (or one token) per forward call. Memory: the cached K/V plus one chunk's scores."""
+
+    def __init__(self) -> None:
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if layer_idx in self.k:
+            k, v = torch.cat([self.k[layer_idx], k]), torch.cat([self.v[layer_idx], v])
+        self.k[layer_idx], self.v[layer_idx] = k, v
+        T, S = q.shape[0], k.shape[0]
+        mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)          # query i sees keys <= S - T + i
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=mask, enable_gqa=True)
+        return out.transpose(0, 1)
+
+
 class PrefillKernelAttention:
     """Causal attention of one sequence's T tokens through a kernel table's `prefill_attention`
     (its K/V as a one-block pool, positions 0..T-1): what an engine's prompt rows compute, for a

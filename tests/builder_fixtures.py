@@ -33,6 +33,15 @@ def write_tokenizer(path: Path, chat_template: bool = True) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
+def write_text_tokenizer(path: Path, texts: list[str]) -> None:
+    """Replace the tokenizer in `path` by a BPE one (< 128 tokens) trained on `texts`, so that real
+    prose (the long-position check's essays) becomes varied tokens instead of [UNK]s."""
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=120, special_tokens=SPECIALS, limit_alphabet=70))
+    tok.save(str(path / "tokenizer.json"))
+
+
 def write_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a tiny random `arch` model (llama | qwen2 | mistral | qwen3) with its tokenizer into
     `path`; `overrides` are its config's (e.g. head_dim, rope_parameters)."""

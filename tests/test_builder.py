@@ -358,7 +358,7 @@ def test_cli_bad_options(ckpts, tmp_path, capsys):
 
     code, err = cli(capsys, "--model", str(tmp_path / "nope"), "--output", str(tmp_path / "e"))
     assert code == 2 and err == [f"error: --model {tmp_path / 'nope'}: no such file or directory "
-                                 "(pass a Hugging Face model dir or a .gguf file, or 'default')"]
+                                 "(pass a Hugging Face model dir or a .gguf file, or one of: default, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b)"]
 
     a_file = tmp_path / "a_file"
     a_file.write_text("not a dir")
@@ -380,8 +380,10 @@ def test_cli_help_lists_every_option(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
     for flag in ("--model", "--output", "--dtype", "--force", "--no-verify", "--name", "--quantize",
-                 "--random-weights", "--seed", "--tokenizer"):
+                 "--random-weights", "--seed", "--tokenizer", "--no-long-verify", "--long-verify-tokens"):
         assert flag in text
+    for name in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):                # the named sources
+        assert f"'{name}'" in re.sub(r"\s+", "", text)                      # argparse wraps at hyphens
 
 
 def test_cli_success_prints_one_line_per_stage(ckpts, tmp_path, capsys):
@@ -400,7 +402,7 @@ def test_script_missing_model_one_line(tmp_path):
                            "--output", str(out)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.splitlines() == ["error: --model /nonexistent: no such file or directory (pass a "
-                                        "Hugging Face model dir or a .gguf file, or 'default')"]
+                                        "Hugging Face model dir or a .gguf file, or one of: default, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b)"]
     assert not out.exists()
 
 
@@ -500,8 +502,8 @@ def test_random_weights_options(tmp_path, capsys, ckpts):
         (["--random-weights", "tiny", "--quantize", "int8"], "error: --random-weights tiny: cannot be combined "
                                                               "with --quantize (random weights are generated at "
                                                               "load in --dtype)"),
-        ([], "error: --model: must name a model (pass a Hugging Face model dir or a .gguf file, or 'default' "
-             "(or --random-weights SHAPE))"),
+        ([], "error: --model: must name a model (pass a Hugging Face model dir or a .gguf file, or one of: "
+             "default, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b (or --random-weights SHAPE))"),
         (["--model", str(ckpts["llama"]), "--tokenizer", "bytes"],
          "error: --tokenizer bytes: is only used with --random-weights (a checkpoint's engine gets the "
          "checkpoint's own tokenizer)"),
