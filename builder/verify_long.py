@@ -159,6 +159,7 @@ def engine_tail_logits(model: LlamaModel, ids: torch.Tensor, rows: int,
                        progress: Callable[[int], None] = lambda done: None) -> torch.Tensor:
     """The engine's model over `ids` [T] in chunks, over a K/V cache -> logits of the last `rows` rows."""
     cache, tail = CachedCausalAttention(), []
+    model = model.with_positions(ids.shape[0])     # RoPE tables for every position (a model has those it runs)
     for s in range(0, ids.shape[0], CHUNK):
         piece = ids[s:s + CHUNK]
         hidden = model(piece, torch.arange(s, s + piece.shape[0]), cache)

@@ -77,7 +77,7 @@ def test_chunked_tails_equal_one_full_forward(long_ckpt, tmp_path, essays, monke
     with torch.inference_mode():
         full_ref = ref(input_ids=ids[None]).logits[0, -64:]
     torch.testing.assert_close(verify_long.reference_tail_logits(ref, ids, 64), full_ref, rtol=1e-4, atol=1e-4)
-    ours = _load_engine(tmp_path / "e", load_manifest(tmp_path / "e").model, torch.float32)
+    ours = _load_engine(tmp_path / "e", load_manifest(tmp_path / "e").model, torch.float32).with_positions(len(ids))
     torch.testing.assert_close(verify_long.engine_tail_logits(ours, ids, 64), _engine_logits(ours, ids)[-64:],
                                rtol=1e-4, atol=1e-4)
 
