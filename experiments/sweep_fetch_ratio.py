@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             st = eng.stats()
             eng.close()
             steps = st["steps"] - prefill_steps                  # decode steps only
-            row = {"miss_policy": miss, "fetch_ratio": ratio, "fetch_cap": eng.config.fetch_cap,
+            row = {"miss_policy": miss, "fetch_ratio": ratio, "fetch_cap": eng.config.prediction_cap,
                    "prefetch_hit_rate": st["prefetch_hit_rate"], "agreement_mean": st["agreement_mean"],
                    "draft_accept_rate": st["draft_accept_rate"], "decode_steps": steps,
                    "urgent_blocks_per_step": st["urgent_blocks"] / steps,

@@ -79,7 +79,7 @@ class LookaheadAttention:
         self.num_heads = mcfg.num_heads
         self.scale = mcfg.head_dim ** -0.5
         self.max_blocks, self.debug_checks = max_blocks, debug_checks
-        self.fetch_cap = cfg.fetch_cap          # a prediction's admissions per (lane, head)
+        self.fetch_cap = cfg.prediction_cap     # a prediction's admissions per (lane, head)
         policy = make_policy(cfg, mcfg.num_layers)
         self.tier = DeviceTier(self.layout, policy.num_buffers, num_lanes, self.kvh, self.hd, pool.k.dtype, device)
         self.summaries = BlockSummaries(mcfg.num_layers, num_lanes, max_blocks, self.kvh, self.hd, pool.k.dtype,
