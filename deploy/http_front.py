@@ -32,6 +32,8 @@ import signal
 import sys
 from dataclasses import dataclass
 
+from .request_target import TargetError, parse_target
+
 log = logging.getLogger("lookahead.http_front")
 
 # tritonserver 2.51 survives 4,000,035 bytes and crashes at 4,194,035: half the smaller, by default.
@@ -71,11 +73,16 @@ REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
 @dataclass
 class Request:
     method: str
-    target: str
+    target: str                 # origin-form, normalised (deploy.request_target): what goes upstream
     version: str
     headers: list[tuple[str, str]]
     body: bytes = b""
     keep_alive: bool = True
+
+    @property
+    def path(self) -> str:
+        """The target's path: what every check and route keys on."""
+        return self.target.partition("?")[0]
 
     def header(self, name: str) -> str | None:
         values = [v for k, v in self.headers if k.lower() == name]
@@ -95,6 +102,10 @@ def parse_head(head: bytes) -> tuple[str, str, str, list[tuple[str, str]]]:
     method, target, version = parts
     if version not in ("HTTP/1.1", "HTTP/1.0"):
         raise HttpError(505, f"unsupported HTTP version {version[:20]!r}")
+    try:
+        target = str(parse_target(target))
+    except TargetError as e:
+        raise HttpError(400, str(e)) from None
     headers = []
     for line in lines[1:]:
         if not line:

@@ -105,7 +105,7 @@ def echo_rewrite(req):
     tokens, their log-probabilities (None for the first), top alternatives and text offsets, as
     OpenAI's and vLLM's completions return them. Returns the response transform, or None for any
     other request (which passes untouched)."""
-    if req.method != "POST" or not req.body or req.target.split("?", 1)[0].rstrip("/") != COMPLETIONS:
+    if req.method != "POST" or not req.body or req.path != COMPLETIONS:
         return None
     doc = json.loads(req.body)
     if not isinstance(doc, dict) or doc.get("echo") is not True:
@@ -164,10 +164,9 @@ def check_openai_request(req) -> None:
     """deploy.http_front's check: the JSON body of a POST to the OpenAI completion routes."""
     if req.method != "POST" or not req.body:
         return
-    path = req.target.split("?", 1)[0].rstrip("/")
-    if path not in (CHAT, COMPLETIONS):
+    if req.path not in (CHAT, COMPLETIONS):         # the normalised path (deploy/request_target.py)
         return
-    check_openai_body(path, json.loads(req.body))      # http_front parsed it once already: it parses
+    check_openai_body(req.path, json.loads(req.body))      # http_front parsed it once already: it parses
 
 
 def openai_error_body(status: int, message: str, field: str | None) -> bytes:
