@@ -31,6 +31,7 @@ import logging
 import signal
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from .request_target import TargetError, parse_target
 
@@ -57,15 +58,17 @@ STREAM_CUT = ("tritonserver closed the stream before it finished (it died, or wa
 
 class HttpError(Exception):
     """A request refused here: status, message (sent as Triton's {"error": ...}, or the front's
-    `error_body`), close after. `field`: the request field at fault, when there is one."""
+    `error_body`), close after. `field`: the request field at fault, when there is one. `sse`:
+    sent as one SSE error event, as tritonserver answers on /generate_stream."""
 
-    def __init__(self, status: int, message: str, field: str | None = None):
+    def __init__(self, status: int, message: str, field: str | None = None, sse: bool = False):
         super().__init__(message)
         self.status = status
         self.field = field
+        self.sse = sse
 
 
-REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
+REASONS = {400: "Bad Request", 404: "Not Found", 408: "Request Timeout", 413: "Payload Too Large",
            431: "Request Header Fields Too Large", 501: "Not Implemented", 502: "Bad Gateway",
            503: "Service Unavailable", 505: "HTTP Version Not Supported"}
 
@@ -78,6 +81,7 @@ class Request:
     headers: list[tuple[str, str]]
     body: bytes = b""
     keep_alive: bool = True
+    generate: Any = None        # a GenerateCall when the front serves it over gRPC (deploy.generate_front)
 
     @property
     def path(self) -> str:
@@ -225,18 +229,60 @@ def client_head(req: Request, resp: Response, keep: bool) -> bytes:
     return ("\r\n".join(out) + "\r\n\r\n").encode("latin-1")
 
 
+class ClientGone(Exception):
+    """The client closed its connection while its request was being served."""
+
+
+class ClientReader(asyncio.StreamReader):
+    """A client connection's reader that also tells when the client has gone: `gone` is set at its
+    EOF or a connection error, without reading anything (a pipelined request stays buffered). A
+    client that half-closes its side counts as gone, as it does for nginx."""
+
+    def __init__(self, limit: int):
+        super().__init__(limit=limit)
+        self.gone = asyncio.Event()
+
+    def feed_eof(self) -> None:
+        super().feed_eof()
+        self.gone.set()
+
+    def set_exception(self, exc: BaseException) -> None:
+        super().set_exception(exc)
+        self.gone.set()
+
+
+async def until_gone(reader: ClientReader, work) -> Any:
+    """Await the coroutine `work`, unless the client goes first: then it is cancelled and
+    ClientGone raised (the caller closes the upstream connection, which stops the work there)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(reader.gone.wait())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
 class Front:
     """One proxy: `await Front(...).serve()`; `close()` stops accepting and ends open connections."""
 
     def __init__(self, listen_host: str, listen_port: int, upstream_host: str, upstream_port: int,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, check=None, error_body=None,
-                 upstream_name: str = "tritonserver", rewrite=None):
+                 upstream_name: str = "tritonserver", rewrite=None, grpc_upstream: tuple[str, int] | None = None):
         """`check(request)`: raises HttpError for a request to answer here (after the JSON check);
         `error_body(status, message, field) -> bytes`: the JSON of such an answer (default Triton's
         {"error": message}); `upstream_name` names the server behind in 502 answers.
         `rewrite(request) -> transform | None`: may change the request's body before it goes
         upstream; a transform(status, body) -> body it returns gets the whole response body (read
-        here, not streamed) and its result is sent instead."""
+        here, not streamed) and its result is sent instead.
+        `grpc_upstream`: tritonserver's gRPC (host, port): POSTs to /v2/models/<m>/generate and
+        /generate_stream are then served over it (deploy/generate_front.py), so a client that
+        leaves cancels them; without it they go to the HTTP upstream like any other request."""
         if not 0 < max_body_bytes <= MAX_BODY_LIMIT:
             raise ValueError(f"max_body_bytes must be in 1..{MAX_BODY_LIMIT} (tritonserver 2.51 crashes on "
                              f"HTTP bodies over ~4 MB), got {max_body_bytes}")
@@ -245,13 +291,17 @@ class Front:
         self.max_body = max_body_bytes
         self.check, self.error_body, self.upstream_name = check, error_body, upstream_name
         self.rewrite = rewrite
+        self.grpc_upstream = grpc_upstream
+        self._generate = None                   # the GenerateFront of grpc_upstream, made on first use
         self.server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self.refused = 0                        # requests answered here (4xx/5xx), for tests and logs
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._client, *self.listen, limit=MAX_HEAD_BYTES,
-                                                 reuse_address=True)
+        """Listen (asyncio.start_server's wiring, with a ClientReader per connection)."""
+        def protocol() -> asyncio.StreamReaderProtocol:
+            return asyncio.StreamReaderProtocol(ClientReader(MAX_HEAD_BYTES), self._client)
+        self.server = await asyncio.get_running_loop().create_server(protocol, *self.listen, reuse_address=True)
 
     async def serve(self) -> None:
         if self.server is None:
@@ -264,6 +314,30 @@ class Front:
             self.server.close()
         for t in list(self._tasks):
             t.cancel()
+        if self._generate is not None:
+            generate, self._generate = self._generate, None
+            self._close_later(generate)
+
+    async def aclose(self) -> None:
+        """close(), then wait for what it started (the gRPC channel's close) to finish."""
+        self.close()
+        await asyncio.gather(*[t for t in self._tasks if t is not asyncio.current_task()], return_exceptions=True)
+
+    def _generate_front(self):
+        """The GenerateFront for the current grpc_upstream (a new one when it changed)."""
+        from .generate_front import GenerateFront
+
+        if self._generate is None or self._generate.address != self.grpc_upstream:
+            if self._generate is not None:
+                self._close_later(self._generate)
+            self._generate = GenerateFront(self.grpc_upstream)
+        return self._generate
+
+    def _close_later(self, generate) -> None:
+        """Close a GenerateFront's channel in the background (a task kept until it ran)."""
+        task = asyncio.ensure_future(generate.aclose())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # -- one client connection ---------------------------------------------------------------
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -277,10 +351,14 @@ class Front:
                 except HttpError as e:
                     self.refused += 1
                     log.warning("refused a request: %d %s", e.status, e)
-                    await self._answer(writer, e.status, str(e), e.field)
+                    await self._answer(writer, e.status, str(e), e.field, e.sse)
                     return
                 if req is None:
                     return
+                if req.generate is not None:
+                    if not await until_gone(reader, self._generate_front().serve(req.generate, req, writer)):
+                        return
+                    continue
                 if up is None or up[0].at_eof() or up[1].is_closing():
                     if up is not None:
                         _close(up[1])
@@ -291,8 +369,10 @@ class Front:
                         await self._answer(writer, 502, f"{self.upstream_name} is not reachable "
                                                         f"({e.strerror or e}); it may be restarting: retry")
                         return
-                if not await self._forward(req, up, writer):
+                if not await until_gone(reader, self._forward(req, up, writer)):
                     return
+        except ClientGone:
+            log.info("a client left before its response was complete: its upstream request was closed")
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
                 ValueError):
             pass                            # a client or upstream that broke the protocol or went away
@@ -342,6 +422,9 @@ class Front:
         check_json(req.body, headers)
         if self.check is not None:
             self.check(req)
+        if self.grpc_upstream is not None:
+            from .generate_front import prepare
+            req.generate = prepare(req)
         return req
 
     async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
@@ -369,9 +452,12 @@ class Front:
                 raise HttpError(400, "chunk not followed by CRLF")
             parts.append(data[:-2])
 
-    async def _answer(self, writer, status: int, message: str, field: str | None = None) -> None:
+    async def _answer(self, writer, status: int, message: str, field: str | None = None, sse: bool = False) -> None:
         body = self.error_body(status, message, field) if self.error_body else json.dumps({"error": message}).encode()
-        head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+        kind = "application/json"
+        if sse:
+            body, kind = b"data: " + body + b"\n\n", "text/event-stream; charset=utf-8"
+        head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: {kind}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
         try:
             writer.write(head.encode() + body)

@@ -324,6 +324,7 @@ class Supervisor:
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         _write_atomic(self.files.server_pid, f"{self.proc.pid}\n")
         self.front.upstream = ("127.0.0.1", self.upstream_port)
+        self.front.grpc_upstream = ("127.0.0.1", self.s.grpc_port)    # /generate*: cancellable over gRPC
         self._stub_dead_reported = False
         log.info("started tritonserver pid %d (internal HTTP port %d); log %s", self.proc.pid,
                  self.upstream_port, self.files.server_log)

@@ -80,7 +80,7 @@ def _exchange(requests: list[bytes], check=None) -> tuple[list[bytes], list[byte
                           if line.lower().startswith(b"content-length:"))
             answers.append(head + await reader.readexactly(length))
             writer.close()
-        front.close()
+        await front.aclose()
         up.close()
         return answers
 
