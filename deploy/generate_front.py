@@ -33,7 +33,7 @@ from serving.config_template import model_inputs
 from serving.grpc_stream import is_final, stream_request
 from serving.request import generate_json_inputs, parse_request
 
-from .http_front import QUEUE_FULL, REASONS, RETRY_AFTER_S, STREAM_CUT, HttpError, Request
+from .http_front import QUEUE_FULL, REASONS, RETRY_AFTER_S, HttpError, Request, cut_event
 
 log = logging.getLogger("lookahead.http_front")
 
@@ -186,7 +186,7 @@ class _Relay:
             await self._send(502, {"error": f"tritonserver's gRPC port did not answer ({why}); it may be "
                                             f"restarting: retry"}, close=True)
         elif self.call.stream_route:
-            await self._event({"error": STREAM_CUT})
+            await self._write_event(cut_event("tritonserver"))
         return False
 
     async def _send(self, status: int, doc: dict[str, Any], close: bool = False) -> None:
@@ -201,7 +201,9 @@ class _Relay:
             await self.writer.drain()
 
     async def _event(self, doc: dict[str, Any]) -> None:
-        event = b"data: " + _json(doc) + b"\n\n"
+        await self._write_event(b"data: " + _json(doc) + b"\n\n")
+
+    async def _write_event(self, event: bytes) -> None:
         self.writer.write(b"%x\r\n%s\r\n" % (len(event), event) if self.chunked else event)
         await self.writer.drain()
 

@@ -15,10 +15,17 @@ to tritonserver bound to an internal loopback port, after:
 - a 64 KiB cap on the request line and headers (`431`), and no request smuggling: both Content-Length
   and Transfer-Encoding, several Content-Lengths, or a transfer coding other than chunked, get `400`.
 
-Everything else passes through unchanged, responses streamed as they come (chunked SSE from
-/generate_stream included). When tritonserver dies or restarts mid-response, the client's connection is
-closed: a streaming client gets an error instead of waiting. gRPC does not go through here: its
-messages (protobuf, 50 MB tested) do not crash the server.
+- one parser of the request target (deploy/request_target.py): origin-form only, and every check
+  and the upstream see the same normalised path.
+
+Everything else passes through unchanged, responses streamed as they come. When tritonserver dies or
+restarts mid-response, the client's connection is closed: a streaming client gets an error instead
+of waiting. A client that closes its connection before its response is complete cancels: the front
+watches its socket while it waits on the upstream (`ClientReader`, `until_gone`) and closes the
+upstream connection. With `grpc_upstream` (tritonserver's gRPC port), /generate and /generate_stream
+are served over gRPC instead (deploy/generate_front.py), since tritonserver 2.51 never cancels an
+HTTP request; gRPC clients do not go through here: their messages (protobuf, 50 MB tested) do not
+crash the server.
 
     python -m deploy.http_front --listen 127.0.0.1:8000 --upstream 127.0.0.1:8100
 """
@@ -587,14 +594,19 @@ class Front:
         closed without the last chunk, so an HTTP client sees the response cut short."""
         if writer.is_closing():
             return
-        cut = STREAM_CUT if self.upstream_name == "tritonserver" else \
-            f"{self.upstream_name} closed the stream before it finished; the request did not complete: retry"
-        event = b"data: " + json.dumps({"error": cut}).encode() + b"\n\n"
+        event = cut_event(self.upstream_name)
         writer.write(b"%x\r\n%s\r\n" % (len(event), event))
         try:
             await writer.drain()
         except ConnectionError:
             pass
+
+
+def cut_event(upstream_name: str) -> bytes:
+    """The SSE error event of a stream the server behind cut short."""
+    cut = STREAM_CUT if upstream_name == "tritonserver" else \
+        f"{upstream_name} closed the stream before it finished; the request did not complete: retry"
+    return b"data: " + json.dumps({"error": cut}).encode() + b"\n\n"
 
 
 async def _peek(reader: asyncio.StreamReader, kind: str, length: int) -> tuple[bytes, bytes | None]:
