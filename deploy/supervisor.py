@@ -9,8 +9,9 @@
 
 `run` expects R/model_repo (written by `serving.config_template`). It
 
-- binds the public HTTP port with `deploy.http_front` (body-size cap, JSON check) and starts
-  tritonserver on an internal loopback HTTP port; gRPC and metrics are tritonserver's own ports;
+- binds the public HTTP port with `deploy.http_front` (body-size cap, JSON check; /generate* over
+  tritonserver's gRPC port, so a disconnect cancels) and starts tritonserver on an internal loopback
+  HTTP port; gRPC and metrics are tritonserver's own ports;
 - keeps each run's log: R/tritonserver.log is rotated to .1 ... .5 before every server start;
 - names the python backend's /dev/shm regions with a prefix unique to R (`lkv_<hash of R>_`), so after
   any death (SIGKILL of the server or of its stub included) its regions and stray
