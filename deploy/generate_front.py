@@ -33,7 +33,7 @@ from serving.config_template import model_inputs
 from serving.grpc_stream import is_final, stream_request
 from serving.request import generate_json_inputs, parse_request
 
-from .http_front import QUEUE_FULL, REASONS, RETRY_AFTER_S, HttpError, Request, cut_event
+from .http_answers import QUEUE_FULL, REASONS, RETRY_AFTER_S, HttpError, cut_event
 
 log = logging.getLogger("lookahead.http_front")
 
@@ -56,9 +56,10 @@ class GenerateCall:
     parameters: dict[str, Any]
 
 
-def prepare(req: Request) -> GenerateCall | None:
-    """The /generate call `req` asks for (None: not a POST to /generate*); HttpError 400 naming the
-    field for a body the model would refuse or tritonserver would mangle."""
+def prepare(req) -> GenerateCall | None:
+    """The /generate call `req` (a deploy.http_front.Request) asks for (None: not a POST to
+    /generate*); HttpError 400 naming the field for a body the model would refuse or tritonserver
+    would mangle."""
     m = ROUTE.match(req.path)
     if req.method != "POST" or m is None:
         return None
@@ -118,7 +119,7 @@ class GenerateFront:
             client, self._client = self._client, None
             await client.close()
 
-    async def serve(self, call: GenerateCall, req: Request, writer: asyncio.StreamWriter) -> bool:
+    async def serve(self, call: GenerateCall, req, writer: asyncio.StreamWriter) -> bool:
         """Answer `call` on `writer`; True when the connection stays open. Cancelled (the client
         left), it cancels the gRPC call unless the final response has come."""
         from tritonclient.grpc import InferInput
@@ -155,7 +156,7 @@ class GenerateFront:
 class _Relay:
     """Responses from the gRPC call -> the client, in /generate's or /generate_stream's shape."""
 
-    def __init__(self, call: GenerateCall, req: Request, writer: asyncio.StreamWriter):
+    def __init__(self, call: GenerateCall, req, writer: asyncio.StreamWriter):
         self.call, self.writer = call, writer
         self.chunked = call.stream_route and req.version == "HTTP/1.1"
         self.keep = req.keep_alive and (self.chunked or not call.stream_route)

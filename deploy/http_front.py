@@ -40,6 +40,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from .http_answers import (QUEUE_FULL, REASONS, RETRY_AFTER_S, STREAM_CUT, HttpError,  # noqa: F401 (re-exported)
+                           cut_event)
 from .request_target import TargetError, parse_target
 
 log = logging.getLogger("lookahead.http_front")
@@ -57,29 +59,6 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "
 
 
 PEEK_BYTES = 64 * 1024                 # an error response read before its status is sent on
-QUEUE_FULL = b"the waiting queue is full"   # the scheduler's QueueFullError message: a 503
-RETRY_AFTER_S = 1
-STREAM_CUT = ("tritonserver closed the stream before it finished (it died, or was restarted because its model "
-              "stub died); the request did not complete: retry")
-
-
-class HttpError(Exception):
-    """A request refused here: status, message (sent as Triton's {"error": ...}, or the front's
-    `error_body`), close after. `field`: the request field at fault, when there is one. `sse`:
-    sent as one SSE error event, as tritonserver answers on /generate_stream."""
-
-    def __init__(self, status: int, message: str, field: str | None = None, sse: bool = False):
-        super().__init__(message)
-        self.status = status
-        self.field = field
-        self.sse = sse
-
-
-REASONS = {400: "Bad Request", 404: "Not Found", 408: "Request Timeout", 413: "Payload Too Large",
-           431: "Request Header Fields Too Large", 501: "Not Implemented", 502: "Bad Gateway",
-           503: "Service Unavailable", 505: "HTTP Version Not Supported"}
-
-
 @dataclass
 class Request:
     method: str
@@ -600,13 +579,6 @@ class Front:
             await writer.drain()
         except ConnectionError:
             pass
-
-
-def cut_event(upstream_name: str) -> bytes:
-    """The SSE error event of a stream the server behind cut short."""
-    cut = STREAM_CUT if upstream_name == "tritonserver" else \
-        f"{upstream_name} closed the stream before it finished; the request did not complete: retry"
-    return b"data: " + json.dumps({"error": cut}).encode() + b"\n\n"
 
 
 async def _peek(reader: asyncio.StreamReader, kind: str, length: int) -> tuple[bytes, bytes | None]:

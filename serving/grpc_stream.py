@@ -34,8 +34,14 @@ async def stream_request(client: Any, model: str, inputs: list, on_response: OnR
     the request's parameters (bool, int, float or str values)."""
     final = asyncio.Event()
 
+    request: dict[str, Any] = {"model_name": model, "inputs": inputs}
+    if parameters:
+        request["parameters"] = parameters
+    if model_version:
+        request["model_version"] = model_version
+
     async def requests():
-        yield {"model_name": model, "model_version": model_version, "inputs": inputs, "parameters": parameters}
+        yield request
         await final.wait()                # then the iterator ends: gRPC half-closes the stream
 
     call = client.stream_infer(requests())

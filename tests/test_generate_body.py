@@ -65,7 +65,8 @@ def test_a_body_that_is_not_an_object_is_refused():
 def test_values_get_their_inputs_types_and_the_rest_are_parameters():
     inputs, parameters, req = check({"max_tokens": "5", "top_k": 2 ** 31 - 1, "seed": -(2 ** 63), "temperature": 0.5,
                                      "stream": True, "stop": "\n", "n": 2, "triton_enable_empty_final_response": True})
-    assert inputs["max_tokens"].dtype == np.int32 and inputs["max_tokens"].tolist() == [5]   # as sampling_parameters takes it
+    # "5" is read as 5, as inside sampling_parameters
+    assert inputs["max_tokens"].dtype == np.int32 and inputs["max_tokens"].tolist() == [5]
     assert inputs["top_k"].tolist() == [2 ** 31 - 1] and inputs["seed"].dtype == np.int64
     assert inputs["temperature"].dtype == np.float32 and inputs["stream"].dtype == np.bool_
     assert inputs["text_input"].tolist() == [b"hi"] and inputs["stop"].tolist() == [b"\n"]
