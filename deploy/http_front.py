@@ -15,12 +15,18 @@ to tritonserver bound to an internal loopback port, after:
 - a 64 KiB cap on the request line and headers (`431`), and no request smuggling: both Content-Length
   and Transfer-Encoding, several Content-Lengths, or a transfer coding other than chunked, get `400`.
 
-Everything else passes through unchanged, responses streamed as they come (chunked SSE from
-/generate_stream included), except a response a `rewrite` transforms (the OpenAI front's echo): it is
-read whole, at most `max_response_bytes` (16 MiB by default, a cap of its own: such answers are
-larger than any request), and one over it is answered with the transform's own 400. When tritonserver
-dies or restarts mid-response, the client's connection is closed: a streaming client gets an error
-instead of waiting. gRPC has a guard of its own, `deploy.grpc_guard`.
+- one parser of the request target (deploy/request_target.py): origin-form only, and every check
+  and the upstream see the same normalised path.
+
+Everything else passes through unchanged, responses streamed as they come, except a response a `rewrite`
+transforms (the OpenAI front's echo): it is read whole, at most `max_response_bytes` (16 MiB by default, a
+cap of its own: such answers are larger than any request), and one over it is answered with the transform's
+own 400. When tritonserver dies or restarts mid-response, the client's connection is closed: a streaming
+client gets an error instead of waiting. A client that closes its connection before its response is
+complete cancels: the front watches its socket while it waits on the upstream (`ClientReader`,
+`until_gone`) and closes the upstream connection. With `grpc_upstream` (tritonserver's gRPC port),
+/generate and /generate_stream are served over gRPC instead (deploy/generate_front.py), since tritonserver
+2.51 never cancels an HTTP request. gRPC clients have a guard of their own, `deploy.grpc_guard`.
 
     python -m deploy.http_front --listen 127.0.0.1:8000 --upstream 127.0.0.1:8100
 """
@@ -33,6 +39,11 @@ import logging
 import signal
 import sys
 from dataclasses import dataclass
+from typing import Any
+
+from .http_answers import (QUEUE_FULL, REASONS, RETRY_AFTER_S, STREAM_CUT, HttpError,  # noqa: F401 (re-exported)
+                           cut_event)
+from .request_target import TargetError, parse_target
 
 log = logging.getLogger("lookahead.http_front")
 
@@ -51,10 +62,6 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "
 
 
 PEEK_BYTES = 64 * 1024                 # an error response read before its status is sent on
-QUEUE_FULL = b"the waiting queue is full"   # the scheduler's QueueFullError message: a 503
-RETRY_AFTER_S = 1
-STREAM_CUT = ("tritonserver closed the stream before it finished (it died, or was restarted because its model "
-              "stub died); the request did not complete: retry")
 
 
 class BodyTooLarge(Exception):
@@ -66,29 +73,20 @@ class BodyTooLarge(Exception):
         self.limit, self.unread = limit, unread
 
 
-class HttpError(Exception):
-    """A request refused here: status, message (sent as Triton's {"error": ...}, or the front's
-    `error_body`), close after. `field`: the request field at fault, when there is one."""
-
-    def __init__(self, status: int, message: str, field: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.field = field
-
-
-REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
-           431: "Request Header Fields Too Large", 501: "Not Implemented", 502: "Bad Gateway",
-           503: "Service Unavailable", 505: "HTTP Version Not Supported"}
-
-
 @dataclass
 class Request:
     method: str
-    target: str
+    target: str                 # origin-form, normalised (deploy.request_target): what goes upstream
     version: str
     headers: list[tuple[str, str]]
     body: bytes = b""
     keep_alive: bool = True
+    generate: Any = None        # a GenerateCall when the front serves it over gRPC (deploy.generate_front)
+
+    @property
+    def path(self) -> str:
+        """The target's path: what every check and route keys on."""
+        return self.target.partition("?")[0]
 
     def header(self, name: str) -> str | None:
         values = [v for k, v in self.headers if k.lower() == name]
@@ -108,6 +106,10 @@ def parse_head(head: bytes) -> tuple[str, str, str, list[tuple[str, str]]]:
     method, target, version = parts
     if version not in ("HTTP/1.1", "HTTP/1.0"):
         raise HttpError(505, f"unsupported HTTP version {version[:20]!r}")
+    try:
+        target = str(parse_target(target))
+    except TargetError as e:
+        raise HttpError(400, str(e)) from None
     headers = []
     for line in lines[1:]:
         if not line:
@@ -227,13 +229,52 @@ def client_head(req: Request, resp: Response, keep: bool) -> bytes:
     return ("\r\n".join(out) + "\r\n\r\n").encode("latin-1")
 
 
+class ClientGone(Exception):
+    """The client closed its connection while its request was being served."""
+
+
+class ClientReader(asyncio.StreamReader):
+    """A client connection's reader that also tells when the client has gone: `gone` is set at its
+    EOF or a connection error, without reading anything (a pipelined request stays buffered). A
+    client that half-closes its side counts as gone, as it does for nginx."""
+
+    def __init__(self, limit: int):
+        super().__init__(limit=limit)
+        self.gone = asyncio.Event()
+
+    def feed_eof(self) -> None:
+        super().feed_eof()
+        self.gone.set()
+
+    def set_exception(self, exc: BaseException) -> None:
+        super().set_exception(exc)
+        self.gone.set()
+
+
+async def until_gone(reader: ClientReader, work) -> Any:
+    """Await the coroutine `work`, unless the client goes first: then it is cancelled and
+    ClientGone raised (the caller closes the upstream connection, which stops the work there)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(reader.gone.wait())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
 class Front:
     """One proxy: `await Front(...).serve()`; `close()` stops accepting and ends open connections."""
 
     def __init__(self, listen_host: str, listen_port: int, upstream_host: str, upstream_port: int,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, check=None, error_body=None,
                  upstream_name: str = "tritonserver", rewrite=None,
-                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES):
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES, grpc_upstream: tuple[str, int] | None = None):
         """`check(request)`: raises HttpError for a request to answer here (after the JSON check);
         `error_body(status, message, field) -> bytes`: the JSON of such an answer (default Triton's
         {"error": message}); `upstream_name` names the server behind in 502 answers.
@@ -241,7 +282,10 @@ class Front:
         upstream; a transform(status, body) -> body it returns gets the whole response body (read
         here, not streamed) and its result is sent instead. Such a response, or its result, over
         `max_response_bytes` is answered with `transform.too_large(limit)`, an HttpError naming
-        what the client asked for (the upstream connection is closed, never read on or cut short)."""
+        what the client asked for (the upstream connection is closed, never read on or cut short).
+        `grpc_upstream`: tritonserver's gRPC (host, port): POSTs to /v2/models/<m>/generate and
+        /generate_stream are then served over it (deploy/generate_front.py), so a client that
+        leaves cancels them; without it they go to the HTTP upstream like any other request."""
         if not 0 < max_body_bytes <= MAX_BODY_LIMIT:
             raise ValueError(f"max_body_bytes must be in 1..{MAX_BODY_LIMIT} (tritonserver 2.51 crashes on "
                              f"HTTP bodies over ~4 MB), got {max_body_bytes}")
@@ -251,13 +295,17 @@ class Front:
         self.max_response = max_response_bytes
         self.check, self.error_body, self.upstream_name = check, error_body, upstream_name
         self.rewrite = rewrite
+        self.grpc_upstream = grpc_upstream
+        self._generate = None                   # the GenerateFront of grpc_upstream, made on first use
         self.server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self.refused = 0                        # requests answered here (4xx/5xx), for tests and logs
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._client, *self.listen, limit=MAX_HEAD_BYTES,
-                                                 reuse_address=True)
+        """Listen (asyncio.start_server's wiring, with a ClientReader per connection)."""
+        def protocol() -> asyncio.StreamReaderProtocol:
+            return asyncio.StreamReaderProtocol(ClientReader(MAX_HEAD_BYTES), self._client)
+        self.server = await asyncio.get_running_loop().create_server(protocol, *self.listen, reuse_address=True)
 
     async def serve(self) -> None:
         if self.server is None:
@@ -270,6 +318,30 @@ class Front:
             self.server.close()
         for t in list(self._tasks):
             t.cancel()
+        if self._generate is not None:
+            generate, self._generate = self._generate, None
+            self._close_later(generate)
+
+    async def aclose(self) -> None:
+        """close(), then wait for what it started (the gRPC channel's close) to finish."""
+        self.close()
+        await asyncio.gather(*[t for t in self._tasks if t is not asyncio.current_task()], return_exceptions=True)
+
+    def _generate_front(self):
+        """The GenerateFront for the current grpc_upstream (a new one when it changed)."""
+        from .generate_front import GenerateFront
+
+        if self._generate is None or self._generate.address != self.grpc_upstream:
+            if self._generate is not None:
+                self._close_later(self._generate)
+            self._generate = GenerateFront(self.grpc_upstream)
+        return self._generate
+
+    def _close_later(self, generate) -> None:
+        """Close a GenerateFront's channel in the background (a task kept until it ran)."""
+        task = asyncio.ensure_future(generate.aclose())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # -- one client connection ---------------------------------------------------------------
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -283,10 +355,14 @@ class Front:
                 except HttpError as e:
                     self.refused += 1
                     log.warning("refused a request: %d %s", e.status, e)
-                    await self._answer(writer, e.status, str(e), e.field)
+                    await self._answer(writer, e.status, str(e), e.field, e.sse)
                     return
                 if req is None:
                     return
+                if req.generate is not None:
+                    if not await until_gone(reader, self._generate_front().serve(req.generate, req, writer)):
+                        return
+                    continue
                 if up is None or up[0].at_eof() or up[1].is_closing():
                     if up is not None:
                         _close(up[1])
@@ -297,8 +373,10 @@ class Front:
                         await self._answer(writer, 502, f"{self.upstream_name} is not reachable "
                                                         f"({e.strerror or e}); it may be restarting: retry")
                         return
-                if not await self._forward(req, up, writer):
+                if not await until_gone(reader, self._forward(req, up, writer)):
                     return
+        except ClientGone:
+            log.info("a client left before its response was complete: its upstream request was closed")
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
                 ValueError):
             pass                            # a client or upstream that broke the protocol or went away
@@ -353,11 +431,17 @@ class Front:
         check_json(req.body, headers)
         if self.check is not None:
             self.check(req)
+        if self.grpc_upstream is not None:
+            from .generate_front import prepare
+            req.generate = prepare(req)
         return req
 
-    async def _answer(self, writer, status: int, message: str, field: str | None = None) -> None:
+    async def _answer(self, writer, status: int, message: str, field: str | None = None, sse: bool = False) -> None:
         body = self.error_body(status, message, field) if self.error_body else json.dumps({"error": message}).encode()
-        head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+        kind = "application/json"
+        if sse:
+            body, kind = b"data: " + body + b"\n\n", "text/event-stream; charset=utf-8"
+        head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: {kind}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
         try:
             writer.write(head.encode() + body)
@@ -494,9 +578,7 @@ class Front:
         closed without the last chunk, so an HTTP client sees the response cut short."""
         if writer.is_closing():
             return
-        cut = STREAM_CUT if self.upstream_name == "tritonserver" else \
-            f"{self.upstream_name} closed the stream before it finished; the request did not complete: retry"
-        event = b"data: " + json.dumps({"error": cut}).encode() + b"\n\n"
+        event = cut_event(self.upstream_name)
         writer.write(b"%x\r\n%s\r\n" % (len(event), event))
         try:
             await writer.drain()

@@ -119,7 +119,7 @@ def prompt_logprobs_rewrite(req):
     alternatives as the answer lists (`_worker_k`), and `PromptLogprobsAnswer` writes the answer.
     Returns that transform, or None for any other request (which passes untouched). A chat
     answer needs none: the frontend writes its `prompt_logprobs` itself."""
-    if req.method != "POST" or not req.body or req.target.split("?", 1)[0].rstrip("/") != COMPLETIONS:
+    if req.method != "POST" or not req.body or req.path != COMPLETIONS:
         return None
     doc = json.loads(req.body)
     if not isinstance(doc, dict) or (doc.get("echo") is not True and doc.get("prompt_logprobs") is None):
@@ -232,10 +232,9 @@ def check_openai_request(req) -> None:
     """deploy.http_front's check: the JSON body of a POST to the OpenAI completion routes."""
     if req.method != "POST" or not req.body:
         return
-    path = req.target.split("?", 1)[0].rstrip("/")
-    if path not in (CHAT, COMPLETIONS):
+    if req.path not in (CHAT, COMPLETIONS):         # the normalised path (deploy/request_target.py)
         return
-    check_openai_body(path, json.loads(req.body))      # http_front parsed it once already: it parses
+    check_openai_body(req.path, json.loads(req.body))      # http_front parsed it once already: it parses
 
 
 def openai_error_body(status: int, message: str, field: str | None) -> bytes:

@@ -9,9 +9,10 @@
 
 `run` expects R/model_repo (written by `serving.config_template`). It
 
-- binds the public HTTP port with `deploy.http_front` (body-size cap, JSON check) and the public gRPC port with
-  `deploy.grpc_guard` (tensor checks, no `triton_grpc_error` upstream, serving methods only), and starts
-  tritonserver on internal loopback HTTP and gRPC ports; metrics is tritonserver's own port;
+- binds the public HTTP port with `deploy.http_front` (body-size cap, JSON check; /generate* over
+  tritonserver's gRPC port, so a disconnect cancels) and the public gRPC port with `deploy.grpc_guard`
+  (tensor checks, no `triton_grpc_error` upstream, serving methods only), and starts tritonserver on
+  internal loopback HTTP and gRPC ports; metrics is tritonserver's own port;
 - keeps each run's log: R/tritonserver.log is rotated to .1 ... .5 before every server start;
 - names the python backend's /dev/shm regions with a prefix unique to R (`lkv_<hash of R>_`), so after
   any death (SIGKILL of the server or of its stub included) its regions and stray
@@ -332,6 +333,7 @@ class Supervisor:
         _write_atomic(self.files.server_pid, f"{self.proc.pid}\n")
         self.front.upstream = ("127.0.0.1", self.upstream_port)
         self.guard.upstream = ("127.0.0.1", self.upstream_grpc_port)
+        self.front.grpc_upstream = ("127.0.0.1", self.upstream_grpc_port)    # /generate*: cancellable over gRPC
         self._stub_dead_reported = False
         log.info("started tritonserver pid %d (internal HTTP port %d, gRPC port %d); log %s", self.proc.pid,
                  self.upstream_port, self.upstream_grpc_port, self.files.server_log)

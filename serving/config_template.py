@@ -15,6 +15,7 @@ so a config never reaches the server half-filled. The template itself is never e
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import shutil
@@ -63,6 +64,17 @@ def fill(template_text: str, values: Mapping[str, Any]) -> str:
         raise TemplateError(f"{unknown[0]!r} is not a placeholder of this template "
                             f"(unknown: {', '.join(unknown)}; the template has: {', '.join(names)})")
     return _TOKEN.sub(lambda m: str(values[m.group(1)]), template_text)
+
+
+@functools.lru_cache(maxsize=4)
+def model_inputs(template: str | Path | None = None) -> dict[str, str]:
+    """The model's inputs as its config template declares them: name -> data_type (`TYPE_STRING`,
+    `TYPE_INT32`, ...); the HTTP front types a /generate body's fields by it, as tritonserver does."""
+    path = Path(template) if template is not None else REPO_TEMPLATE / MODEL_NAME / TEMPLATE_FILE
+    section = re.search(r"^input \[(.*?)^\]", path.read_text(), re.M | re.S)
+    if section is None:
+        raise TemplateError(f"{path}: no input [ ... ] section")
+    return dict(re.findall(r'name:\s*"(\w+)"\s*data_type:\s*(TYPE_\w+)', section.group(1)))
 
 
 def pbtxt_string(text: str) -> str:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from runtime.errors import LookaheadError, RequestError
-from runtime.sampling import SamplingParams
+from runtime.sampling_params import SamplingParams
 
 from .fields import TRITON_FIELDS, client_error
 
@@ -50,6 +50,7 @@ TENSOR_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed")   # scal
 MAX_JSON_BYTES = 64 * 1024           # sampling_parameters / request parameters: a few keys, not a document
 MAX_STOP_STRINGS = 64
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+FP32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,82 @@ def parse_request(get: Getter, parameters: str | dict[str, Any] | None = None,
     _check_prompt_bytes(prompt_bytes, params.max_tokens, limits, fields["max_tokens"])
     return GenerateRequest(prompt, params, stream=_flag(get, "stream"),
                            exclude_input_in_output=_flag(get, "exclude_input_in_output"), fields=fields)
+
+
+# A model input's datatype (config.pbtxt) -> how a JSON value of HTTP /generate becomes its tensor:
+# (numpy dtype, the `_convert` kind, the integer's width in bits or None).
+_JSON_INPUT = {"TYPE_STRING": (np.object_, "bytes", None), "TYPE_BOOL": (np.bool_, "bool", None),
+               "TYPE_INT32": (np.int32, "int", 32), "TYPE_INT64": (np.int64, "int", 64),
+               "TYPE_FP32": (np.float32, "float", None)}
+
+
+def generate_json_inputs(doc: Any, input_types: dict[str, str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """An HTTP /generate body -> (the model's input arrays, the request parameters), mapped as
+    tritonserver maps it: a top-level key naming an input (`input_types`: name -> its config's
+    data_type) is that input, a value or a list of values; any other key is a request parameter.
+    Unlike tritonserver 2.51, which wraps integers to the input's width and answers 500 to a value
+    of the wrong JSON type, each value is typed and range-checked here with the same conversion
+    `sampling_parameters` gets: RequestError naming the key. `parse_request(arrays.get, parameters)`
+    then checks the request as the model will."""
+    if not isinstance(doc, dict):
+        raise RequestError("body", f"must be a JSON object of the model's inputs, got {_json_type(doc)}",
+                           'send e.g. {"text_input": "Hello", "max_tokens": 16}')
+    arrays, parameters = {}, {}
+    for key, value in doc.items():
+        if key in input_types:
+            arrays[key] = _json_tensor(key, value, input_types[key])
+        else:
+            parameters[key] = _json_parameter(key, value)
+    return arrays, parameters
+
+
+def _json_tensor(name: str, value: Any, data_type: str) -> np.ndarray:
+    if data_type not in _JSON_INPUT:                       # pragma: no cover - a config this module does not know
+        raise RequestError(name, f"has datatype {data_type}, which /generate cannot fill", "send it over gRPC")
+    dtype, kind, bits = _JSON_INPUT[data_type]
+    values = _flat(value)
+    if kind == "bytes":
+        return np.array([_json_bytes(name, v) for v in values], dtype=np.object_)
+    out = [_convert(name, v, kind) for v in values]
+    for v, raw in zip(out, values):
+        if bits == 32 and not -(1 << 31) <= v < 1 << 31:
+            raise RequestError(name, f"must be a 32-bit integer (the input is INT32), got {_short(raw)}",
+                               f"use a value in [{-(1 << 31)}, {(1 << 31) - 1}]")
+        if kind == "float" and abs(v) > FP32_MAX:
+            raise RequestError(name, f"must be a finite 32-bit float (the input is FP32), got {_short(raw)}",
+                               "check the value")
+    return np.array(out, dtype=dtype)
+
+
+def _flat(value: Any) -> list[Any]:
+    """A JSON value or (nested) list of values, flattened, as tritonserver reads an input's data."""
+    if not isinstance(value, list):
+        return [value]
+    return [v for item in value for v in _flat(item)]
+
+
+def _json_bytes(name: str, value: Any) -> bytes:
+    if not isinstance(value, str):
+        fix = "send the object as a JSON string (json.dumps)" if isinstance(value, dict) else "send text"
+        raise RequestError(name, f"must be a string or a list of strings, got {_json_type(value)}", fix)
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(name, f"holds a lone UTF-16 surrogate ({value[e.start]!r} at offset {e.start}), which "
+                                 "UTF-8 cannot encode", "send valid Unicode text") from None
+
+
+def _json_parameter(key: str, value: Any) -> Any:
+    """A request parameter is a number, a boolean or a string (as tritonserver's parameters are)."""
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    raise RequestError(f"parameters.{key}", f"must be a number, boolean or string, got {_json_type(value)}",
+                       "send a sampling parameter as a plain value, or inside sampling_parameters")
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "an array", type(None): "null", bool: "a boolean", str: "a string",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
 
 
 def _text_input(arr: np.ndarray | None) -> tuple[str, int]:

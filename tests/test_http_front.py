@@ -70,3 +70,51 @@ def test_a_stream_cut_between_chunks_ends_with_an_error_event_and_no_last_chunk(
     assert _relay(head + b"\r\n" + chunk).endswith(chunk)
     mid = _relay(head + b"Content-Type: text/event-stream\r\n\r\n" + chunk[:9])
     assert mid.endswith(chunk[:9]) and b"error" not in mid
+
+
+def test_a_client_that_leaves_closes_its_upstream_request():
+    """Issue 41 item 2: the front watched the client only while writing to it, so a client gone
+    before the first response byte (a long prefill) left its request running upstream. Now the
+    upstream connection is closed when the client goes, which is what makes the server behind
+    (Dynamo's frontend) abort the request. Counted by the upstream itself: it sees its request's
+    connection end without having answered. A pipelined second request is not mistaken for a
+    disconnect, and keep-alive still serves it."""
+    async def main():
+        arrived, closed = asyncio.Queue(), asyncio.Queue()
+
+        async def upstream(reader, writer):
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                target = head.split(b" ")[1]
+                await arrived.put(target)
+                if target == b"/slow":                   # never answers: a prefill that goes on
+                    await reader.readexactly(2)          # its body
+                    await closed.put(await reader.read())    # b"" once the front closes the connection
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+
+        up = await asyncio.start_server(upstream, "127.0.0.1", 0)
+        front = Front("127.0.0.1", 0, "127.0.0.1", up.sockets[0].getsockname()[1])
+        await front.start()
+        port = front.server.sockets[0].getsockname()[1]
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+            assert await asyncio.wait_for(arrived.get(), 10) == b"/slow"
+            writer.close()                               # the client leaves before any response byte
+            assert await asyncio.wait_for(closed.get(), 10) == b""
+
+            # two pipelined requests on one connection: both answered, nothing closed early
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+            await writer.drain()
+            for _ in range(2):
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 200 ") and await reader.readexactly(2) == b"ok"
+            writer.close()
+        finally:
+            await front.aclose()
+            up.close()
+
+    asyncio.run(main())
