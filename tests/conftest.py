@@ -24,6 +24,15 @@ def restore_torch_threads():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (`pytestmark = pytest.mark.usefixtures("one_thread")`): the CPU kernels'
+    results do not depend on how their work is split; restore_torch_threads puts the count back."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_config():
     from runtime.config import ModelConfig

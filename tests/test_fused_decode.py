@@ -34,7 +34,8 @@ from runtime.observe import Observer
 from runtime.sampling import SamplingParams
 from tiny_engine import QWEN3_YARN, TINY, byte_tokenizer, make_tiny_engine, random_prompts
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="no CPU kernels")
+pytestmark = [pytest.mark.skipif(not cpu.available(), reason="no CPU kernels"),
+              pytest.mark.usefixtures("one_thread")]
 
 # max |logit(silu="own") - logit(Python path)| on these models (|logits| <~ 5). The only
 # difference is SiLU's exp (common.h's against torch's Sleef), a few ulp per activation, which a
@@ -79,12 +80,6 @@ def dirs(tmp_path_factory):
             "qwen3": make_tiny_engine(root / "qwen3", seed=25, **QWEN3_YARN)}
 
 
-@pytest.fixture(autouse=True)
-def threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class Record(Observer):

@@ -59,12 +59,7 @@ def built(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor, torch.Tensor]
     return out
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Emitted(Observer):

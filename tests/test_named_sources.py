@@ -22,12 +22,7 @@ from runtime.engine_dir import load_manifest
 from builder_fixtures import write_checkpoint, write_gguf
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def fake_source(chunks: list[bytes], name: str = "fake-model") -> NamedSource:

@@ -23,12 +23,7 @@ from builder_fixtures import write_checkpoint, write_text_tokenizer
 LONG = 2 * verify_long.CHUNK + 30        # three chunks; the last 64 rows straddle the last two
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
