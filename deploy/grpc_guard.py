@@ -308,17 +308,25 @@ class Guard:
                 yield item
         finally:
             tasks[0].cancel()                   # read no more of the client
-            if not clean and s.open <= 0 and not s.status_mode:
-                # The client left with nothing in flight: half-close upstream as a client should, and let
-                # drain_upstream read it to its end (a cancel here is what 2.51 mishandles).
-                with contextlib.suppress(Exception):
-                    await call.done_writing()
-                self._background.add(tasks[1])
-                tasks[1].add_done_callback(self._background.discard)
-            else:
-                if not clean:
-                    call.cancel()               # the client left, or was refused: the engine aborts the rest
+            if clean:
                 tasks[1].cancel()
+            elif s.open <= 0:
+                # Nothing in flight (the client left after its last answer, or its stream ended on an error):
+                # half-close upstream as a client should and read it to its end, in the background; a cancel
+                # here is what 2.51 mishandles (serving/grpc_stream.py).
+                task = asyncio.ensure_future(_half_close(call, tasks[1]))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            else:
+                call.cancel()                   # the client left mid-request: the engine aborts what is left
+                tasks[1].cancel()
+
+
+async def _half_close(call, drain: asyncio.Task) -> None:
+    with contextlib.suppress(Exception):
+        await call.done_writing()
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await drain
 
 
 class _Handlers(grpc.GenericRpcHandler):
