@@ -68,7 +68,7 @@ def sample_rows(logits: torch.Tensor, draws: list[tuple[SamplingParams, int, int
     if not draws:
         return []
     tokens = torch.argmax(logits, dim=-1)                                  # [N]: the greedy rows
-    sampled = [i for i, (params, _, _) in enumerate(draws) if not params.greedy]
+    sampled = [i for i, (params, _, _) in enumerate(draws) if params.temperature != 0]   # not greedy (no call)
     if sampled:
         vocab = logits.shape[-1]
         noise = to_device(logits.device, torch.stack([_host_noise(draws[i][1], draws[i][2], vocab)
