@@ -25,7 +25,8 @@ from triton_fixtures import start_server, triton_backend_dir, triton_engine_dir 
 pytestmark = [pytest.mark.triton, pytest.mark.timeout(180)]
 MODEL = "lookahead_llm"
 PROMPT_TOKENS = 3000          # the byte tokenizer: one token a character
-PREFILL_CHUNK = 8             # a long prompt is then hundreds of engine steps: a disconnect lands mid-prefill
+PREFILL_CHUNK = 1             # a long prompt is then thousands of engine steps (seconds on any machine
+                              # against the ~0.5 s a disconnect takes to reach the engine): it lands mid-prefill
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,8 @@ def leave_during(server, front, route: str, body: dict, started) -> tuple[dict, 
 def test_a_client_that_leaves_mid_prefill_aborts_it(server, front, route):
     """Disconnected while the prompt is being prefilled: the engine aborts the request before the
     prefill ends (its computed prompt tokens stay short of the prompt) and generates nothing."""
-    body = {"text_input": "a" * PROMPT_TOKENS, "max_tokens": 1000, "ignore_eos": True,
+    # a prompt of each route's own: the other's named blocks would be prefix-cache hits
+    body = {"text_input": route[-1] * PROMPT_TOKENS, "max_tokens": 1000, "ignore_eos": True,
             "stream": route == "generate_stream"}
     at_close, aborted = leave_during(server, front, route, body,
                                      lambda d: d["lookahead_prompt_tokens_total"] > 0)
