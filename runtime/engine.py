@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -37,11 +37,13 @@ from .runner import DenseRunner
 from .sampling import SamplingParams, TokenLogprob, sample_rows, token_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence, SeqStatus
+from .step import StepInterrupted
 from .transfer import TransferEngine, make_transfer_engine
 from .tokenizer import IncrementalDetokenizer, TextTokenizer
 
 log = logging.getLogger(__name__)
 
+INTERRUPT_POLL_S = 0.1   # how often a prompt-only step asks `step(interrupt=...)` between its layers
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -151,7 +153,8 @@ class Engine:
         self._lock = threading.Lock()
         self._seqs: dict[str, list[Sequence]] = {}    # request id -> its choices
         self.counters = {"steps": 0, "prompt_tokens": 0, "output_tokens": 0, "finished_requests": 0,
-                         "aborted_requests": 0, "step_seconds": 0.0, "decode_steps": 0, "decode_step_seconds": 0.0}
+                         "aborted_requests": 0, "step_seconds": 0.0, "decode_steps": 0, "decode_step_seconds": 0.0,
+                         "interrupted_steps": 0}
 
     def _identity(self) -> bytes:
         """What the names of this engine's KV blocks cover: anything that changes a block's bytes
@@ -317,8 +320,14 @@ class Engine:
         return pending or self.scheduler.has_unfinished()
 
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns the outputs of every request that progressed or ended."""
+    def step(self, interrupt: Callable[[list[str]], bool] | None = None) -> list[RequestOutput]:
+        """Run one scheduler step; returns the outputs of every request that progressed or ended.
+
+        A step of prompt chunks only (a prefill, up to `prefill_chunk` tokens: seconds on a CPU)
+        stops between two layers once every request in it is aborted, by `abort` from another
+        thread or by `interrupt(request_ids)` answering True (asked at most every
+        `INTERRUPT_POLL_S`: a server's loop thread polls its clients so); its rows are dropped
+        and its requests end as aborted in the outputs returned."""
         outs = self._drain_inbox()
         if self._weights_version != self.model.weights_version:      # load_weights: no name holds
             self.allocator.clear()
@@ -330,8 +339,14 @@ class Engine:
         if torch.get_num_threads() != self.threads:  # a step on another thread (a server's loop thread)
             torch.set_num_threads(self.threads)
         prompt_tokens = sum(n for s, n in work if s.in_prefill)
+        try:
+            logits = self.runner.run(work, interrupt=self._interrupt_check(work, interrupt))
+        except StepInterrupted:
+            self.counters["interrupted_steps"] += 1
+            for rid in {s.request_id for s, _ in work}:
+                self.abort(rid)
+            return outs + self._drain_inbox()
         self.counters["prompt_tokens"] += prompt_tokens
-        logits = self.runner.run(work)
         for seq, _ in work:                 # the blocks this step filled get their names
             named = self.scheduler.name_full_blocks(seq)
             if named:
@@ -355,6 +370,27 @@ class Engine:
             self.counters["decode_steps"] += 1
             self.counters["decode_step_seconds"] += took
         return outs
+
+    def _interrupt_check(self, work: list[tuple[Sequence, int]],
+                         interrupt: Callable[[list[str]], bool] | None) -> Callable[[], bool] | None:
+        """The check a prompt-only step makes between layers (None for a step with decode rows:
+        one of those is milliseconds): whether every request of the step is aborted."""
+        if not all(seq.in_prefill for seq, _ in work):
+            return None
+        rids = sorted({seq.request_id for seq, _ in work})
+        asked = [time.perf_counter()]
+
+        def check() -> bool:
+            with self._lock:
+                aborting = {arg for kind, arg in self._inbox if kind == "abort"}
+            if aborting.issuperset(rids):
+                return True
+            now = time.perf_counter()
+            if interrupt is None or now - asked[0] < INTERRUPT_POLL_S:
+                return False
+            asked[0] = now
+            return bool(interrupt(rids))
+        return check
 
     def _sample(self, emitting: list[Sequence],
                 logits: dict[int, torch.Tensor]) -> tuple[list[int], list[TokenLogprob | None]]:

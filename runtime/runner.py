@@ -11,7 +11,7 @@ from .observe import Observers
 from .prefill_cache import PrefillCache
 from .sampling import token_logprobs
 from .sequence import Sequence
-from .step import StepBatch, StepItem
+from .step import Interruptible, StepBatch, StepItem, StepInterrupted
 
 PROMPT_SCORE_ROWS = 256      # prompt rows scored at a time: 256 rows of logits over SmolLM2's vocabulary are 48 MiB
 
@@ -81,8 +81,10 @@ class DenseRunner:
         return {"h2d_bytes": 0, "device_resident_bytes": 0, "prefetch_hit_rate": None,
                 "urgent_blocks": 0, "transfer_wait_s": 0.0}
 
-    def run(self, work: list[tuple[Sequence, int]]) -> dict[int, torch.Tensor]:
-        """Run one step; returns {seq_id: logits [vocab]} for sequences that sample this step."""
+    def run(self, work: list[tuple[Sequence, int]], interrupt=None) -> dict[int, torch.Tensor]:
+        """Run one step; returns {seq_id: logits [vocab]} for sequences that sample this step.
+        interrupt: a prompt-only step's check between layers (`step.Interruptible`); when it says
+        so the step raises `StepInterrupted` and nothing of it counts as cached."""
         items, token_ids, row = [], [], 0
         for seq, n in work:
             start = seq.num_cached
@@ -107,6 +109,8 @@ class DenseRunner:
         hidden = self._fused_step(step, batch) if rec is None else None          # [T, hidden] or None
         if hidden is None:
             backend = rec.wrap(step, len(self.model.layers)) if rec else step
+            if interrupt is not None:
+                backend = Interruptible(backend, interrupt)
             hidden = self.model(batch.tokens, batch.positions, backend, batch)   # [T, hidden]
         if self.selection is not None:            # the step's rows, for the next steps' selection
             self.selection.update(batch)

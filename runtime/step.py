@@ -75,3 +75,27 @@ class StepBatch:
         # one [4, T] host tensor, one copy to the device
         packed = torch.tensor([token_ids, positions, blocks, offsets], dtype=torch.long)
         return cls(items, *to_device(device, packed)[0].unbind(0), store_only=store_only)
+
+
+class StepInterrupted(Exception):
+    """Raised between the layers of a prompt-only step once every request in it was aborted
+    (`Engine.step(interrupt=...)`): the step's rows are dropped and its sequences end as aborted,
+    so a client that leaves during a long prefill chunk stops it within a layer, not a chunk."""
+
+    def __init__(self, layer: int):
+        super().__init__(f"step interrupted before layer {layer}: every request in it was aborted")
+        self.layer = layer
+
+
+class Interruptible:
+    """A step's attention backend in front of `attn` that asks `interrupt()` before each layer's
+    attention and raises `StepInterrupted` when it says so (the layer's projections are the most
+    a late abort computes)."""
+
+    def __init__(self, attn, interrupt):
+        self.attn, self.interrupt = attn, interrupt
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.interrupt():
+            raise StepInterrupted(layer)
+        return self.attn.forward(layer, q, k, v)

@@ -8,7 +8,9 @@
 
 The thread sleeps on a condition variable while the engine has nothing to do (no busy spin) and is
 woken by `submit`. Every `cancel_poll_s` it asks each live request's sink whether its client has
-cancelled and aborts those in the engine, which frees their KV blocks at the next step.
+cancelled and aborts those in the engine, which frees their KV blocks at the next step. A long
+prefill step asks too, between its layers (`Engine.step(interrupt=...)`): one whose every request
+was cancelled stops there instead of at the end of its chunk.
 
 Tokenizing. `tokenizers`' `encode` holds the GIL throughout (~0.6 s a MB of text here), which
 stalls the step-loop thread and every stream with it. A prompt of more than `inline_tokenize_chars`
@@ -196,7 +198,7 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            outs = self.engine.step()
+            outs = self.engine.step(interrupt=self._all_cancelled)
         except Exception:                 # a bug, not a bad request: fail what is running, keep serving
             log.exception("engine step failed")
             self._fail_all("internal error in the engine step (see the server log)")
@@ -222,6 +224,13 @@ class EngineLoop:
         for rid, sink in live:
             if rid not in self._aborting and sink.is_cancelled():
                 self._abort(rid)
+
+    def _all_cancelled(self, rids: list[str]) -> bool:
+        """Asked by a long prompt-only step between its layers (`Engine.step`): whether every
+        request in it was cancelled by its client, so the step stops mid-chunk."""
+        with self._cv:
+            sinks = [self._sinks.get(rid) for rid in rids]
+        return all(sink is not None and _cancelled(sink) for sink in sinks)
 
     def _abort(self, rid: str) -> None:
         self._aborting.add(rid)

@@ -56,6 +56,8 @@ METRICS = (
                "Requests that ran to a stop condition"),
     MetricSpec("aborted_requests", "lookahead_aborted_requests_total", "counter",
                "Requests cancelled by their client (their KV blocks were freed)"),
+    MetricSpec("interrupted_steps", "lookahead_interrupted_steps_total", "counter",
+               "Prefill steps stopped between layers: every request in them was cancelled"),
     MetricSpec("steps", "lookahead_engine_steps_total", "counter", "Engine steps run"),
     MetricSpec("step_seconds", "lookahead_engine_step_seconds_total", "counter",
                "Wall seconds spent inside engine steps (the model, sampling and the outputs)"),

@@ -63,8 +63,8 @@ def test_chunked_prefill_logits_equal_one_shot(tiny_dir, kv_dtype):
         eng = Engine.from_dir(tiny_dir, prefill_chunk=chunk, kv_dtype=kv_dtype)
         seq_logits = {}
         orig = eng.runner.run
-        def spy(work, orig=orig):
-            out = orig(work)
+        def spy(work, orig=orig, **kw):
+            out = orig(work, **kw)
             seq_logits.update(out)
             return out
         eng.runner.run = spy

@@ -54,8 +54,8 @@ def run(engine, ps, sp=SP):
     logits: dict[int, list[torch.Tensor]] = {}
     orig = engine.runner.run
 
-    def spy(work):
-        out = orig(work)
+    def spy(work, **kw):
+        out = orig(work, **kw)
         for sid, lg in out.items():
             logits.setdefault(sid, []).append(lg.float().clone())
         return out

@@ -385,9 +385,9 @@ def test_a_step_on_a_later_thread_computes_with_the_engines_threads(tiny_dir):
         seen = []
         run = engine.runner.run
 
-        def spy(work):
+        def spy(work, **kw):
             seen.append(torch.get_num_threads())
-            return run(work)
+            return run(work, **kw)
         engine.runner.run = spy
         t = threading.Thread(target=lambda: engine.generate(prompts(40, seed=5), SamplingParams(max_tokens=2)))
         t.start()

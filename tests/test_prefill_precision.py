@@ -48,8 +48,8 @@ def run(engine, prompts, sp=GREEDY):
     seen: dict[int, list[torch.Tensor]] = {}
     orig = engine.runner.run
 
-    def spy(work):
-        out = orig(work)
+    def spy(work, **kw):
+        out = orig(work, **kw)
         for sid, lg in out.items():
             seen.setdefault(sid, []).append(lg.float().clone())
         return out

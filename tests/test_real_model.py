@@ -81,8 +81,8 @@ def first_token_logits(engine: Engine, ids: list[int]) -> tuple[torch.Tensor, li
     seen: list[torch.Tensor] = []
     run = engine.runner.run
 
-    def spy(work):
-        logits = run(work)
+    def spy(work, **kw):
+        logits = run(work, **kw)
         seen.extend(v.clone() for v in logits.values())
         return logits
 

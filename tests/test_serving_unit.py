@@ -513,6 +513,35 @@ def test_cancelled_request_is_aborted_and_frees_its_blocks(tiny_dir):
     assert engine.allocator.num_free == free and engine.stats()["aborted_requests"] == 1
 
 
+def test_a_cancel_during_a_long_prefill_step_stops_it_between_layers(tiny_dir, monkeypatch):
+    """The loop answers a prompt-only step's between-layer question (`Engine.step(interrupt=)`):
+    a client that cancels while its one prefill chunk runs stops it there, and nothing of the
+    chunk counts as computed."""
+    import runtime.engine as engine_mod
+    monkeypatch.setattr(engine_mod, "INTERRUPT_POLL_S", 0.0)
+    engine = Engine.from_dir(tiny_dir, prefill_chunk=512)
+    free = engine.allocator.num_free
+    sink = Sink()
+    entered = []
+
+    def layer_1(module, args):      # the client leaves while layer 1 of the prompt's step runs
+        entered.append(1)
+        sink.cancel_after = 0
+    hook = engine.model.layers[1].register_forward_pre_hook(layer_1)
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        loop.submit("x" * 400, SamplingParams(max_tokens=5), sink)
+        assert sink.done.wait(30)
+    finally:
+        loop.stop()
+        hook.remove()
+    assert sink.outs[-1].finish_reason == "abort" and not sink.outs[-1].new_token_ids and entered == [1]
+    stats = engine.stats()
+    assert stats["interrupted_steps"] == 1 and stats["prompt_tokens"] == 0 and stats["aborted_requests"] == 1
+    assert engine.allocator.num_free == free
+
+
 def test_submit_errors_surface_at_once_and_leave_no_sink(tiny_dir):
     loop = EngineLoop(Engine.from_dir(tiny_dir))
     with pytest.raises(RequestError, match="^prompt: is empty"):     # the runtime's name: fronts map it
@@ -524,13 +553,13 @@ def test_idle_loop_sleeps_and_stop_fails_live_requests(tiny_dir):
     engine = Engine.from_dir(tiny_dir)
     steps = []
     orig = engine.step
-    engine.step = lambda: steps.append(1) or orig()
+    engine.step = lambda **kw: steps.append(1) or orig(**kw)
     loop = EngineLoop(engine)
     loop.start()
     time.sleep(0.3)
     assert not steps                                   # nothing to do: no step, no spinning
     sink = Sink()
-    engine.step = lambda: (time.sleep(0.05), steps.append(1), orig())[-1]
+    engine.step = lambda **kw: (time.sleep(0.05), steps.append(1), orig(**kw))[-1]
     loop.submit("slow", SamplingParams(max_tokens=3000), sink)
     time.sleep(0.2)
     loop.stop()

@@ -19,7 +19,7 @@ from ..prefill_cache import PrefillCache
 from ..runner import score_prompt_rows
 from ..sampling import PendingDraws
 from ..sequence import Sequence
-from ..step import StepItem
+from ..step import Interruptible, StepInterrupted, StepItem
 from .attention import LookaheadAttention, StepStats
 from .step_plan import StepPlan, StepRows, build_plan
 
@@ -72,9 +72,11 @@ class LookaheadRunner:
             seq.metrics.update(self.chain.release(seq.seq_id))
 
     # ---- one step ---------------------------------------------------------------------------------
-    def run(self, work: list[tuple[Sequence, int]]) -> dict[int, torch.Tensor]:
+    def run(self, work: list[tuple[Sequence, int]], interrupt=None) -> dict[int, torch.Tensor]:
         """Run one step; returns {seq_id: logits [vocab]} for sequences that emit a token (the
-        draft rows' draws wait in `take_draws`)."""
+        draft rows' draws wait in `take_draws`). interrupt: as `ModelRunner.run` (a prompt-only
+        step's check between layers); an interrupted step is finished before `StepInterrupted`
+        leaves, so the backend's per-step state stays whole."""
         self._draws = None
         for seq, _ in work:                  # rows in lane order: a full decode batch packs (step_plan)
             self._lane(seq)
@@ -102,8 +104,13 @@ class LookaheadRunner:
             # every layer's non-attention stages in one C call each side of the backend's attention
             hidden = self.fused.run_layers(plan.batch.tokens, plan.batch.positions, step.forward)
         if hidden is None:
-            hidden = self.model(plan.batch.tokens, plan.batch.positions,
-                                rec.wrap(step, num_layers) if rec else step, plan.batch)
+            backend = rec.wrap(step, num_layers) if rec else step
+            try:
+                hidden = self.model(plan.batch.tokens, plan.batch.positions,
+                                    backend if interrupt is None else Interruptible(backend, interrupt), plan.batch)
+            except StepInterrupted:
+                self.last_step = step.finish()
+                raise
         self.last_step = step.finish()
         if rows.prefill:                     # prompt chunks: their log-probabilities, where asked for
             score_prompt_rows(self.model, hidden, [(seq, it) for (seq, _), it in zip(work, rows.items)])
