@@ -74,7 +74,7 @@ class LookaheadRunner:
     # ---- one step ---------------------------------------------------------------------------------
     def run(self, work: list[tuple[Sequence, int]], interrupt=None) -> dict[int, torch.Tensor]:
         """Run one step; returns {seq_id: logits [vocab]} for sequences that emit a token (the
-        draft rows' draws wait in `take_draws`). interrupt: as `ModelRunner.run` (a prompt-only
+        draft rows' draws wait in `take_draws`). interrupt: as `DenseRunner.run` (a prompt-only
         step's check between layers); an interrupted step is finished before `StepInterrupted`
         leaves, so the backend's per-step state stays whole."""
         self._draws = None
