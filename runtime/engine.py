@@ -118,7 +118,7 @@ class Engine:
                                         "torch" if "c/" not in model.ops.name else "auto", int8_group(manifest))
             model = model.with_ops(model.ops.with_prefill(precision, quantized))
         config = config.replace(prefill_precision=model.ops.prefill)        # the resolved precision
-        decode = resolve_decode(config.decode_precision, manifest.quantization is not None)
+        decode = resolve_decode(config.decode_precision, manifest.quantization is not None, int8_group(manifest))
         if decode != model.ops.decode:        # decode rows' projections: W8A8 (an int8 engine's choice)
             model = model.with_ops(model.ops.with_decode(decode))
         # the compute threads every step runs with, whichever thread calls `step`: the count of the

@@ -88,15 +88,27 @@ class Ops:
         return replace(self, decode_linear=quantized_linear(cpu.linear if c else F.linear, int8), decode=precision)
 
 
-def resolve_decode(decode: str, quantized: bool) -> str:
+# W8A8 under "auto" only where the weights' groups are this fine or finer: activations quantized
+# per token (group 0, a scale per output channel) cost the default model 4.5 % perplexity, per 64
+# inputs 0.3 % (docs/SETTINGS.md)
+AUTO_W8A8_MAX_GROUP = 64
+
+
+def resolve_decode(decode: str, quantized: bool, group: int = AUTO_W8A8_MAX_GROUP) -> str:
     """The decode precision an engine runs: ConfigError naming `decode_precision` for one it
-    cannot take (int8 without int8 weights)."""
+    cannot take (int8 without int8 weights; int8 on an engine with one weight scale per output
+    channel, `group` 0, whose activations would take one scale per row: +4.5 % perplexity, the
+    rounding docs/SETTINGS.md rejected)."""
     if decode not in DECODE_PRECISIONS:
         raise ConfigError("decode_precision", f"{decode!r} is not a decode precision",
                           f"use one of {', '.join(DECODE_PRECISIONS)}")
     if decode == "int8" and not quantized:
         raise ConfigError("decode_precision", "int8 needs int8 weights",
                           "build an int8 engine (make engine-int8), or leave it float32")
+    if decode == "int8" and group == 0:
+        raise ConfigError("decode_precision", "int8 on an engine with one weight scale per output channel "
+                          "(built with --group-size 0) would quantize each row's activations with one scale "
+                          "(+4.5 % perplexity)", "rebuild with --group-size 64 (the default), or leave it float32")
     return decode
 
 
@@ -125,11 +137,6 @@ def c_applies(device: torch.device) -> str | None:
         return f"the C kernels run on CPU, not {device.type}"
     return None if cpu.available() else f"no CPU kernels ({cpu.loader.unavailable_reason()})"
 
-
-# W8A8 under "auto" only where the weights' groups are this fine or finer: activations quantized
-# per token (group 0, a scale per output channel) cost the default model 4.5 % perplexity, per 64
-# inputs 0.3 % (docs/SETTINGS.md)
-AUTO_W8A8_MAX_GROUP = 64
 
 
 def resolve_prefill(prefill: str, device: torch.device, dtype: torch.dtype, quantized: bool,
