@@ -16,12 +16,13 @@
  * isa = 1) computes the same rounded values with fp32 FMAs. Key tiles sit at fixed positions
  * (multiples of KT), and a row's sums never depend on the other rows of its tile, so a row's
  * output does not depend on how the prompt was chunked (bit for bit, per ISA path).
+ *
+ * Compiled twice (plugins/cpu/loader.py): into the base library without the AVX512_BF16 path
+ * (lkv_prefill_attention), and into the AVX-512 library with it (LKV_AVX512 defined:
+ * lkv_prefill_attention_bf16), so that a compiler without those targets loses only the latter.
  */
 #include "common.h"
-
-#define KV_F32 0
-#define KV_F16 1
-#define KV_BF16 2
+#include "lkv_abi.h"
 
 #define KT 64          /* keys per tile: 4 x 16 lanes */
 #define MR 6           /* query rows per register tile */
@@ -31,8 +32,8 @@
 /* ---- packing: fp32 / fp16 / bf16 storage -> bf16 pairs ------------------------------------------ */
 
 static inline float kv_get(const void *p, int64_t i, int T) {
-    if (T == KV_F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
-    if (T == KV_BF16) {
+    if (T == LKV_KV_F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
+    if (T == LKV_KV_BF16) {
         uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
         float f;
         memcpy(&f, &u, 4);
@@ -43,8 +44,8 @@ static inline float kv_get(const void *p, int64_t i, int T) {
 
 /* eight elements of storage T from element i, widened to fp32 */
 static inline __m256 ld8(const void *row, int64_t i, int T) {
-    if (T == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-    if (T == KV_BF16)
+    if (T == LKV_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    if (T == LKV_KV_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
     return _mm256_loadu_ps((const float *)row + i);
@@ -73,7 +74,7 @@ static inline void pack_values(const void *r0, const void *r1, int64_t D, int T,
  * the head's pool [NB, bs, D]; kp [Lp / 16][D / 2][16], vp [Lp / 2][D] uint32. */
 static void pack_range(const void *kh, const void *vh, const int64_t *btab, int64_t bs, int64_t L, int64_t D, int T,
                        int64_t k0, int64_t k1, uint32_t *kp, uint32_t *vp) {
-    const int64_t es = T == KV_F32 ? 4 : 2, D2 = D / 2;
+    const int64_t es = T == LKV_KV_F32 ? 4 : 2, D2 = D / 2;
     for (int64_t j = k0; j < k1; j++) {
         uint32_t *grp = kp + (j / 16) * D2 * 16;
         if (j < L) {
@@ -109,24 +110,6 @@ static inline int visible(int64_t pos, int64_t t0) {
     return c <= 0 ? 0 : c >= KT ? KT : (int)c;
 }
 
-/* ---- AVX512_BF16 tile ---------------------------------------------------------------------------- */
-
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-
-AVX512 static inline __m512 exp2_512(__m512 x) {       /* x <= 0 or -inf; ~1e-7 relative */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);                  /* [-0.5, 0.5] */
-    __m512 y = _mm512_set1_ps(1.5403530e-4f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
-
 static inline float exp2_1(float x) {                    /* the same polynomial, one value */
     if (x < -127.0f) x = -127.0f;
     const float n = nearbyintf(x), f = x - n;
@@ -142,6 +125,25 @@ static inline float exp2_1(float x) {                    /* the same polynomial,
     float two;
     memcpy(&two, &u, 4);
     return y * two;
+}
+
+/* ---- AVX512_BF16 tile (the AVX-512 library's build only) ------------------------------------------ */
+
+#ifdef LKV_AVX512
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+AVX512 static inline __m512 exp2_512(__m512 x) {       /* x <= 0 or -inf; ~1e-7 relative */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);                  /* [-0.5, 0.5] */
+    __m512 y = _mm512_set1_ps(1.5403530e-4f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
 }
 
 /* o[r][dc .. dc + 16 NC) = o * corr[r] + sum over key pairs of the bf16 weights pw[r] x the value pairs */
@@ -229,6 +231,7 @@ TILE512(1) TILE512(2) TILE512(3) TILE512(4) TILE512(5) TILE512(6)
 typedef void (*tile_fn)(const uint32_t *, const int64_t *, const uint32_t *, const uint32_t *, int64_t, int64_t,
                         float *, float *, float *);
 static const tile_fn TILES512[MR + 1] = {NULL, tile512_1, tile512_2, tile512_3, tile512_4, tile512_5, tile512_6};
+#endif
 
 /* ---- AVX2 tile: the same rounded values, fp32 FMAs ----------------------------------------------- */
 
@@ -293,16 +296,20 @@ static void run_unit(const float *q, int64_t qs, int64_t h, int64_t G, int64_t i
     const int64_t kend = pos[R - 1] + 1;
     for (int64_t t0 = 0; t0 < kend; t0 += KT) {
         const uint32_t *kt = kp + (t0 / 16) * D2 * 16, *vt = vp + (t0 / 2) * D;
+#ifdef LKV_AVX512
         if (wide) {
             for (int64_t r0 = 0; r0 < R; r0 += MR) {
                 const int nr = R - r0 < MR ? (int)(R - r0) : MR;
                 if (pos[r0 + nr - 1] < t0) continue;          /* every row of the tile is before it */
                 TILES512[nr](q32 + r0 * D2, pos + r0, kt, vt, t0, D, o + r0 * D, m + r0, l + r0);
             }
-        } else {
-            for (int64_t r = 0; r < R; r++)
-                tile_avx2(q32 + r * D2, pos + r, kt, vt, t0, D, o + r * D, m + r, l + r);
+            continue;
         }
+#else
+        (void)wide;
+#endif
+        for (int64_t r = 0; r < R; r++)
+            tile_avx2(q32 + r * D2, pos + r, kt, vt, t0, D, o + r * D, m + r, l + r);
     }
     for (int64_t ip = 0; ip < TP; ip++)
         for (int64_t g = 0; g < G; g++) {
@@ -313,22 +320,33 @@ static void run_unit(const float *q, int64_t qs, int64_t h, int64_t G, int64_t i
         }
 }
 
-int lkv_prefill_bf16_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
+#ifdef LKV_AVX512
+/* AVX512_BF16 with F, BW, VL and DQ: gemm.c's bit 1, asked of the CPU once */
+int lkv_prefill_bf16_supported(void) { return lkv_gemm_supported() & 1; }
+#define PREFILL_ENTRY lkv_prefill_attention_bf16
+#else
+#define PREFILL_ENTRY lkv_prefill_attention
+#endif
 
 /* q [n, H, D] fp32 at row stride qs; k, v: one layer of the pool, KV head h at k + h * hs elements
  * ([NB, bs, D]), of storage kv_dtype; btab: the sequence's blocks (ceil(L / bs) of them); out
- * [n, H, D] fp32 at row stride os. isa: 0 the best this CPU has, 1 AVX2. D even, a multiple of 16,
- * <= 512. Returns 0, -1 (allocation), -2 (arguments). */
-int lkv_prefill_attention(const float *q, int64_t qs, const void *k, const void *v, int64_t hs, const int64_t *btab,
-                          int64_t bs, int64_t L, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale,
-                          float *out, int64_t os, int nthreads, int kv_dtype, int isa) {
-    if (n <= 0 || L < n || KVH <= 0 || H % KVH || D <= 0 || D % 16 || D > 512 || bs <= 0) return -2;
+ * [n, H, D] fp32 at row stride os. isa: 0 the best this CPU has (in the base library's build the
+ * AVX2 path: the AVX512_BF16 one is the AVX-512 library's, lkv_prefill_attention_bf16, which
+ * checks the CPU before taking it), 1 AVX2. D even, a multiple of 16, <= 512. Returns LKV_OK,
+ * LKV_ERR_NOMEM, LKV_ERR_ARG. */
+int PREFILL_ENTRY(const float *q, int64_t qs, const void *k, const void *v, int64_t hs, const int64_t *btab,
+                  int64_t bs, int64_t L, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale,
+                  float *out, int64_t os, int nthreads, int kv_dtype, int isa) {
+    if (n <= 0 || L < n || KVH <= 0 || H % KVH || D <= 0 || D % 16 || D > 512 || bs <= 0
+        || kv_dtype < LKV_KV_F32 || kv_dtype > LKV_KV_BF16)
+        return LKV_ERR_ARG;
+#ifdef LKV_AVX512
     const int wide = isa == 0 && lkv_prefill_bf16_supported();
-    const int64_t G = H / KVH, D2 = D / 2, Lp = (L + KT - 1) / KT * KT, es = kv_dtype == KV_F32 ? 4 : 2;
+#else
+    const int wide = 0;
+    (void)isa;
+#endif
+    const int64_t G = H / KVH, D2 = D / 2, Lp = (L + KT - 1) / KT * KT, es = kv_dtype == LKV_KV_F32 ? 4 : 2;
     const int64_t TP = G >= ROWS ? 1 : ROWS / G, units_h = (n + TP - 1) / TP, units = units_h * KVH;
     uint32_t *kp = malloc((size_t)(KVH * Lp * D2) * sizeof(uint32_t));
     uint32_t *vp = malloc((size_t)(KVH * Lp / 2 * D) * sizeof(uint32_t));
@@ -366,5 +384,5 @@ int lkv_prefill_attention(const float *q, int64_t qs, const void *k, const void 
     }
     free(kp);
     free(vp);
-    return failed ? -1 : 0;
+    return failed ? LKV_ERR_NOMEM : LKV_OK;
 }
