@@ -231,8 +231,8 @@ def mirror() -> dict[str, tuple[int, int]]:
 
 
 def verify(lib, library: str) -> None:
-    """AbiMismatch at the first entry where `lib`'s descriptor and the mirror differ (in the
-    mirror's order: a struct's fields before its size), or where one has an entry the other has not."""
+    """AbiMismatch at the first entry where `lib`'s descriptor and the mirror differ: an entry one
+    of them lacks, else the first field (in the mirror's order), else a struct's size or a constant."""
     c, py = describe(lib), mirror()
 
     def where(key: str) -> tuple[str, str | None]:
@@ -242,7 +242,10 @@ def verify(lib, library: str) -> None:
             return struct, field
         return (rest, None) if kind == "struct" else (kind, rest or None)
 
-    order = sorted(py, key=lambda k: (k.startswith("struct:"), 0)) + [k for k in c if k not in py]
+    # an entry only one side has first (the likely cause of the offsets that follow it), then the
+    # fields, then the structs' sizes
+    order = [k for k in c if k not in py] + [k for k in py if k not in c]
+    order += sorted((k for k in py if k in c), key=lambda k: k.startswith("struct:"))
     for key in order:
         if c.get(key) != py.get(key):
             struct, field = where(key)

@@ -65,7 +65,8 @@ static int check_step(const LkvModel *m, const LkvStep *st) {
     for (int64_t b = 0; b < B; b++) {
         const int64_t p = st->positions[b], n = st->lens[b];
         const int64_t nblk = (n + bs - 1) / bs;
-        if (st->tokens[b] < 0 || st->tokens[b] >= m->vocab || p < 0 || p >= m->max_pos || n != p + 1) return LKV_DECLINED;
+        if (st->tokens[b] < 0 || st->tokens[b] >= m->vocab || p < 0 || p >= m->max_pos || n != p + 1)
+            return LKV_DECLINED;
         if (st->tables) {
             const int64_t *t = st->tables + b * st->table_stride;
             if (nblk > st->table_stride) return LKV_DECLINED;

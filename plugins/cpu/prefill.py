@@ -129,8 +129,8 @@ def packed_w8a8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tenso
         wsc = torch.empty(panels * ng * 32, dtype=torch.float32)
         wsum = torch.empty(panels * ng * 32, dtype=torch.int32)
         w, s = qweight.contiguous(), scale.reshape(N, ng).contiguous()
-        loaded_avx512().lkv_pack_w8a8(w.data_ptr(), s.data_ptr(), N, K, G, wq.data_ptr(), wsc.data_ptr(), wsum.data_ptr(),
-                               torch.get_num_threads())
+        loaded_avx512().lkv_pack_w8a8(w.data_ptr(), s.data_ptr(), N, K, G, wq.data_ptr(), wsc.data_ptr(),
+                                      wsum.data_ptr(), torch.get_num_threads())
         return wq, wsc, wsum
     return _cached(qweight, "_lkv_w8a8", (scale.data_ptr(), scale._version), make)
 
