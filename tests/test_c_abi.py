@@ -172,8 +172,8 @@ def test_wrappers_raise_the_typed_errors():
 
 @NO_VNNI
 def test_the_avx512_entries_check_the_cpu():
-    """On a CPU without AVX-512 BF16 / VNNI every entry that would run it returns LKV_ERR_ISA
-    (nothing executed: no SIGILL), quantize_rows included, and its wrapper raises UnsupportedISA."""
+    """On a CPU without AVX-512 BF16 / VNNI every entry that would run it returns LKV_ERR_ISA (or no
+    tiles: nothing executed, no SIGILL), quantize_rows included, and its wrapper raises UnsupportedISA."""
     lib = loader.avx512_library()
     x = torch.randn(2, 64)
     y = torch.empty(2, 32)
@@ -186,6 +186,7 @@ def test_the_avx512_entries_check_the_cpu():
                                      p(xq), p(sx)) == abi.Status.ISA
     if not prefill.bf16_dot_products():
         assert lib.lkv_gemm_bf16(p(x), 64, 2, 64, p(wq), 32, None, p(y), 32, 1) == abi.Status.ISA
+        assert lib.lkv_prefill_bf16_tiles() is None                 # prefill attention's tiles: none to run
     with pytest.raises(abi.UnsupportedISA, match=r"quantize_rows \(CPU kernel\)"):
         prefill.quantize_rows(x, 64)
 
@@ -279,9 +280,10 @@ def test_decode_reports_a_cpu_without_vnni(int8_engine_dir):
 def test_the_libraries_are_built_apart():
     base, wide = loader.library(), loader.avx512_library()
     assert {p.name for p in loader.BASE.sources} & {"gemm.c"} == set()
-    assert not hasattr(base, "lkv_gemm_bf16") and not hasattr(base, "lkv_prefill_attention_bf16")
+    assert not hasattr(base, "lkv_gemm_bf16") and not hasattr(base, "lkv_prefill_bf16_tiles")
     if wide is not None:
-        assert hasattr(wide, "lkv_gemm_w8a8") and hasattr(wide, "lkv_prefill_attention_bf16")
+        assert hasattr(wide, "lkv_gemm_w8a8") and hasattr(wide, "lkv_prefill_bf16_tiles")
+        assert not hasattr(wide, "lkv_decode") and not hasattr(wide, "lkv_prefill_attention")
     if shutil.which("objdump"):             # the base library runs on any AVX2 CPU: no 512-bit register in it
         asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", base._name], capture_output=True, text=True,
                              check=True).stdout

@@ -17,6 +17,7 @@ static const LkvAbiEntry ENTRIES[] = {
 
     VALUE("limit", LKV_MAX_ROWS), VALUE("limit", LKV_MAX_KV_ROW), VALUE("limit", LKV_MAX_EXTRA_KEYS),
     VALUE("limit", LKV_MAX_GROUP_ROWS), VALUE("limit", LKV_W8A8_MAX_GROUP),
+    VALUE("limit", LKV_PREFILL_TILES),
 
     STRUCT(LkvLinear),
     FIELD(LkvLinear, w), FIELD(LkvLinear, scale), FIELD(LkvLinear, bias), FIELD(LkvLinear, n), FIELD(LkvLinear, k),

@@ -31,8 +31,10 @@ MAX_KV_ROW = 4096               # lkv_decode: KVH * D
 MAX_EXTRA_KEYS = 8              # lkv_attention: extra keys
 MAX_GROUP_ROWS = 64             # lkv_attention*: query rows per KV head (R * H / KVH)
 W8A8_MAX_GROUP = (2 ** 31 - 1) // (255 * 128)   # W8A8: inputs one int32 accumulator sums (G; K per channel)
+PREFILL_TILES = 7               # prefill attention's bf16 tile table (one library hands it to the other)
 LIMITS = {"LKV_MAX_ROWS": MAX_ROWS, "LKV_MAX_KV_ROW": MAX_KV_ROW, "LKV_MAX_EXTRA_KEYS": MAX_EXTRA_KEYS,
-          "LKV_MAX_GROUP_ROWS": MAX_GROUP_ROWS, "LKV_W8A8_MAX_GROUP": W8A8_MAX_GROUP}
+          "LKV_MAX_GROUP_ROWS": MAX_GROUP_ROWS, "LKV_W8A8_MAX_GROUP": W8A8_MAX_GROUP,
+          "LKV_PREFILL_TILES": PREFILL_TILES}
 
 
 class Status(enum.IntEnum):

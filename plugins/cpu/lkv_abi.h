@@ -8,9 +8,10 @@
  *
  * The kernels are built into two libraries (plugins/cpu/loader.py): the base one (AVX2 + FMA +
  * F16C: decode, attention, top-K, summaries, residency, linears, prefill attention's AVX2 path)
- * and the AVX-512 one (BF16 / VNNI: the prefill GEMMs, W8A8, prefill attention's bf16 path). The
+ * and the AVX-512 one (BF16 / VNNI: the prefill GEMMs, W8A8, prefill attention's bf16 tiles). The
  * base library never links against the other: where it runs one of its kernels (decode's W8A8
- * projections) Python hands it the function's address (LkvModel.w8a8). */
+ * projections, prefill attention's tiles) Python hands it the functions' addresses (LkvModel.w8a8,
+ * lkv_prefill_attention's `tiles`). */
 #ifndef LKV_ABI_H
 #define LKV_ABI_H
 #include <stddef.h>
@@ -117,6 +118,13 @@ typedef struct {   /* fp32 scratch, rows of B: x [hidden] (the residual stream),
     float *sx;
     int64_t xq_len, sx_len;
 } LkvWork;
+
+/* prefill attention's register tile of nr query rows (entry nr of a table of LKV_PREFILL_TILES, the
+ * first NULL) against one tile of 64 keys: the AVX-512 library's, called by the base library's
+ * driver (prefill_attention.c, prefill_attention_bf16.c) */
+#define LKV_PREFILL_TILES 7
+typedef void (*LkvPrefillTile)(const uint32_t *q32, const int64_t *pos, const uint32_t *kp, const uint32_t *vp,
+                               int64_t t0, int64_t D, float *o, float *m, float *l);
 
 /* the transfer engine's copy kernel (lkv_copy_blocks's signature), handed to the lookahead layer */
 typedef int (*LkvCopyFn)(const float *, const float *, int64_t, int64_t, float *, float *, int64_t, int64_t,
@@ -234,10 +242,11 @@ void lkv_ext_end(const LkvModel *m, const LkvStep *st, const LkvWork *w);
 /* lookahead_layer.c */
 int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c);
 
-/* prefill_attention.c, AVX2 path: LKV_OK, LKV_ERR_NOMEM, LKV_ERR_ARG */
+/* prefill_attention.c: its AVX2 path, or the AVX512_BF16 one with the AVX-512 library's tiles
+ * (lkv_prefill_bf16_tiles; NULL: AVX2). LKV_OK, LKV_ERR_NOMEM, LKV_ERR_ARG */
 int lkv_prefill_attention(const float *q, int64_t qs, const void *k, const void *v, int64_t hs, const int64_t *btab,
                           int64_t bs, int64_t L, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale,
-                          float *out, int64_t os, int nthreads, int kv_dtype, int isa);
+                          float *out, int64_t os, int nthreads, int kv_dtype, const LkvPrefillTile *tiles);
 
 /* ---- the AVX-512 library (BF16 / VNNI) --------------------------------------------------------- */
 
@@ -257,11 +266,8 @@ int lkv_gemm_w8a8_scratch(const float *x, int64_t xs, int64_t M, int64_t K, int6
 int lkv_gemm_w8a8(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, const int32_t *wq, const float *wsc,
                   const int32_t *wsum, int64_t N, const float *bias, float *y, int64_t ys, int nthreads);
 
-/* prefill_attention.c built with LKV_AVX512: lkv_prefill_attention with the AVX512_BF16 path
- * (isa 0, where the CPU has it; else the AVX2 path, as isa 1) */
-int lkv_prefill_bf16_supported(void);
-int lkv_prefill_attention_bf16(const float *q, int64_t qs, const void *k, const void *v, int64_t hs,
-                               const int64_t *btab, int64_t bs, int64_t L, int64_t n, int64_t H, int64_t KVH, int64_t D,
-                               float scale, float *out, int64_t os, int nthreads, int kv_dtype, int isa);
+/* prefill_attention_bf16.c: the AVX512_BF16 tiles lkv_prefill_attention takes, or NULL where the
+ * CPU lacks the units */
+const LkvPrefillTile *lkv_prefill_bf16_tiles(void);
 
 #endif

@@ -4,8 +4,9 @@ them with ctypes.
 - the base library (`library()`): AVX2 + FMA + F16C, every kernel a decode step, attention,
   top-K, summaries, residency, the linears and prefill attention's AVX2 path run;
 - the AVX-512 library (`avx512_library()`): the kernels that use AVX-512 BF16 / VNNI, the prefill
-  GEMMs (bf16, W8A8: gemm.c) and prefill attention's bf16 path (prefill_attention.c again, with
-  LKV_AVX512). Its kernels check the CPU before running (LKV_ERR_ISA without those units).
+  GEMMs (bf16, W8A8: gemm.c) and prefill attention's bf16 tiles (prefill_attention_bf16.c, which
+  the base library's driver is handed). Its kernels check the CPU before running (LKV_ERR_ISA, or
+  no tiles, without those units).
 
 The two are compiled apart (in parallel) and neither links against the other: a compiler that
 fails on the AVX-512 targets loses only that library, logged at WARNING with the compiler's
@@ -43,7 +44,7 @@ from . import abi
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-HEADERS = [HERE / "common.h", HERE / "lkv_abi.h"]
+HEADERS = [HERE / "common.h", HERE / "lkv_abi.h", HERE / "prefill_attention.h"]
 BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cpu"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
 
@@ -74,12 +75,11 @@ BASE_SIGNATURES = {  # (restype, argtypes) of each kernel; see lkv_abi.h for the
     "lkv_lookahead_layer": (_int, [_p, _p]),                   # a lookahead decode layer (lookahead_layer.py)
     "lkv_update_summaries": (_int, [_p] * 5 + [_i64] * 4 + [_int, _int]),   # update_summaries (summaries.c)
     "lkv_prefill_attention": (_int, [_p, _i64, _p, _p, _i64, _p] + [_i64] * 6 + [ctypes.c_float, _p, _i64]
-                              + [_int] * 3),                   # prefill attention, AVX2 (prefill_attention.c)
+                              + [_int] * 2 + [_p]),            # prefill attention (prefill_attention.c)
 }
 AVX512_SIGNATURES = {
     "lkv_abi_describe": abi.DESCRIBE,
-    "lkv_prefill_bf16_supported": (_int, []),
-    "lkv_prefill_attention_bf16": BASE_SIGNATURES["lkv_prefill_attention"],
+    "lkv_prefill_bf16_tiles": (_p, []),                        # prefill attention's bf16 tiles
     "lkv_gemm_supported": (_int, []),                          # the prefill GEMMs (gemm.c)
     "lkv_pack_bf16": (None, [_p, _i64, _i64, _i64, _p, _int]),
     "lkv_gemm_bf16": (_int, [_p, _i64, _i64, _i64, _p, _i64, _p, _p, _i64, _int]),
@@ -92,24 +92,23 @@ AVX512_SIGNATURES = {
 
 @dataclass(frozen=True, eq=False)
 class LibrarySpec:
-    """One library: its name in logs and state ("base", "avx512"), file stem, sources, extra
-    compiler flags and the signatures bound when it is opened."""
+    """One library: its name in logs and state ("base", "avx512"), file stem, sources and the
+    signatures bound when it is opened."""
     name: str
     stem: str
     sources: tuple[Path, ...]
-    defines: tuple[str, ...]
     signatures: dict
 
     @property
     def flags(self) -> list[str]:
-        return [*FLAGS, *self.defines]
+        return FLAGS
 
 
 BASE = LibrarySpec("base", "liblookahead_cpu", tuple(HERE / n for n in (
     "abi.c", "linear.c", "linear_int8.c", "attention.c", "topk.c", "residency.c", "elementwise.c", "decode.c",
-    "lookahead_layer.c", "summaries.c", "prefill_attention.c")), (), BASE_SIGNATURES)
+    "lookahead_layer.c", "summaries.c", "prefill_attention.c")), BASE_SIGNATURES)
 AVX512 = LibrarySpec("avx512", "liblookahead_cpu_avx512", tuple(HERE / n for n in (
-    "abi.c", "gemm.c", "prefill_attention.c")), ("-DLKV_AVX512",), AVX512_SIGNATURES)
+    "abi.c", "gemm.c", "prefill_attention_bf16.c")), AVX512_SIGNATURES)
 LIBRARIES = (BASE, AVX512)
 SOURCES = sorted({p for spec in LIBRARIES for p in spec.sources})
 
@@ -144,21 +143,40 @@ def refusal(machine: str, flags: set[str]) -> str | None:
 
 def build_library(spec: LibrarySpec, cc: str) -> Path:
     """The path of `spec`'s library built by `cc`, compiling it first unless it is in BUILD_DIR
-    already (named by a hash of the sources, headers and flags; written atomically). CompileError
+    already (named by a hash of the sources, headers and flags; written atomically). The sources
+    are compiled by a few compiler processes at once (`compile_groups`), then linked. CompileError
     with the compiler's message when it fails."""
     tag = hashlib.sha256(b"".join(p.read_bytes() for p in (*spec.sources, *HEADERS))
                          + " ".join([cc, *spec.flags]).encode()).hexdigest()[:16]
     lib = BUILD_DIR / f"{spec.stem}-{tag}.so"
-    if not lib.exists():
-        BUILD_DIR.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=BUILD_DIR) as tmp:     # atomic: build, then rename
-            out = Path(tmp) / lib.name
-            proc = subprocess.run([cc, *spec.flags, "-o", str(out), *map(str, spec.sources), "-lm"],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise CompileError(f"{cc} failed on the {spec.name} library: {proc.stderr.strip()[-800:]}")
-            os.replace(out, lib)
+    if lib.exists():
+        return lib
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=BUILD_DIR) as tmp:     # atomic: build, then rename
+
+        def run(cmd: list[str]) -> subprocess.CompletedProcess:
+            return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)   # -c writes <stem>.o here
+
+        groups = compile_groups(spec.sources)
+        with ThreadPoolExecutor(len(groups)) as pool:
+            procs = list(pool.map(run, ([cc, *spec.flags, "-c", *map(str, g)] for g in groups)))
+        out = Path(tmp) / lib.name
+        if all(p.returncode == 0 for p in procs):
+            procs.append(run([cc, *spec.flags, "-o", str(out), *(f"{src.stem}.o" for src in spec.sources), "-lm"]))
+        errors = "\n".join(p.stderr.strip() for p in procs if p.returncode != 0)
+        if errors:
+            raise CompileError(f"{cc} failed on the {spec.name} library: {errors[-800:]}")
+        os.replace(out, lib)
     return lib
+
+
+def compile_groups(sources: tuple[Path, ...]) -> list[list[Path]]:
+    """The sources in as many compiler invocations as this library's share of the CPUs (both
+    libraries build at once), largest first round the groups: a compiler process per CPU, not per
+    file (each process costs its own start-up)."""
+    n = max(1, min(len(sources), (os.cpu_count() or 1) // len(LIBRARIES)))
+    ranked = sorted(sources, key=lambda p: p.stat().st_size, reverse=True)
+    return [ranked[i::n] for i in range(n)]
 
 
 def open_library(spec: LibrarySpec, path: Path) -> ctypes.CDLL:

@@ -1,6 +1,6 @@
 """torch-facing wrappers of the prefill kernels: prefill_attention.c (causal attention of a prompt
 chunk over the paged pool, bf16 dot products) and gemm.c (many-row GEMMs: bf16, and int8 weights
-times int8 activations). gemm.c and prefill attention's AVX512_BF16 path are the AVX-512 library's
+times int8 activations). gemm.c and prefill attention's AVX512_BF16 tiles are the AVX-512 library's
 (loader.py): where it did not build, the GEMMs run their torch formulations and prefill attention
 its AVX2 path (the base library's).
 
@@ -16,7 +16,7 @@ from ..reference import bf16_round, quantize_rows_ref
 from .abi import W8A8_MAX_GROUP, raise_for
 from .ops import KV_DTYPES, dequantize_int8, int8_group_size, loaded, loaded_avx512, traced
 
-ISAS = {"auto": 0, "avx2": 1}     # prefill_attention.c's isa codes: the best this CPU has, or AVX2 + FMA
+ISAS = ("auto", "avx2")     # prefill attention's paths: the best this CPU has, or AVX2 + FMA
 
 
 def bf16_dot_products() -> bool:
@@ -236,13 +236,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_t
         return None
     table = table.contiguous()
     out = torch.empty(n, H, D, dtype=torch.float32)
-    # the AVX-512 library's entry only where it can take its bf16 path (it checks the CPU again)
-    kernel = loaded_avx512().lkv_prefill_attention_bf16 if isa == "auto" and bf16_dot_products() \
-        else lib.lkv_prefill_attention
+    # the AVX-512 library's tiles (None where it did not build or the CPU lacks AVX512_BF16: AVX2)
+    wide = loaded_avx512() if isa == "auto" else None
+    tiles = wide.lkv_prefill_bf16_tiles() if wide is not None else None
     with traced("prefill_attention"):
-        rc = kernel(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), nb * bs * D, table.data_ptr(), bs,
-                    context_len, n, H, kvh, D, float(scale), out.data_ptr(), H * D, torch.get_num_threads(),
-                    KV_DTYPES[k.dtype], ISAS[isa])
+        rc = lib.lkv_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), nb * bs * D,
+                                       table.data_ptr(), bs, context_len, n, H, kvh, D, float(scale), out.data_ptr(),
+                                       H * D, torch.get_num_threads(), KV_DTYPES[k.dtype], tiles)
     if rc != 0:
         raise_for(rc, "prefill_attention")
     return out
