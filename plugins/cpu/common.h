@@ -13,6 +13,10 @@
 
 #include "lkv_abi.h"     /* the storage and return codes, the structs, every exported prototype */
 
+/* The AVX-512 functions' targets (gemm.c, prefill_attention_bf16.c: the AVX-512 library only) */
+#define LKV_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define LKV_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -22,9 +22,6 @@
 #include "common.h"
 #include "lkv_abi.h"
 
-#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
-
 #define BF_PANEL 64
 #define I8_PANEL 32
 #define MR 6
@@ -80,7 +77,7 @@ void lkv_pack_bf16(const float *w, int64_t ws, int64_t N, int64_t K, uint32_t *w
 }
 
 /* rows [m0, m0 + NR) of xb (K2 pairs a row) against one panel (K2 x 64) -> y columns [n0, n0 + nv) */
-AVX512BF16 static inline __attribute__((always_inline)) void bf16_tile(
+LKV_AVX512_BF16 static inline __attribute__((always_inline)) void bf16_tile(
         const uint32_t *xb, int64_t K2, int NR, const uint32_t *panel, const float *bias, int64_t n0, int nv,
         float *y, int64_t ys) {
     __m512 acc[MR][4];
@@ -104,8 +101,9 @@ AVX512BF16 static inline __attribute__((always_inline)) void bf16_tile(
     }
 }
 
-#define BF16_TILE(NRC) AVX512BF16 static void bf16_tile_##NRC(const uint32_t *xb, int64_t K2, const uint32_t *panel, \
-    const float *bias, int64_t n0, int nv, float *y, int64_t ys) { bf16_tile(xb, K2, NRC, panel, bias, n0, nv, y, ys); }
+#define BF16_TILE(NRC) LKV_AVX512_BF16 static void bf16_tile_##NRC(const uint32_t *xb, int64_t K2, \
+    const uint32_t *panel, const float *bias, int64_t n0, int nv, float *y, int64_t ys) { \
+    bf16_tile(xb, K2, NRC, panel, bias, n0, nv, y, ys); }
 BF16_TILE(1) BF16_TILE(2) BF16_TILE(3) BF16_TILE(4) BF16_TILE(5) BF16_TILE(6)
 #undef BF16_TILE
 typedef void (*bf16_fn)(const uint32_t *, int64_t, const uint32_t *, const float *, int64_t, int, float *, int64_t);
@@ -176,7 +174,7 @@ void lkv_pack_w8a8(const int8_t *w, const float *scale, int64_t N, int64_t K, in
 
 /* Row x [K] -> quads of q + 128 (uint8) and one scale per group of G: s = max|x| / 127 (1 where the
  * group is all zeros), q = round-to-nearest-even(x / s), in [-127, 127]. */
-AVX512VNNI static void quantize_row(const float *xr, int64_t K, int64_t G, uint8_t *q, float *sx) {
+LKV_AVX512_VNNI static void quantize_row(const float *xr, int64_t K, int64_t G, uint8_t *q, float *sx) {
     for (int64_t g = 0; g < K / G; g++) {
         const float *xg = xr + g * G;
         float amax = 0.0f;
@@ -226,7 +224,7 @@ int lkv_quantize_rows(const float *x, int64_t xs, int64_t M, int64_t K, int64_t 
 
 /* rows [0, NR) of the quantized x against one 32-column panel, every group: NR x 2 int32 sums a
  * group, folded into NR x 2 fp32 sums (int32 - offset, times the activation and weight scales) */
-AVX512VNNI static inline __attribute__((always_inline)) void w8a8_tile(
+LKV_AVX512_VNNI static inline __attribute__((always_inline)) void w8a8_tile(
         const uint32_t *xq, const float *sx, int64_t K4, int64_t NG, int64_t G4, int NR, const int32_t *wq,
         const float *wsc, const int32_t *wsum, const float *bias, int64_t n0, int nv, float *y, int64_t ys) {
     __m512 f[MR][2];
@@ -263,7 +261,7 @@ AVX512VNNI static inline __attribute__((always_inline)) void w8a8_tile(
     }
 }
 
-#define W8A8_TILE(NRC) AVX512VNNI static void w8a8_tile_##NRC(const uint32_t *xq, const float *sx, int64_t K4, \
+#define W8A8_TILE(NRC) LKV_AVX512_VNNI static void w8a8_tile_##NRC(const uint32_t *xq, const float *sx, int64_t K4, \
     int64_t NG, int64_t G4, const int32_t *wq, const float *wsc, const int32_t *wsum, const float *bias, int64_t n0, \
     int nv, float *y, int64_t ys) { w8a8_tile(xq, sx, K4, NG, G4, NRC, wq, wsc, wsum, bias, n0, nv, y, ys); }
 W8A8_TILE(1) W8A8_TILE(2) W8A8_TILE(3) W8A8_TILE(4) W8A8_TILE(5) W8A8_TILE(6)

@@ -6,9 +6,7 @@
 #include "lkv_abi.h"
 #include "prefill_attention.h"
 
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-
-AVX512 static inline __m512 exp2_512(__m512 x) {       /* x <= 0 or -inf; ~1e-7 relative */
+LKV_AVX512_BF16 static inline __m512 exp2_512(__m512 x) {       /* x <= 0 or -inf; ~1e-7 relative */
     x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);                  /* [-0.5, 0.5] */
@@ -23,7 +21,7 @@ AVX512 static inline __m512 exp2_512(__m512 x) {       /* x <= 0 or -inf; ~1e-7 
 }
 
 /* o[r][dc .. dc + 16 NC) = o * corr[r] + sum over key pairs of the bf16 weights pw[r] x the value pairs */
-AVX512 static inline __attribute__((always_inline)) void pv512(
+LKV_AVX512_BF16 static inline __attribute__((always_inline)) void pv512(
         const uint16_t (*pw)[KT], int NR, const float *corr, const uint32_t *vp, int npairs, int64_t dc, int64_t D,
         float *o, int NC) {
     __m512 acc[MR][4];
@@ -47,7 +45,7 @@ AVX512 static inline __attribute__((always_inline)) void pv512(
 
 /* One register tile: NR (<= MR) rows, each D/2 bf16 pairs at q32 + r * D2, against the KT keys of
  * the tile at t0 (kp: its 4 groups, vp: its KT / 2 value pairs), updating o [NR][D], m, l. */
-AVX512 static inline __attribute__((always_inline)) void tile512(
+LKV_AVX512_BF16 static inline __attribute__((always_inline)) void tile512(
         const uint32_t *q32, int NR, const int64_t *pos, const uint32_t *kp, const uint32_t *vp, int64_t t0,
         int64_t D, float *o, float *m, float *l) {
     const int64_t D2 = D / 2;
@@ -100,8 +98,9 @@ AVX512 static inline __attribute__((always_inline)) void tile512(
     }
 }
 
-#define TILE512(NRC) AVX512 static void tile512_##NRC(const uint32_t *q32, const int64_t *pos, const uint32_t *kp, \
-    const uint32_t *vp, int64_t t0, int64_t D, float *o, float *m, float *l) { tile512(q32, NRC, pos, kp, vp, t0, D, o, m, l); }
+#define TILE512(NRC) LKV_AVX512_BF16 static void tile512_##NRC(const uint32_t *q32, const int64_t *pos, \
+    const uint32_t *kp, const uint32_t *vp, int64_t t0, int64_t D, float *o, float *m, float *l) { \
+    tile512(q32, NRC, pos, kp, vp, t0, D, o, m, l); }
 TILE512(1) TILE512(2) TILE512(3) TILE512(4) TILE512(5) TILE512(6)
 #undef TILE512
 static const LkvPrefillTile TILES512[LKV_PREFILL_TILES] = {NULL, tile512_1, tile512_2, tile512_3, tile512_4,
