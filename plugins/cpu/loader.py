@@ -222,8 +222,8 @@ def _load() -> None:
         if spec is BASE:
             logger.warning("CPU kernels unavailable (%s); using torch", result)
         else:
-            logger.warning("the AVX-512 CPU kernels (prefill GEMMs, W8A8, bf16 prefill attention) are unavailable, "
-                           "the base kernels are not: %s", result)
+            logger.warning("the AVX-512 CPU kernels (prefill GEMMs, W8A8, bf16 prefill attention) are unavailable "
+                           "(%s); the base kernels do not need them", result)
     (lib, reason), (lib512, reason512) = opened[BASE.name], opened[AVX512.name]
     _state.update(lib=lib, reason=reason, avx512=lib512, avx512_reason=reason512)
 

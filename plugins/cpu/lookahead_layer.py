@@ -28,11 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .abi import LAYER_BOUND, LayerCall as _Call, LayerTensors as _Tensors, raise_for
+from .abi import LayerCall as _Call, LayerTensors as _Tensors, raise_for
 from .loader import library
 from .ops import KV_DTYPES, MAX_EXTRA_KEYS, MAX_GROUP_ROWS, traced
-
-BOUND = LAYER_BOUND
 
 
 @dataclass
