@@ -8,15 +8,12 @@
  * and the math is the fp32 math on the widened values. Queries, extra keys and the output are
  * fp32. Each storage type is its own instantiation of the same inlined code (T a constant). */
 #include "common.h"
-
-#define KV_F32 0
-#define KV_F16 1
-#define KV_BF16 2
+#include "lkv_abi.h"
 
 /* eight K/V elements from element i of a row of storage type T, as fp32 */
 static inline __attribute__((always_inline)) __m256 ld_kv(const void *row, int64_t i, int T) {
-    if (T == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-    if (T == KV_BF16)
+    if (T == LKV_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    if (T == LKV_KV_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
     return _mm256_loadu_ps((const float *)row + i);
@@ -24,7 +21,7 @@ static inline __attribute__((always_inline)) __m256 ld_kv(const void *row, int64
 
 /* element i of K/V storage of type T */
 static inline __attribute__((always_inline)) const void *kv_at(const void *base, int64_t i, int T) {
-    return (const char *)base + i * (T == KV_F32 ? 4 : 2);
+    return (const char *)base + i * (T == LKV_KV_F32 ? 4 : 2);
 }
 
 /* Scores of NR (<= 3, a constant once inlined) query rows against four key rows: twelve
@@ -64,7 +61,7 @@ static inline __attribute__((always_inline)) void pv_block(const float *p, int64
         if (i < tnn) {                           /* one row a key, spread out: a burst would stall */
             const char *pf = (const char *)kv_at(vb, (int64_t)nvis[i] * D + d, T);
             _mm_prefetch(pf, _MM_HINT_T0);
-            if (T == KV_F32) _mm_prefetch(pf + 64, _MM_HINT_T0);    /* 32 columns: 128 or 64 bytes */
+            if (T == LKV_KV_F32) _mm_prefetch(pf + 64, _MM_HINT_T0);    /* 32 columns: 128 or 64 bytes */
         }
         for (int c = 0; c < 4; c++) {
             const __m256 vv = ld_kv(vr[i], d + 8 * c, T);
@@ -108,7 +105,7 @@ static inline __attribute__((always_inline)) void attend_one(
         if (t + QK_PF + 4 <= nv)
             for (int i = 0; i < 4; i++) {
                 const char *pf = (const char *)kv_at(kb, (int64_t)vis[t + QK_PF + i] * D, T);
-                for (int64_t c = 0; c < D * (T == KV_F32 ? 4 : 2); c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+                for (int64_t c = 0; c < D * (T == LKV_KV_F32 ? 4 : 2); c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
             }
         int rg = 0;
         for (; rg + 3 <= RG; rg += 3) qk_block(qs + rg * D, 3, kr, D, s + rg * nv8 + t, nv8, T);
@@ -178,9 +175,9 @@ static inline __attribute__((always_inline)) void attend_one(
     const float *xk, int64_t xks, const float *xv, int64_t xvs, const uint8_t *xvis, int64_t E, int64_t D,          \
     float *const *orow, float *s, int64_t nv8, float *acc, float *ml, int64_t mls
 #define ATTEND_CALL(T) attend_one(qs, RG, G, kb, vb, vis, nv, xk, xks, xv, xvs, xvis, E, D, orow, s, nv8, acc, ml, mls, T)
-static void attend_f32(ATTEND_ARGS) { ATTEND_CALL(KV_F32); }
-static void attend_f16(ATTEND_ARGS) { ATTEND_CALL(KV_F16); }
-static void attend_bf16(ATTEND_ARGS) { ATTEND_CALL(KV_BF16); }
+static void attend_f32(ATTEND_ARGS) { ATTEND_CALL(LKV_KV_F32); }
+static void attend_f16(ATTEND_ARGS) { ATTEND_CALL(LKV_KV_F16); }
+static void attend_bf16(ATTEND_ARGS) { ATTEND_CALL(LKV_KV_BF16); }
 #undef ATTEND_ARGS
 #undef ATTEND_CALL
 
@@ -243,7 +240,7 @@ static int attention_impl(const float *q, const void *k, const void *v, int kv_d
     const int64_t CL = C > 1 ? (((N + C - 1) / C + 31) & ~(int64_t)31) : N;   /* keys per range */
     const int64_t nv8 = (CL + 7) & ~(int64_t)7, mls = 2 + D;
     float *part = C > 1 ? malloc(sizeof(float) * B * KVH * C * RG * mls) : NULL;
-    if (C > 1 && !part) return -1;
+    if (C > 1 && !part) return LKV_ERR_NOMEM;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads > 1 ? nthreads : 1) if (nthreads > 1) reduction(| : failed)
     {
@@ -269,7 +266,7 @@ static int attention_impl(const float *q, const void *k, const void *v, int kv_d
                 void (*attend)(const float *, int, int, const void *, const void *, const int32_t *, int64_t,
                                const float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, int64_t,
                                float *const *, float *, int64_t, float *, float *, int64_t) =
-                    kv_dtype == KV_F16 ? attend_f16 : kv_dtype == KV_BF16 ? attend_bf16 : attend_f32;
+                    kv_dtype == LKV_KV_F16 ? attend_f16 : kv_dtype == LKV_KV_BF16 ? attend_bf16 : attend_f32;
                 attend(qs, RG, G, kv_at(k, kofs, kv_dtype), kv_at(v, kofs, kv_dtype), vis, nv,
                        kx + b * xksb + h * xksh, xkse, vx + b * xvsb + h * xvsh, xvse, extra_mask + b * R * E,
                        c == 0 ? E : 0, D, orow, s, nv8, qs + RG * D, ml, mls);
@@ -303,19 +300,29 @@ static int attention_impl(const float *q, const void *k, const void *v, int kv_d
         free(vis);
     }
     free(part);
-    return failed ? -1 : 0;
+    return failed ? LKV_ERR_NOMEM : LKV_OK;
 }
 
-/* q, out [B, R, H, D] contiguous fp32; k, v rows of D elements of type kv_dtype (KV_F32, KV_F16,
- * KV_BF16) at k + b*ksb + h*ksh + n*D (same strides for v, in elements); kv_mask [B, KVH, N]
+/* The entries' argument checks: LKV_ERR_ARG for a kv_dtype not among LKV_KV_* or a head count
+ * that is not a multiple of KVH, LKV_ERR_LIMIT past the scratch that lives on the stack (extra
+ * keys, query rows per KV head). */
+static int check_args(int kv_dtype, int64_t R, int64_t H, int64_t KVH, int64_t E) {
+    if (kv_dtype < LKV_KV_F32 || kv_dtype > LKV_KV_BF16 || KVH <= 0 || H % KVH) return LKV_ERR_ARG;
+    if (E > LKV_MAX_EXTRA_KEYS || R * (H / KVH) > LKV_MAX_GROUP_ROWS) return LKV_ERR_LIMIT;
+    return LKV_OK;
+}
+
+/* q, out [B, R, H, D] contiguous fp32; k, v rows of D elements of type kv_dtype (LKV_KV_F32, LKV_KV_F16,
+ * LKV_KV_BF16) at k + b*ksb + h*ksh + n*D (same strides for v, in elements); kv_mask [B, KVH, N]
  * bytes; k_extra rows (fp32) at kx + b*xksb + h*xksh + e*xkse (v_extra likewise with its own
- * strides); extra_mask [B, R, E] bytes (E <= 8). Returns 0, -1 when scratch memory ran out, -2
- * for an unknown kv_dtype. */
+ * strides); extra_mask [B, R, E] bytes (E <= LKV_MAX_EXTRA_KEYS). Returns LKV_OK, LKV_ERR_NOMEM
+ * when scratch memory ran out, or check_args' code. */
 int lkv_attention(const float *q, const void *k, const void *v, int64_t ksb, int64_t ksh,
                   const uint8_t *kv_mask, const float *kx, int64_t xksb, int64_t xksh, int64_t xkse,
                   const float *vx, int64_t xvsb, int64_t xvsh, int64_t xvse, const uint8_t *extra_mask, float *out, int64_t B, int64_t R, int64_t H,
                   int64_t KVH, int64_t N, int64_t E, int64_t D, float scale, int nthreads, int kv_dtype) {
-    if (kv_dtype < KV_F32 || kv_dtype > KV_BF16) return -2;
+    const int rc = check_args(kv_dtype, R, H, KVH, E);
+    if (rc != LKV_OK) return rc;
     return attention_impl(q, k, v, kv_dtype, NULL, ksb, NULL, 0, 1, ksh, kv_mask, kx, xksb, xksh, xkse, vx, xvsb, xvsh, xvse,
                           extra_mask, out, B, R, H, KVH, N, E, D, scale, nthreads);
 }
@@ -323,13 +330,14 @@ int lkv_attention(const float *q, const void *k, const void *v, int64_t ksb, int
 /* Dense decode attention of B sequences in one call (runtime/attention_dense.py): q, out [B, H, D]
  * contiguous fp32, one row each; sequence b's keys (kv_dtype, as lkv_attention) at k + boff[b] +
  * h*ksh + n*D elements (v alike), visible where kv_mask [B, KVH, N] says (its first lens[b]
- * keys); no extra keys. Returns 0, -1 or -2 (as lkv_attention). */
+ * keys); no extra keys. Returns as lkv_attention. */
 int lkv_attention_paged(const float *q, const void *k, const void *v, const int64_t *boff, int64_t ksh,
                         const uint8_t *kv_mask, float *out, int64_t B, int64_t H, int64_t KVH, int64_t N,
                         int64_t D, float scale, int nthreads, int kv_dtype) {
     static const uint8_t no_extra[1] = {0};
     static const float no_key[1] = {0.0f};
-    if (kv_dtype < KV_F32 || kv_dtype > KV_BF16) return -2;
+    const int rc = check_args(kv_dtype, 1, H, KVH, 0);
+    if (rc != LKV_OK) return rc;
     return attention_impl(q, k, v, kv_dtype, boff, 0, NULL, 0, 1, ksh, kv_mask, no_key, 0, 0, 0, no_key, 0, 0, 0, no_extra, out,
                           B, 1, H, KVH, N, 0, D, scale, nthreads);
 }
@@ -342,7 +350,8 @@ int lkv_attention_paged_table(const float *q, const void *k, const void *v, cons
                               int64_t KVH, int64_t N, int64_t D, float scale, int nthreads, int kv_dtype) {
     static const uint8_t no_extra[1] = {0};
     static const float no_key[1] = {0.0f};
-    if (kv_dtype < KV_F32 || kv_dtype > KV_BF16) return -2;
+    const int rc = check_args(kv_dtype, 1, H, KVH, 0);
+    if (rc != LKV_OK) return rc;
     return attention_impl(q, k, v, kv_dtype, NULL, 0, btab, bts, bs, ksh, kv_mask, no_key, 0, 0, 0, no_key, 0, 0, 0,
                           no_extra, out, B, 1, H, KVH, N, 0, D, scale, nthreads);
 }

@@ -9,6 +9,7 @@ import ctypes
 
 import torch
 
+from .abi import Status, raise_for
 from .ops import loaded as library, traced
 
 
@@ -32,11 +33,9 @@ def plan(block: torch.Tensor, last_used: torch.Tensor, slot_of: torch.Tensor, la
         n = lib.lkv_plan(block.data_ptr(), last_used.data_ptr(), slot_of.data_ptr(), lanes.data_ptr(), block.shape[0],
                          B, kvh, block.shape[-1], slot_of.shape[-1] - 1, want.data_ptr(), priority.data_ptr(), kw,
                          cap_rows, step, *(out.data_ptr() + i * out.stride(0) * 8 for i in range(4)))
-    if n == -2:
-        raise IndexError(f"SlotTable.plan: a lane outside [0, {block.shape[0]}) or a wanted block outside "
-                         f"[-1, {slot_of.shape[-1] - 1})")
     if n < 0:
-        raise MemoryError("SlotTable.plan (CPU kernel): scratch allocation failed")
+        raise_for(n, "SlotTable.plan", None if n != Status.RANGE else
+                  f"a lane outside [0, {block.shape[0]}) or a wanted block outside [-1, {slot_of.shape[-1] - 1})")
     return out[:, :n].unbind(0)
 
 
@@ -76,8 +75,8 @@ def copy_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, d
                                  sb.data_ptr(), sh.data_ptr(), dl.data_ptr(), dh.data_ptr(), ds.data_ptr(), sb.numel(),
                                  unit // words, src_k.shape[0], src_k.shape[1], dst_k.shape[0], dst_k.shape[2])
     if rc != 0:
-        raise IndexError(f"copy_blocks: an index outside src [{src_k.shape[0]}, {src_k.shape[1]}] or dst "
-                         f"[{dst_k.shape[0]}, {dst_k.shape[1]}, {dst_k.shape[2]}]")
+        raise_for(rc, "copy_blocks", f"an index outside src [{src_k.shape[0]}, {src_k.shape[1]}] or dst "
+                                     f"[{dst_k.shape[0]}, {dst_k.shape[1]}, {dst_k.shape[2]}]")
     return True
 
 

@@ -1,7 +1,8 @@
 /* Shared by the CPU kernels (the .c files of plugins/cpu): AVX2 + FMA (+ F16C for 16-bit K/V), fp32
- * math. Each kernel is built by plugins/cpu/loader.py on first use with the machine's compiler and
- * called through ctypes with raw pointers, which the Python side checks (dtype, contiguity,
- * strides); nthreads > 1 splits a kernel's outer loop with OpenMP. */
+ * math helpers. Each kernel is built by plugins/cpu/loader.py on first use with the machine's
+ * compiler and called through ctypes with raw pointers, which the Python side checks (dtype,
+ * contiguity, strides); nthreads > 1 splits a kernel's outer loop with OpenMP. What crosses the
+ * C/Python boundary (codes, structs, prototypes) is lkv_abi.h's. */
 #ifndef LKV_COMMON_H
 #define LKV_COMMON_H
 #include <immintrin.h>
@@ -9,6 +10,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "lkv_abi.h"     /* the storage and return codes, the structs, every exported prototype */
+
+/* The AVX-512 functions' targets (gemm.c, prefill_attention_bf16.c: the AVX-512 library only) */
+#define LKV_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define LKV_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -63,35 +70,5 @@ static inline __m256i bf16_pairs(__m256 a, __m256 b) {
     const __m256i ev = _mm256_permute2x128_si256(lo, hi, 0x20), od = _mm256_permute2x128_si256(lo, hi, 0x31);
     return _mm256_or_si256(ev, _mm256_slli_epi32(od, 16));
 }
-
-/* The kernels that plugins/cpu/decode.c (the fused decode step) and ondemand.c call across files; declared here
- * so that each definition is checked against the one signature. */
-void lkv_rmsnorm(const float *x, int64_t xs, const float *w, float eps, float *y, int64_t ys, int64_t M, int64_t N);
-void lkv_linear_packed(const float *x, int64_t M, int64_t K, const float *Wp, int64_t N, const float *bias,
-                       float *y, int nthreads);
-void lkv_linear_int8(const float *x, int64_t M, int64_t K, const int8_t *W, int64_t N, const float *scale,
-                     int64_t group, const float *bias, float *y, int nthreads);
-int lkv_attention_paged(const float *q, const void *k, const void *v, const int64_t *boff, int64_t ksh,
-                        const uint8_t *kv_mask, float *out, int64_t B, int64_t H, int64_t KVH, int64_t N,
-                        int64_t D, float scale, int nthreads, int kv_dtype);
-int lkv_attention_paged_table(const float *q, const void *k, const void *v, const int64_t *btab, int64_t bts,
-                              int64_t bs, int64_t ksh, const uint8_t *kv_mask, float *out, int64_t B, int64_t H,
-                              int64_t KVH, int64_t N, int64_t D, float scale, int nthreads, int kv_dtype);
-int lkv_block_topk(const float *q, const float *kmin, const float *kmax, int64_t ksb, const uint8_t *valid,
-                   int64_t vsb, int64_t vsr, int64_t B, int64_t R, int64_t H, int64_t KVH, int64_t NB,
-                   int64_t D, int64_t k, int group_max, float *scores, int64_t *idx, int nthreads);
-int lkv_attention(const float *q, const void *k, const void *v, int64_t ksb, int64_t ksh,
-                  const uint8_t *kv_mask, const float *kx, int64_t xksb, int64_t xksh, int64_t xkse,
-                  const float *vx, int64_t xvsb, int64_t xvsh, int64_t xvse, const uint8_t *extra_mask, float *out,
-                  int64_t B, int64_t R, int64_t H, int64_t KVH, int64_t N, int64_t E, int64_t D, float scale,
-                  int nthreads, int kv_dtype);
-int64_t lkv_plan(int64_t *held_t, int64_t *last_t, int64_t *inv_t, const int64_t *lanes, int64_t L, int64_t B,
-                 int64_t KVH, int64_t K, int64_t MB, const int64_t *want, const float *prio, int64_t KW,
-                 int64_t cap, int64_t step, int64_t *out_lane, int64_t *out_head, int64_t *out_slot,
-                 int64_t *out_block);
-int lkv_copy_blocks(const float *src_k, const float *src_v, int64_t s_blk, int64_t s_head, float *dst_k,
-                    float *dst_v, int64_t d_lane, int64_t d_head, int64_t d_slot, const int64_t *sb,
-                    const int64_t *sh, const int64_t *dl, const int64_t *dh, const int64_t *ds, int64_t n,
-                    int64_t unit, int64_t NB, int64_t KVH, int64_t NL, int64_t NS);
 
 #endif

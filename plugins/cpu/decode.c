@@ -27,120 +27,60 @@
  * 1 + 3l = attention half up to w13 (output `gu`), 2 + 3l = SiLU * mul (`gu` -> `act`),
  * 3 + 3l = w2 + residual; 1 + 3L = the final norm (-> `out`). lkv_decode runs [s0, s1). */
 #include "common.h"
-
-#define KV_F32 0 /* attention.c's kv_dtype codes */
-#define KV_F16 1
-#define KV_BF16 2
+#include "lkv_abi.h"
 
 /* elementwise helpers that must round like torch's separate ops: no a*b+c contraction */
 #define NOFMA __attribute__((optimize("fp-contract=off")))
 
-typedef struct {
-    const void *w;         /* fp32: packed [N/8, K, 8] (ops.packed_weight); int8: [N, K] row-major */
-    const float *scale;    /* int8: [N, K / group] (group == K: [N], per output channel); fp32: NULL */
-    const float *bias;     /* [N] or NULL */
-    int64_t n, k, int8;
-    int64_t group;         /* int8: inputs per scale (lkv_linear_int8's `group`); fp32: 0 */
-    /* int8 at decode precision int8: the weight packed for lkv_gemm_w8a8 (prefill.packed_w8a8's
-     * quads, scales, offset sums), the rows quantized per row and group (W8A8); else NULL */
-    const int32_t *wq8;
-    const float *wsc8;
-    const int32_t *wsum8;
-    int64_t group8;        /* W8A8: the rows' quantization group (prefill.int8_group_size) */
-} LkvLinear;
+/* The structs (LkvLinear, LkvLayer, LkvModel, LkvStep, LkvWork), return codes and limits are
+ * lkv_abi.h's. Every stage returns a code and the step stops at the first that is not LKV_OK. */
 
-typedef struct {
-    const float *attn_norm, *mlp_norm;   /* [hidden] */
-    LkvLinear wqkv, wo, w13, w2;
-    void *k, *v;                         /* this layer's pool K/V: [KVH, num_blocks, block_size, D] */
-    const float *q_norm, *k_norm;        /* qk_norm (qwen3): each q / k head's RMSNorm [D]; else NULL */
-} LkvLayer;
-
-typedef struct {
-    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, vocab;
-    int64_t num_blocks, block_size, max_pos, kv_dtype;
-    float eps, scale;                    /* RMSNorm eps, attention scale (as the Python path's floats) */
-    const float *cos, *sin;              /* RoPE tables [max_pos, head_dim] */
-    const void *embed;                   /* [vocab, hidden]: fp32, or int8 with embed_scale */
-    const float *embed_scale;            /* [vocab, hidden / embed_group] */
-    const float *norm;                   /* the final norm [hidden] */
-    const LkvLayer *layers;              /* [num_layers] */
-    const void *exp8;                    /* torch's vector exp for SiLU (see silu_mul), or NULL */
-    int64_t silu_chunk;
-    int64_t embed_group;                 /* int8 embed: hidden elements per scale (hidden: one a row) */
-    /* sparse mode (runtime/sparse.py BlockSelection): each pool block's min/max key summaries
-     * [L, num_blocks, KVH, D] fp32, or NULL (dense: every key visible); the selection's top_k,
-     * sink blocks, window blocks (SlotLayout.num_window) and group score (1: max, 0: sum) */
-    const float *sel_kmin, *sel_kmax;
-    int64_t sel_top_k, sel_sink, sel_window, sel_group_max;
-} LkvModel;
-
-typedef struct {
-    int64_t B, N;                        /* items (rows), N = max(lens): the key mask's width */
-    const int64_t *tokens, *positions;   /* [B] */
-    const int64_t *slot_blocks, *slot_offsets;   /* [B] where each row's K/V go */
-    const int64_t *run_starts, *lens;    /* [B] each sequence's first block, its keys (position + 1) */
-    const int64_t *tables;               /* NULL (each sequence one run of blocks from run_starts[b]),
-                                          * or [B, table_stride] block tables: key n of sequence b in
-                                          * block tables[b * table_stride + n / block_size] */
-    int64_t table_stride;
-} LkvStep;
-
-typedef struct {   /* fp32 scratch, rows of B: x [hidden] (the residual stream), h [hidden], */
-    float *x, *h, *qkv, *q, *o, *t, *gu, *act, *out;   /* qkv [q+2kv], q/o [H*D], t [hidden], */
-    uint8_t *mask;                                     /* gu [2I], act [I], out [hidden]; mask [B, KVH, N] */
-    int64_t *boff;                                     /* [B] each sequence's first key (elements) */
-    float *sel_scores;                                 /* sparse, per row b: [KVH, NBm] block scores, */
-    int64_t *sel_idx;                                  /* [KVH, top_k] the selection, [NBm] its */
-    uint8_t *sel_valid;                                /* candidates; NBm = blocks of N keys */
-} LkvWork;
-
-#define MAX_ROWS 16      /* ops.MAX_LINEAR_ROWS / MAX_INT8_ROWS: the C linears of the Python path */
-#define MAX_KV_ROW 4096  /* KVH * D of a row's keys */
-
-int lkv_gemm_w8a8_scratch(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, const int32_t *wq,
-                          const float *wsc, const int32_t *wsum, int64_t N, const float *bias, float *y, int64_t ys,
-                          int nthreads, uint32_t *xq, float *sx);
-
-/* The Python path's `linear` for this weight (M <= MAX_ROWS rows): W8A8 (ops.decode_linear,
- * prefill.linear_w8a8: the same kernel and arguments) where the weight is bound packed (fused.py
- * binds it so only where the kernel takes it), else weight-only int8 or fp32. */
-static void linear(const LkvLinear *L, const float *x, int64_t M, float *y, int nthreads) {
+/* The Python path's `linear` for this weight (M <= LKV_MAX_ROWS rows): W8A8 (ops.decode_linear,
+ * prefill.linear_w8a8: the same kernel and arguments, through m->w8a8, the AVX-512 library's
+ * lkv_gemm_w8a8_scratch) where the weight is bound packed (fused.py binds it so only where the
+ * kernel takes it), else weight-only int8 or fp32. The quantized rows go to the work struct's
+ * scratch (sized by fused.py for the largest projection): LKV_ERR_SCRATCH where it is short,
+ * LKV_ERR_ISA without the function, else the GEMM's own code. */
+static int linear(const LkvModel *m, const LkvWork *w, const LkvLinear *L, const float *x, int64_t M, float *y,
+                  int nthreads) {
     if (L->wq8) {
-        uint32_t xq[M * (L->k / 4)];           /* the quantized rows: a few KB on the stack */
-        float sx[M * (L->k / L->group8)];
-        lkv_gemm_w8a8_scratch(x, L->k, M, L->k, L->group8, L->wq8, L->wsc8, L->wsum8, L->n, L->bias, y, L->n,
-                              nthreads, xq, sx);
-        return;
+        if (m->w8a8 == NULL) return LKV_ERR_ISA;
+        if (L->group8 <= 0 || L->k % L->group8 || L->k % 4) return LKV_ERR_ARG;
+        if (w->xq == NULL || w->sx == NULL || M * (L->k / 4) > w->xq_len || M * (L->k / L->group8) > w->sx_len)
+            return LKV_ERR_SCRATCH;
+        return m->w8a8(x, L->k, M, L->k, L->group8, L->wq8, L->wsc8, L->wsum8, L->n, L->bias, y, L->n, nthreads,
+                       w->xq, w->sx);
     }
     if (L->int8) lkv_linear_int8(x, M, L->k, (const int8_t *)L->w, L->n, L->scale, L->group, L->bias, y, nthreads);
     else lkv_linear_packed(x, M, L->k, (const float *)L->w, L->n, L->bias, y, nthreads);
+    return LKV_OK;
 }
 
 /* Everything the step reads is in bounds and consistent with a dense decode step (each row's new
- * token at the end of its sequence's run): 0, or -3 and nothing written. */
+ * token at the end of its sequence's run): LKV_OK, or LKV_DECLINED and nothing written. */
 static int check_step(const LkvModel *m, const LkvStep *st) {
     const int64_t B = st->B, bs = m->block_size;
     int64_t N = 0;
-    if (B < 1 || B > MAX_ROWS) return -3;
+    if (B < 1 || B > LKV_MAX_ROWS) return LKV_DECLINED;
     for (int64_t b = 0; b < B; b++) {
         const int64_t p = st->positions[b], n = st->lens[b];
         const int64_t nblk = (n + bs - 1) / bs;
-        if (st->tokens[b] < 0 || st->tokens[b] >= m->vocab || p < 0 || p >= m->max_pos || n != p + 1) return -3;
+        if (st->tokens[b] < 0 || st->tokens[b] >= m->vocab || p < 0 || p >= m->max_pos || n != p + 1)
+            return LKV_DECLINED;
         if (st->tables) {
             const int64_t *t = st->tables + b * st->table_stride;
-            if (nblk > st->table_stride) return -3;
+            if (nblk > st->table_stride) return LKV_DECLINED;
             for (int64_t j = 0; j < nblk; j++)
-                if (t[j] < 0 || t[j] >= m->num_blocks) return -3;
-            if (st->slot_blocks[b] != t[p / bs] || st->slot_offsets[b] != p % bs) return -3;
+                if (t[j] < 0 || t[j] >= m->num_blocks) return LKV_DECLINED;
+            if (st->slot_blocks[b] != t[p / bs] || st->slot_offsets[b] != p % bs) return LKV_DECLINED;
         } else {
             const int64_t r = st->run_starts[b];
-            if (r < 0 || r + nblk > m->num_blocks) return -3;
-            if (st->slot_blocks[b] != r + p / bs || st->slot_offsets[b] != p % bs) return -3;
+            if (r < 0 || r + nblk > m->num_blocks) return LKV_DECLINED;
+            if (st->slot_blocks[b] != r + p / bs || st->slot_offsets[b] != p % bs) return LKV_DECLINED;
         }
         N = n > N ? n : N;
     }
-    return N == st->N ? 0 : -3;
+    return N == st->N ? LKV_OK : LKV_DECLINED;
 }
 
 static void embed(const LkvModel *m, const LkvStep *st, float *x) {
@@ -181,14 +121,15 @@ static NOFMA void rope_heads(const float *src, float *dst, int64_t nh, int64_t D
  * w->qkv [B, q + 2kv]; where the layer has q_norm / k_norm (qwen3), each q and k head of a row
  * RMS-normalised in place there (lkv_rmsnorm over the heads as rows of D: what ops.rms_norm calls
  * on the Python path); then RoPE at the row's position: q [B, H, D] into q, k [B, KVH, D] into k.
- * v stays in w->qkv (each row's last KVH * D). */
-static void project_qkv(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, float *q, float *k,
-                        int nthreads) {
+ * v stays in w->qkv (each row's last KVH * D). Returns wqkv's code (`linear`). */
+static int project_qkv(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, float *q, float *k,
+                       int nthreads) {
     const LkvLayer *L = m->layers + l;
     const int64_t B = st->B, E = m->hidden, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
     const int64_t nq = H * D, nkv = KVH * D, nqkv = nq + 2 * nkv;
     lkv_rmsnorm(w->x, E, L->attn_norm, m->eps, w->h, E, B, E);
-    linear(&L->wqkv, w->h, B, w->qkv, nthreads);
+    const int rc = linear(m, w, &L->wqkv, w->h, B, w->qkv, nthreads);
+    if (rc != LKV_OK) return rc;
     for (int64_t b = 0; b < B; b++) {
         float *row = w->qkv + b * nqkv;
         const float *c = m->cos + st->positions[b] * D, *s = m->sin + st->positions[b] * D;
@@ -199,13 +140,14 @@ static void project_qkv(const LkvModel *m, const LkvStep *st, const LkvWork *w, 
         rope_heads(row, q + b * nq, H, D, c, s);
         rope_heads(row + nq, k + b * nkv, KVH, D, c, s);
     }
+    return LKV_OK;
 }
 
 /* one row of D fp32 values into the pool's storage type, rounded to nearest even (torch's .to) */
 static void store_row(const float *src, void *dst, int64_t D, int64_t kv_dtype) {
-    if (kv_dtype == KV_F32) {
+    if (kv_dtype == LKV_KV_F32) {
         memcpy(dst, src, sizeof(float) * D);
-    } else if (kv_dtype == KV_F16) {
+    } else if (kv_dtype == LKV_KV_F16) {
         for (int64_t d = 0; d < D; d += 8)
             _mm_storeu_si128((__m128i *)((uint16_t *)dst + d),
                              _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
@@ -289,11 +231,11 @@ static int64_t run_start(const LkvStep *st, int64_t b, int64_t nb) {
 static int select_keys(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, int nthreads) {
     const int64_t KVH = m->kv_heads, D = m->head_dim, H = m->heads, bs = m->block_size, N = st->N;
     const int64_t layer_at = l * m->num_blocks * KVH * D, NBm = (N + bs - 1) / bs;
-    int failed = 0;
+    int failed = LKV_OK;        /* the first failure's code (any one, where several fail) */
     /* the sequences over the threads, each block_topk call on one (a call's threads split its
      * sequences, so one sequence's result does not depend on the count: the Python path's) */
 #pragma omp parallel for schedule(static) num_threads(nthreads > 1 ? nthreads : 1) \
-    if (nthreads > 1 && st->B > 1) reduction(| : failed)
+    if (nthreads > 1 && st->B > 1) reduction(min : failed)
     for (int64_t b = 0; b < st->B; b++) {
         float *scores = w->sel_scores + b * KVH * NBm;
         int64_t *sidx = w->sel_idx + b * KVH * m->sel_top_k;
@@ -321,7 +263,7 @@ static int select_keys(const LkvModel *m, const LkvStep *st, const LkvWork *w, i
             kmax = m->sel_kmax + layer_at + run * unit;
         } else {
             gathered = malloc(sizeof(float) * 2 * nb * unit);
-            if (!gathered) { failed = 1; continue; }
+            if (!gathered) { failed = LKV_ERR_NOMEM; continue; }
             const int64_t *t = st->tables + b * st->table_stride;
             for (int64_t j = 0; j < nb; j++) {
                 memcpy(gathered + j * unit, m->sel_kmin + layer_at + t[j] * unit, sizeof(float) * unit);
@@ -332,8 +274,8 @@ static int select_keys(const LkvModel *m, const LkvStep *st, const LkvWork *w, i
         const int rc = lkv_block_topk(w->q + b * H * D, kmin, kmax, nb * unit, valid, nb, nb, 1, 1, H,
                                       KVH, nb, D, k, (int)m->sel_group_max, scores, sidx, 1);
         free(gathered);
-        if (rc != 0) {
-            failed = 1;
+        if (rc != LKV_OK) {
+            failed = rc < failed ? rc : failed;
             continue;
         }
         for (int64_t h = 0; h < KVH; h++)
@@ -342,7 +284,7 @@ static int select_keys(const LkvModel *m, const LkvStep *st, const LkvWork *w, i
                 if (id >= 0) memset(rows + h * N + id * bs, 1, bs);
             }
     }
-    return failed ? -1 : 0;
+    return failed;
 }
 
 /* layer l up to w13: x (residual) updated by attention, gu = w13(rmsnorm(x)) */
@@ -350,9 +292,10 @@ static int attention_half(const LkvModel *m, const LkvStep *st, const LkvWork *w
     const LkvLayer *L = m->layers + l;
     const int64_t B = st->B, E = m->hidden, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
     const int64_t nq = H * D, nkv = KVH * D, nqkv = nq + 2 * nkv, bs = m->block_size;
-    const int64_t es = m->kv_dtype == KV_F32 ? 4 : 2, hs = m->num_blocks * bs * D;   /* head stride */
+    const int64_t es = m->kv_dtype == LKV_KV_F32 ? 4 : 2, hs = m->num_blocks * bs * D;   /* head stride */
     float *krot = w->o;               /* the rotated keys [B, KVH, D]: o is free until attention */
-    project_qkv(m, st, w, l, w->q, krot, nthreads);
+    int rc = project_qkv(m, st, w, l, w->q, krot, nthreads);
+    if (rc != LKV_OK) return rc;
     for (int64_t b = 0; b < B; b++) {
         const float *row = w->qkv + b * nqkv;
         const int64_t slot = st->slot_blocks[b] * bs * D + st->slot_offsets[b] * D;
@@ -363,32 +306,33 @@ static int attention_half(const LkvModel *m, const LkvStep *st, const LkvWork *w
         }
     }
     if (m->sel_kmin) {
-        const int rc = select_keys(m, st, w, l, nthreads);
-        if (rc != 0) return rc;
+        rc = select_keys(m, st, w, l, nthreads);
+        if (rc != LKV_OK) return rc;
     }
-    const int rc = st->tables
+    rc = st->tables
         ? lkv_attention_paged_table(w->q, L->k, L->v, st->tables, st->table_stride, bs, hs, w->mask, w->o, B, H, KVH,
                                     st->N, D, m->scale, nthreads, (int)m->kv_dtype)
         : lkv_attention_paged(w->q, L->k, L->v, w->boff, hs, w->mask, w->o, B, H, KVH, st->N, D, m->scale,
                               nthreads, (int)m->kv_dtype);
-    if (rc != 0) return rc;
-    linear(&L->wo, w->o, B, w->t, nthreads);
+    if (rc != LKV_OK) return rc;
+    rc = linear(m, w, &L->wo, w->o, B, w->t, nthreads);
+    if (rc != LKV_OK) return rc;
     add_rows(w->x, w->t, B * E);
     lkv_rmsnorm(w->x, E, L->mlp_norm, m->eps, w->h, E, B, E);
-    linear(&L->w13, w->h, B, w->gu, nthreads);
-    return 0;
+    return linear(m, w, &L->w13, w->h, B, w->gu, nthreads);
 }
 
-/* Stages [s0, s1) of the step (numbered above). Returns 0; -3 (s0 == 0 only: the step is not one
- * this path takes, nothing written: the caller runs the Python path); -1 (attention scratch) or
- * -2 (kv_dtype) from lkv_attention_paged. */
+/* Stages [s0, s1) of the step (numbered above). Returns LKV_OK; LKV_DECLINED (before anything is
+ * written: the step is not one this path takes, the caller runs the Python path); LKV_ERR_ARG
+ * (kv_dtype); else the first failing stage's code (attention's or top-K's scratch, a W8A8
+ * projection's ISA, scratch or arguments), the step left unfinished. */
 int lkv_decode(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t s0, int64_t s1, int nthreads) {
     const int64_t L = m->num_layers, B = st->B, KVH = m->kv_heads, N = st->N;
-    if (m->kv_dtype < KV_F32 || m->kv_dtype > KV_BF16) return -2;
-    if (m->head_dim % 32 || m->kv_heads * m->head_dim > MAX_KV_ROW || m->heads % m->kv_heads) return -3;
+    if (m->kv_dtype < LKV_KV_F32 || m->kv_dtype > LKV_KV_BF16) return LKV_ERR_ARG;
+    if (m->head_dim % 32 || m->kv_heads * m->head_dim > LKV_MAX_KV_ROW || m->heads % m->kv_heads) return LKV_DECLINED;
     if (s0 == 0) {
         const int rc = check_step(m, st);
-        if (rc != 0) return rc;
+        if (rc != LKV_OK) return rc;
     }
     for (int64_t s = s0; s < s1 && s <= 3 * L + 1; s++) {
         if (s == 0) {
@@ -407,16 +351,17 @@ int lkv_decode(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t s
             const int64_t l = (s - 1) / 3, part = (s - 1) % 3;
             if (part == 0) {
                 const int rc = attention_half(m, st, w, l, nthreads);
-                if (rc != 0) return rc;
+                if (rc != LKV_OK) return rc;
             } else if (part == 1) {
                 silu_mul(w->gu, w->act, B, m->inter, m->exp8, m->silu_chunk);
             } else {
-                linear(&m->layers[l].w2, w->act, B, w->t, nthreads);
+                const int rc = linear(m, w, &m->layers[l].w2, w->act, B, w->t, nthreads);
+                if (rc != LKV_OK) return rc;
                 add_rows(w->x, w->t, B * m->hidden);
             }
         }
     }
-    return 0;
+    return LKV_OK;
 }
 
 /* silu_mul alone, for fused.py's bind-time check against torch's F.silu(gate) * up */
@@ -438,33 +383,41 @@ void lkv_silu_mul(const float *gu, float *act, int64_t B, int64_t I, const void 
  *                  (the backend's attention of q, k, v -> o [B, H, D])
  *                  lkv_ext_rest wo(o), + residual -> rmsnorm -> w13 -> SiLU(gate) * up -> w2, + residual;
  *   lkv_ext_end:   the final rmsnorm -> out.
- * Nothing here reads or writes the KV pool: storing the rows is the backend's. */
+ * Nothing here reads or writes the KV pool: storing the rows is the backend's. lkv_ext_begin
+ * returns LKV_OK or LKV_DECLINED (nothing run); lkv_ext_qkv and lkv_ext_rest LKV_OK or their
+ * first projection's failing code (`linear`). */
 int lkv_ext_begin(const LkvModel *m, const LkvStep *st, const LkvWork *w) {
-    if (st->B < 1 || st->B > MAX_ROWS) return -3;
+    if (st->B < 1 || st->B > LKV_MAX_ROWS) return LKV_DECLINED;
     for (int64_t b = 0; b < st->B; b++)
         if (st->tokens[b] < 0 || st->tokens[b] >= m->vocab || st->positions[b] < 0 || st->positions[b] >= m->max_pos)
-            return -3;
+            return LKV_DECLINED;
     embed(m, st, w->x);
-    return 0;
+    return LKV_OK;
 }
 
-void lkv_ext_qkv(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, float *q, float *k, float *v,
-                 int nthreads) {
+int lkv_ext_qkv(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, float *q, float *k, float *v,
+                int nthreads) {
     const int64_t nq = m->heads * m->head_dim, nkv = m->kv_heads * m->head_dim, nqkv = nq + 2 * nkv;
-    project_qkv(m, st, w, l, q, k, nthreads);
+    const int rc = project_qkv(m, st, w, l, q, k, nthreads);
+    if (rc != LKV_OK) return rc;
     for (int64_t b = 0; b < st->B; b++) memcpy(v + b * nkv, w->qkv + b * nqkv + nq + nkv, sizeof(float) * nkv);
+    return LKV_OK;
 }
 
-void lkv_ext_rest(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, const float *o, int nthreads) {
+int lkv_ext_rest(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t l, const float *o, int nthreads) {
     const LkvLayer *L = m->layers + l;
     const int64_t B = st->B, E = m->hidden;
-    linear(&L->wo, o, B, w->t, nthreads);
+    int rc = linear(m, w, &L->wo, o, B, w->t, nthreads);
+    if (rc != LKV_OK) return rc;
     add_rows(w->x, w->t, B * E);
     lkv_rmsnorm(w->x, E, L->mlp_norm, m->eps, w->h, E, B, E);
-    linear(&L->w13, w->h, B, w->gu, nthreads);
+    rc = linear(m, w, &L->w13, w->h, B, w->gu, nthreads);
+    if (rc != LKV_OK) return rc;
     silu_mul(w->gu, w->act, B, m->inter, m->exp8, m->silu_chunk);
-    linear(&L->w2, w->act, B, w->t, nthreads);
+    rc = linear(m, w, &L->w2, w->act, B, w->t, nthreads);
+    if (rc != LKV_OK) return rc;
     add_rows(w->x, w->t, B * E);
+    return LKV_OK;
 }
 
 void lkv_ext_end(const LkvModel *m, const LkvStep *st, const LkvWork *w) {

@@ -3,6 +3,7 @@
  * (A SiLU gate and the rotary embedding in C saved nothing: the ctypes call costs about what
  * torch's one or two ops do.) */
 #include "common.h"
+#include "lkv_abi.h"
 
 /* y[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w, rows of N at strides xs, ys (N % 8 == 0) */
 void lkv_rmsnorm(const float *x, int64_t xs, const float *w, float eps, float *y, int64_t ys, int64_t M, int64_t N) {

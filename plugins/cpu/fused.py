@@ -33,45 +33,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import prefill
-from .loader import library
+from . import abi, prefill
+from .abi import DECLINED, Layer as _Layer, Linear as _Linear, Model as _Model, Step as _Step, Work as _Work
+from .loader import avx512_library, library
 from .ops import (KV_DTYPES, MAX_INT8_ROWS, MAX_LINEAR_ROWS, MAX_GROUP_ROWS, block_tables, int8_group_size,
                   int8_kernel_group, packed_weight, runs_or_tables, traced)
 
-MAX_ROWS = min(MAX_LINEAR_ROWS, MAX_INT8_ROWS)      # decode.c's MAX_ROWS: the Python path's C linears
-MAX_KV_ROW = 4096                                   # decode.c's MAX_KV_ROW
-_i64, _p, _f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+# the Python path's C linears take this many rows, and decode.c a step of at most LKV_MAX_ROWS
+MAX_ROWS = min(MAX_LINEAR_ROWS, MAX_INT8_ROWS, abi.MAX_ROWS)
+MAX_KV_ROW = abi.MAX_KV_ROW                         # lkv_abi.h LKV_MAX_KV_ROW
 _version = attrgetter("_version")
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [("w", _p), ("scale", _p), ("bias", _p), ("n", _i64), ("k", _i64), ("int8", _i64), ("group", _i64),
-                ("wq8", _p), ("wsc8", _p), ("wsum8", _p), ("group8", _i64)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", _p), ("mlp_norm", _p), ("wqkv", _Linear), ("wo", _Linear), ("w13", _Linear),
-                ("w2", _Linear), ("k", _p), ("v", _p), ("q_norm", _p), ("k_norm", _p)]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [(n, _i64) for n in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab",
-                                    "num_blocks", "block_size", "max_pos", "kv_dtype")] + \
-               [("eps", _f), ("scale", _f), ("cos", _p), ("sin", _p), ("embed", _p), ("embed_scale", _p),
-                ("norm", _p), ("layers", ctypes.POINTER(_Layer)), ("exp8", _p), ("silu_chunk", _i64),
-                ("embed_group", _i64), ("sel_kmin", _p), ("sel_kmax", _p)] + \
-               [(n, _i64) for n in ("sel_top_k", "sel_sink", "sel_window", "sel_group_max")]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("B", _i64), ("N", _i64)] + [(n, _p) for n in ("tokens", "positions", "slot_blocks", "slot_offsets",
-                                                               "run_starts", "lens", "tables")] + \
-               [("table_stride", _i64)]
-
-
-class _Work(ctypes.Structure):
-    _fields_ = [(n, _p) for n in ("x", "h", "qkv", "q", "o", "t", "gu", "act", "out", "mask", "boff",
-                                  "sel_scores", "sel_idx", "sel_valid")]
 
 
 @dataclass(frozen=True)
@@ -309,11 +280,35 @@ class FusedDecoder:
                              pool_k.shape[2], pool_k.shape[3], cos.shape[0], KV_DTYPES[pool_k.dtype],
                              float(d.eps), float(d.scale), ptr(cos), ptr(sin), ptr(embed[0] if q8 else embed),
                              ptr(embed[1]) if q8 else None, ptr(final_norm), arr, self._exp8, self._silu_chunk,
-                             int8_group_size(*embed) if q8 else 0, *self._selection_fields(ptr))
+                             int8_group_size(*embed) if q8 else 0, *self._selection_fields(ptr), self._w8a8_kernel())
+        # W8A8: the quantized rows' scratch, once for the largest projection (decode.c checks it)
+        xq_len, sx_len = self._w8a8_scratch_sizes(arr)
+        self._w8a8_scratch = (torch.empty(xq_len, dtype=torch.int32), torch.empty(sx_len, dtype=torch.float32))
         self._layers, self._keep = arr, keep
         self.binds = getattr(self, "binds", 0) + 1          # once, unless a weight changed in place
         self._watch = self._watched()
         self._versions = list(map(_version, self._watch))
+
+    def _w8a8_kernel(self) -> int | None:
+        """The address of the AVX-512 library's lkv_gemm_w8a8_scratch, which decode.c calls for the
+        projections bound packed (w8a8), or None (without w8a8: decode.c never calls it)."""
+        lib = avx512_library() if self.w8a8 else None
+        return None if lib is None else ctypes.cast(lib.lkv_gemm_w8a8_scratch, ctypes.c_void_p).value
+
+    @staticmethod
+    def _w8a8_scratch_sizes(layers) -> tuple[int, int]:
+        """(xq words, sx floats) a W8A8 projection of MAX_ROWS rows needs at most over the bound
+        layers (M * K / 4 and M * K / G; 0 without W8A8)."""
+        lins = [getattr(layer, n) for layer in layers for n in ("wqkv", "wo", "w13", "w2")]
+        lins = [lin for lin in lins if lin.wq8]
+        return (max((MAX_ROWS * (lin.k // 4) for lin in lins), default=0),
+                max((MAX_ROWS * (lin.k // lin.group8) for lin in lins if lin.group8 > 0), default=0))
+
+    def _work(self, views: dict[str, torch.Tensor], out: torch.Tensor, mask, boff: torch.Tensor, sel) -> _Work:
+        xq, sx = self._w8a8_scratch
+        return _Work(*(views[n].data_ptr() for n in ("x", "h", "qkv", "q", "o", "t", "gu", "act")), out.data_ptr(),
+                     mask, boff.data_ptr(), *sel, xq.data_ptr() if xq.numel() else None,
+                     sx.data_ptr() if sx.numel() else None, xq.numel(), sx.numel())
 
     def _selection_fields(self, ptr) -> tuple:
         sel = self.selection
@@ -378,8 +373,7 @@ class FusedDecoder:
                      ctypes.addressof(meta), ctypes.addressof(meta) + 8 * B,
                      None if table is None else table.data_ptr(), 0 if table is None else table.shape[1])
         out = torch.empty(B, self.dims.hidden, dtype=torch.float32)
-        work = _Work(*(views[n].data_ptr() for n in ("x", "h", "qkv", "q", "o", "t", "gu", "act")), out.data_ptr(),
-                     mask.data_ptr(), boff.data_ptr(), *self._selection_scratch(B, N))
+        work = self._work(views, out, mask.data_ptr(), boff, self._selection_scratch(B, N))
         lib, L, nt = self._lib, self.dims.num_layers, torch.get_num_threads()
         m, s, w = ctypes.byref(self._model), ctypes.byref(step), ctypes.byref(work)
         with traced("decode_step"):
@@ -395,11 +389,10 @@ class FusedDecoder:
                         break
                     torch.mul(F.silu(gu[:, :I]), gu[:, I:], out=act)
                     s0 = s1 + 1
-        if rc == -3:
+        if rc == DECLINED:
             return None
         if rc != 0:
-            raise MemoryError("the fused decode step (CPU kernel): scratch allocation failed") if rc == -1 else \
-                RuntimeError(f"the fused decode step (CPU kernel) failed: {rc}")
+            abi.raise_for(rc, "the fused decode step")
         self.steps += 1
         return out
 
@@ -419,8 +412,7 @@ class FusedDecoder:
         views, _, boff = self._workspace(B, 1)
         step = _Step(B, 0, tokens.data_ptr(), positions.data_ptr(), None, None, None, None)
         out = torch.empty(B, d.hidden, dtype=torch.float32)
-        work = _Work(*(views[n].data_ptr() for n in ("x", "h", "qkv", "q", "o", "t", "gu", "act")), out.data_ptr(),
-                     None, boff.data_ptr())
+        work = self._work(views, out, None, boff, (None, None, None))
         lib, nt = self._lib, torch.get_num_threads()
         m, s, w = ctypes.byref(self._model), ctypes.byref(step), ctypes.byref(work)
         if lib.lkv_ext_begin(m, s, w) != 0:
@@ -431,13 +423,17 @@ class FusedDecoder:
         v = torch.empty(L, B, KVH, D, dtype=torch.float32)
         with traced("decode_layers"):
             for layer in range(L):
-                lib.lkv_ext_qkv(m, s, w, layer, q[layer].data_ptr(), k[layer].data_ptr(), v[layer].data_ptr(), nt)
+                rc = lib.lkv_ext_qkv(m, s, w, layer, q[layer].data_ptr(), k[layer].data_ptr(), v[layer].data_ptr(), nt)
+                if rc != 0:
+                    abi.raise_for(rc, "the fused decode layers (qkv)")
                 o = attend(layer, q[layer], k[layer], v[layer])
                 if o.dtype != torch.float32 or o.device.type != "cpu" or o.shape != (B, H, D):
                     raise ValueError(f"attend: expected o [{B}, {H}, {D}] float32 on CPU, "
                                      f"got {tuple(o.shape)} {o.dtype} on {o.device}")
                 o = o.contiguous()
-                lib.lkv_ext_rest(m, s, w, layer, o.data_ptr(), nt)
+                rc = lib.lkv_ext_rest(m, s, w, layer, o.data_ptr(), nt)
+                if rc != 0:
+                    abi.raise_for(rc, "the fused decode layers (after attention)")
             lib.lkv_ext_end(m, s, w)
         self.steps += 1
         return out

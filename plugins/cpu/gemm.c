@@ -15,24 +15,44 @@
  *   int8: [N / 32][K / 4][32] 32-bit quads (W[n][4p .. 4p + 3]), with per panel and group the
  *         scales [N / 32][K / G][32] fp32 and the offset sums 128 * sum_k W[n][k] [N / 32][K / G][32]
  *         int32 (vpdpbusd multiplies unsigned activations: q + 128, whose excess is subtracted).
- * AVX-512 (F, BW, VL, DQ) with AVX512_BF16 / AVX512_VNNI; lkv_gemm_supported() says which.
+ * AVX-512 (F, BW, VL, DQ) with AVX512_BF16 / AVX512_VNNI; lkv_gemm_supported() says which. Built
+ * into the AVX-512 library (plugins/cpu/loader.py), apart from the base one: every entry that runs
+ * AVX-512 code checks the CPU first (once per process, cached) and returns LKV_ERR_ISA without it.
  */
 #include "common.h"
-
-#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#include "lkv_abi.h"
 
 #define BF_PANEL 64
 #define I8_PANEL 32
 #define MR 6
 #define MBLOCK 96          /* rows per unit of work: a weight panel stays in L2 across them */
 
-/* 1: bf16 dot products, 2: int8 dot products (bit mask) */
+/* The int32 sums of one group: G terms of at most 255 * 128 (lkv_abi.h LKV_W8A8_MAX_GROUP) */
+_Static_assert((int64_t)LKV_W8A8_MAX_GROUP * 255 * 128 <= INT32_MAX, "W8A8 group sums must fit in int32");
+
+/* 1: bf16 dot products, 2: int8 dot products (bit mask). Asked of the CPU once; the answer is
+ * cached (a race between first callers stores the same value twice). */
 int lkv_gemm_supported(void) {
-    __builtin_cpu_init();
-    const int base = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                  && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    return base ? (__builtin_cpu_supports("avx512bf16") ? 1 : 0) | (__builtin_cpu_supports("avx512vnni") ? 2 : 0) : 0;
+    static int cached = -1;
+    int bits = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (bits < 0) {
+        __builtin_cpu_init();
+        const int base = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                      && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+        bits = base ? (__builtin_cpu_supports("avx512bf16") ? 1 : 0) | (__builtin_cpu_supports("avx512vnni") ? 2 : 0)
+                    : 0;
+        __atomic_store_n(&cached, bits, __ATOMIC_RELAXED);
+    }
+    return bits;
+}
+
+/* The W8A8 entries' checks, before any AVX-512 code: LKV_ERR_ISA without AVX512_VNNI, LKV_ERR_ARG
+ * unless G is a multiple of 4 dividing K, LKV_ERR_LIMIT past the int32 accumulation bound. */
+static int w8a8_check(int64_t K, int64_t G) {
+    if (!(lkv_gemm_supported() & 2)) return LKV_ERR_ISA;
+    if (G <= 0 || G % 4 || K % G) return LKV_ERR_ARG;
+    if (G > LKV_W8A8_MAX_GROUP) return LKV_ERR_LIMIT;
+    return LKV_OK;
 }
 
 /* ---- bf16 -------------------------------------------------------------------------------------- */
@@ -57,7 +77,7 @@ void lkv_pack_bf16(const float *w, int64_t ws, int64_t N, int64_t K, uint32_t *w
 }
 
 /* rows [m0, m0 + NR) of xb (K2 pairs a row) against one panel (K2 x 64) -> y columns [n0, n0 + nv) */
-AVX512BF16 static inline __attribute__((always_inline)) void bf16_tile(
+LKV_AVX512_BF16 static inline __attribute__((always_inline)) void bf16_tile(
         const uint32_t *xb, int64_t K2, int NR, const uint32_t *panel, const float *bias, int64_t n0, int nv,
         float *y, int64_t ys) {
     __m512 acc[MR][4];
@@ -81,8 +101,9 @@ AVX512BF16 static inline __attribute__((always_inline)) void bf16_tile(
     }
 }
 
-#define BF16_TILE(NRC) AVX512BF16 static void bf16_tile_##NRC(const uint32_t *xb, int64_t K2, const uint32_t *panel, \
-    const float *bias, int64_t n0, int nv, float *y, int64_t ys) { bf16_tile(xb, K2, NRC, panel, bias, n0, nv, y, ys); }
+#define BF16_TILE(NRC) LKV_AVX512_BF16 static void bf16_tile_##NRC(const uint32_t *xb, int64_t K2, \
+    const uint32_t *panel, const float *bias, int64_t n0, int nv, float *y, int64_t ys) { \
+    bf16_tile(xb, K2, NRC, panel, bias, n0, nv, y, ys); }
 BF16_TILE(1) BF16_TILE(2) BF16_TILE(3) BF16_TILE(4) BF16_TILE(5) BF16_TILE(6)
 #undef BF16_TILE
 typedef void (*bf16_fn)(const uint32_t *, int64_t, const uint32_t *, const float *, int64_t, int, float *, int64_t);
@@ -90,13 +111,13 @@ static const bf16_fn BF16_TILES[MR + 1] = {NULL, bf16_tile_1, bf16_tile_2, bf16_
                                            bf16_tile_6};
 
 /* x [M, K] fp32 (row stride xs), wp packed by lkv_pack_bf16, bias [N] or NULL -> y [M, N] (row
- * stride ys). Returns 0, -1 (allocation), -2 (no AVX512_BF16). */
+ * stride ys). Returns LKV_OK, LKV_ERR_NOMEM, LKV_ERR_ISA (no AVX512_BF16). */
 int lkv_gemm_bf16(const float *x, int64_t xs, int64_t M, int64_t K, const uint32_t *wp, int64_t N, const float *bias,
                   float *y, int64_t ys, int nthreads) {
-    if (!(lkv_gemm_supported() & 1)) return -2;
+    if (!(lkv_gemm_supported() & 1)) return LKV_ERR_ISA;
     const int64_t K2 = (K + 1) / 2, panels = (N + BF_PANEL - 1) / BF_PANEL, mblocks = (M + MBLOCK - 1) / MBLOCK;
     uint32_t *xb = malloc((size_t)(M * K2) * sizeof(uint32_t));
-    if (xb == NULL) return -1;
+    if (xb == NULL) return LKV_ERR_NOMEM;
 #pragma omp parallel num_threads(nthreads > 1 ? nthreads : 1) if (nthreads > 1)
     {
 #pragma omp for schedule(static)
@@ -121,7 +142,7 @@ int lkv_gemm_bf16(const float *x, int64_t xs, int64_t M, int64_t K, const uint32
         }
     }
     free(xb);
-    return 0;
+    return LKV_OK;
 }
 
 /* ---- int8 x int8 (W8A8) -------------------------------------------------------------------------- */
@@ -153,7 +174,7 @@ void lkv_pack_w8a8(const int8_t *w, const float *scale, int64_t N, int64_t K, in
 
 /* Row x [K] -> quads of q + 128 (uint8) and one scale per group of G: s = max|x| / 127 (1 where the
  * group is all zeros), q = round-to-nearest-even(x / s), in [-127, 127]. */
-AVX512VNNI static void quantize_row(const float *xr, int64_t K, int64_t G, uint8_t *q, float *sx) {
+LKV_AVX512_VNNI static void quantize_row(const float *xr, int64_t K, int64_t G, uint8_t *q, float *sx) {
     for (int64_t g = 0; g < K / G; g++) {
         const float *xg = xr + g * G;
         float amax = 0.0f;
@@ -184,17 +205,26 @@ AVX512VNNI static void quantize_row(const float *xr, int64_t K, int64_t G, uint8
     }
 }
 
-/* x [M, K] -> quads of q + 128 (uint8) and one scale per row and group of G: s = max|x| / 127 (1
- * where the group is all zeros), q = round-to-nearest-even(x / s), in [-127, 127]. */
-void lkv_quantize_rows(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, uint32_t *xq, float *sx,
-                       int nthreads) {
+static void quantize_rows(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, uint32_t *xq, float *sx,
+                          int nthreads) {
 #pragma omp parallel for num_threads(nthreads > 1 ? nthreads : 1) if (nthreads > 1) schedule(static)
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * xs, K, G, (uint8_t *)(xq + m * (K / 4)), sx + m * (K / G));
 }
 
+/* x [M, K] -> quads of q + 128 (uint8) and one scale per row and group of G: s = max|x| / 127 (1
+ * where the group is all zeros), q = round-to-nearest-even(x / s), in [-127, 127]. Returns LKV_OK,
+ * or w8a8_check's code (nothing written). */
+int lkv_quantize_rows(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, uint32_t *xq, float *sx,
+                      int nthreads) {
+    const int rc = w8a8_check(K, G);
+    if (rc != LKV_OK) return rc;
+    quantize_rows(x, xs, M, K, G, xq, sx, nthreads);
+    return LKV_OK;
+}
+
 /* rows [0, NR) of the quantized x against one 32-column panel, every group: NR x 2 int32 sums a
  * group, folded into NR x 2 fp32 sums (int32 - offset, times the activation and weight scales) */
-AVX512VNNI static inline __attribute__((always_inline)) void w8a8_tile(
+LKV_AVX512_VNNI static inline __attribute__((always_inline)) void w8a8_tile(
         const uint32_t *xq, const float *sx, int64_t K4, int64_t NG, int64_t G4, int NR, const int32_t *wq,
         const float *wsc, const int32_t *wsum, const float *bias, int64_t n0, int nv, float *y, int64_t ys) {
     __m512 f[MR][2];
@@ -231,7 +261,7 @@ AVX512VNNI static inline __attribute__((always_inline)) void w8a8_tile(
     }
 }
 
-#define W8A8_TILE(NRC) AVX512VNNI static void w8a8_tile_##NRC(const uint32_t *xq, const float *sx, int64_t K4, \
+#define W8A8_TILE(NRC) LKV_AVX512_VNNI static void w8a8_tile_##NRC(const uint32_t *xq, const float *sx, int64_t K4, \
     int64_t NG, int64_t G4, const int32_t *wq, const float *wsc, const int32_t *wsum, const float *bias, int64_t n0, \
     int nv, float *y, int64_t ys) { w8a8_tile(xq, sx, K4, NG, G4, NRC, wq, wsc, wsum, bias, n0, nv, y, ys); }
 W8A8_TILE(1) W8A8_TILE(2) W8A8_TILE(3) W8A8_TILE(4) W8A8_TILE(5) W8A8_TILE(6)
@@ -242,15 +272,16 @@ static const w8a8_fn W8A8_TILES[MR + 1] = {NULL, w8a8_tile_1, w8a8_tile_2, w8a8_
                                            w8a8_tile_6};
 
 /* lkv_gemm_w8a8 with the caller's scratch for the quantized rows: xq [M * K / 4], sx [M * K / G]
- * (a decode step's few rows: decode.c keeps it on its stack). Returns 0, or -2 (no AVX512_VNNI or
- * bad G). */
+ * (a decode step's few rows: decode.c passes its work struct's, which fused.py sizes). Returns
+ * LKV_OK, or w8a8_check's code (nothing written). */
 int lkv_gemm_w8a8_scratch(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, const int32_t *wq,
                           const float *wsc, const int32_t *wsum, int64_t N, const float *bias, float *y, int64_t ys,
                           int nthreads, uint32_t *xq, float *sx) {
-    if (!(lkv_gemm_supported() & 2) || G <= 0 || G % 4 || K % G) return -2;
+    const int rc = w8a8_check(K, G);
+    if (rc != LKV_OK) return rc;
     const int64_t K4 = K / 4, NG = K / G, G4 = G / 4, panels = (N + I8_PANEL - 1) / I8_PANEL;
     const int64_t mblocks = (M + MBLOCK - 1) / MBLOCK;
-    lkv_quantize_rows(x, xs, M, K, G, xq, sx, nthreads);
+    quantize_rows(x, xs, M, K, G, xq, sx, nthreads);
 #pragma omp parallel for num_threads(nthreads > 1 ? nthreads : 1) if (nthreads > 1) schedule(dynamic, 1)
     for (int64_t u = 0; u < panels * mblocks; u++) {
         const int64_t pn = u / mblocks, m0 = (u % mblocks) * MBLOCK, m1 = m0 + MBLOCK < M ? m0 + MBLOCK : M;
@@ -262,18 +293,19 @@ int lkv_gemm_w8a8_scratch(const float *x, int64_t xs, int64_t M, int64_t K, int6
                            wsum + pn * NG * I8_PANEL, bias, n0, nv, y + m * ys, ys);
         }
     }
-    return 0;
+    return LKV_OK;
 }
 
 /* x [M, K] fp32 (row stride xs) quantized per row and group of G (lkv_quantize_rows), against the
  * weight packed by lkv_pack_w8a8, bias [N] or NULL -> y [M, N] (row stride ys). K % G == 0,
- * G % 4 == 0. Returns 0, -1 (allocation), -2 (no AVX512_VNNI or bad G). */
+ * G % 4 == 0, G <= LKV_W8A8_MAX_GROUP. Returns LKV_OK, LKV_ERR_NOMEM, or w8a8_check's code. */
 int lkv_gemm_w8a8(const float *x, int64_t xs, int64_t M, int64_t K, int64_t G, const int32_t *wq, const float *wsc,
                   const int32_t *wsum, int64_t N, const float *bias, float *y, int64_t ys, int nthreads) {
-    if (!(lkv_gemm_supported() & 2) || G <= 0 || G % 4 || K % G) return -2;
+    const int ok = w8a8_check(K, G);
+    if (ok != LKV_OK) return ok;
     uint32_t *xq = malloc((size_t)(M * (K / 4)) * sizeof(uint32_t));
     float *sx = malloc((size_t)(M * (K / G)) * sizeof(float));
-    const int rc = xq == NULL || sx == NULL ? -1
+    const int rc = xq == NULL || sx == NULL ? LKV_ERR_NOMEM
                    : lkv_gemm_w8a8_scratch(x, xs, M, K, G, wq, wsc, wsum, N, bias, y, ys, nthreads, xq, sx);
     free(xq);
     free(sx);

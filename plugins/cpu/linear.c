@@ -2,6 +2,7 @@
  * over a copy of W packed in 8-output panels (ops.packed_weight): W is streamed once and every
  * row reuses each loaded vector (BLAS's small-M path reads W at half the rate on this machine). */
 #include "common.h"
+#include "lkv_abi.h"
 
 /* Packed weights, Wp [N/8][K][8] (Wp[j][k][i] = W[8j + i][k]): eight outputs per vector, the x
  * value broadcast, no horizontal sums. A tile is P <= 3 panels (24 outputs) x 4 rows of x: twelve

@@ -14,6 +14,7 @@
  * thread count (lanes over k in steps of 8, group by group, the same reduction tree, then the
  * K % 8 tail in order), so a row's result does not depend on the rows batched with it. */
 #include "common.h"
+#include "lkv_abi.h"
 
 /* eight int8 weights as floats */
 static inline __m256 w8(const int8_t *p) {

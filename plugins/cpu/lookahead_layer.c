@@ -17,54 +17,11 @@
 #include <time.h>
 
 #include "common.h"
+#include "lkv_abi.h"
 
-/* the transfer engine's copy kernel, handed to the layer when it is bound (lkv_copy_blocks's
- * signature): the layer plans the urgent copy and calls it; it moves no bytes of its own */
-typedef int (*LkvCopyFn)(const float *, const float *, int64_t, int64_t, float *, float *, int64_t, int64_t,
-                         int64_t, const int64_t *, const int64_t *, const int64_t *, const int64_t *,
-                         const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
-
-typedef struct {
-    const float *kmin, *kmax;          /* summaries [L, lanes * MB, KVH, D] fp32 */
-    const void *pool_k, *pool_v;       /* host pool [L, KVH, NB, bs, D] */
-    void *tier_k, *tier_v;             /* device tier [buffers, lanes, KVH, slots, bs, D] */
-    uint8_t *tier_mask;                /* [lanes, KVH, slots, bs] */
-    int64_t *block, *last_used;        /* slot tables [buffers, lanes, KVH, K] */
-    int64_t *slot_of;                  /* [buffers, lanes, KVH, MB + 1] */
-    const int64_t *lane_blocks;        /* [lanes, MB]: logical -> host block */
-    int64_t *pred;                     /* predictions [L, lanes, KVH, K] */
-    uint8_t *has_pred;                 /* [L, lanes] */
-    int64_t layers, lanes, kv_heads, heads, head_dim, block_size, max_blocks, top_k, sel_start, slots,
-        pool_blocks, elem_bytes, kv_dtype, group_max;
-    /* scratch, sized for every lane and two rows: scores [lanes, 2, KVH, MB], idx [lanes, 2, KVH,
-     * K], want/prio [lanes, KVH, K], copy lists [2, lanes * KVH * K], mask [lanes, KVH, slots *
-     * bs], lane ids 0..lanes-1 */
-    float *scores, *prio;
-    int64_t *idx, *want, *lists, *lane_ids;
-    uint8_t *mask;
-    LkvCopyFn copy;                    /* the transfer engine's copy kernel (urgent copies) */
-} LkvLayerTensors;
-
-typedef struct {
-    int64_t layer, buf, n, rows, nb, k_sel, step, used_none, used_adm, nthreads;
-    const float *q;                    /* [n, R, H, D] contiguous (R = rows: real, draft) */
-    const float *kx, *vx;              /* the step's own rows (fp32) as extra keys, strides below */
-    int64_t xksb, xksh, xkse, xvsb, xvsh, xvse;
-    const uint8_t *cand;               /* candidates [n, R, MB] at cand + b*cand_sb + r*cand_sr */
-    int64_t cand_sb, cand_sr;
-    const uint8_t *extra_mask;         /* [n, R, R] */
-    const uint8_t *fetch;              /* [n]: lanes whose real-row misses are fetched (urgent) */
-    const uint8_t *active;             /* [n]: lanes that decode this step (others: no prediction) */
-    float scale;
-    float *out;                        /* [n, R, H, D] */
-    int64_t *true_idx;                 /* out [n, KVH, K]: the real row's top-K (-1 padded) */
-    uint8_t *resident;                 /* out [n, KVH, K]: of those, held before any fetch */
-    int64_t predict_cap;               /* R = 2: admit at most this many predicted blocks per head */
-    int64_t *pred_adm;                 /* out [4, n * KVH * K]: the prediction's admissions */
-    int64_t *urgent_adm;               /* out [4, n * KVH * K]: the urgent admissions (copied) */
-    double copy_s;                     /* out: seconds in the urgent copy */
-    int64_t admitted, used, predicted; /* out: urgent blocks copied, selected slots read, admissions */
-} LkvLayerCall;
+/* LkvLayerTensors (bound once), LkvLayerCall (one call) and LkvCopyFn (the transfer engine's copy
+ * kernel, handed to the layer when it is bound: the layer plans the urgent copy and calls it; it
+ * moves no bytes of its own) are lkv_abi.h's. */
 
 static double now_s(void) {
     struct timespec t;
@@ -72,21 +29,22 @@ static double now_s(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-/* Returns 0; -1 scratch memory ran out (in a kernel); -2 a kernel refused its arguments; -3 a
- * copy index was out of range (nothing copied); -4 the call's sizes are outside the bound ones. */
+/* Returns LKV_OK; LKV_ERR_NOMEM scratch memory ran out (in a kernel); LKV_ERR_ARG the call's sizes
+ * are outside the bound ones, or a kernel refused its arguments; LKV_ERR_RANGE an index (a lane or
+ * block to plan, a copy's) was out of range (nothing copied). */
 int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
     const int64_t n = c->n, R = c->rows, KVH = m->kv_heads, H = m->heads, D = m->head_dim, K = m->top_k,
                   MB = m->max_blocks, bs = m->block_size, S = m->sel_start, NS = m->slots, nb = c->nb, ks = c->k_sel;
     if (n < 1 || n > m->lanes || R < 1 || R > 2 || c->layer < 0 || c->layer >= m->layers || c->buf < 0
         || c->buf >= m->layers || nb < 1 || nb > MB || ks < 1 || ks > nb || ks > K || c->used_none < 0
         || c->used_adm > K || c->used_none > c->used_adm || (R == 2 && (c->predict_cap < 0 || c->predict_cap > K)) || m->copy == NULL)
-        return -4;
+        return LKV_ERR_ARG;
     const int64_t rows = n * KVH;
     /* 1. top-K of every row, in one read of the summaries (BlockSummaries.score) */
     const int64_t sum_at = c->layer * m->lanes * MB * KVH * D;
     int rc = lkv_block_topk(c->q, m->kmin + sum_at, m->kmax + sum_at, MB * KVH * D, c->cand, c->cand_sb, c->cand_sr,
                             n, R, H, KVH, nb, D, ks, (int)m->group_max, m->scores, m->idx, (int)c->nthreads);
-    if (rc != 0) return rc == -1 ? -1 : -2;
+    if (rc != LKV_OK) return rc;
     /* 2. the real row's top-K padded to K with -1 (the metrics' true set), which of it is held,
      * and what the miss policy fetches (its lanes' true set), with its priorities */
     const int64_t tab = c->buf * m->lanes * KVH;         /* this buffer's first (lane, head) row */
@@ -115,8 +73,7 @@ int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
     const int64_t na = lkv_plan(m->block + tab * K, m->last_used + tab * K, m->slot_of + tab * (MB + 1), m->lane_ids,
                                 m->lanes, n, KVH, K, MB, m->want, m->prio, K, K, c->step, out_lane, out_head,
                                 out_slot, out_block);
-    if (na == -2) return -2;
-    if (na < 0) return -1;
+    if (na < 0) return (int)na;
     c->admitted = na;
     c->copy_s = 0.0;
     if (na > 0) {
@@ -133,7 +90,7 @@ int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
                              KVH * NS * unit, NS * unit, unit, sb, out_head, out_lane, out_head, ds, na, unit,
                              m->pool_blocks, KVH, m->lanes, NS);
         c->copy_s = now_s() - t0;
-        if (rc != 0) return -3;
+        if (rc != LKV_OK) return LKV_ERR_RANGE;
     }
     /* 4. mask and attention of every row over sink + window + the first `used` selected slots */
     const int64_t used = na > 0 ? c->used_adm : c->used_none, nkeys = (S + used) * bs;
@@ -147,9 +104,9 @@ int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
     rc = lkv_attention(c->q, (const char *)m->tier_k + buf_at, (const char *)m->tier_v + buf_at, KVH * NS * bs * D,
                        NS * bs * D, m->mask, c->kx, c->xksb, c->xksh, c->xkse, c->vx, c->xvsb, c->xvsh, c->xvse,
                        c->extra_mask, c->out, n, R, H, KVH, nkeys, R, D, c->scale, (int)c->nthreads, (int)m->kv_dtype);
-    if (rc != 0) return rc == -1 ? -1 : -2;
+    if (rc != LKV_OK) return rc;
     c->predicted = 0;
-    if (R == 1) return 0;
+    if (R == 1) return LKV_OK;
     /* 5. the draft row's top-K is layer l's prediction for the next step (ResidencyManager.predict):
      * recorded, and admitted (cap predict_cap) by the resident policy; the copies are the
      * caller's to queue (a background transfer) */
@@ -172,8 +129,7 @@ int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
     const int64_t np = lkv_plan(m->block + tab * K, m->last_used + tab * K, m->slot_of + tab * (MB + 1), m->lane_ids,
                                 m->lanes, n, KVH, K, MB, m->want, m->prio, K, cap, c->step, pa, pa + rows * K,
                                 pa + 2 * rows * K, pa + 3 * rows * K);
-    if (np == -2) return -2;
-    if (np < 0) return -1;
+    if (np < 0) return (int)np;
     c->predicted = np;
-    return 0;
+    return LKV_OK;
 }

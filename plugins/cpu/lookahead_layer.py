@@ -28,31 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .abi import LayerCall as _Call, LayerTensors as _Tensors, raise_for
 from .loader import library
 from .ops import KV_DTYPES, MAX_EXTRA_KEYS, MAX_GROUP_ROWS, traced
-
-_i64, _p, _f, _d = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
-BOUND = ("kmin", "kmax", "pool_k", "pool_v", "tier_k", "tier_v", "tier_mask", "block", "last_used", "slot_of",
-         "lane_blocks", "pred", "has_pred")
-
-
-class _Tensors(ctypes.Structure):
-    _fields_ = [(n, _p) for n in BOUND] + \
-               [(n, _i64) for n in ("layers", "lanes", "kv_heads", "heads", "head_dim", "block_size", "max_blocks",
-                                    "top_k", "sel_start", "slots", "pool_blocks", "elem_bytes", "kv_dtype",
-                                    "group_max")] + \
-               [(n, _p) for n in ("scores", "prio", "idx", "want", "lists", "lane_ids", "mask", "copy")]
-
-
-class _Call(ctypes.Structure):
-    _fields_ = [(n, _i64) for n in ("layer", "buf", "n", "rows", "nb", "k_sel", "step", "used_none", "used_adm",
-                                    "nthreads")] + \
-               [("q", _p), ("kx", _p), ("vx", _p)] + [(n, _i64) for n in ("xksb", "xksh", "xkse", "xvsb", "xvsh",
-                                                                           "xvse")] + \
-               [("cand", _p), ("cand_sb", _i64), ("cand_sr", _i64), ("extra_mask", _p), ("fetch", _p),
-                ("active", _p), ("scale", _f), ("out", _p), ("true_idx", _p), ("resident", _p),
-                ("predict_cap", _i64), ("pred_adm", _p), ("urgent_adm", _p), ("copy_s", _d),
-                ("admitted", _i64), ("used", _i64), ("predicted", _i64)]
 
 
 @dataclass
@@ -156,9 +134,7 @@ class LookaheadLayer:
         c.predict_cap, c.pred_adm, c.urgent_adm = predict_cap, pred_adm.data_ptr(), urgent_adm.data_ptr()
         with traced("lookahead_layer"):
             rc = self._lib.lkv_lookahead_layer(ctypes.byref(self._dims), ctypes.byref(c))
-        if rc == -1:
-            raise MemoryError("the lookahead layer (CPU kernel): scratch allocation failed")
         if rc != 0:
-            raise RuntimeError(f"the lookahead layer (CPU kernel) refused its arguments: {rc}")
+            raise_for(rc, "the lookahead layer")
         self.calls += 1
         return LayerResult(c.admitted, c.copy_s, c.used, c.predicted)

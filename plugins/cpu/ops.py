@@ -18,13 +18,15 @@ from .._common import fail
 from ..attention import _lookahead_attention_impl
 from ..summaries import _update_summaries_impl
 from ..topk import _block_topk_impl
-from .loader import LOADED, library
+from . import abi
+from .abi import raise_for
+from .loader import LOADED, avx512_library, library
 
 MAX_LINEAR_ROWS = 16       # above this BLAS's own GEMM is as good (scripts/bench_kernels.py)
 MAX_INT8_ROWS = 16         # linear_int8: the C kernel up to here, chunked dequantization + BLAS above
 DEQUANT_CHUNK_BYTES = 1 << 20   # fp32 bytes of weight dequantized at a time by linear_int8's torch path
-MAX_EXTRA_KEYS = 8         # attention.c keeps an extra key's score on the stack
-MAX_GROUP_ROWS = 64        # R * H / KVH query rows per KV head, likewise
+MAX_EXTRA_KEYS = abi.MAX_EXTRA_KEYS     # attention.c keeps an extra key's score on the stack
+MAX_GROUP_ROWS = abi.MAX_GROUP_ROWS     # R * H / KVH query rows per KV head, likewise
 
 
 def available() -> bool:
@@ -32,9 +34,14 @@ def available() -> bool:
 
 
 def loaded():
-    """The built library, or None: `library()` without its lock once it has answered (every
+    """The built base library, or None: `library()` without its lock once it has answered (every
     kernel call asks)."""
     return LOADED.get("lib") or library()
+
+
+def loaded_avx512():
+    """The AVX-512 library (prefill GEMMs, W8A8, bf16 prefill attention), or None, as `loaded`."""
+    return LOADED.get("avx512") or avx512_library()
 
 
 def traced(name: str):
@@ -166,7 +173,7 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return y
 
 
-KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # attention.c's kv_dtype codes (KV_*)
+KV_DTYPES = {torch.float32: abi.KV_F32, torch.float16: abi.KV_F16, torch.bfloat16: abi.KV_BF16}   # lkv_abi.h LKV_KV_*
 
 
 def attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_extra: torch.Tensor,
@@ -215,7 +222,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.
             extra_mask.data_ptr(), out.data_ptr(), B, R, H, kvh, N, E, D, float(scale), torch.get_num_threads(),
             KV_DTYPES[k.dtype])
     if rc != 0:
-        raise MemoryError("lookahead_attention (CPU kernel): scratch allocation failed")
+        raise_for(rc, "lookahead_attention")
     return out
 
 
@@ -278,7 +285,7 @@ def attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: l
                                                table.shape[1], bs, nb * bs * D, mask.data_ptr(), out.data_ptr(),
                                                B, H, kvh, mask.shape[2], D, float(scale), nt, kd)
     if rc != 0:
-        raise MemoryError("attention_paged (CPU kernel): scratch allocation failed")
+        raise_for(rc, "attention_paged")
     return out
 
 
@@ -339,10 +346,8 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
             q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), kmin.stride(0), valid.data_ptr(), valid.stride(0),
             valid.stride(1), B, R, H, kvh, num_blocks, D, k, int(group_score == "max"), scores.data_ptr(),
             idx.data_ptr(), torch.get_num_threads())
-    if rc == -2:
-        raise ValueError(f"k: must be in [1, NB={num_blocks}], got {k}")
     if rc != 0:
-        raise MemoryError("block_topk (CPU kernel): scratch allocation failed")
+        raise_for(rc, "block_topk", f"k must be in [1, NB={num_blocks}], got {k}" if rc == abi.Status.ARG else None)
     return idx, scores
 
 
@@ -411,6 +416,8 @@ def update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.Tensor,
         rc = lib.lkv_update_summaries(kmin.data_ptr(), kmax.data_ptr(), keys.data_ptr(), block_ids.data_ptr(),
                                       block_offsets.data_ptr(), T, kvh, D, num_blocks, KV_DTYPES[keys.dtype],
                                       torch.get_num_threads())
-    if rc != 0:
+    if rc == abi.Status.RANGE:
         fail("block_ids", f"values must be in [0, {num_blocks}), got min {int(block_ids.min())}, "
                           f"max {int(block_ids.max())}")
+    if rc != 0:
+        raise_for(rc, "update_summaries")

@@ -1,6 +1,8 @@
 """torch-facing wrappers of the prefill kernels: prefill_attention.c (causal attention of a prompt
 chunk over the paged pool, bf16 dot products) and gemm.c (many-row GEMMs: bf16, and int8 weights
-times int8 activations).
+times int8 activations). gemm.c and prefill attention's AVX512_BF16 tiles are the AVX-512 library's
+(loader.py): where it did not build, the GEMMs run their torch formulations and prefill attention
+its AVX2 path (the base library's).
 
 Each checks what its kernel reads and returns None where it does not take the arguments (the
 caller's torch path runs). All follow torch's intra-op thread count.
@@ -11,21 +13,23 @@ import torch
 import torch.nn.functional as F
 
 from ..reference import bf16_round, quantize_rows_ref
-from .loader import library
-from .ops import KV_DTYPES, dequantize_int8, int8_group_size, loaded, traced
+from .abi import W8A8_MAX_GROUP, raise_for
+from .ops import KV_DTYPES, dequantize_int8, int8_group_size, loaded, loaded_avx512, traced
 
-ISAS = {"auto": 0, "avx2": 1}     # prefill_attention.c's isa codes: the best this CPU has, or AVX2 + FMA
+ISAS = ("auto", "avx2")     # prefill attention's paths: the best this CPU has, or AVX2 + FMA
 
 
 def bf16_dot_products() -> bool:
-    """Whether this CPU has the bf16 dot-product instructions (AVX512_BF16) the kernels use."""
-    lib = library()
+    """Whether this CPU has the bf16 dot-product instructions (AVX512_BF16) the kernels use (and
+    the AVX-512 library built)."""
+    lib = loaded_avx512()
     return lib is not None and bool(lib.lkv_gemm_supported() & 1)
 
 
 def int8_dot_products() -> bool:
-    """Whether this CPU has the int8 dot-product instructions (AVX512_VNNI) the W8A8 GEMM uses."""
-    lib = library()
+    """Whether this CPU has the int8 dot-product instructions (AVX512_VNNI) the W8A8 GEMM uses (and
+    the AVX-512 library built)."""
+    lib = loaded_avx512()
     return lib is not None and bool(lib.lkv_gemm_supported() & 2)
 
 
@@ -47,7 +51,7 @@ def packed_bf16(weight: torch.Tensor) -> torch.Tensor:
         N, K = weight.shape
         out = torch.empty((N + 63) // 64 * ((K + 1) // 2) * 64, dtype=torch.int32)
         w = weight.detach().contiguous()
-        loaded().lkv_pack_bf16(w.data_ptr(), K, N, K, out.data_ptr(), torch.get_num_threads())
+        loaded_avx512().lkv_pack_bf16(w.data_ptr(), K, N, K, out.data_ptr(), torch.get_num_threads())
         return out
     return _cached(weight, "_lkv_bf16", (), make)
 
@@ -59,7 +63,7 @@ def packed_bf16_int8(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
         w = dequantize_int8(qweight, scale)
         N, K = w.shape
         out = torch.empty((N + 63) // 64 * ((K + 1) // 2) * 64, dtype=torch.int32)
-        loaded().lkv_pack_bf16(w.data_ptr(), K, N, K, out.data_ptr(), torch.get_num_threads())
+        loaded_avx512().lkv_pack_bf16(w.data_ptr(), K, N, K, out.data_ptr(), torch.get_num_threads())
         return out
     return _cached(qweight, "_lkv_bf16", (scale.data_ptr(), scale._version), make)
 
@@ -93,7 +97,7 @@ def linear_bf16_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
 
 
 def _bf16_takes(x: torch.Tensor, weight: torch.Tensor, weight_dtype_ok: bool, bias: torch.Tensor | None) -> bool:
-    return (loaded() is not None and bf16_dot_products() and x.dim() == 2 and weight.dim() == 2
+    return (bf16_dot_products() and x.dim() == 2 and weight.dim() == 2
             and x.shape[1] == weight.shape[1] and x.dtype == torch.float32 and weight_dtype_ok
             and x.device.type == "cpu" and weight.device.type == "cpu" and x.shape[0] > 0
             and (bias is None or (bias.dtype == torch.float32 and bias.shape == (weight.shape[0],)))
@@ -101,7 +105,7 @@ def _bf16_takes(x: torch.Tensor, weight: torch.Tensor, weight_dtype_ok: bool, bi
 
 
 def _gemm_bf16(x: torch.Tensor, packed: torch.Tensor, N: int, bias: torch.Tensor | None) -> torch.Tensor:
-    lib = loaded()
+    lib = loaded_avx512()
     if x.stride(1) != 1:
         x = x.contiguous()
     M, K = x.shape
@@ -111,7 +115,7 @@ def _gemm_bf16(x: torch.Tensor, packed: torch.Tensor, N: int, bias: torch.Tensor
                                bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(), N,
                                torch.get_num_threads())
     if rc != 0:
-        raise MemoryError("linear_bf16 (CPU kernel): scratch allocation failed")
+        raise_for(rc, "linear_bf16")
     return y
 
 
@@ -125,8 +129,8 @@ def packed_w8a8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tenso
         wsc = torch.empty(panels * ng * 32, dtype=torch.float32)
         wsum = torch.empty(panels * ng * 32, dtype=torch.int32)
         w, s = qweight.contiguous(), scale.reshape(N, ng).contiguous()
-        loaded().lkv_pack_w8a8(w.data_ptr(), s.data_ptr(), N, K, G, wq.data_ptr(), wsc.data_ptr(), wsum.data_ptr(),
-                               torch.get_num_threads())
+        loaded_avx512().lkv_pack_w8a8(w.data_ptr(), s.data_ptr(), N, K, G, wq.data_ptr(), wsc.data_ptr(),
+                                      wsum.data_ptr(), torch.get_num_threads())
         return wq, wsc, wsum
     return _cached(qweight, "_lkv_w8a8", (scale.data_ptr(), scale._version), make)
 
@@ -139,19 +143,24 @@ def packed_bytes_w8a8(n: int, k: int, group: int) -> int:
 
 def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The W8A8 GEMM's activation quantization (lkv_quantize_rows), for tests: x [M, K] fp32 ->
-    (q [M, K] int8, s [M, K // group] fp32), as `plugins.reference.quantize_rows_ref`."""
+    (q [M, K] int8, s [M, K // group] fp32), as `plugins.reference.quantize_rows_ref`. A typed
+    abi.KernelError where the kernel refuses (UnsupportedISA on a CPU without AVX512_VNNI)."""
     x = x.contiguous()
     M, K = x.shape
     xq = torch.empty(M, K, dtype=torch.uint8)
     s = torch.empty(M, K // group, dtype=torch.float32)
-    loaded().lkv_quantize_rows(x.data_ptr(), K, M, K, group, xq.data_ptr(), s.data_ptr(), torch.get_num_threads())
+    rc = loaded_avx512().lkv_quantize_rows(x.data_ptr(), K, M, K, group, xq.data_ptr(), s.data_ptr(),
+                                           torch.get_num_threads())
+    if rc != 0:
+        raise_for(rc, "quantize_rows")
     return (xq.to(torch.int16) - 128).to(torch.int8), s
 
 
 def w8a8_supported(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether `linear_w8a8` runs these in one C call: fp32 CPU rows, an int8 [N, K] weight whose
-    group G (int8_group_size) is a multiple of 4 dividing K, on a CPU with AVX512_VNNI."""
-    if loaded() is None or not int8_dot_products() or x.dim() != 2 or qweight.dim() != 2:
+    group G (int8_group_size) is a multiple of 4 dividing K and at most abi.W8A8_MAX_GROUP (G
+    products a group sum in int32), on a CPU with AVX512_VNNI."""
+    if not int8_dot_products() or x.dim() != 2 or qweight.dim() != 2:
         return False
     N, K = qweight.shape
     try:
@@ -159,7 +168,7 @@ def w8a8_supported(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) 
     except ValueError:
         return False
     return (x.shape[1] == K and x.shape[0] > 0 and x.dtype == torch.float32 and qweight.dtype == torch.int8
-            and scale.dtype == torch.float32 and G % 4 == 0 and K % G == 0
+            and scale.dtype == torch.float32 and G % 4 == 0 and K % G == 0 and G <= W8A8_MAX_GROUP
             and all(t.device.type == "cpu" for t in (x, qweight, scale))
             and not (torch.is_grad_enabled() and x.requires_grad))
 
@@ -191,11 +200,11 @@ def linear_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     wq, wsc, wsum = packed_w8a8(qweight, scale)
     y = torch.empty(M, N, dtype=torch.float32)
     with traced("linear_w8a8"):
-        rc = loaded().lkv_gemm_w8a8(x.data_ptr(), x.stride(0), M, K, G, wq.data_ptr(), wsc.data_ptr(),
+        rc = loaded_avx512().lkv_gemm_w8a8(x.data_ptr(), x.stride(0), M, K, G, wq.data_ptr(), wsc.data_ptr(),
                                     wsum.data_ptr(), N, bias.contiguous().data_ptr() if bias is not None else None,
                                     y.data_ptr(), N, torch.get_num_threads())
     if rc != 0:
-        raise MemoryError("linear_w8a8 (CPU kernel): scratch allocation failed")
+        raise_for(rc, "linear_w8a8")
     return y
 
 
@@ -207,7 +216,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_t
     q [n, H, D] fp32, row i at position context_len - n + i; k, v [KVH, NB, bs, D] (one layer of
     the pool, contiguous, fp32 / fp16 / bf16); block_table: the sequence's blocks, in order (at
     least ceil(context_len / bs)) -> [n, H, D] fp32, or None where the kernel does not take these
-    arguments. isa: "auto" (AVX512_BF16 where the CPU has it) or "avx2" (the fallback's path)."""
+    arguments. isa: "auto" (AVX512_BF16 where the CPU has it and the AVX-512 library built) or
+    "avx2" (the fallback's path, the base library's)."""
     lib = loaded()
     if lib is None or q.dim() != 3 or k.dim() != 4 or isa not in ISAS:
         return None
@@ -226,13 +236,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_t
         return None
     table = table.contiguous()
     out = torch.empty(n, H, D, dtype=torch.float32)
+    # the AVX-512 library's tiles (None where it did not build or the CPU lacks AVX512_BF16: AVX2)
+    wide = loaded_avx512() if isa == "auto" else None
+    tiles = wide.lkv_prefill_bf16_tiles() if wide is not None else None
     with traced("prefill_attention"):
         rc = lib.lkv_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), nb * bs * D,
-                                       table.data_ptr(), bs, context_len, n, H, kvh, D, float(scale),
-                                       out.data_ptr(), H * D, torch.get_num_threads(), KV_DTYPES[k.dtype],
-                                       ISAS[isa])
+                                       table.data_ptr(), bs, context_len, n, H, kvh, D, float(scale), out.data_ptr(),
+                                       H * D, torch.get_num_threads(), KV_DTYPES[k.dtype], tiles)
     if rc != 0:
-        raise MemoryError("prefill_attention (CPU kernel): scratch allocation failed")
+        raise_for(rc, "prefill_attention")
     return out
 
 

@@ -13,26 +13,27 @@
  * Numerics (plugins/CONTRACTS.md, "Prefill attention"): q * scale * log2(e), K, V and the softmax
  * weights are rounded to bf16 (round to nearest even); products are exact in fp32 and every sum is
  * fp32. The AVX512_BF16 path sums with vdpbf16ps; the AVX2 path (any x86-64 with AVX2 + FMA, or
- * isa = 1) computes the same rounded values with fp32 FMAs. Key tiles sit at fixed positions
+ * no tiles given) computes the same rounded values with fp32 FMAs. Key tiles sit at fixed positions
  * (multiples of KT), and a row's sums never depend on the other rows of its tile, so a row's
  * output does not depend on how the prompt was chunked (bit for bit, per ISA path).
+ *
+ * This file (the driver, packing and the AVX2 tile) is the base library's; the AVX512_BF16 tiles
+ * are prefill_attention_bf16.c's, in the AVX-512 library (plugins/cpu/loader.py), and reach the
+ * driver as a table of function addresses (`tiles`), so that a compiler without those targets
+ * loses only them.
  */
 #include "common.h"
+#include "lkv_abi.h"
+#include "prefill_attention.h"
 
-#define KV_F32 0
-#define KV_F16 1
-#define KV_BF16 2
-
-#define KT 64          /* keys per tile: 4 x 16 lanes */
-#define MR 6           /* query rows per register tile */
 #define ROWS 24        /* target rows per unit (TP positions x G heads): a K/V tile is reused by them */
 #define LOG2E 1.4426950408889634f
 
 /* ---- packing: fp32 / fp16 / bf16 storage -> bf16 pairs ------------------------------------------ */
 
 static inline float kv_get(const void *p, int64_t i, int T) {
-    if (T == KV_F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
-    if (T == KV_BF16) {
+    if (T == LKV_KV_F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
+    if (T == LKV_KV_BF16) {
         uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
         float f;
         memcpy(&f, &u, 4);
@@ -43,8 +44,8 @@ static inline float kv_get(const void *p, int64_t i, int T) {
 
 /* eight elements of storage T from element i, widened to fp32 */
 static inline __m256 ld8(const void *row, int64_t i, int T) {
-    if (T == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-    if (T == KV_BF16)
+    if (T == LKV_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    if (T == LKV_KV_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
     return _mm256_loadu_ps((const float *)row + i);
@@ -73,7 +74,7 @@ static inline void pack_values(const void *r0, const void *r1, int64_t D, int T,
  * the head's pool [NB, bs, D]; kp [Lp / 16][D / 2][16], vp [Lp / 2][D] uint32. */
 static void pack_range(const void *kh, const void *vh, const int64_t *btab, int64_t bs, int64_t L, int64_t D, int T,
                        int64_t k0, int64_t k1, uint32_t *kp, uint32_t *vp) {
-    const int64_t es = T == KV_F32 ? 4 : 2, D2 = D / 2;
+    const int64_t es = T == LKV_KV_F32 ? 4 : 2, D2 = D / 2;
     for (int64_t j = k0; j < k1; j++) {
         uint32_t *grp = kp + (j / 16) * D2 * 16;
         if (j < L) {
@@ -103,132 +104,6 @@ static inline float bf16_float(uint32_t b) {
     return f;
 }
 
-/* visible keys of a tile at t0 for a row at `pos`: 0 .. KT */
-static inline int visible(int64_t pos, int64_t t0) {
-    const int64_t c = pos - t0 + 1;
-    return c <= 0 ? 0 : c >= KT ? KT : (int)c;
-}
-
-/* ---- AVX512_BF16 tile ---------------------------------------------------------------------------- */
-
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-
-AVX512 static inline __m512 exp2_512(__m512 x) {       /* x <= 0 or -inf; ~1e-7 relative */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);                  /* [-0.5, 0.5] */
-    __m512 y = _mm512_set1_ps(1.5403530e-4f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
-
-static inline float exp2_1(float x) {                    /* the same polynomial, one value */
-    if (x < -127.0f) x = -127.0f;
-    const float n = nearbyintf(x), f = x - n;
-    float y = 1.5403530e-4f;
-    y = fmaf(y, f, 1.3333558e-3f);
-    y = fmaf(y, f, 9.6181291e-3f);
-    y = fmaf(y, f, 5.5504109e-2f);
-    y = fmaf(y, f, 2.4022651e-1f);
-    y = fmaf(y, f, 6.9314718e-1f);
-    y = fmaf(y, f, 1.0f);
-    const int e = (int)n + 127;                            /* n in [-127, 0]: 2^n, or 0 at -127 */
-    uint32_t u = e > 0 ? (uint32_t)e << 23 : 0;
-    float two;
-    memcpy(&two, &u, 4);
-    return y * two;
-}
-
-/* o[r][dc .. dc + 16 NC) = o * corr[r] + sum over key pairs of the bf16 weights pw[r] x the value pairs */
-AVX512 static inline __attribute__((always_inline)) void pv512(
-        const uint16_t (*pw)[KT], int NR, const float *corr, const uint32_t *vp, int npairs, int64_t dc, int64_t D,
-        float *o, int NC) {
-    __m512 acc[MR][4];
-    for (int r = 0; r < NR; r++) {
-        const __m512 cv = _mm512_set1_ps(corr[r]);
-        for (int c = 0; c < NC; c++) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + dc + 16 * c), cv);
-    }
-    for (int jp = 0; jp < npairs; jp++) {
-        __m512bh v[4];
-        for (int c = 0; c < NC; c++) v[c] = (__m512bh)_mm512_loadu_si512(vp + jp * D + dc + 16 * c);
-        for (int r = 0; r < NR; r++) {
-            uint32_t pp;
-            memcpy(&pp, pw[r] + 2 * jp, 4);
-            const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp);
-            for (int c = 0; c < NC; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, v[c]);
-        }
-    }
-    for (int r = 0; r < NR; r++)
-        for (int c = 0; c < NC; c++) _mm512_storeu_ps(o + r * D + dc + 16 * c, acc[r][c]);
-}
-
-/* One register tile: NR (<= MR) rows, each D/2 bf16 pairs at q32 + r * D2, against the KT keys of
- * the tile at t0 (kp: its 4 groups, vp: its KT / 2 value pairs), updating o [NR][D], m, l. */
-AVX512 static inline __attribute__((always_inline)) void tile512(
-        const uint32_t *q32, int NR, const int64_t *pos, const uint32_t *kp, const uint32_t *vp, int64_t t0,
-        int64_t D, float *o, float *m, float *l) {
-    const int64_t D2 = D / 2;
-    __m512 s[MR][4];
-    for (int r = 0; r < NR; r++)
-        for (int c = 0; c < 4; c++) s[r][c] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < D2; p++) {
-        __m512bh k[4];
-        for (int c = 0; c < 4; c++) k[c] = (__m512bh)_mm512_loadu_si512(kp + (c * D2 + p) * 16);
-        for (int r = 0; r < NR; r++) {
-            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q32[r * D2 + p]);
-            for (int c = 0; c < 4; c++) s[r][c] = _mm512_dpbf16_ps(s[r][c], qb, k[c]);
-        }
-    }
-    /* online softmax; the weights rounded to bf16 into pw [NR][KT] */
-    uint16_t pw[MR][KT] __attribute__((aligned(64)));
-    float corr[MR];
-    int kmax = 0;
-    for (int r = 0; r < NR; r++) {
-        const int vis = visible(pos[r], t0);
-        kmax = vis > kmax ? vis : kmax;
-        __mmask16 mk[4];
-        for (int c = 0; c < 4; c++) {
-            const int cnt = vis - 16 * c;
-            mk[c] = cnt >= 16 ? (__mmask16)0xffff : cnt <= 0 ? (__mmask16)0 : (__mmask16)((1u << cnt) - 1);
-            s[r][c] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mk[c], s[r][c]);
-        }
-        const float tm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]),
-                                                            _mm512_max_ps(s[r][2], s[r][3])));
-        const float mn = tm > m[r] ? tm : m[r];
-        corr[r] = vis ? exp2_1(m[r] - mn) : 1.0f;           /* m = -inf at the first tile: 0 */
-        const __m512 mv = _mm512_set1_ps(mn);
-        __m512 sum = _mm512_setzero_ps();
-        for (int c = 0; c < 4; c += 2) {
-            const __m512 p0 = _mm512_maskz_mov_ps(mk[c], exp2_512(_mm512_sub_ps(s[r][c], mv)));
-            const __m512 p1 = _mm512_maskz_mov_ps(mk[c + 1], exp2_512(_mm512_sub_ps(s[r][c + 1], mv)));
-            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-            _mm512_store_si512((__m512i *)(pw[r] + 16 * c), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-        }
-        if (vis) {
-            l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
-            m[r] = mn;
-        }
-    }
-    /* o = o * corr + P V over the visible key pairs, 64 columns at a time */
-    const int npairs = (kmax + 1) / 2;
-    for (int64_t dc = 0; dc < D; dc += 64) {
-        if (D - dc >= 64) pv512(pw, NR, corr, vp, npairs, dc, D, o, 4);
-        else pv512(pw, NR, corr, vp, npairs, dc, D, o, (int)((D - dc) / 16));
-    }
-}
-
-#define TILE512(NRC) AVX512 static void tile512_##NRC(const uint32_t *q32, const int64_t *pos, const uint32_t *kp, \
-    const uint32_t *vp, int64_t t0, int64_t D, float *o, float *m, float *l) { tile512(q32, NRC, pos, kp, vp, t0, D, o, m, l); }
-TILE512(1) TILE512(2) TILE512(3) TILE512(4) TILE512(5) TILE512(6)
-#undef TILE512
-typedef void (*tile_fn)(const uint32_t *, const int64_t *, const uint32_t *, const uint32_t *, int64_t, int64_t,
-                        float *, float *, float *);
-static const tile_fn TILES512[MR + 1] = {NULL, tile512_1, tile512_2, tile512_3, tile512_4, tile512_5, tile512_6};
 
 /* ---- AVX2 tile: the same rounded values, fp32 FMAs ----------------------------------------------- */
 
@@ -277,7 +152,7 @@ static void tile_avx2(const uint32_t *q32, const int64_t *pos, const uint32_t *k
 
 static void run_unit(const float *q, int64_t qs, int64_t h, int64_t G, int64_t i0, int64_t TP, int64_t L, int64_t n,
                      int64_t D, float qscale, const uint32_t *kp, const uint32_t *vp, float *out, int64_t os,
-                     int wide, uint32_t *q32, float *o, float *m, float *l, int64_t *pos) {
+                     const LkvPrefillTile *tiles, uint32_t *q32, float *o, float *m, float *l, int64_t *pos) {
     const int64_t D2 = D / 2, R = TP * G;
     for (int64_t ip = 0; ip < TP; ip++)
         for (int64_t g = 0; g < G; g++) {
@@ -293,11 +168,11 @@ static void run_unit(const float *q, int64_t qs, int64_t h, int64_t G, int64_t i
     const int64_t kend = pos[R - 1] + 1;
     for (int64_t t0 = 0; t0 < kend; t0 += KT) {
         const uint32_t *kt = kp + (t0 / 16) * D2 * 16, *vt = vp + (t0 / 2) * D;
-        if (wide) {
+        if (tiles) {
             for (int64_t r0 = 0; r0 < R; r0 += MR) {
                 const int nr = R - r0 < MR ? (int)(R - r0) : MR;
                 if (pos[r0 + nr - 1] < t0) continue;          /* every row of the tile is before it */
-                TILES512[nr](q32 + r0 * D2, pos + r0, kt, vt, t0, D, o + r0 * D, m + r0, l + r0);
+                tiles[nr](q32 + r0 * D2, pos + r0, kt, vt, t0, D, o + r0 * D, m + r0, l + r0);
             }
         } else {
             for (int64_t r = 0; r < R; r++)
@@ -313,22 +188,18 @@ static void run_unit(const float *q, int64_t qs, int64_t h, int64_t G, int64_t i
         }
 }
 
-int lkv_prefill_bf16_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
-
 /* q [n, H, D] fp32 at row stride qs; k, v: one layer of the pool, KV head h at k + h * hs elements
  * ([NB, bs, D]), of storage kv_dtype; btab: the sequence's blocks (ceil(L / bs) of them); out
- * [n, H, D] fp32 at row stride os. isa: 0 the best this CPU has, 1 AVX2. D even, a multiple of 16,
- * <= 512. Returns 0, -1 (allocation), -2 (arguments). */
+ * [n, H, D] fp32 at row stride os. tiles: lkv_prefill_bf16_tiles() (the AVX512_BF16 path: the
+ * AVX-512 library's, which gives it only where the CPU has the units), or NULL (the AVX2 path).
+ * D even, a multiple of 16, <= 512. Returns LKV_OK, LKV_ERR_NOMEM, LKV_ERR_ARG. */
 int lkv_prefill_attention(const float *q, int64_t qs, const void *k, const void *v, int64_t hs, const int64_t *btab,
                           int64_t bs, int64_t L, int64_t n, int64_t H, int64_t KVH, int64_t D, float scale,
-                          float *out, int64_t os, int nthreads, int kv_dtype, int isa) {
-    if (n <= 0 || L < n || KVH <= 0 || H % KVH || D <= 0 || D % 16 || D > 512 || bs <= 0) return -2;
-    const int wide = isa == 0 && lkv_prefill_bf16_supported();
-    const int64_t G = H / KVH, D2 = D / 2, Lp = (L + KT - 1) / KT * KT, es = kv_dtype == KV_F32 ? 4 : 2;
+                          float *out, int64_t os, int nthreads, int kv_dtype, const LkvPrefillTile *tiles) {
+    if (n <= 0 || L < n || KVH <= 0 || H % KVH || D <= 0 || D % 16 || D > 512 || bs <= 0
+        || kv_dtype < LKV_KV_F32 || kv_dtype > LKV_KV_BF16)
+        return LKV_ERR_ARG;
+    const int64_t G = H / KVH, D2 = D / 2, Lp = (L + KT - 1) / KT * KT, es = kv_dtype == LKV_KV_F32 ? 4 : 2;
     const int64_t TP = G >= ROWS ? 1 : ROWS / G, units_h = (n + TP - 1) / TP, units = units_h * KVH;
     uint32_t *kp = malloc((size_t)(KVH * Lp * D2) * sizeof(uint32_t));
     uint32_t *vp = malloc((size_t)(KVH * Lp / 2 * D) * sizeof(uint32_t));
@@ -357,7 +228,7 @@ int lkv_prefill_attention(const float *q, int64_t qs, const void *k, const void 
                 const int64_t u = units - 1 - w, h = u % KVH, i0 = (u / KVH) * TP;
                 const int64_t tp = n - i0 < TP ? n - i0 : TP;
                 run_unit(q, qs, h, G, i0, tp, L, n, D, qscale, kp + h * Lp * D2, vp + h * Lp / 2 * D, out, os,
-                         wide, q32, o, o + R * D, o + R * D + R, pos);
+                         tiles, q32, o, o + R * D, o + R * D + R, pos);
             }
             free(q32);
             free(o);
@@ -366,5 +237,5 @@ int lkv_prefill_attention(const float *q, int64_t qs, const void *k, const void 
     }
     free(kp);
     free(vp);
-    return failed ? -1 : 0;
+    return failed ? LKV_ERR_NOMEM : LKV_OK;
 }

@@ -12,7 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"     /* the declarations lookahead_layer.c calls these by */
+#include "common.h"
+#include "lkv_abi.h"     /* the prototypes lookahead_layer.c calls these by */
 
 typedef struct { int64_t key; int64_t idx; } keyed_t;
 typedef struct { float key; int64_t idx; } fkeyed_t;
@@ -55,20 +56,20 @@ LKV_SMALLEST(smallest_prio, fkeyed_t, cmp_prio)
 
 /* Tables of one buffer: held/last [lanes, KVH, K], inv [lanes, KVH, MB + 1] (contiguous).
  * want [B, KVH, KW] (-1 = none) and prio [B, KVH, KW] contiguous; lanes [B]. Admissions go to
- * out_* (capacity B * KVH * min(cap, KW)) in (row, rank) order; returns their count, -1 when
- * scratch memory ran out, -2 (nothing changed) when a lane is not in [0, L) or a wanted block
- * not in [-1, MB). */
+ * out_* (capacity B * KVH * min(cap, KW)) in (row, rank) order; returns their count, LKV_ERR_NOMEM
+ * when scratch memory ran out, LKV_ERR_RANGE (nothing changed) when a lane is not in [0, L) or a
+ * wanted block not in [-1, MB). */
 int64_t lkv_plan(int64_t *held_t, int64_t *last_t, int64_t *inv_t, const int64_t *lanes, int64_t L, int64_t B,
                  int64_t KVH, int64_t K, int64_t MB, const int64_t *want, const float *prio, int64_t KW,
                  int64_t cap, int64_t step, int64_t *out_lane, int64_t *out_head, int64_t *out_slot,
                  int64_t *out_block) {
-    for (int64_t b = 0; b < B; b++) if (lanes[b] < 0 || lanes[b] >= L) return -2;
-    for (int64_t i = 0; i < B * KVH * KW; i++) if (want[i] < -1 || want[i] >= MB) return -2;
+    for (int64_t b = 0; b < B; b++) if (lanes[b] < 0 || lanes[b] >= L) return LKV_ERR_RANGE;
+    for (int64_t i = 0; i < B * KVH * KW; i++) if (want[i] < -1 || want[i] >= MB) return LKV_ERR_RANGE;
     keyed_t *victims = malloc(sizeof(keyed_t) * K);
     fkeyed_t *order = malloc(sizeof(fkeyed_t) * (KW + 1));
     uint8_t *wanted = malloc(K + 1);
     int64_t n_out = 0;
-    if (!victims || !order || !wanted) { free(victims); free(order); free(wanted); return -1; }
+    if (!victims || !order || !wanted) { free(victims); free(order); free(wanted); return LKV_ERR_NOMEM; }
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < KVH; h++) {
             const int64_t row = lanes[b] * KVH + h;
@@ -106,7 +107,7 @@ int64_t lkv_plan(int64_t *held_t, int64_t *last_t, int64_t *inv_t, const int64_t
 
 /* For i < n: dst[dl[i], dh[i], ds[i]] = src[sb[i], sh[i]] for K and V; a unit is `unit` floats
  * (bs x D, contiguous), src at sb*s_blk + sh*s_head, dst at dl*d_lane + dh*d_head + ds*d_slot
- * (strides in floats). Returns 0, or -1 (nothing copied) when an index is outside
+ * (strides in floats). Returns LKV_OK, or LKV_ERR_RANGE (nothing copied) when an index is outside
  * src [NB, KVH] / dst [NL, KVH, NS]. */
 int lkv_copy_blocks(const float *src_k, const float *src_v, int64_t s_blk, int64_t s_head, float *dst_k,
                      float *dst_v, int64_t d_lane, int64_t d_head, int64_t d_slot, const int64_t *sb,
@@ -114,7 +115,7 @@ int lkv_copy_blocks(const float *src_k, const float *src_v, int64_t s_blk, int64
                      int64_t unit, int64_t NB, int64_t KVH, int64_t NL, int64_t NS) {
     for (int64_t i = 0; i < n; i++)
         if (sb[i] < 0 || sb[i] >= NB || sh[i] < 0 || sh[i] >= KVH || dl[i] < 0 || dl[i] >= NL || dh[i] < 0
-            || dh[i] >= KVH || ds[i] < 0 || ds[i] >= NS) return -1;
+            || dh[i] >= KVH || ds[i] < 0 || ds[i] >= NS) return LKV_ERR_RANGE;
     /* split over the calling thread's OpenMP team (its torch thread count: the compute thread's
      * for an urgent copy, one for the CPU transfer engine's background worker); a few units stay
      * on the caller. The units of one list never overlap in dst, so any order gives the same bytes. */
@@ -124,5 +125,5 @@ int lkv_copy_blocks(const float *src_k, const float *src_v, int64_t s_blk, int64
         memcpy(dst_k + dof, src_k + so, unit * sizeof(float));
         memcpy(dst_v + dof, src_v + so, unit * sizeof(float));
     }
-    return 0;
+    return LKV_OK;
 }

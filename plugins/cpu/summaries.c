@@ -5,7 +5,7 @@
  * middle of a call need no sort or scatter: a decode step's few rows cost one short loop instead
  * of the dozen torch ops of the reference.
  *
- * Keys may be stored as fp32, fp16 or bf16 (key_dtype: plugins/cpu/ops.py KV_DTYPES' codes),
+ * Keys may be stored as fp32, fp16 or bf16 (key_dtype: lkv_abi.h's LKV_KV_* codes),
  * widened to fp32 as they are read (F16C's vcvtph2ps; bf16 by a shift), which is exact.
  *
  * NaN: as torch.minimum / torch.maximum, a fold with a NaN on either side gives a NaN (the
@@ -13,17 +13,15 @@
  * copies the key's bits. Equal operands (+0 / -0) give the key, as vminps / vmaxps do in torch's
  * vectorized path. The result does not depend on the thread count. */
 #include "common.h"
+#include "lkv_abi.h"
 
-#define KEY_F32 0
-#define KEY_F16 1
-#define KEY_BF16 2
 #define LKV_PAR_MIN (1 << 18) /* T * KVH * D below which one thread runs (~100 us of work; a decode step's rows) */
 #define LKV_PAR_COLS 16     /* thread column ranges are multiples of this (one 64-byte line) */
 
 /* eight keys from element i of a key row of storage type T, as fp32 */
 static inline __attribute__((always_inline)) __m256 key8(const void *row, int64_t i, int T) {
-    if (T == KEY_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-    if (T == KEY_BF16)
+    if (T == LKV_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    if (T == LKV_KV_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
     return _mm256_loadu_ps((const float *)row + i);
@@ -31,8 +29,8 @@ static inline __attribute__((always_inline)) __m256 key8(const void *row, int64_
 
 /* one key, element i, as fp32 (in the low lane) */
 static inline __attribute__((always_inline)) __m128 key1(const void *row, int64_t i, int T) {
-    if (T == KEY_F16) return _mm_cvtph_ps(_mm_cvtsi32_si128(((const uint16_t *)row)[i]));
-    if (T == KEY_BF16) return _mm_castsi128_ps(_mm_cvtsi32_si128((int)((uint32_t)((const uint16_t *)row)[i] << 16)));
+    if (T == LKV_KV_F16) return _mm_cvtph_ps(_mm_cvtsi32_si128(((const uint16_t *)row)[i]));
+    if (T == LKV_KV_BF16) return _mm_castsi128_ps(_mm_cvtsi32_si128((int)((uint32_t)((const uint16_t *)row)[i] << 16)));
     return _mm_load_ss((const float *)row + i);
 }
 
@@ -50,7 +48,7 @@ static inline __m128 max1(__m128 c, __m128 k) { return _mm_or_ps(_mm_max_ss(c, k
 static inline __attribute__((always_inline)) void fold_cols(float *kmin, float *kmax, const void *keys,
                                                             const int64_t *ids, const int64_t *offs, int64_t T,
                                                             int64_t W, int64_t c0, int64_t c1, int KT) {
-    const int64_t es = KT == KEY_F32 ? 4 : 2;
+    const int64_t es = KT == LKV_KV_F32 ? 4 : 2;
     for (int64_t t = 0; t < T; t++) {
         float *lo = kmin + ids[t] * W, *hi = kmax + ids[t] * W;
         const void *key = (const char *)keys + t * W * es;
@@ -84,26 +82,26 @@ static inline __attribute__((always_inline)) void fold_cols(float *kmin, float *
 #define FOLD_ARGS float *kmin, float *kmax, const void *keys, const int64_t *ids, const int64_t *offs, int64_t T, \
                   int64_t W, int64_t c0, int64_t c1
 typedef void (*fold_fn)(FOLD_ARGS);
-static void fold_f32(FOLD_ARGS) { fold_cols(kmin, kmax, keys, ids, offs, T, W, c0, c1, KEY_F32); }
-static void fold_f16(FOLD_ARGS) { fold_cols(kmin, kmax, keys, ids, offs, T, W, c0, c1, KEY_F16); }
-static void fold_bf16(FOLD_ARGS) { fold_cols(kmin, kmax, keys, ids, offs, T, W, c0, c1, KEY_BF16); }
+static void fold_f32(FOLD_ARGS) { fold_cols(kmin, kmax, keys, ids, offs, T, W, c0, c1, LKV_KV_F32); }
+static void fold_f16(FOLD_ARGS) { fold_cols(kmin, kmax, keys, ids, offs, T, W, c0, c1, LKV_KV_F16); }
+static void fold_bf16(FOLD_ARGS) { fold_cols(kmin, kmax, keys, ids, offs, T, W, c0, c1, LKV_KV_BF16); }
 
 /* kmin, kmax [num_blocks, KVH, D] fp32, keys [T, KVH, D] of key_dtype, block_ids and block_offsets
- * [T] int64, all contiguous. Returns 0; -2 (nothing changed) when a block id is not in
- * [0, num_blocks); -3 for an unknown key_dtype. Threads (nthreads > 1, enough work) split the
+ * [T] int64, all contiguous. Returns LKV_OK; LKV_ERR_RANGE (nothing changed) when a block id is
+ * not in [0, num_blocks); LKV_ERR_ARG for an unknown key_dtype. Threads (nthreads > 1, enough work) split the
  * KVH * D columns, each running every token in order over its own columns. */
 int lkv_update_summaries(float *kmin, float *kmax, const void *keys, const int64_t *block_ids,
                          const int64_t *block_offsets, int64_t T, int64_t KVH, int64_t D, int64_t num_blocks,
                          int key_dtype, int nthreads) {
-    if (key_dtype < KEY_F32 || key_dtype > KEY_BF16) return -3;
+    if (key_dtype < LKV_KV_F32 || key_dtype > LKV_KV_BF16) return LKV_ERR_ARG;
     for (int64_t t = 0; t < T; t++)
-        if (block_ids[t] < 0 || block_ids[t] >= num_blocks) return -2;
-    const fold_fn fold = key_dtype == KEY_F16 ? fold_f16 : key_dtype == KEY_BF16 ? fold_bf16 : fold_f32;
+        if (block_ids[t] < 0 || block_ids[t] >= num_blocks) return LKV_ERR_RANGE;
+    const fold_fn fold = key_dtype == LKV_KV_F16 ? fold_f16 : key_dtype == LKV_KV_BF16 ? fold_bf16 : fold_f32;
     const int64_t W = KVH * D;
     const int nt = nthreads > 1 && T * W >= LKV_PAR_MIN ? nthreads : 1;
     if (nt == 1) {
         fold(kmin, kmax, keys, block_ids, block_offsets, T, W, 0, W);
-        return 0;
+        return LKV_OK;
     }
     const int64_t per = (W + nt - 1) / nt, chunk = (per + LKV_PAR_COLS - 1) / LKV_PAR_COLS * LKV_PAR_COLS;
     const int64_t nchunks = (W + chunk - 1) / chunk;
@@ -112,5 +110,5 @@ int lkv_update_summaries(float *kmin, float *kmax, const void *keys, const int64
         const int64_t c1 = (i + 1) * chunk < W ? (i + 1) * chunk : W;
         fold(kmin, kmax, keys, block_ids, block_offsets, T, W, i * chunk, c1);
     }
-    return 0;
+    return LKV_OK;
 }

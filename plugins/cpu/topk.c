@@ -2,6 +2,7 @@
  * one read of the summaries, and each row's top-K block ids (score desc, lower id first on ties),
  * ascending, padded with -1. */
 #include "common.h"
+#include "lkv_abi.h"
 
 #define LKV_PREFETCH_BLOCKS 16      /* software prefetch distance in blocks (~24 KiB of kmin + kmax at KVH*D = 192) */
 
@@ -106,14 +107,14 @@ static int32_t kth_key(const int32_t *keys, int64_t n8, int64_t k, int64_t *need
 
 /* q [B, R, H, D] contiguous; kmin/kmax rows of D floats at k + b*ksb + n*KVH*D + h*D; valid
  * bytes at valid + b*vsb + r*vsr + n; group_max: 1 = "max", 0 = "sum". Writes scores
- * [B, R, KVH, NB] (-inf where not valid) and idx [B, R, KVH, k]. Returns 0, -1 when scratch
- * memory ran out, -2 unless 1 <= k <= NB. */
+ * [B, R, KVH, NB] (-inf where not valid) and idx [B, R, KVH, k]. Returns LKV_OK, LKV_ERR_NOMEM
+ * when scratch memory ran out, LKV_ERR_ARG unless 1 <= k <= NB. */
 int lkv_block_topk(const float *q, const float *kmin, const float *kmax, int64_t ksb, const uint8_t *valid,
                    int64_t vsb, int64_t vsr, int64_t B, int64_t R, int64_t H, int64_t KVH, int64_t NB,
                    int64_t D, int64_t k, int group_max, float *scores, int64_t *idx, int nthreads) {
     const int64_t G = H / KVH, GW = group_max ? G : 1;     /* weight rows per (row, KV head) */
     const int64_t NW = R * GW, NB8 = (NB + 7) & ~(int64_t)7;
-    if (NB <= 0 || k <= 0 || k > NB) return -2;            /* the wrapper's checks exclude these */
+    if (NB <= 0 || k <= 0 || k > NB) return LKV_ERR_ARG;           /* the wrapper's checks exclude these */
     int failed = 0;
 #pragma omp parallel num_threads(nthreads > 1 ? nthreads : 1) if (nthreads > 1) reduction(| : failed)
     {
@@ -238,5 +239,5 @@ int lkv_block_topk(const float *q, const float *kmin, const float *kmax, int64_t
         free(keys);
         free(sel);
     }
-    return failed ? -1 : 0;
+    return failed ? LKV_ERR_NOMEM : LKV_OK;
 }
