@@ -30,7 +30,7 @@ from .kv_pool import KVPool
 from .memory_plan import DTYPE_BYTES, check_memory, plan_memory
 from .model import LlamaModel, load_model
 from .observe import Observer, Observers
-from .ops import Ops, resolve_decode, resolve_prefill, select_ops
+from .ops import Ops, kernel_fallbacks, resolve_decode, resolve_prefill, select_ops
 from .prefill_cache import PrefillCache
 from .prefix_cache import KVEvents, PrefixCache, engine_identity
 from .runner import DenseRunner
@@ -128,6 +128,9 @@ class Engine:
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
         model = model.with_positions(self.max_model_len)     # RoPE tables for every position it runs
         self.device, self.ops, self.debug_checks, self.fused = model.device, model.ops, debug_checks, fused
+        self.kernel_fallbacks = kernel_fallbacks(model.ops)
+        for why in self.kernel_fallbacks:
+            log.warning("%s", why)
         config = clamp_top_k(config, self.max_model_len).with_kv_dtype(manifest.dtype)   # unset: the weights'
         self.manifest, self.model, self.tokenizer, self.config = manifest, model, tokenizer, config
         self.prefill_cache = prefill_cache
@@ -443,11 +446,12 @@ class Engine:
 
         Keys: num_waiting, num_running, free_blocks, steps, prompt_tokens, output_tokens,
         finished_requests, aborted_requests, plus the transfer/residency metrics of lookahead mode
-        (h2d_bytes, device_resident_bytes, prefetch_hit_rate, urgent_blocks, transfer_wait_s).
+        (h2d_bytes, device_resident_bytes, prefetch_hit_rate, urgent_blocks, transfer_wait_s), and
+        kernel_fallbacks: the chosen precisions this CPU runs in torch instead of its kernels.
         """
         return {"num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
                 "free_blocks": self.allocator.num_free, **self.counters, **self.allocator.stats(),
-                **self.runner.stats()}
+                **self.runner.stats(), "kernel_fallbacks": list(self.kernel_fallbacks)}
 
     # ---- conveniences -------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[Completion]:

@@ -167,6 +167,21 @@ def resolve_prefill(prefill: str, device: torch.device, dtype: torch.dtype, quan
     return "bfloat16" if prefill_kernels_take("bfloat16") else "float32"
 
 
+def kernel_fallbacks(ops: Ops) -> list[str]:
+    """What of `ops`' chosen precisions runs a torch formulation instead of its C kernel on this
+    CPU (a C table at prefill or decode precision bfloat16 / int8 without the AVX-512 units: the
+    same contract, other roundings, several times slower): one line each, for a WARNING at load
+    and `Engine.stats()["kernel_fallbacks"]`. Empty for a torch table (chosen, not fallen to)."""
+    if "c/" not in ops.name:
+        return []
+    units = {"bfloat16": "AVX512_BF16", "int8": "AVX512_VNNI"}
+    out = [f"{what}_precision {p}: this CPU has no {units[p]}, so its {what} rows run the torch formulation "
+           f"(slower than float32 here; set {what}_precision: float32, or run on a CPU with {units[p]})"
+           for what, p in (("prefill", ops.prefill), ("decode", ops.decode))
+           if p in units and not prefill_kernels_take(p)]
+    return out
+
+
 def prefill_kernels_take(precision: str) -> bool:
     """Whether this CPU has the dot-product units the `precision` prefill kernels use."""
     return prefill.int8_dot_products() if precision == "int8" else prefill.bf16_dot_products()

@@ -104,3 +104,26 @@ def test_the_plan_counts_the_w8a8_copies_once(dirs, prefill_precision):
     plan = plan_memory(eng.manifest.model, eng.config, None, 4, prefill=prefill_precision,
                        int8_group=q["group_size"], decode="int8")
     assert kept > 0 and plan.prefill_weights == kept
+
+
+@pytest.mark.parametrize("has_units", [False, True])
+def test_a_precision_this_cpu_runs_in_torch_is_warned_and_counted(dirs, monkeypatch, caplog, has_units):
+    """A C table at int8 prefill and decode precision on a CPU without the units runs their torch
+    formulations: a WARNING at load and `stats()["kernel_fallbacks"]` name each, never silence;
+    with the units (or a torch table, chosen) there is nothing to say."""
+    import logging
+
+    import runtime.ops as ops_mod
+    monkeypatch.setattr(ops_mod, "prefill_kernels_take", lambda precision: has_units)
+    with caplog.at_level(logging.WARNING, logger="runtime.engine"):
+        eng = Engine.from_dir(dirs["int8"], prefill_precision="int8", decode_precision="int8", block_size=4)
+    said = eng.stats()["kernel_fallbacks"]
+    if has_units:
+        assert said == [] and not caplog.records
+    else:
+        assert [line.split(":")[0] for line in said] == ["prefill_precision int8", "decode_precision int8"]
+        assert all("AVX512_VNNI" in line for line in said)
+        assert [r.getMessage() for r in caplog.records] == said
+    torch_table = Engine.from_dir(dirs["int8"], prefill_precision="int8", decode_precision="int8", block_size=4,
+                                  impl="torch")
+    assert torch_table.stats()["kernel_fallbacks"] == []
