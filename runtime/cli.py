@@ -1,4 +1,5 @@
-"""`python -m runtime generate …`: generate from an engine dir, streaming text or printing JSON.
+"""`python -m runtime generate …`: generate from an engine dir, streaming text or printing JSON;
+`python -m runtime info --engine DIR`: what that engine resolves to on this machine.
 
 Lookahead flags are derived from LookaheadConfig's fields (one source of truth).
 """
@@ -64,7 +65,46 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the engine runs: cpu, cuda or cuda:N (default: auto, cuda when torch has a GPU, "
                         "else cpu); one that is not there is a one-line error naming device")
     add_lookahead_flags(g)
+    i = sub.add_parser("info", help="what an engine dir resolves to on this machine: precisions, kernels, "
+                                    "the fused step, what falls back to torch, the memory plan")
+    i.add_argument("--engine", required=True, help="engine dir")
+    i.add_argument("--device", default="auto", help="as for generate")
+    i.add_argument("--json", action="store_true", help="print it as one JSON object")
+    add_lookahead_flags(i)
     return p
+
+
+def info(args: argparse.Namespace) -> int:
+    from .engine import Engine
+
+    engine = Engine.from_dir(args.engine, device=args.device, **lookahead_overrides(args))
+    spec = engine.describe()
+    engine.close()
+    if args.json:
+        print(json.dumps(spec, indent=2))
+        return 0
+    for line in render_info(spec):
+        print(line)
+    return 0
+
+
+def render_info(spec: dict) -> list[str]:
+    """`Engine.describe()` as aligned `key  value` lines; nested sections flattened with a dot."""
+    rows: list[tuple[str, str]] = []
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        elif prefix.startswith("memory_plan_bytes."):
+            rows.append((prefix.replace("_bytes", ""), f"{value / 2**20:,.1f} MiB"))
+        elif isinstance(value, list):
+            rows.append((prefix, "; ".join(value) if value else "none"))
+        else:
+            rows.append((prefix, str(value)))
+    walk("", spec)
+    width = max(len(k) for k, _ in rows)
+    return [f"{k:<{width}}  {v}" for k, v in rows]
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -102,7 +142,7 @@ def generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return generate(args)
+        return info(args) if args.command == "info" else generate(args)
     except LookaheadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

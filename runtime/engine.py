@@ -140,8 +140,9 @@ class Engine:
         dtype = next(model.parameters()).dtype
         # the memory plan before any allocation (siblings and direct construction come here too;
         # the weights are already loaded)
-        check_memory(plan_memory(mcfg, config, num_host_blocks, dtype.itemsize, self.max_model_len, weights=False,
-                                 device_type=self.device.type))
+        self.memory_plan = plan_memory(mcfg, config, num_host_blocks, dtype.itemsize, self.max_model_len,
+                                       weights=False, device_type=self.device.type)
+        check_memory(self.memory_plan)
         self.pool = self._make_pool(n_blocks, DTYPES[config.kv_dtype])     # the KV storage dtype
         # the pool's blocks and their names (runtime/prefix_cache.py): `allocator.events` are
         # the cache's KV events
@@ -255,19 +256,27 @@ class Engine:
         quantized = manifest.quantization is not None
         precision = ops.prefill if ops is not None else resolve_prefill(config.prefill_precision, device, dtype,
                                                                          quantized, impl, int8_group(manifest))
-        check_memory(plan_memory(manifest.model, config, num_host_blocks, DTYPE_BYTES[manifest.dtype],
-                                 packed_weights=False if manifest.quantization else None,
-                                 device_type=device.type, weight_saving=max(0, saving),
-                                 prefill=precision, int8_group=int8_group(manifest) if quantized else None,
-                                 decode=config.decode_precision))
+        plan = plan_memory(manifest.model, config, num_host_blocks, DTYPE_BYTES[manifest.dtype],
+                           packed_weights=False if manifest.quantization else None,
+                           device_type=device.type, weight_saving=max(0, saving),
+                           prefill=precision, int8_group=int8_group(manifest) if quantized else None,
+                           decode=config.decode_precision)
+        check_memory(plan)
         # the tokenizer first (fast): ids past the vocabulary, or a chat template that cannot render,
         # are refused before the weights are read
         tokenizer = TextTokenizer.from_engine(manifest)
         ops = ops or select_ops(device, dtype, impl, quantized=quantized, prefill=precision)
         # weights.safetensors read onto `device`, or a random_weights recipe generated there
         model = load_model(manifest, device, ops, dtype, max_positions=config.max_model_len)
-        return cls(manifest, model, tokenizer, config, num_host_blocks, max_queue, transfer,
-                   debug_checks=debug_checks, fused=fused)
+        engine = cls(manifest, model, tokenizer, config, num_host_blocks, max_queue, transfer,
+                     debug_checks=debug_checks, fused=fused)
+        engine.memory_plan = plan          # the whole process's plan, the weights included
+        log.info("engine %s: mode %s, prompt rows %s, decode rows %s, kernels %s, fused decode %s%s",
+                 manifest.name, config.mode, engine.ops.prefill, engine.ops.decode, engine.ops.name or "torch",
+                 "yes" if getattr(engine.runner, "fused", None) is not None else
+                 f"no ({getattr(engine.runner, 'fused_reason', None)})",
+                 f"; in torch: {len(engine.kernel_fallbacks)}" if engine.kernel_fallbacks else "")
+        return engine
 
     # ---- requests (thread-safe) ---------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -452,6 +461,34 @@ class Engine:
         return {"num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
                 "free_blocks": self.allocator.num_free, **self.counters, **self.allocator.stats(),
                 **self.runner.stats(), "kernel_fallbacks": list(self.kernel_fallbacks)}
+
+    def describe(self) -> dict[str, Any]:
+        """What this engine resolved to on this machine, in one place: the model, the settings that
+        shape a step, the precision of prompt and decode rows, the kernel table and the C libraries
+        behind it, whether a decode step runs fused (or why not), what runs in torch instead of a
+        kernel, and the memory plan (bytes; an engine from `from_dir` counts its weights, one built
+        over a loaded model its own parts only). `python -m runtime info` prints it."""
+        from plugins.cpu import loader
+
+        m, c = self.manifest.model, self.config
+        return {
+            "engine": str(self.manifest.path), "name": self.manifest.name,
+            "model": {"architecture": m.architecture, "layers": m.num_layers, "heads": m.num_heads,
+                      "kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "vocab": m.vocab_size,
+                      "weights": self.manifest.dtype,
+                      "int8_group": int8_group(self.manifest) if self.manifest.quantization else None},
+            "device": str(self.device), "threads": self.threads, "max_model_len": self.max_model_len,
+            "settings": {"mode": c.mode, "kv_dtype": c.kv_dtype, "block_size": c.block_size, "top_k": c.top_k,
+                         "residency": c.residency, "miss_policy": c.miss_policy, "max_batch_size": c.max_batch_size,
+                         "prefill_chunk": c.prefill_chunk, "prefix_caching": c.prefix_caching},
+            "precision": {"prefill": self.ops.prefill, "decode": self.ops.decode},
+            "kernels": {"table": self.ops.name,
+                        "base_library": loader.unavailable_reason() or "loaded",
+                        "avx512_library": loader.avx512_unavailable_reason() or "loaded"},
+            "fused_decode": getattr(self.runner, "fused_reason", None) or "yes",
+            "kernel_fallbacks": list(self.kernel_fallbacks),
+            "memory_plan_bytes": {**self.memory_plan.components(), "total": self.memory_plan.total},
+        }
 
     # ---- conveniences -------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[Completion]:
