@@ -8,7 +8,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 ENGINE  ?= engines/default
 PYTEST_ARGS ?=
-# OpenMP's short spin (deploy/process.py) for everything make runs: libgomp reads it once, when torch
+# OpenMP's short spin (runtime/threads.py) for everything make runs: libgomp reads it once, when torch
 # loads it. A GOMP_SPINCOUNT or OMP_WAIT_POLICY of your own wins.
 ifeq ($(origin OMP_WAIT_POLICY),undefined)
 export GOMP_SPINCOUNT ?= 10000

@@ -40,7 +40,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from deploy.process import prepare_threads
+from runtime.threads import prepare_threads
 
 if __name__ == "__main__":  # the benchmark's process: before torch (libgomp reads its spin setting once)
     prepare_threads()

@@ -49,7 +49,7 @@ from runtime.errors import LookaheadError
 from .grpc_guard import Guard
 from .http_front import DEFAULT_MAX_BODY_BYTES, Front
 from .probe import ProbeResult, probe, probe_async
-from .process import prepare_threads
+from runtime.threads import prepare_threads
 from .triton_env import ServerOptions, make_backend_dir, remove_shell_safe_alias, remove_shm_regions, \
     server_env
 

@@ -1,6 +1,6 @@
 """Lookahead-KV runtime: model execution, KV tiers, policies, transfer engine, scheduler, engine API.
 
-Importing it sets no environment variable: the thread settings are the launcher's (deploy/process.py).
+Importing it sets no environment variable: the thread settings are the launcher's (runtime/threads.py).
 """
 from .config import LookaheadConfig, ModelConfig
 from .errors import CapacityError, ConfigError, EngineDirError, LookaheadError, RequestError

@@ -1,7 +1,7 @@
-"""`python -m runtime`: the process entry, so it sets the thread settings (deploy/process.py) before torch loads."""
+"""`python -m runtime`: the process entry, so it sets the thread settings (runtime/threads.py) before torch loads."""
 import sys
 
-from deploy.process import prepare_threads
+from .threads import prepare_threads
 
 prepare_threads()
 

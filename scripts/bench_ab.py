@@ -19,9 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploy.process import prepare_threads
+from runtime.threads import prepare_threads
 
-prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (runtime/threads.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 AB_DIR = ROOT / "build" / "ab"

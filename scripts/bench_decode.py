@@ -74,7 +74,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deploy.process import prepare_threads
+from runtime.threads import prepare_threads
 
 prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it; both sides run with it
 

@@ -32,7 +32,7 @@ import argparse
 import json
 from pathlib import Path
 
-from deploy.process import prepare_threads
+from runtime.threads import prepare_threads
 
 prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it
 

@@ -28,9 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from deploy.process import prepare_threads
+from runtime.threads import prepare_threads
 
-prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (runtime/threads.py)
 
 from bench.prefix_serve import VLLM_BIND_HELP, dqa_doc, first_and_later, pct
 

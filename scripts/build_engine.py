@@ -5,9 +5,9 @@ Thin wrapper over `builder.cli` (options derived from `builder.BuildConfig`); se
 """
 import sys
 
-from deploy.process import prepare_threads
+from runtime.threads import prepare_threads
 
-prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (runtime/threads.py)
 
 from builder.cli import main
 

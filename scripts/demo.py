@@ -42,9 +42,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from deploy.process import prepare_threads
+from runtime.threads import prepare_threads
 
-prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (runtime/threads.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 

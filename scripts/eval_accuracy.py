@@ -31,9 +31,9 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from deploy.process import prepare_threads
+from runtime.threads import prepare_threads
 
-prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (runtime/threads.py)
 
 from bench import longctx_data as data
 from bench.runs import (EngineFactory, add_run_args, append_record, engine_policy, machine_info, mode_overrides,

@@ -33,9 +33,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from deploy.process import off_main_thread, prepare_threads
+from runtime.threads import off_main_thread, prepare_threads
 
-prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (runtime/threads.py)
 
 import numpy as np
 

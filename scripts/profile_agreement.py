@@ -33,9 +33,9 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
-from deploy.process import prepare_threads
+from runtime.threads import prepare_threads
 
-prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (deploy/process.py)
+prepare_threads()  # first: libgomp reads GOMP_SPINCOUNT once, when torch loads it (runtime/threads.py)
 
 import torch
 

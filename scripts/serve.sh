@@ -39,7 +39,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PY" ] || PY="$(command -v python3)"
-# OpenMP's short spin (deploy/process.py) for the servers and workers started from here: libgomp reads it
+# OpenMP's short spin (runtime/threads.py) for the servers and workers started from here: libgomp reads it
 # once, when torch loads it. A GOMP_SPINCOUNT or OMP_WAIT_POLICY of your own wins.
 [ -n "${GOMP_SPINCOUNT+x}${OMP_WAIT_POLICY+x}" ] || export GOMP_SPINCOUNT=10000
 

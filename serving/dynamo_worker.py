@@ -72,9 +72,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deploy.process import off_main_thread, prepare_threads
+from runtime.threads import off_main_thread, prepare_threads
 
-if __name__ == "__main__":  # the worker process: before runtime.sampling loads torch (deploy/process.py)
+if __name__ == "__main__":  # the worker process: before runtime.sampling loads torch (runtime/threads.py)
     prepare_threads()
 
 from runtime.errors import LookaheadError, RequestError

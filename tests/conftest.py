@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from deploy.process import prepare_threads
+from runtime.threads import prepare_threads
 
 prepare_threads()   # as every entry point does, before torch loads (a plain `pytest` run gets it too)
 

@@ -4,7 +4,7 @@
   process leaves os.environ as it was;
 - no file under runtime/ or plugins/ writes the environment (`os.environ[...] = `, `.setdefault`,
   `.update`, `.pop`, `del`, `os.putenv`, ...), read from the source with `ast`;
-- `deploy.process.prepare_threads` gives the short OpenMP spin and leaves a user's GOMP_SPINCOUNT or
+- `runtime.threads.prepare_threads` gives the short OpenMP spin and leaves a user's GOMP_SPINCOUNT or
   OMP_WAIT_POLICY alone;
 - the entry points (`python -m runtime`, a script, the Dynamo worker) have GOMP_SPINCOUNT set when
   torch is first imported: libgomp reads it once, then.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.process import POLICY_VAR, SPIN_DEFAULT, SPIN_VAR, prepare_threads
+from runtime.threads import POLICY_VAR, SPIN_DEFAULT, SPIN_VAR, prepare_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY_DIRS = ("runtime", "plugins")
@@ -104,7 +104,7 @@ def test_no_library_file_writes_the_environment():
     files = sorted(p for d in LIBRARY_DIRS for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts)
     assert files
     found = [f"{p.relative_to(ROOT)}:{line}: {code}" for p in files for line, code in environ_writes(p.read_text())]
-    assert not found, "set thread settings in the launcher (deploy/process.py), not on import:\n" + "\n".join(found)
+    assert not found, "set thread settings in the launcher (runtime/threads.py), not on import:\n" + "\n".join(found)
 
 
 # ---- prepare_threads -----------------------------------------------------------------------------
@@ -120,6 +120,18 @@ def test_prepare_threads_leaves_a_users_setting(user):
     env = dict(user)
     assert prepare_threads(env) == {}
     assert env == user
+
+
+def test_importing_the_thread_settings_loads_no_torch():
+    """A launcher imports runtime.threads first, then calls prepare_threads before torch loads:
+    that import (and the runtime package's __init__ it runs) must not load torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, runtime.threads; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
 
 
 def test_prepare_threads_defaults_to_this_process(monkeypatch):
@@ -165,7 +177,7 @@ def test_entry_point_sets_it_before_torch_loads(entry):
 
 OMP_POOL = """
 import os, sys, time
-from deploy.process import off_main_thread, prepare_threads
+from runtime.threads import off_main_thread, prepare_threads
 prepare_threads()
 import torch
 torch.set_num_threads(2)
@@ -194,6 +206,6 @@ def test_an_engine_built_off_the_main_thread_leaves_no_openmp_pool_behind():
                              check=True)
         return int(out.stdout.strip().splitlines()[-1])
     assert extra("main") >= 1 and extra("off") == 0
-    from deploy.process import off_main_thread
+    from runtime.threads import off_main_thread
     with pytest.raises(ZeroDivisionError):
         off_main_thread(lambda: 1 / 0)

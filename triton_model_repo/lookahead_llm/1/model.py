@@ -21,9 +21,9 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from deploy.process import off_main_thread, prepare_threads
+from runtime.threads import off_main_thread, prepare_threads
 
-prepare_threads()  # the python stub's process: before runtime.engine loads torch (deploy/process.py)
+prepare_threads()  # the python stub's process: before runtime.engine loads torch (runtime/threads.py)
 
 from runtime.engine import Engine
 from runtime.errors import LookaheadError
@@ -48,7 +48,7 @@ class TritonPythonModel:
         device = instance_device(args, params)
         try:
             # built off the stub's main thread, so the loop thread's OpenMP team is the only one
-            # (deploy/process.py off_main_thread: a pool left on this thread slowed every step 1.6x)
+            # (runtime/threads.py off_main_thread: a pool left on this thread slowed every step 1.6x)
             self.engine = off_main_thread(lambda: Engine.from_dir(
                 params["engine_dir"], device=device, max_queue=int(params.get("max_queue", 256)), **overrides))
         except LookaheadError as e:         # one line in the server log, naming the field and the fix

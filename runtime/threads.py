@@ -11,7 +11,8 @@ libgomp (loaded by `import torch`; the C kernels in plugins/cpu, built with -fop
 the variable once, when it loads. So the launcher sets it, first thing, before anything imports
 torch: the scripts, `python -m runtime`, the Triton model and the Dynamo worker call
 `prepare_threads()`, the supervisor passes it in tritonserver's environment, and a child process
-started after the call inherits it. The library itself (runtime/, plugins/) never sets it.
+started after the call inherits it. The library never sets it on import (importing this module
+loads no torch, so a launcher can import it first).
 Either variable set by the user wins. Embedding the engine in your own process: set it yourself
 before importing torch (docs/SETTINGS.md).
 """
