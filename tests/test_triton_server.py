@@ -318,9 +318,12 @@ def wait_for_aborts(server, aborted: float, timeout: float = 15.0) -> dict[str, 
 def test_metrics_endpoint_exports_engine_stats(triton_server):
     from serving.metrics import METRICS
 
+    before = triton_server.metrics().get("lookahead_output_tokens_total", 0.0)
     run(triton_server, inputs(text_input="count me", max_tokens=3))
-    time.sleep(0.6)                                   # the loop publishes at most every 0.5 s
-    m = triton_server.metrics()
+    deadline = time.monotonic() + 15             # the loop publishes when it goes idle: wait for it, not a clock
+    while (m := triton_server.metrics()).get("lookahead_output_tokens_total", 0.0) < before + 3:
+        assert time.monotonic() < deadline, f"the 3 tokens never reached the metrics: {m}"
+        time.sleep(0.05)
     assert {s.name for s in METRICS} <= set(m)
     assert m["lookahead_output_tokens_total"] >= 3 and m["lookahead_queue_depth"] == 0
     assert m["lookahead_h2d_bytes_total"] == 0        # dense mode moves no KV between tiers
