@@ -115,7 +115,7 @@ class Engine:
         if config.prefill_precision not in ("auto", model.ops.prefill):    # a sibling at another precision
             quantized = manifest.quantization is not None
             precision = resolve_prefill(config.prefill_precision, model.device, DTYPES[manifest.dtype], quantized,
-                                        "torch" if "c/" not in model.ops.name else "auto", int8_group(manifest))
+                                        "auto" if model.ops.c_kernels else "torch", int8_group(manifest))
             model = model.with_ops(model.ops.with_prefill(precision, quantized))
         config = config.replace(prefill_precision=model.ops.prefill)        # the resolved precision
         decode = resolve_decode(config.decode_precision, manifest.quantization is not None, int8_group(manifest))
@@ -271,11 +271,10 @@ class Engine:
         engine = cls(manifest, model, tokenizer, config, num_host_blocks, max_queue, transfer,
                      debug_checks=debug_checks, fused=fused)
         engine.memory_plan = plan          # the whole process's plan, the weights included
-        log.info("engine %s: mode %s, prompt rows %s, decode rows %s, kernels %s, fused decode %s%s",
-                 manifest.name, config.mode, engine.ops.prefill, engine.ops.decode, engine.ops.name or "torch",
-                 "yes" if getattr(engine.runner, "fused", None) is not None else
-                 f"no ({getattr(engine.runner, 'fused_reason', None)})",
-                 f"; in torch: {len(engine.kernel_fallbacks)}" if engine.kernel_fallbacks else "")
+        spec = engine.describe()
+        log.info("engine %s: mode %s, prompt rows %s, decode rows %s, kernels %s, fused decode %s, in torch: %d",
+                 spec["name"], spec["settings"]["mode"], spec["precision"]["prefill"], spec["precision"]["decode"],
+                 spec["kernels"]["table"] or "torch", spec["fused_decode"], len(spec["kernel_fallbacks"]))
         return engine
 
     # ---- requests (thread-safe) ---------------------------------------------------------------

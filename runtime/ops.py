@@ -65,6 +65,11 @@ class Ops:
     decode: str = "float32"                     # the decode precision
     name: str = ""
 
+    @property
+    def c_kernels(self) -> bool:
+        """Whether this is the C kernel table (plugins/cpu) or one wrapped around it ("c/cpu+wrapped")."""
+        return self.name.startswith("c/")
+
     def wrapped(self, wrap: Callable[[str, Callable], Callable], name: str | None = None) -> "Ops":
         """These ops with each callable replaced by `wrap(op_name, fn)` and no fused entries
         (tests: check, record every call)."""
@@ -76,14 +81,14 @@ class Ops:
         """This table with the prefill entries of `precision` (resolved; a sibling engine's choice),
         C kernels when this table is C's."""
         return replace(self, **{**dict.fromkeys(("prefill_linear", "prefill_attention")),
-                                **prefill_entries(precision, "c/" in self.name, quantized)})
+                                **prefill_entries(precision, self.c_kernels, quantized)})
 
     def with_decode(self, precision: str) -> "Ops":
         """This table with the decode rows' projections at `precision` (`resolve_decode`): int8
         weights through the W8A8 kernel (C where this table is C's, else its torch formulation)."""
         if precision == "float32":
             return replace(self, decode_linear=None, decode="float32")
-        c = "c/" in self.name
+        c = self.c_kernels
         int8 = prefill.linear_w8a8 if c else prefill.linear_w8a8_torch
         return replace(self, decode_linear=quantized_linear(cpu.linear if c else F.linear, int8), decode=precision)
 
@@ -172,14 +177,13 @@ def kernel_fallbacks(ops: Ops) -> list[str]:
     CPU (a C table at prefill or decode precision bfloat16 / int8 without the AVX-512 units: the
     same contract, other roundings, several times slower): one line each, for a WARNING at load
     and `Engine.stats()["kernel_fallbacks"]`. Empty for a torch table (chosen, not fallen to)."""
-    if "c/" not in ops.name:
+    if not ops.c_kernels:
         return []
     units = {"bfloat16": "AVX512_BF16", "int8": "AVX512_VNNI"}
-    out = [f"{what}_precision {p}: this CPU has no {units[p]}, so its {what} rows run the torch formulation "
-           f"(slower than float32 here; set {what}_precision: float32, or run on a CPU with {units[p]})"
-           for what, p in (("prefill", ops.prefill), ("decode", ops.decode))
-           if p in units and not prefill_kernels_take(p)]
-    return out
+    return [f"{what}_precision {p}: this CPU has no {units[p]}, so its {what} rows run the torch formulation "
+            f"(slower than float32 here; set {what}_precision: float32, or run on a CPU with {units[p]})"
+            for what, p in (("prefill", ops.prefill), ("decode", ops.decode))
+            if p in units and not prefill_kernels_take(p)]
 
 
 def prefill_kernels_take(precision: str) -> bool:
