@@ -109,6 +109,7 @@ from bench.gpu_results import ResultFile
 from runtime.config import LookaheadConfig
 from runtime.engine import Engine
 from runtime.engine_dir import load_manifest
+from runtime.spec import resolve_spec
 from runtime.kv_pool import KVPool
 from runtime.lookahead.device_tier import num_buffers
 from runtime.memory_plan import DTYPE_BYTES, available_host_bytes, plan_memory
@@ -544,8 +545,8 @@ def run_row(loader: Engine, cache: PrefillCache, prompt: list[int], cfg: Lookahe
         row["host_pinned_bytes"] = plan_memory(loader.manifest.model, cfg, None, DTYPE_BYTES[loader.manifest.dtype],
                                                weights=False, device_type="cuda", pinning="registered").host_kv_pool
     t0 = time.perf_counter()
-    eng = RegisteredPoolEngine(loader.manifest, loader.model, loader.tokenizer, cfg, transfer=transfer,
-                               prefill_cache=cache)
+    eng = RegisteredPoolEngine(resolve_spec(loader.manifest, device, base=cfg, weights=False), loader.model,
+                               loader.tokenizer, transfer=transfer, prefill_cache=cache)
     row["build_s"] = time.perf_counter() - t0
     try:
         rec, row["copies_recorded_through"] = attach_recorder(eng, transfer)
@@ -708,8 +709,9 @@ def run_shape(name: str, path: Path, args, results: ResultFile) -> int:
     cache = PrefillCache(max_prompts=1)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        rec_eng = Engine(loader.manifest, loader.model, loader.tokenizer,
-                         base.replace(**MODES["dense"], max_batch_size=1, prefill_chunk=context), prefill_cache=cache)
+        rec_cfg = base.replace(**MODES["dense"], max_batch_size=1, prefill_chunk=context)
+        rec_eng = Engine(resolve_spec(loader.manifest, loader.device, base=rec_cfg, weights=False), loader.model,
+                         loader.tokenizer, prefill_cache=cache)
         rec_eng.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
         while rec_eng.has_unfinished():
             rec_eng.step()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.config import KV_DTYPES
+from runtime.config import DECODE_PRECISIONS, KV_DTYPES, PREFILL_PRECISIONS
 
 from .errors import BuildError
 from .named_sources import NAMED_SOURCES
@@ -61,6 +61,15 @@ class BuildConfig:
         "help": "the engine's default KV storage dtype (engine.yaml lookahead.kv_dtype): float32 | float16 | "
                 "bfloat16 (default: the weights' dtype); float16 halves the KV bytes a step reads on CPU, "
                 "and Engine.from_dir(kv_dtype=...) / --kv-dtype still override it", "metavar": "DTYPE"})
+    prefill_precision: str = field(default="auto", metadata={
+        "help": "what the engine's prompt rows compute in, recorded in engine.yaml and verified against the "
+                "source model: float32 | bfloat16 (bf16 dot products, fp32 sums) | int8 (int8 engines) | auto (the "
+                "fastest this build machine has: bfloat16 with AVX512_BF16, int8 with AVX512_VNNI, else float32); "
+                "every host then runs it (a CPU without the units through a slower torch formulation)",
+        "metavar": "P"})
+    decode_precision: str = field(default="float32", metadata={
+        "help": "an int8 engine's decode rows: float32 (weight-only) | int8 (W8A8, verified by the int8 prompt "
+                "check, so it needs --prefill-precision int8)", "metavar": "P"})
     seed: int = field(default=0, metadata={"help": "seed of --random-weights"})
     tokenizer: str | None = field(default=None, metadata={
         "help": "tokenizer of a --random-weights engine: a dir with tokenizer.json, or 'bytes' (a built-in "
@@ -106,11 +115,38 @@ class BuildConfig:
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise BuildError("is not a KV storage dtype", field="kv_dtype", value=self.kv_dtype,
                              fix=f"use one of: {', '.join(KV_DTYPES)}")
+        self._check_precision()
         if self.name is None:
             self.name = self.output.resolve().name
         if not self.name or "/" in self.name or "\n" in self.name:
             raise BuildError("must be a non-empty name without '/' or newlines", field="name",
                              value=repr(self.name))
+
+    def _check_precision(self) -> None:
+        """What the runtime refuses at load is refused before the build starts."""
+        if self.prefill_precision not in PREFILL_PRECISIONS:
+            raise BuildError("is not a prefill precision", field="prefill_precision", value=self.prefill_precision,
+                             fix=f"use one of: {', '.join(PREFILL_PRECISIONS)}")
+        if self.decode_precision not in DECODE_PRECISIONS:
+            raise BuildError("is not a decode precision", field="decode_precision", value=self.decode_precision,
+                             fix=f"use one of: {', '.join(DECODE_PRECISIONS)}")
+        if self.prefill_precision in ("bfloat16", "int8") and self.dtype != "float32":
+            raise BuildError(f"cannot be combined with --dtype {self.dtype}", field="prefill_precision",
+                             value=self.prefill_precision, fix="a 16-bit engine prefills in its own dtype: leave it auto")
+        if self.prefill_precision == "int8" and self.quantize != "int8":
+            raise BuildError("needs int8 weights", field="prefill_precision", value="int8",
+                             fix="add --quantize int8, or use bfloat16")
+        if self.decode_precision == "int8":
+            if self.quantize != "int8" or self.group_size == 0:
+                raise BuildError("needs int8 weights with a scale per group of inputs", field="decode_precision",
+                                 value="int8", fix="add --quantize int8 (with the default --group-size 64)")
+            if self.prefill_precision != "int8":
+                raise BuildError("is verified by the int8 prompt check", field="decode_precision", value="int8",
+                                 fix="add --prefill-precision int8")
+        if self.random_weights is not None and (self.prefill_precision, self.decode_precision) != ("auto", "float32"):
+            raise BuildError("cannot be set for --random-weights", field="prefill_precision",
+                             value=self.prefill_precision, fix="random weights have nothing to verify a "
+                             "precision against: set it at run time (Engine.from_dir(prefill_precision=...))")
 
     def _check_random(self) -> None:
         if self.random_weights not in SHAPES:

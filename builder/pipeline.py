@@ -23,13 +23,14 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import save_file
 
-from runtime.config import LookaheadConfig, ModelConfig
+from runtime.config import BuildPrecision, LookaheadConfig, ModelConfig
 from runtime.engine_dir import REPORT, TOKENIZER_DIR, WEIGHTS, write_manifest
+from runtime.ops import host_units, resolve_prefill
 
 from .checkpoint import CONFIG, GENERATION_CONFIG, read_json, read_tensors
 from .config import BuildConfig
 from .convert import convert
-from .errors import OutputError
+from .errors import BuildError, OutputError
 from .gguf_cache import cached_hf_dir
 from .hf_config import model_config_from_hf
 from .output import staged_output
@@ -87,16 +88,25 @@ def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
             note(f"{WEIGHTS}, {TOKENIZER_DIR}/ ({tokenizer['num_tokens']} tokens)")
             if "warning" in tokenizer:
                 log(f"warning: {tokenizer['warning']}")
+        # what the engine's prompt rows run on every host: auto resolved here, once
+        prefill = resolve_prefill(config.prefill_precision, torch.device("cpu"), getattr(torch, config.dtype),
+                                  quantization is not None, int8_group=quantization["group_size"] if quantization else 0)
+        if config.decode_precision == "int8" and prefill != "int8":
+            raise BuildError("is verified by the int8 prompt check", field="decode_precision", value="int8",
+                             fix=f"--prefill-precision auto resolved to {prefill} here: add --prefill-precision int8")
         with stages("verify") as note:
             long = LongPlan.for_model(model_cfg.max_position_embeddings, config.long_verify,
                                       config.long_verify_tokens)
             if not config.verify:
                 verification = {"skipped": True}
             elif quantization is not None:
-                verification = verify_int8(source.hf_dir, tmp, model_cfg, quantization, log, long=long)
+                verification = verify_int8(source.hf_dir, tmp, model_cfg, quantization, log, long=long,
+                                           prefill_precision=prefill)
             else:
-                verification = verify(source.hf_dir, tmp, model_cfg, config.dtype, long=long, log=log)
+                verification = verify(source.hf_dir, tmp, model_cfg, config.dtype, long=long, log=log,
+                                      prefill_precision=prefill)
             note(_verify_summary(verification))
+            precision = build_precision(config, prefill, verification)
         with stages("checksum"), _disk_errors(config.output):
             if quantization is not None:
                 quantization["verification"] = int8_summary(verification)
@@ -104,10 +114,24 @@ def build(config: BuildConfig, *, log: Log | None = None) -> BuildResult:
             (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
             write_manifest(tmp, name=config.name, model=model_cfg, dtype=config.dtype,
                            lookahead=LookaheadConfig(max_model_len=model_cfg.max_position_embeddings,
-                                                     kv_dtype=config.kv_dtype),
-                           source=source.to_manifest(), versions=versions(), quantization=quantization)
+                                                     kv_dtype=config.kv_dtype,
+                                                     decode_precision=config.decode_precision),
+                           source=source.to_manifest(), versions=versions(), quantization=quantization,
+                           precision=precision)
     log(f"built {config.output} in {stages.total:.1f}s")
     return BuildResult(path=Path(config.output), report=report)
+
+
+def build_precision(config: BuildConfig, prefill: str, verification: dict[str, Any]) -> BuildPrecision:
+    """engine.yaml's precision section: the resolved prefill precision, and what verification held
+    (float32 always, by the main comparison; `prefill` where the prefill check ran it; decode int8 with
+    an int8 prefill check, whose W8A8 rounding it shares). Nothing verified under --no-verify."""
+    if verification.get("skipped"):
+        return BuildPrecision(prefill, config.decode_precision, None, None, host_units())
+    checked = (verification.get("prefill") or {}).get("checked", False)
+    verified = ("float32", prefill) if checked and prefill != "float32" else ("float32",)
+    return BuildPrecision(prefill, config.decode_precision, verified,
+                          ("float32", "int8") if "int8" in verified else ("float32",), host_units())
 
 
 def _load(source: Source, log: Log) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:

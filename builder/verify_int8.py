@@ -107,9 +107,11 @@ def load_int8_engine(engine_dir: Path, cfg: ModelConfig, quantization: dict[str,
 
 def verify_int8(source_dir: Path, engine_dir: Path, cfg: ModelConfig, quantization: dict[str, Any],
                 log: Callable[[str], None] = lambda line: None,
-                tolerance: Int8Tolerance | None = None, long: Any = None) -> dict[str, Any]:
+                tolerance: Int8Tolerance | None = None, long: Any = None,
+                prefill_precision: str = "auto") -> dict[str, Any]:
     """Compare the int8 engine being built in `engine_dir` with transformers (fp32) on `source_dir`;
-    `long`: the long-position check's plan (`verify_long.LongPlan`; None: not asked).
+    `long`: the long-position check's plan (`verify_long.LongPlan`; None: not asked); prefill_precision:
+    what the engine's prompt rows run (auto: what this machine resolves), held to the same bars.
 
     Returns the report section; raises VerifyError (with the numbers) beyond `tolerance` (default
     INT8_TOLERANCE)."""
@@ -124,8 +126,8 @@ def verify_int8(source_dir: Path, engine_dir: Path, cfg: ModelConfig, quantizati
         tok = AutoTokenizer.from_pretrained(engine_dir / TOKENIZER_DIR)
     load_s = time.perf_counter() - t0
     limit = min(MAX_PROMPT_TOKENS, cfg.max_position_embeddings - GREEDY_TOKENS)
-    # what an engine on this machine prefills in (W8A8 where the CPU has VNNI): held to the same bars
-    pf = prefill_model(ours, True, int8_group=group_size(quantization))
+    # what the engine's prompt rows run (W8A8 for int8): held to the same bars
+    pf = prefill_model(ours, True, prefill_precision, int8_group=group_size(quantization))
     prompts = []
     for i, text in enumerate(PROMPTS):
         p = _compare(ref, ours, _ids(tok, text, limit), tolerance, pf)

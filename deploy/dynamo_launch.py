@@ -210,16 +210,20 @@ def free_port(below_32768: bool = False) -> int:
     raise LaunchError("no free port in 20000-32767 on 127.0.0.1 for a worker's system server")
 
 
-def check_engine(engine_dir: str | Path, lookahead_overrides: dict[str, Any] | None) -> None:
-    """A bad engine dir or setting, found before any process starts (checksums: the workers check them);
-    the tokenizer too, so a chat template that cannot render (or finish) is named here, not after a
-    wait for workers that never register."""
+def check_engine(engine_dir: str | Path, lookahead_overrides: dict[str, Any] | None, device: str | None = None) -> None:
+    """A bad engine dir or setting, found before any process starts (checksums: the workers check them):
+    the settings resolved as every worker will resolve them (runtime/spec.py: a setting the mode does
+    not read, an unverified precision, a plan the host cannot hold); the tokenizer too, so a chat
+    template that cannot render (or finish) is named here, not after a wait for workers that never
+    register."""
+    from runtime.device import resolve_device
     from runtime.errors import LookaheadError
     from runtime.engine_dir import load_manifest
+    from runtime.spec import resolve_spec
     from runtime.tokenizer import TextTokenizer
     try:
         manifest = load_manifest(engine_dir, verify_checksums=False)
-        manifest.lookahead.replace(**(lookahead_overrides or {}))
+        resolve_spec(manifest, resolve_device(device), lookahead_overrides)
         TextTokenizer.from_engine(manifest)
     except LookaheadError as e:
         raise LaunchError(f"engine {engine_dir}: {e}") from None
@@ -344,7 +348,7 @@ def start(engine_dir: str | Path, *, workers: int = 1, http_port: int = DEFAULT_
         raise LaunchError(f"a deployment is already running from {run_dir} (pids {sorted(running.values())}): "
                           f"stop it first (python -m deploy.dynamo_launch stop --run-dir {run_dir})")
     check_device(device)
-    check_engine(engine_dir, lookahead_overrides)
+    check_engine(engine_dir, lookahead_overrides, device)
     check_port_free(http_port)
     check_dynamo(python)
     run_dir.mkdir(parents=True, exist_ok=True)

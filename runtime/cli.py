@@ -30,6 +30,9 @@ def add_lookahead_flags(parser: argparse.ArgumentParser) -> None:
         default = "the weights' dtype" if f.name == "kv_dtype" else f.default
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=None,
                            help=f"{values}default: {default}")
+    group.add_argument("--allow-unverified-precision", dest="allow_unverified_precision", type=parse_bool,
+                       nargs="?", const=True, default=None,
+                       help="run a prefill/decode precision the engine's build did not verify (default: refused)")
 
 
 def parse_bool(text: str) -> bool:
@@ -42,8 +45,8 @@ def parse_bool(text: str) -> bool:
 
 
 def lookahead_overrides(args: argparse.Namespace) -> dict:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(LookaheadConfig)
-            if getattr(args, f.name, None) is not None}
+    names = [f.name for f in dataclasses.fields(LookaheadConfig)] + ["allow_unverified_precision"]
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -237,6 +237,55 @@ class LookaheadConfig:
         return cls(**_known_fields(cls, d, "lookahead"))
 
 
+@dataclass(frozen=True)
+class BuildPrecision:
+    """engine.yaml's `precision:` section, written by the builder: the precision of an engine's prompt
+    rows (`prefill`: `prefill_precision` auto resolved on the build host, `host`) and decode rows, and
+    the precisions the build verified against the source model (None: the build skipped verification,
+    --no-verify). `runtime/spec.py` runs `prefill` for auto and refuses an unverified precision."""
+
+    prefill: str
+    decode: str = "float32"
+    verified_prefill: tuple[str, ...] | None = ("float32",)
+    verified_decode: tuple[str, ...] | None = ("float32",)
+    host: str = ""
+
+    def __post_init__(self) -> None:
+        resolved = tuple(p for p in PREFILL_PRECISIONS if p != "auto")
+        check(self.prefill in resolved, "precision.prefill", f"{self.prefill!r} is not a resolved prefill precision",
+              f"one of {', '.join(resolved)}; rebuild the engine")
+        check(self.decode in DECODE_PRECISIONS, "precision.decode", f"{self.decode!r} is not a decode precision",
+              f"one of {', '.join(DECODE_PRECISIONS)}; rebuild the engine")
+        for name, known in (("verified_prefill", resolved), ("verified_decode", DECODE_PRECISIONS)):
+            v = getattr(self, name)
+            if v is not None:
+                check(isinstance(v, (list, tuple)) and all(isinstance(p, str) and p in known for p in v),
+                      f"precision.{name}", f"must be a list of {', '.join(known)} or null, got {got(v)}",
+                      "rebuild the engine")
+                object.__setattr__(self, name, tuple(v))
+        check(isinstance(self.host, str) and len(self.host) <= 256, "precision.host", "must be a short string",
+              "rebuild the engine")
+
+    def verifies(self, what: str, precision: str) -> bool:
+        """Whether the build verified `what` ("prefill" / "decode") rows at `precision` (any, when it
+        skipped verification: nothing to hold a run to)."""
+        verified = getattr(self, f"verified_{what}")
+        return verified is None or precision in verified
+
+    def verified_summary(self) -> str:
+        if self.verified_prefill is None:
+            return "nothing: built with --no-verify"
+        return f"prefill {', '.join(self.verified_prefill)}; decode {', '.join(self.verified_decode or ())}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BuildPrecision":
+        return cls(**_known_fields(cls, d, "precision"))
+
+
 def check_known_keys(d: dict[Any, Any], names: "set[str] | tuple[str, ...]", prefix: str = "") -> None:
     """Every key of `d` is one of `names`; else a ConfigError naming the first unknown key (with
     `prefix`, e.g. "model."), the closest known name, and the known ones."""

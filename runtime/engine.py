@@ -27,15 +27,16 @@ from .device import resolve_device
 from .engine_dir import Manifest, group_size, load_manifest
 from .errors import RequestError
 from .kv_pool import KVPool
-from .memory_plan import DTYPE_BYTES, check_memory, plan_memory
+from .memory_plan import check_memory
 from .model import LlamaModel, load_model
 from .observe import Observer, Observers
-from .ops import Ops, kernel_fallbacks, resolve_decode, resolve_prefill, select_ops
+from .ops import Ops, kernel_fallbacks
 from .prefill_cache import PrefillCache
 from .prefix_cache import KVEvents, PrefixCache, engine_identity
 from .runner import DenseRunner
 from .sampling import SamplingParams, TokenLogprob, sample_rows, token_logprobs
 from .scheduler import Scheduler
+from .spec import EngineSpec, clamp_top_k, resolve_spec  # noqa: F401  (clamp_top_k: its old home)
 from .sequence import Sequence, SeqStatus
 from .step import StepInterrupted
 from .transfer import TransferEngine, make_transfer_engine
@@ -95,57 +96,41 @@ def int8_group(manifest: Manifest) -> int:
 
 
 class Engine:
-    def __init__(self, manifest: Manifest, model: LlamaModel, tokenizer: TextTokenizer,
-                 config: LookaheadConfig, num_host_blocks: int | None = None, max_queue: int = 256,
+    def __init__(self, spec: EngineSpec, model: LlamaModel, tokenizer: TextTokenizer, max_queue: int = 256,
                  transfer: str | TransferEngine | None = None, prefill_cache: PrefillCache | None = None,
-                 debug_checks: bool = False, fused: bool = True):
-        """The engine runs where `model` lives (`model.device`) with the model's ops; it places
-        everything else it makes there too: the dense KV pool, or the lookahead device tier, its
-        summaries and bookkeeping (the lookahead host pool stays in host memory, pinned when the
-        device is a GPU).
+                 fused: bool = True):
+        """The engine `spec` describes (`resolve_spec`: everything decided before this runs) over
+        `model`, which it runs where the model lives with the spec's kernel table (the model's own,
+        its prefill and decode entries at the spec's precisions); everything else it makes lives there
+        too: the dense KV pool, or the lookahead device tier, its summaries and bookkeeping (the
+        lookahead host pool stays in host memory, pinned when the device is a GPU).
 
         transfer: the lookahead copy engine, by kind ("thread", "sync", "cuda"; default "cuda"
         on a GPU, else "thread") or an instance (tests: one that records what it moves).
         prefill_cache: shared by engines over the same `model`, a prompt prefilled by one is
         replayed by the others (runtime/prefill_cache.py), e.g. one prompt under several modes.
-        debug_checks: the lookahead backend verifies its device slots before every attention.
         fused: a decode step may run as the kernel table's fused C step or layer (False: the
         model's Python layers, the reference, every step)."""
-        mcfg = manifest.model
-        if config.prefill_precision not in ("auto", model.ops.prefill):    # a sibling at another precision
-            quantized = manifest.quantization is not None
-            precision = resolve_prefill(config.prefill_precision, model.device, DTYPES[manifest.dtype], quantized,
-                                        "auto" if model.ops.c_kernels else "torch", int8_group(manifest))
-            model = model.with_ops(model.ops.with_prefill(precision, quantized))
-        config = config.replace(prefill_precision=model.ops.prefill)        # the resolved precision
-        decode = resolve_decode(config.decode_precision, manifest.quantization is not None, int8_group(manifest))
-        if decode != model.ops.decode:        # decode rows' projections: W8A8 (an int8 engine's choice)
-            model = model.with_ops(model.ops.with_decode(decode))
+        manifest, config = spec.manifest, spec.config
+        model = model.with_ops(spec.table(model.ops)).with_positions(spec.max_model_len)   # RoPE for every position
         # the compute threads every step runs with, whichever thread calls `step`: the count of the
         # thread that builds the engine (a thread started later may inherit another default: a
         # lookahead engine's copy worker runs single-threaded, and OpenMP hands that to new threads)
         self.threads = torch.get_num_threads()
-        self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
-        model = model.with_positions(self.max_model_len)     # RoPE tables for every position it runs
-        self.device, self.ops, self.debug_checks, self.fused = model.device, model.ops, debug_checks, fused
+        self.spec, self.max_model_len = spec, spec.max_model_len
+        self.device, self.ops, self.debug_checks, self.fused = model.device, model.ops, spec.debug_checks, fused
         self.kernel_fallbacks = kernel_fallbacks(model.ops)
         for why in self.kernel_fallbacks:
             log.warning("%s", why)
-        config = clamp_top_k(config, self.max_model_len).with_kv_dtype(manifest.dtype)   # unset: the weights'
         self.manifest, self.model, self.tokenizer, self.config = manifest, model, tokenizer, config
         self.prefill_cache = prefill_cache
-        self.eos_ids = mcfg.eos_token_ids
-        bs = config.block_size
-        n_blocks = num_host_blocks or config.max_batch_size * blocks_needed(self.max_model_len, bs)
-        dtype = next(model.parameters()).dtype
-        # the memory plan before any allocation (siblings and direct construction come here too;
-        # the weights are already loaded)
-        self.memory_plan = plan_memory(mcfg, config, num_host_blocks, dtype.itemsize, self.max_model_len,
-                                       weights=False, device_type=self.device.type)
+        self.eos_ids = manifest.model.eos_token_ids
+        self.memory_plan = spec.memory_plan
         check_memory(self.memory_plan)
-        self.pool = self._make_pool(n_blocks, DTYPES[config.kv_dtype])     # the KV storage dtype
+        self.pool = self._make_pool(spec.memory_plan.num_host_blocks, DTYPES[config.kv_dtype])   # the KV storage dtype
         # the pool's blocks and their names (runtime/prefix_cache.py): `allocator.events` are
         # the cache's KV events
+        n_blocks, bs = spec.memory_plan.num_host_blocks, config.block_size
         self.allocator = PrefixCache(BlockAllocator(n_blocks), bs, self._identity(), config.prefix_caching)
         self.scheduler = Scheduler(self.allocator, bs, config.max_batch_size, self.max_model_len,
                                    config.prefill_chunk, max_queue, name_decoded=config.mode == "dense")
@@ -212,13 +197,16 @@ class Engine:
         return self.observers.add(observer)
 
     def sibling(self, prefill_cache: PrefillCache | None = None, transfer: str | TransferEngine | None = None,
-                fused: bool | None = None, **overrides: Any) -> "Engine":
+                fused: bool | None = None, num_host_blocks: int | None = None,
+                allow_unverified_precision: bool = False, **overrides: Any) -> "Engine":
         """A new engine over this one's loaded model (no second weight load) with its own KV pool,
-        `overrides` applied to this engine's config; engines sharing a `prefill_cache` replay each
-        other's prompts. transfer: its lookahead copy engine (as `Engine`'s; default by device).
-        fused: as `Engine`'s (default: this engine's)."""
-        return Engine(self.manifest, self.model, self.tokenizer, self.config.replace(**overrides),
-                      transfer=transfer, prefill_cache=prefill_cache, debug_checks=self.debug_checks,
+        `overrides` applied to this engine's settings (a setting its mode does not read is refused);
+        engines sharing a `prefill_cache` replay each other's prompts. transfer: its lookahead copy
+        engine (as `Engine`'s; default by device). fused: as `Engine`'s (default: this engine's)."""
+        spec = resolve_spec(self.manifest, self.device, overrides, base=self.config, impl=self.spec.impl,
+                            debug_checks=self.debug_checks, num_host_blocks=num_host_blocks, weights=False,
+                            allow_unverified_precision=allow_unverified_precision or bool(self.spec.unverified))
+        return Engine(spec, self.model, self.tokenizer, transfer=transfer, prefill_cache=prefill_cache,
                       fused=self.fused if fused is None else fused)
 
     def close(self) -> None:
@@ -233,48 +221,33 @@ class Engine:
                  num_host_blocks: int | None = None, max_queue: int = 256,
                  transfer: str | TransferEngine | None = None, ops: Ops | None = None,
                  impl: str = "auto", debug_checks: bool = False, fused: bool = True,
-                 **overrides: Any) -> "Engine":
+                 allow_unverified_precision: bool = False, **overrides: Any) -> "Engine":
         """Load an engine dir (refusing an incomplete, incompatible or tampered one).
 
         device: where the engine runs (None: CUDA when torch has a GPU, else CPU); a device that
-        is not there is a ConfigError naming `device`. ops: the kernel table (default:
-        `select_ops(device, dtype, impl)`; "auto" is "checked" with `debug_checks`). fused: as
-        `Engine`'s.
-        `overrides` replace fields of the engine's LookaheadConfig (e.g. mode="lookahead", top_k=64).
+        is not there is a ConfigError naming `device`. `overrides` replace settings of engine.yaml's
+        (e.g. mode="lookahead", top_k=64); a setting the mode does not read, or a precision the build
+        did not verify (unless allow_unverified_precision), is a ConfigError naming it.
+        Test knobs: ops (the kernel table; default the spec's), impl ("auto", "c", "torch",
+        "checked"; "auto" is "checked" with `debug_checks`), fused (as `Engine`'s), transfer.
         """
         device = resolve_device(device)
         manifest = load_manifest(path, verify_checksums=verify_checksums)
-        config = manifest.lookahead.replace(**overrides).with_kv_dtype(manifest.dtype)
-        config = clamp_top_k(config, min(config.max_model_len, manifest.model.max_position_embeddings))
-        # refuse what the host cannot hold before the weights are read (engine.yaml, CLI and
-        # server overrides all come through here)
-        # (an int8 engine has no packed fp32 copies, and its quantized roles take their stored bytes)
-        q = manifest.quantization or {}
-        saving = q.get("quantized_bytes", {}).get("float32", 0) - q.get("quantized_bytes", {}).get("int8", 0)
-        dtype = DTYPES[manifest.dtype]
-        impl = "checked" if debug_checks and impl == "auto" else impl
-        quantized = manifest.quantization is not None
-        precision = ops.prefill if ops is not None else resolve_prefill(config.prefill_precision, device, dtype,
-                                                                         quantized, impl, int8_group(manifest))
-        plan = plan_memory(manifest.model, config, num_host_blocks, DTYPE_BYTES[manifest.dtype],
-                           packed_weights=False if manifest.quantization else None,
-                           device_type=device.type, weight_saving=max(0, saving),
-                           prefill=precision, int8_group=int8_group(manifest) if quantized else None,
-                           decode=config.decode_precision)
-        check_memory(plan)
+        # everything decided once, before the weights are read: what the host cannot hold, a setting
+        # the mode ignores and an unverified precision are refused here
+        spec = resolve_spec(manifest, device, overrides, impl=impl, ops=ops, debug_checks=debug_checks,
+                            num_host_blocks=num_host_blocks, allow_unverified_precision=allow_unverified_precision)
+        check_memory(spec.memory_plan)
         # the tokenizer first (fast): ids past the vocabulary, or a chat template that cannot render,
         # are refused before the weights are read
         tokenizer = TextTokenizer.from_engine(manifest)
-        ops = ops or select_ops(device, dtype, impl, quantized=quantized, prefill=precision)
         # weights.safetensors read onto `device`, or a random_weights recipe generated there
-        model = load_model(manifest, device, ops, dtype, max_positions=config.max_model_len)
-        engine = cls(manifest, model, tokenizer, config, num_host_blocks, max_queue, transfer,
-                     debug_checks=debug_checks, fused=fused)
-        engine.memory_plan = plan          # the whole process's plan, the weights included
-        spec = engine.describe()
-        log.info("engine %s: mode %s, prompt rows %s, decode rows %s, kernels %s, fused decode %s, in torch: %d",
-                 spec["name"], spec["settings"]["mode"], spec["precision"]["prefill"], spec["precision"]["decode"],
-                 spec["kernels"]["table"] or "torch", spec["fused_decode"], len(spec["kernel_fallbacks"]))
+        model = load_model(manifest, device, spec.table(ops), spec.dtype, max_positions=spec.max_model_len)
+        engine = cls(spec, model, tokenizer, max_queue, transfer, fused=fused)
+        info = engine.describe()
+        log.info("engine %s: mode %s, prompt rows %s (%s), decode rows %s, kernels %s, fused decode %s, in torch: %d",
+                 info["name"], info["settings"]["mode"], spec.prefill, spec.why["prefill"], spec.decode,
+                 info["kernels"]["table"] or "torch", info["fused_decode"], len(info["kernel_fallbacks"]))
         return engine
 
     # ---- requests (thread-safe) ---------------------------------------------------------------
@@ -480,7 +453,7 @@ class Engine:
             "settings": {"mode": c.mode, "kv_dtype": c.kv_dtype, "block_size": c.block_size, "top_k": c.top_k,
                          "residency": c.residency, "miss_policy": c.miss_policy, "max_batch_size": c.max_batch_size,
                          "prefill_chunk": c.prefill_chunk, "prefix_caching": c.prefix_caching},
-            "precision": {"prefill": self.ops.prefill, "decode": self.ops.decode},
+            "precision": self.spec.precision_record(),
             "kernels": {"table": self.ops.name,
                         "base_library": loader.unavailable_reason() or "loaded",
                         "avx512_library": loader.avx512_unavailable_reason() or "loaded"},
@@ -524,15 +497,3 @@ class Engine:
         return Completion(seq.request_id, seq.text, list(seq.output_ids), seq.finish_reason,
                           len(seq.prompt_ids), ttft, t_end - t0, dict(seq.metrics), seq.index,
                           seq.num_prefix_hit, logprobs, seq.prompt_logprobs)
-
-
-def clamp_top_k(cfg: LookaheadConfig, max_model_len: int) -> LookaheadConfig:
-    """top_k beyond the blocks a sequence of `max_model_len` tokens has selects nothing more (K
-    already covers every block): clamp it, so the device tier is not sized for blocks no context
-    reaches (`--top-k 100000` asked for 295 GB)."""
-    most = blocks_needed(max_model_len, cfg.block_size)
-    if cfg.top_k <= most:
-        return cfg
-    log.info("top_k %d exceeds the %d blocks of max_model_len %d: using %d", cfg.top_k, most, max_model_len, most)
-    return cfg.replace(top_k=most)
-

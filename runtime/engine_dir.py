@@ -21,6 +21,12 @@ Two optional sections (format_version 2; a dir without them is written as versio
                       per_output_channel: scale [N]; per_group: scale [N, K // group_size])
     random_weights:   a recipe (shape, seed, dtype, init) instead of weights.safetensors: the
                       runtime generates the weights on the target device at load (model.py)
+
+and one that any version may carry (a runtime that predates it refuses the dir by the unknown key):
+
+    precision:        what the builder resolved `prefill_precision: auto` to on its host and which
+                      precisions it verified against the source model (config.BuildPrecision; the
+                      runtime runs the first for auto and refuses the unverified, runtime/spec.py)
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from .config import LookaheadConfig, ModelConfig, check_known_keys
+from .config import BuildPrecision, LookaheadConfig, ModelConfig, check_known_keys
 from .errors import ConfigError, EngineDirError
 
 FORMAT_VERSION = 1               # what a plain engine dir is written as
@@ -70,7 +76,7 @@ MAX_MANIFEST_BYTES = 1 << 20
 MAX_NAME_CHARS = 256
 MAX_STRING_CHARS = 4096
 TOP_LEVEL_FIELDS = ("format_version", "name", "dtype", "model", "lookahead", "source", "versions",
-                    "quantization", "random_weights", "tokenizer", "files")
+                    "quantization", "random_weights", "tokenizer", "precision", "files")
 
 # Runtime weight names and shapes (C = ModelConfig). Fused projections save a matmul launch each.
 WEIGHT_LAYOUT = """
@@ -203,6 +209,7 @@ class Manifest:
     quantization: dict[str, Any] | None = None     # QUANT_SCHEME, granularity, group_size, `quantized` roles, ...
     random_weights: dict[str, Any] | None = None   # shape, seed, dtype, init: no weights file
     tokenizer: dict[str, Any] | None = None        # informational (random weights: token_ids)
+    precision: BuildPrecision | None = None        # what the builder resolved and verified (runtime/spec.py)
 
     @property
     def has_weights_file(self) -> bool:
@@ -212,10 +219,10 @@ class Manifest:
 def write_manifest(engine_dir: Path, *, name: str, model: ModelConfig, dtype: str,
                    lookahead: LookaheadConfig, source: dict[str, Any], versions: dict[str, str],
                    quantization: dict[str, Any] | None = None, random_weights: dict[str, Any] | None = None,
-                   tokenizer: dict[str, Any] | None = None) -> Path:
+                   tokenizer: dict[str, Any] | None = None, precision: BuildPrecision | None = None) -> Path:
     """Checksum every file already in `engine_dir` (except the manifest) and write engine.yaml.
 
-    quantization / random_weights / tokenizer: the optional sections (see the module docstring);
+    quantization / random_weights / tokenizer / precision: the optional sections (see the module docstring);
     with either of the first two the dir is format_version 2, which older runtimes refuse."""
     engine_dir = Path(engine_dir)
     files = {str(p.relative_to(engine_dir)): sha256_file(p)
@@ -231,7 +238,7 @@ def write_manifest(engine_dir: Path, *, name: str, model: ModelConfig, dtype: st
         "versions": versions,
     }
     for key, section in (("quantization", quantization), ("random_weights", random_weights),
-                         ("tokenizer", tokenizer)):
+                         ("tokenizer", tokenizer), ("precision", precision and precision.to_dict())):
         if section is not None:
             doc[key] = section
     doc["files"] = files
@@ -264,6 +271,7 @@ def load_manifest(engine_dir: str | Path, *, verify_checksums: bool = True) -> M
         name = _name(doc.get("name", d.name))
         model = ModelConfig.from_dict(doc["model"])
         lookahead = LookaheadConfig.from_dict(doc["lookahead"])
+        precision = BuildPrecision.from_dict(doc["precision"]) if doc.get("precision") is not None else None
     except (ConfigError, TypeError) as e:
         raise EngineDirError(f"{mpath}: {e}") from None
     extended = [k for k in ("quantization", "random_weights") if doc.get(k) is not None]
@@ -281,7 +289,8 @@ def load_manifest(engine_dir: str | Path, *, verify_checksums: bool = True) -> M
     return Manifest(path=d, model=model, dtype=doc["dtype"], lookahead=lookahead, files=files,
                     source=_mapping(doc.get("source")), versions=_mapping(doc.get("versions")),
                     name=name, quantization=quantization,
-                    random_weights=random_weights, tokenizer=_mapping(tokenizer) if tokenizer is not None else None)
+                    random_weights=random_weights, tokenizer=_mapping(tokenizer) if tokenizer is not None else None,
+                    precision=precision)
 
 
 class _ManifestLoader(yaml.SafeLoader):

@@ -191,6 +191,12 @@ def prefill_kernels_take(precision: str) -> bool:
     return prefill.int8_dot_products() if precision == "int8" else prefill.bf16_dot_products()
 
 
+def host_units() -> str:
+    """This CPU's prefill dot-product units, as a build records where it resolved `auto`."""
+    have = {"AVX512_BF16": prefill_kernels_take("bfloat16"), "AVX512_VNNI": prefill_kernels_take("int8")}
+    return ", ".join(("" if ok else "no ") + unit for unit, ok in have.items())
+
+
 def prefill_entries(precision: str, use_c: bool, quantized: bool) -> dict:
     """The prefill entries of a table at `precision` (resolved): the C kernels (use_c) or their
     torch formulations; none at float32."""

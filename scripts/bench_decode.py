@@ -412,9 +412,8 @@ def link_engines(args, ctx: int, batch: int, total_steps: int) -> tuple[Engine, 
         over = {**MODES[name], **fields, **({"resync_after": 0} if old_chain else {})}
         try:
             if MODES[name]["mode"] == "lookahead":
-                eng = Engine(base.manifest, base.model, base.tokenizer, base.config.replace(**over),
-                             prefill_cache=cache, transfer=lib.make_recording_link(args.link_latency_us),
-                             fused=not mode.partition("@")[0].endswith(PYTHON_LAYERS))
+                eng = base.sibling(cache, transfer=lib.make_recording_link(args.link_latency_us),
+                                   fused=not mode.partition("@")[0].endswith(PYTHON_LAYERS), **over)
                 if type(eng.runner).__name__ == "DenseRunner":
                     raise RuntimeError("the engine runs dense for mode=lookahead")
             else:

@@ -129,15 +129,14 @@ def kv_memory(engine_dir: str | Path, context_tokens: int) -> dict:
     """One sequence's device KV, from the engine dir's config with runtime/memory_plan.py's formulas:
     lookahead's working set and block summaries (the server's effective config: engine.yaml with
     mode=lookahead, top_k clamped as Engine does), and dense mode's K and V of `context_tokens`."""
-    from runtime.engine import clamp_top_k
+    import torch
+
     from runtime.engine_dir import load_manifest
-    from runtime.memory_plan import DTYPE_BYTES, plan_memory
+    from runtime.memory_plan import DTYPE_BYTES
+    from runtime.spec import resolve_spec
     man = load_manifest(engine_dir, verify_checksums=False)
     m, b = man.model, DTYPE_BYTES[man.dtype]
-    cfg = man.lookahead.replace(mode="lookahead")
-    max_len = min(cfg.max_model_len, m.max_position_embeddings)
-    cfg = clamp_top_k(cfg, max_len)
-    plan = plan_memory(m, cfg, None, b, weights=False)
+    plan = resolve_spec(man, torch.device("cpu"), {"mode": "lookahead"}, weights=False).memory_plan
     per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * b          # K and V, every layer
     return {"working_set": plan.per_seq_device_tier,
             "summaries": plan.per_seq_device - plan.per_seq_device_tier,

@@ -143,6 +143,7 @@ def write_model_repo(out: str | Path, engine_dir: str | Path, *, model_name: str
     """
     from runtime.device import resolve_device
     from runtime.engine_dir import load_manifest
+    from runtime.spec import resolve_spec
 
     out, template_dir = Path(out).resolve(), Path(template_dir).resolve()
     model_dir = out / model_name
@@ -155,7 +156,7 @@ def write_model_repo(out: str | Path, engine_dir: str | Path, *, model_name: str
     dev = resolve_device(device)                     # raises ConfigError naming device
     overrides = dict(lookahead_overrides or {})
     manifest = load_manifest(engine_dir, verify_checksums=False)
-    manifest.lookahead.replace(**overrides)          # raises ConfigError naming a bad field
+    resolve_spec(manifest, dev, overrides)           # raises ConfigError naming a bad field, as the model will
     text = config_text(engine_dir, model_name=model_name, instance_count=instance_count, device=dev,
                        max_queue=max_queue, lookahead_overrides=overrides, template_dir=template_dir)
     (model_dir / "1").mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ from runtime.attention_ref import CausalAttention
 from runtime.cli import build_parser, lookahead_overrides, main
 from runtime.config import KV_DTYPES, LookaheadConfig, ModelConfig
 from runtime.engine import Engine
+from runtime.spec import settings_for
 from runtime.errors import ConfigError
 from runtime.kv_pool import KVPool
 from runtime.memory_plan import plan_memory
@@ -185,7 +186,8 @@ def test_writes_round_into_the_storage_dtype_and_fp32_stores_bits(name):
                                   dict(SMALL_LOOKAHEAD, residency="pingpong")], ids=["dense", "resident", "pingpong"])
 @pytest.mark.parametrize("name", HALF)
 def test_the_pool_and_the_device_tier_bytes_halve(tiny_dir, mode, name):
-    engines = {n: Engine.from_dir(tiny_dir, kv_dtype=n, top_k=4, max_model_len=256, max_batch_size=2, **mode)
+    engines = {n: Engine.from_dir(tiny_dir, kv_dtype=n, max_model_len=256, max_batch_size=2,
+                                  **settings_for(mode["mode"], dict(top_k=4, **mode)))
                for n in ("float32", name)}
     full, half = engines["float32"], engines[name]
     try:

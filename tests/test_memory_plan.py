@@ -11,6 +11,7 @@ import torch
 from plugins import cpu
 from runtime.config import LookaheadConfig, ModelConfig
 from runtime.engine import Engine
+from runtime.spec import settings_for
 from runtime.engine_dir import expected_shapes
 from runtime.errors import ConfigError
 from runtime.memory_plan import DTYPE_BYTES, available_host_bytes, check_memory, plan_memory
@@ -64,7 +65,7 @@ CASES = [dict(mode="dense"), dict(mode="lookahead", residency="resident"),
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
 def test_plan_matches_what_the_engine_allocates(eng_dir, overrides, num_host_blocks, kv_dtype):
     engine = Engine.from_dir(eng_dir, num_host_blocks=num_host_blocks, max_model_len=200, max_batch_size=3,
-                             top_k=5, block_size=8, kv_dtype=kv_dtype, **overrides)
+                             block_size=8, kv_dtype=kv_dtype, **settings_for(overrides["mode"], dict(top_k=5, **overrides)))
     try:
         plan = plan_memory(engine.manifest.model, engine.config, num_host_blocks, DTYPE_BYTES[engine.manifest.dtype])
         assert engine.pool.k.element_size() == DTYPE_BYTES[kv_dtype]       # the KV storage dtype, not the weights'

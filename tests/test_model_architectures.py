@@ -103,7 +103,9 @@ def test_bf16_prefill_is_close_to_transformers(built, case, impl):
     if impl == "c" and not cpu.available():
         pytest.skip("no CPU kernels")
     path, seq, ref = built[case]
-    _, ours, eng = decode(path, seq[:PROMPT_LEN].tolist(), 1, impl=impl, prefill_precision="bfloat16")
+    # the build verified what its host resolves; bf16 is held to transformers here instead
+    _, ours, eng = decode(path, seq[:PROMPT_LEN].tolist(), 1, impl=impl, prefill_precision="bfloat16",
+                          allow_unverified_precision=True)
     assert eng.ops.prefill == "bfloat16" and eng.ops.prefill_linear is not None
     scale = ref[PROMPT_LEN - 1].abs().max().item()
     torch.testing.assert_close(ours[0], ref[PROMPT_LEN - 1], rtol=0, atol=BF16_TOL * scale)

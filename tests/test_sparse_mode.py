@@ -20,6 +20,7 @@ from plugins import cpu
 from plugins.reference import block_topk_ref
 from runtime.config import LookaheadConfig
 from runtime.engine import Engine
+from runtime.spec import settings_for
 from runtime.lookahead.device_tier import SlotLayout
 from runtime.ops import select_ops
 from runtime.sampling import SamplingParams
@@ -46,7 +47,8 @@ def run(eng: Engine, prompts):
 
 
 def engine(d, fused: bool, **kw) -> Engine:
-    eng = Engine.from_dir(d, fused=fused, **{**GEOMETRY, **kw})
+    settings = {**GEOMETRY, **kw}
+    eng = Engine.from_dir(d, fused=fused, **settings_for(settings.get("mode", "dense"), settings))
     assert (eng.runner.fused is not None) == fused, eng.runner.fused_reason
     return eng
 
