@@ -194,7 +194,7 @@ def test_an_int8_engine_prefills_in_w8a8_close_to_its_weight_only_logits(int8_di
     ref = run(eng.sibling(prefill_precision="float32"), ps)
     for x, y in zip(w8a8[1], ref[1]):       # int8 activations per 64 inputs: ~2^-8 of each group's range
         assert float((x[0] - y[0]).abs().max()) < 0.1 * float(y[0].std())
-    bf = run(eng.sibling(prefill_precision="bfloat16"), ps)
+    bf = run(eng.sibling(prefill_precision="bfloat16", allow_unverified_precision=True), ps)   # the build verified int8
     for x, y in zip(bf[1], ref[1]):
         assert float((x[0] - y[0]).abs().max()) < 0.05 * float(y[0].std())
 
