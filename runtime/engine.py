@@ -39,11 +39,13 @@ from .scheduler import Scheduler
 from .spec import EngineSpec, clamp_top_k, resolve_spec  # noqa: F401  (clamp_top_k: its old home)
 from .sequence import Sequence, SeqStatus
 from .step import StepInterrupted
+from .threads import spin_setting
 from .transfer import TransferEngine, make_transfer_engine
 from .tokenizer import IncrementalDetokenizer, TextTokenizer
 
 log = logging.getLogger(__name__)
 
+_warned = {"spin": False}     # the default-spin warning: once a process
 INTERRUPT_POLL_S = 0.1   # how often a prompt-only step asks `step(interrupt=...)` between its layers
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -245,6 +247,9 @@ class Engine:
         model = load_model(manifest, device, spec.table(ops), spec.dtype, max_positions=spec.max_model_len)
         engine = cls(spec, model, tokenizer, max_queue, transfer, fused=fused)
         info = engine.describe()
+        if info["openmp_spin"].startswith("default") and not _warned["spin"]:
+            _warned["spin"] = True
+            log.warning("OpenMP spin: %s; another busy thread or process then slows every step", info["openmp_spin"])
         log.info("engine %s: mode %s, prompt rows %s (%s), decode rows %s, kernels %s, fused decode %s, in torch: %d",
                  info["name"], info["settings"]["mode"], spec.prefill, spec.why["prefill"], spec.decode,
                  info["kernels"]["table"] or "torch", info["fused_decode"], len(info["kernel_fallbacks"]))
@@ -449,7 +454,8 @@ class Engine:
                       "kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "vocab": m.vocab_size,
                       "weights": self.manifest.dtype,
                       "int8_group": int8_group(self.manifest) if self.manifest.quantization else None},
-            "device": str(self.device), "threads": self.threads, "max_model_len": self.max_model_len,
+            "device": str(self.device), "threads": self.threads, "openmp_spin": spin_setting(),
+            "max_model_len": self.max_model_len,
             "settings": {"mode": c.mode, "kv_dtype": c.kv_dtype, "block_size": c.block_size, "top_k": c.top_k,
                          "residency": c.residency, "miss_policy": c.miss_policy, "max_batch_size": c.max_batch_size,
                          "prefill_chunk": c.prefill_chunk, "prefix_caching": c.prefix_caching},

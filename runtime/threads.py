@@ -1,4 +1,4 @@
-"""Thread settings a process that runs an engine starts with, set by its entry point, never by an import.
+"""Thread settings a process that runs an engine starts with: set when `runtime` is imported before torch.
 
 OpenMP's idle workers spin before they sleep. libgomp's default spin (300,000 pauses, ~8 ms on the
 2-core dev VM) starved the transfer thread and anything else on the cores (5-12x slowdowns measured
@@ -8,13 +8,13 @@ calls. A short spin (GOMP_SPINCOUNT=10000, ~0.3 ms there) keeps them awake throu
 them sleep between steps.
 
 libgomp (loaded by `import torch`; the C kernels in plugins/cpu, built with -fopenmp, share it) reads
-the variable once, when it loads. So the launcher sets it, first thing, before anything imports
-torch: the scripts, `python -m runtime`, the Triton model and the Dynamo worker call
-`prepare_threads()`, the supervisor passes it in tritonserver's environment, and a child process
-started after the call inherits it. The library never sets it on import (importing this module
-loads no torch, so a launcher can import it first).
-Either variable set by the user wins. Embedding the engine in your own process: set it yourself
-before importing torch (docs/SETTINGS.md).
+the variable once, when it loads. So it is set before anything imports torch: by `import runtime`
+when torch is not loaded yet (the README's `from runtime.engine import Engine` as written), by the
+launchers (`prepare_threads()`: the scripts, `python -m runtime`, the Triton model, the Dynamo
+worker), and the supervisor passes it in tritonserver's environment; a child process started after
+it inherits it. Either variable set by the user wins. A process that imported torch first runs
+libgomp's default spin: `spin_setting()` says so, `Engine.describe()` reports it and the engine warns
+once at load (docs/SETTINGS.md: set it before importing torch).
 """
 from __future__ import annotations
 
@@ -45,6 +45,28 @@ def prepare_threads(env: MutableMapping[str, str] | None = None) -> dict[str, st
     added = thread_settings(env)
     env.update(added)
     return added
+
+
+_state = {"set_before_torch": False}
+
+
+def prepare_threads_on_import() -> None:
+    """`import runtime`'s part: the short spin, where torch (and so libgomp) is not loaded yet."""
+    import sys
+    if "torch" not in sys.modules and prepare_threads():
+        _state["set_before_torch"] = True
+
+
+def spin_setting(env: Mapping[str, str] | None = None) -> str:
+    """What the process's libgomp spins with, in words (for `Engine.describe()`); starts with
+    "default" where it runs libgomp's default spin, which starves other threads on a busy CPU."""
+    env = os.environ if env is None else env
+    if POLICY_VAR in env or (SPIN_VAR in env and not _state["set_before_torch"] and env[SPIN_VAR] != SPIN_DEFAULT):
+        return f"yours ({', '.join(f'{k}={env[k]}' for k in (SPIN_VAR, POLICY_VAR) if k in env)})"
+    if SPIN_VAR in env:
+        return f"{SPIN_VAR}={env[SPIN_VAR]}"
+    return (f"default: torch was loaded before runtime, and neither {SPIN_VAR} nor {POLICY_VAR} is set "
+            f"(set {SPIN_VAR}={SPIN_DEFAULT} before importing torch, or import runtime first)")
 
 
 def off_main_thread(factory: Callable[[], T], name: str = "engine-build") -> T:

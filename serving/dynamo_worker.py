@@ -54,7 +54,8 @@ response generator; `EngineLoop` polls the sink (every 0.2 s) and aborts the req
 which frees its KV blocks at its next step. The worker logs "cancelled ... KV blocks freed" with the
 pool's free count, and publishes the engine's stats (free_blocks, total_blocks, num_running,
 aborted_requests, ...) to `<run-dir>/worker-<i>.stats.json` and, when DYN_SYSTEM_PORT is set, on
-`GET http://127.0.0.1:$DYN_SYSTEM_PORT/engine/stats`.
+`GET http://127.0.0.1:$DYN_SYSTEM_PORT/engine/stats`; what the engine resolved at load (precisions and where
+they came from, kernels, the fused step, the memory plan: `Engine.describe()`) at `.../engine/spec`.
 """
 from __future__ import annotations
 
@@ -682,8 +683,13 @@ async def _run_worker(runtime, args: argparse.Namespace, state: dict[str, Any]) 
         return {**stats.snapshot(), "free_blocks_now": engine.allocator.num_free,
                 "num_live": engine_loop.num_live(), "num_requests": handler.num_requests,
                 "kv_events": dict(relay.counts) if relay else None}
+    spec = engine.describe()       # what the engine resolved at load (runtime/spec.py): fixed for its life
+
+    async def spec_route(body: dict) -> dict:
+        return spec
     try:
         runtime.register_engine_route("stats", stats_route)
+        runtime.register_engine_route("spec", spec_route)
     except Exception as e:       # no system server (DYN_SYSTEM_PORT unset): the stats file remains
         log.info("no /engine/stats route (%s); stats go to %s", e, stats.path)
 

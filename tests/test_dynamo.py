@@ -621,6 +621,10 @@ class TestLive:
         for i in range(2):       # the lookahead overrides reached every worker
             cfg = worker_stats(deployment, i)["config"]
             assert (cfg["max_model_len"], cfg["prefill_chunk"]) == (MAX_MODEL_LEN, 256)
+            # and what each resolved at load is served beside its stats
+            with urllib.request.urlopen(deployment.stats_url(i).replace("/stats", "/spec"), timeout=5) as r:
+                spec = json.loads(r.read())
+            assert spec["max_model_len"] == MAX_MODEL_LEN and spec["precision"]["prefill"] in ("float32", "bfloat16")
 
     def test_chat_equals_in_process_with_usage(self, client, reference):
         for key, prompt in (("chat", CHAT), ("chat_long", CHAT_LONG)):

@@ -1,7 +1,8 @@
-"""Thread settings are the launcher's: no import sets an environment variable, every entry sets them first.
+"""Thread settings are the runtime's: set before torch loads, by `import runtime` or an entry point.
 
 - importing the library (`runtime`, its engine, `plugins.cpu`, the Dynamo worker module) in a fresh
-  process leaves os.environ as it was;
+  process sets GOMP_SPINCOUNT and nothing else, only where torch is not loaded yet and the user set
+  neither variable, and an engine says which spin its process runs;
 - no file under runtime/ or plugins/ writes the environment (`os.environ[...] = `, `.setdefault`,
   `.update`, `.pop`, `del`, `os.putenv`, ...), read from the source with `ast`;
 - `runtime.threads.prepare_threads` gives the short OpenMP spin and leaves a user's GOMP_SPINCOUNT or
@@ -40,14 +41,25 @@ def run_python(code: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# ---- no import sets one --------------------------------------------------------------------------
-def test_importing_the_library_leaves_the_environment_alone():
-    code = ("import json, os\nbefore = dict(os.environ)\n"
-            "import runtime, runtime.engine, plugins.cpu, serving.dynamo_worker\n"
-            "after = dict(os.environ)\n"
-            "print(json.dumps({k: [before.get(k), after.get(k)] for k in before.keys() | after.keys()"
-            " if before.get(k) != after.get(k)}))")
-    assert run_python(code) == {}
+# ---- the import sets the spin, before torch and only then ----------------------------------------
+CHANGES = ("after = dict(os.environ)\n"
+           "from runtime.threads import spin_setting\n"
+           "print(json.dumps({'changed': {k: [before.get(k), after.get(k)] for k in before.keys() | after.keys()"
+           " if before.get(k) != after.get(k)}, 'spin': spin_setting()}))")
+
+
+@pytest.mark.parametrize("first", ["", "import torch\n", "os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'\n"],
+                         ids=["runtime-first", "torch-first", "users-policy"])
+def test_importing_the_library_sets_only_the_spin_and_only_before_torch(first):
+    code = (f"import json, os\n{first}before = dict(os.environ)\n"
+            "import runtime, runtime.engine, plugins.cpu, serving.dynamo_worker\n" + CHANGES)
+    out = run_python(code)
+    if first == "":
+        assert out == {"changed": {SPIN_VAR: [None, SPIN_DEFAULT]}, "spin": f"{SPIN_VAR}={SPIN_DEFAULT}"}
+    elif "torch" in first:        # libgomp already read its settings: nothing to gain, said instead
+        assert out["changed"] == {} and out["spin"].startswith("default: torch was loaded before runtime")
+    else:
+        assert out == {"changed": {}, "spin": "yours (OMP_WAIT_POLICY=PASSIVE)"}
 
 
 def _is_environ(node: ast.AST) -> bool:
@@ -104,7 +116,7 @@ def test_no_library_file_writes_the_environment():
     files = sorted(p for d in LIBRARY_DIRS for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts)
     assert files
     found = [f"{p.relative_to(ROOT)}:{line}: {code}" for p in files for line, code in environ_writes(p.read_text())]
-    assert not found, "set thread settings in the launcher (runtime/threads.py), not on import:\n" + "\n".join(found)
+    assert not found, "set thread settings through runtime/threads.py's prepare_threads:\n" + "\n".join(found)
 
 
 # ---- prepare_threads -----------------------------------------------------------------------------
