@@ -10,7 +10,8 @@ hidden, and what a CUDA graph would have to capture. This counts it on CPU: rand
 dirs (engine.yaml's `random_weights:` recipe, generated at load) with the torch table and no fused
 step; prompts of ragged lengths are prefilled, a few decode steps warm the step up (the lookahead
 working set settles), then every aten op that `Engine.step` dispatches over `--steps` decode steps
-is counted with a TorchDispatchMode (views apart: `OpOverload.is_view`, no launch on a GPU). A
+is counted with a TorchDispatchMode (views apart: `OpOverload.is_view`, no launch on a GPU;
+`--decompose`: a composite op counted as the ops it runs, see `OpCounter`). A
 case runs at two layer counts (`--layers 2 6`); the difference is the per-layer ops, extrapolated
 linearly to `--target-layers` (32). The count depends on the code path, not on the sizes: a tiny
 shape is used (`--shape` names a builder shape instead, its layer count overridden).
@@ -43,20 +44,33 @@ PROMPT_LENS = (97, 131, 64, 150, 113, 77, 120, 141)      # ragged contexts, take
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts every aten op dispatched under it (total, views, and per op name)."""
+    """Counts every aten op dispatched under it (total, views, and per op name).
 
-    def __init__(self):
+    Under inference mode (what `Engine.step` runs in) a composite op (`matmul`, `linear`,
+    `reshape`, `rms_norm`, ...) reaches the counter whole, and counts one. decompose=True counts
+    the ops it runs instead (a batched `matmul` whose operand must be copied into the batch
+    layout is a `clone` and a `bmm`): closer to the kernels a GPU launches, though a CUDA build
+    may have a fused kernel where the CPU's decomposition has several (`rms_norm`)."""
+
+    def __init__(self, decompose: bool = False):
         super().__init__()
-        self.total, self.views = 0, 0
+        self.total, self.views, self.decompose = 0, 0, decompose
         self.by_op: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.decompose and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(),
+                                                                               "CompositeImplicitAutograd"):
+            with self:                  # the mode is off inside its handler: count the parts
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         self.total += 1
-        if func.is_view:
+        if func.is_view or func.overloadpacket is torch.ops.aten._unsafe_view:   # (a view its schema omits)
             self.views += 1
         else:
             self.by_op[str(func.overloadpacket.__name__)] += 1
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
     @property
     def non_view(self) -> int:
@@ -107,7 +121,8 @@ class Count:
     by_op: Counter
 
 
-def count_step(path: Path, mode: str, batch: int, warm: int = 3, steps: int = 2, seed: int = 0) -> Count:
+def count_step(path: Path, mode: str, batch: int, warm: int = 3, steps: int = 2, seed: int = 0,
+               decompose: bool = False) -> Count:
     """The mean ops of one decode step of `batch` sequences after `warm` decode steps."""
     from runtime.sampling import SamplingParams
 
@@ -127,7 +142,7 @@ def count_step(path: Path, mode: str, batch: int, warm: int = 3, steps: int = 2,
             raise RuntimeError("the prompts did not finish prefilling")
         for _ in range(warm):
             engine.step()
-        counter = OpCounter()
+        counter = OpCounter(decompose)
         with counter:
             for _ in range(steps):
                 engine.step()
@@ -139,13 +154,13 @@ def count_step(path: Path, mode: str, batch: int, warm: int = 3, steps: int = 2,
 
 
 def measure(root: Path, layers: tuple[int, int] = (2, 6), target: int = 32, cases=CASES,
-            shape: str | None = None, warm: int = 3, steps: int = 2) -> list[dict]:
+            shape: str | None = None, warm: int = 3, steps: int = 2, decompose: bool = False) -> list[dict]:
     """One row per (mode, batch): the counts at both layer counts, per layer, and at `target` layers."""
     lo, hi = layers
     dirs = {n: engine_dir(root, n, shape) for n in layers}
     rows = []
     for mode, batch in cases:
-        a, b = (count_step(dirs[n], mode, batch, warm, steps) for n in layers)
+        a, b = (count_step(dirs[n], mode, batch, warm, steps, decompose=decompose) for n in layers)
         per = {k: (getattr(b, k) - getattr(a, k)) / (hi - lo) for k in ("total", "non_view")}
         at = {k: getattr(a, k) + per[k] * (target - lo) for k in ("total", "non_view")}
         per_op = Counter({op: (b.by_op[op] - a.by_op.get(op, 0)) / (hi - lo) for op in b.by_op})
@@ -179,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default=None, help="a builder shape (builder/shapes.py) instead of the tiny one")
     p.add_argument("--warm", type=int, default=3, help="decode steps before counting")
     p.add_argument("--steps", type=int, default=2, help="decode steps counted (the mean is reported)")
+    p.add_argument("--decompose", action="store_true",
+                   help="count the ops a composite op (matmul, linear, reshape, rms_norm) runs, not the op itself")
     p.add_argument("--top", type=int, default=0, help="print each case's N most frequent non-view ops per layer")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--engines", type=Path, default=None, help="where to write the engine dirs (default: a temp dir)")
@@ -186,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = tuple((m, int(b)) for m, b in (c.split(":") for c in a.cases))
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = measure(a.engines or Path(tmp), tuple(a.layers), a.target_layers, cases, a.shape, a.warm, a.steps)
+        rows = measure(a.engines or Path(tmp), tuple(a.layers), a.target_layers, cases, a.shape, a.warm, a.steps,
+                       a.decompose)
     print(table(rows, tuple(a.layers), a.target_layers))
     if a.top:
         for r in rows:
@@ -194,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['case']}: " + ", ".join(f"{k} {v:g}" for k, v in ops))
     if a.json:
         a.json.write_text(json.dumps(dict(command="python -m bench.op_count " + " ".join(argv or sys.argv[1:]),
-                                          torch=torch.__version__, layers=a.layers, target_layers=a.target_layers,
-                                          rows=rows), indent=2) + "\n")
+                                          torch=torch.__version__, decompose=a.decompose, layers=a.layers,
+                                          target_layers=a.target_layers, rows=rows), indent=2) + "\n")
     return 0
 
 
