@@ -40,3 +40,14 @@ def test_main_writes_json(engines, tmp_path, capsys):
     assert row["case"] == "dense b1" and row["total_per_layer"] > row["non_view_per_layer"] > 0
     assert row["total_4l"] == round(row["total_1l"] + 3 * row["total_per_layer"])
     assert "dense b1" in capsys.readouterr().out
+
+
+def test_dense_ops_per_layer_are_flat_in_the_batch(engines):
+    """The torch table's dense decode step attends to every sequence in one batch of ops: a layer
+    costs the same ops at batch 1 and 4 (the per-sequence loop grew 5 non-view ops a sequence)."""
+    per_layer = {}
+    for batch in (1, 4):
+        one, two = (op_count.count_step(engines[n], "dense", batch, warm=1, steps=1) for n in (1, 2))
+        per_layer[batch] = (two.total - one.total, two.non_view - one.non_view)
+    assert per_layer[1] == per_layer[4]
+    assert per_layer[4][1] <= 30
