@@ -92,6 +92,24 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return out.squeeze(0).transpose(0, 1)
 
 
+class PaddedDecode:
+    """A step of decode rows only, its dense attention held as tensors: each layer stores its rows
+    and attends with `paged_decode_attention` over the step's padded block tables. What the torch
+    table's `DenseStep` runs for such a step, and what a compiled graph of the step traces
+    (`DenseRunner.compile_decode`): nothing in `forward` reads a Python value made from the step's
+    data, so the model's work of the step is one graph (0 breaks)."""
+
+    def __init__(self, pool: KVPool, scale: float, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
+                 table: torch.Tensor, hide: torch.Tensor):
+        self.pool, self.scale = pool, scale
+        self.slot_blocks, self.slot_offsets, self.table, self.hide = slot_blocks, slot_offsets, table, hide
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.pool.write(layer_idx, k, v, self.slot_blocks, self.slot_offsets)
+        return paged_decode_attention(q, self.pool.k[layer_idx], self.pool.v[layer_idx], self.table, self.hide,
+                                      self.scale)
+
+
 class DenseAttention:
     """Dense mode's attention over a KVPool. `step(batch)` gives one step's AttentionBackend; the
     batch is an argument, never state set from outside. `selection`: sparse mode's
@@ -114,6 +132,7 @@ class DenseStep:
         self.pool, self.scale, self.batch, self.ops, self.selection = pool, scale, batch, ops, selection
         self._paged: tuple | None = None     # the step's batched decode items, see _paged_decode
         self._batched: tuple | None = None   # the same for the torch table, see _batched_decode
+        self._padded: PaddedDecode | None | bool = False     # see padded (False: not worked out yet)
 
     def _paged_decode(self) -> tuple:
         """(rows, tables, lens, mask, row set) of the step's decode items, for one kernel call a
@@ -163,6 +182,19 @@ class DenseStep:
         self._batched = (index, table, hide, tables, lens, frozenset(rows), every)
         return self._batched
 
+    def padded(self) -> PaddedDecode | None:
+        """This step as a `PaddedDecode` when the torch table runs it (no paged kernel) and it is
+        decode rows only, one per item in item order, outside sparse mode (whose selection is
+        worked out per sequence); else None."""
+        if self._padded is False:
+            self._padded = None
+            if self.ops.paged_attention is None and self.selection is None and not self.batch.store_only:
+                rows, table, hide, _, _, _, every = self._batched_decode()
+                if every:
+                    b = self.batch
+                    self._padded = PaddedDecode(self.pool, self.scale, b.slot_blocks, b.slot_offsets, table, hide)
+        return self._padded
+
     def _prefill_kernel(self, it) -> bool:
         """Whether item `it` takes the table's prefill attention: a prompt chunk, when the table
         has one (at float32 prompt rows attend as they always did: torch's, or the paged kernel
@@ -184,21 +216,20 @@ class DenseStep:
         return tables, lens
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if (padded := self.padded()) is not None:   # a decode step on the torch table
+            return padded.forward(layer_idx, q, k, v)
         b = self.batch
         self.pool.write(layer_idx, k, v, b.slot_blocks, b.slot_offsets)
         sel = self.selection
         if self.ops.paged_attention is None:          # the torch table: the decode items in one batch
-            rows, table, hide, tables, lens, done, every = self._batched_decode()
-            out = None if every else torch.empty_like(q)
+            rows, table, hide, tables, lens, done, _ = self._batched_decode()
+            out = torch.empty_like(q)
             if rows is not None:
                 if sel is not None:     # the selection's key mask [B, KVH, max(lens)], padded
                     m = sel.mask(layer_idx, q[rows], None, lens, tables)
                     hide = ~F.pad(m, (0, hide.shape[-1] - m.shape[-1]))
-                o = paged_decode_attention(q[rows], self.pool.k[layer_idx], self.pool.v[layer_idx], table, hide,
-                                           self.scale)
-                if every:               # a decode step: its output is the attention's, rows in order
-                    return o
-                out[rows] = o
+                out[rows] = paged_decode_attention(q[rows], self.pool.k[layer_idx], self.pool.v[layer_idx], table,
+                                                   hide, self.scale)
         else:
             out = torch.empty_like(q)
             rows, tables, lens, mask, done = self._paged_decode()
