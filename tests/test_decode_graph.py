@@ -13,7 +13,7 @@ import torch
 
 from runtime.engine import Engine
 from runtime.sampling import SamplingParams
-from tiny_engine import make_tiny_engine, random_prompts
+from tiny_engine import QWEN3_YARN, make_tiny_engine, random_prompts
 
 
 def _compile_unavailable() -> str | None:
@@ -36,6 +36,12 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_engine(tmp_path_factory.mktemp("graph"), seed=7)
 
 
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """qwen3's q/k head norms with YaRN RoPE: the layer's other branch."""
+    return make_tiny_engine(tmp_path_factory.mktemp("graph_qwen3"), seed=8, **QWEN3_YARN)
+
+
 def _logged(engine: Engine) -> list[dict]:
     """Every step's {seq_id: logits}, recorded from the runner."""
     steps, run = [], engine.runner.run
@@ -48,15 +54,17 @@ def _logged(engine: Engine) -> list[dict]:
     return steps
 
 
-def test_compiled_decode_step_equals_eager(tiny_dir):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_decode_step_equals_eager(tiny_dir, qwen3_dir, arch):
     import torch._dynamo as dynamo
 
+    path = tiny_dir if arch == "llama" else qwen3_dir
     dynamo.reset()
     dynamo.utils.counters.clear()
     prompts = random_prompts(9, 22, 14, seed=3)
     kw = dict(impl="torch", fused=False, block_size=4, max_batch_size=3, prefill_chunk=64)   # one prefill step
-    eager = Engine.from_dir(tiny_dir, **kw)
-    graph = Engine.from_dir(tiny_dir, **kw)
+    eager = Engine.from_dir(path, **kw)
+    graph = Engine.from_dir(path, **kw)
     assert graph.runner.compile_decode(backend="aot_eager") is None
     compiled, calls = graph.runner.graph, []
     graph.runner.graph = lambda *a: calls.append(a[0].shape[0]) or compiled(*a)
