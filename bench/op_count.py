@@ -17,7 +17,10 @@ linearly to `--target-layers` (32). The count depends on the code path, not on t
 shape is used (`--shape` names a builder shape instead, its layer count overridden).
 
 The lookahead engine copies with the "sync" transfer engine, so its copies are dispatched (and
-counted) on the step's thread, where a CUDA engine's copy launches would be too.
+counted) on the step's thread, where a CUDA engine's copy launches would be too. On CPU the torch
+table calls the lookahead ops' torch implementations directly (`plugins.direct`: their inner ops
+are counted); a CUDA engine's torch table calls `torch.ops.lookahead.*`, each one CUDA kernel
+there: `--dispatcher` builds the table so, and each lookahead op counts one (dense calls none).
 """
 from __future__ import annotations
 
@@ -105,11 +108,22 @@ def engine_dir(root: Path, layers: int, shape: str | None = None, seed: int = 0)
     return path
 
 
-def make_engine(path: Path, mode: str, batch: int):
+def make_engine(path: Path, mode: str, batch: int, dispatcher: bool = False):
+    """The engine of a case: the torch table, no fused step; dispatcher: its lookahead ops through
+    `torch.ops.lookahead` (as a CUDA engine's torch table calls them)."""
+    from dataclasses import replace
+
     from runtime.engine import Engine
+    from runtime.ops import select_ops
 
     overrides = dict(LOOKAHEAD) if mode == "lookahead" else dict(mode=mode)
     kw = dict(transfer="sync") if mode == "lookahead" else {}
+    if dispatcher:
+        d = torch.ops.lookahead
+        kw["ops"] = replace(select_ops(torch.device("cpu"), torch.float32, impl="torch"),
+                            block_gather=d.block_gather, block_topk=d.block_topk,
+                            update_summaries=d.update_summaries, lookahead_attention=d.lookahead_attention,
+                            name="torch/cpu+dispatcher")
     return Engine.from_dir(path, device="cpu", impl="torch", fused=False, max_batch_size=max(batch, 1),
                            prefix_caching=False, max_model_len=1024, **kw, **overrides)
 
@@ -122,11 +136,11 @@ class Count:
 
 
 def count_step(path: Path, mode: str, batch: int, warm: int = 3, steps: int = 2, seed: int = 0,
-               decompose: bool = False) -> Count:
+               decompose: bool = False, dispatcher: bool = False) -> Count:
     """The mean ops of one decode step of `batch` sequences after `warm` decode steps."""
     from runtime.sampling import SamplingParams
 
-    engine = make_engine(path, mode, batch)
+    engine = make_engine(path, mode, batch, dispatcher)
     try:
         g = torch.Generator().manual_seed(seed)
         params = SamplingParams(max_tokens=warm + steps + 8, ignore_eos=True)
@@ -154,13 +168,15 @@ def count_step(path: Path, mode: str, batch: int, warm: int = 3, steps: int = 2,
 
 
 def measure(root: Path, layers: tuple[int, int] = (2, 6), target: int = 32, cases=CASES,
-            shape: str | None = None, warm: int = 3, steps: int = 2, decompose: bool = False) -> list[dict]:
+            shape: str | None = None, warm: int = 3, steps: int = 2, decompose: bool = False,
+            dispatcher: bool = False) -> list[dict]:
     """One row per (mode, batch): the counts at both layer counts, per layer, and at `target` layers."""
     lo, hi = layers
     dirs = {n: engine_dir(root, n, shape) for n in layers}
     rows = []
     for mode, batch in cases:
-        a, b = (count_step(dirs[n], mode, batch, warm, steps, decompose=decompose) for n in layers)
+        a, b = (count_step(dirs[n], mode, batch, warm, steps, decompose=decompose, dispatcher=dispatcher)
+                for n in layers)
         per = {k: (getattr(b, k) - getattr(a, k)) / (hi - lo) for k in ("total", "non_view")}
         at = {k: getattr(a, k) + per[k] * (target - lo) for k in ("total", "non_view")}
         per_op = Counter({op: (b.by_op[op] - a.by_op.get(op, 0)) / (hi - lo) for op in b.by_op})
@@ -196,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2, help="decode steps counted (the mean is reported)")
     p.add_argument("--decompose", action="store_true",
                    help="count the ops a composite op (matmul, linear, reshape, rms_norm) runs, not the op itself")
+    p.add_argument("--dispatcher", action="store_true",
+                   help="the lookahead ops through torch.ops.lookahead, one op each (a CUDA engine's torch table)")
     p.add_argument("--top", type=int, default=0, help="print each case's N most frequent non-view ops per layer")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--engines", type=Path, default=None, help="where to write the engine dirs (default: a temp dir)")
@@ -204,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         rows = measure(a.engines or Path(tmp), tuple(a.layers), a.target_layers, cases, a.shape, a.warm, a.steps,
-                       a.decompose)
+                       a.decompose, a.dispatcher)
     print(table(rows, tuple(a.layers), a.target_layers))
     if a.top:
         for r in rows:
@@ -212,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['case']}: " + ", ".join(f"{k} {v:g}" for k, v in ops))
     if a.json:
         a.json.write_text(json.dumps(dict(command="python -m bench.op_count " + " ".join(argv or sys.argv[1:]),
-                                          torch=torch.__version__, decompose=a.decompose, layers=a.layers,
+                                          torch=torch.__version__, decompose=a.decompose,
+                                          dispatcher=a.dispatcher, layers=a.layers,
                                           target_layers=a.target_layers, rows=rows), indent=2) + "\n")
     return 0
 

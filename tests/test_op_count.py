@@ -51,3 +51,13 @@ def test_dense_ops_per_layer_are_flat_in_the_batch(engines):
         per_layer[batch] = (two.total - one.total, two.non_view - one.non_view)
     assert per_layer[1] == per_layer[4]
     assert per_layer[4][1] <= 30
+
+
+def test_dispatcher_counts_each_lookahead_op_once(engines):
+    """--dispatcher: the lookahead ops through torch.ops.lookahead (a CUDA engine's torch table),
+    one op each a layer, where the CPU torch table's direct calls count their inner ops."""
+    direct, dispatched = (op_count.count_step(engines[1], "lookahead", 2, warm=1, steps=1, dispatcher=d)
+                          for d in (False, True))
+    assert dispatched.by_op["lookahead_attention"] == 1 and "lookahead_attention" not in direct.by_op
+    assert dispatched.by_op["block_topk"] >= 1
+    assert direct.non_view > dispatched.non_view
