@@ -44,19 +44,28 @@ class DenseRunner:
     engine was built with `fused=False`). Every other step, and a step the C path refuses, runs
     the Python path (the model's layers over `DenseStep`), which is the reference.
 
+    On the torch table a decode step's rows attend in one batch of ops (`DenseStep.padded`); with
+    `graph` (or `compile_decode`) the model's work of such a step runs as one graph compiled with
+    `torch.compile(fullgraph=True)` (the torch path's CUDA-graph candidate: no Python between its
+    ops). The first steps compile it (again when the batch or the longest context changes shape,
+    after which those dims are dynamic); every other step runs eagerly as before.
+
     Sparse mode (`attn.selection`, runtime/sparse.py) is the same runner: its decode rows attend to
     their top-K selection in place (the fused step does the selection in C too), and after every
     step the rows it stored fold into their blocks' summaries."""
 
     def __init__(self, model: LlamaModel, attn: DenseAttention, block_size: int,
                  prefill_cache: PrefillCache | None = None, observers: Observers | None = None,
-                 fused: bool = True):
+                 fused: bool = True, graph: bool = False):
         self.model, self.attn, self.block_size = model, attn, block_size
         self.selection = attn.selection           # sparse mode's (runtime/sparse.py), or None
         self.prefill_cache = prefill_cache
         self.observers = observers if observers is not None else Observers()
         self._want_fused = fused
         self._bind_fused()
+        self.graph, self.graph_reason = None, "graph=False"     # the compiled decode step, or why not
+        if graph:
+            self.compile_decode()
 
     def _bind_fused(self) -> None:
         pool = self.attn.pool
@@ -64,6 +73,29 @@ class DenseRunner:
                                                                   selection=self.selection)
                                          if self._want_fused else (None, "fused=False"))
         self._fused_weights = self.model.weights_version
+
+    def compile_decode(self, **compile_kwargs) -> str | None:
+        """Run the torch table's decode steps through `torch.compile(model.forward, fullgraph=True,
+        **compile_kwargs)` (default backend inductor; compiled lazily, at the first such step).
+        Returns why not (and compiles nothing) where those steps do not run the torch path: a
+        table with a paged kernel or a fused step, sparse mode."""
+        why = None
+        if self.fused is not None or self.attn.ops.paged_attention is not None:
+            why = f"ops {self.attn.ops.name or 'custom'} run a decode step in their kernels"
+        elif self.selection is not None:
+            why = "sparse mode selects per sequence"
+        if why is None:
+            import torch._dynamo.eval_frame as dynamo
+            try:
+                dynamo.check_if_dynamo_supported()
+            except RuntimeError as e:
+                why = f"torch.compile is unavailable here: {e}"
+        if why is not None:
+            self.graph, self.graph_reason = None, why
+            return why
+        self.graph = torch.compile(self.model.forward, fullgraph=True, **compile_kwargs)
+        self.graph_reason = None
+        return None
 
     def release(self, seq: Sequence) -> None:
         """Nothing per sequence to free beyond its blocks (the scheduler frees those)."""
@@ -107,6 +139,10 @@ class DenseRunner:
         step = self.attn.step(batch)        # this step's backend: the batch is its argument
         rec = cache.record(self.model, work, items, self.attn.pool.dtype) if cache is not None else None
         hidden = self._fused_step(step, batch) if rec is None else None          # [T, hidden] or None
+        if hidden is None and rec is None and interrupt is None and self.graph is not None:
+            padded = step.padded()      # a decode step on the torch table: the compiled graph
+            if padded is not None:
+                hidden = self.graph(batch.tokens, batch.positions, padded)
         if hidden is None:
             backend = rec.wrap(step, len(self.model.layers)) if rec else step
             if interrupt is not None:

@@ -46,10 +46,13 @@ def test_cached_greedy_equals_full_recompute(tiny_dir, chunk, kv_dtype):
         assert out.token_ids == reference_greedy(eng.model, p, 12, rounding)
 
 
-def test_batched_sequences_of_different_lengths_match_alone(tiny_dir):
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_batched_sequences_of_different_lengths_match_alone(tiny_dir, impl):
+    """torch: the decode items attend in one batch padded to the longest (paged_decode_attention)."""
     prompts = [prompt(s, n) for s, n in [(1, 5), (2, 40), (3, 17), (4, 64)]]
-    alone = [Engine.from_dir(tiny_dir, max_batch_size=1).generate([p], GREEDY)[0].token_ids for p in prompts]
-    together = Engine.from_dir(tiny_dir, max_batch_size=4, prefill_chunk=24).generate(prompts, GREEDY)
+    alone = [Engine.from_dir(tiny_dir, max_batch_size=1, impl=impl).generate([p], GREEDY)[0].token_ids
+             for p in prompts]
+    together = Engine.from_dir(tiny_dir, max_batch_size=4, prefill_chunk=24, impl=impl).generate(prompts, GREEDY)
     assert [c.token_ids for c in together] == alone
 
 
@@ -73,9 +76,10 @@ def test_chunked_prefill_logits_equal_one_shot(tiny_dir, kv_dtype):
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
 
 
-def test_noncontiguous_block_tables_read_correctly(tiny_dir):
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_noncontiguous_block_tables_read_correctly(tiny_dir, impl):
     """Interleave admissions so block runs are fragmented; results must not change."""
-    eng = Engine.from_dir(tiny_dir, max_batch_size=4, block_size=4, num_host_blocks=64)
+    eng = Engine.from_dir(tiny_dir, max_batch_size=4, block_size=4, num_host_blocks=64, impl=impl)
     eng.allocator.allocate(3)                   # holes at the front of the free list
     hole = eng.allocator.allocate(2)
     eng.allocator.allocate(1)
@@ -84,6 +88,65 @@ def test_noncontiguous_block_tables_read_correctly(tiny_dir):
     out = eng.generate([p], GREEDY)[0]
     with torch.inference_mode():
         assert out.token_ids == reference_greedy(eng.model, p, 12)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_torch_table_attends_the_decode_items_in_one_batch(kv_dtype, sparse):
+    """The torch table's dense step (no paged kernel): the decode items of ragged contexts, their
+    blocks in a run or scattered, beside a prompt chunk, attend in one batch of ops, padded to the
+    longest (no loop over them); each equals its sequence's own attention over the pool (what the
+    per-sequence path computed), sparse mode's selected keys too; fresh random inputs."""
+    from runtime.attention_dense import DenseAttention, decode_attention, prefill_attention
+    from runtime.config import LookaheadConfig, ModelConfig
+    from runtime.kv_pool import KVPool
+    from runtime.ops import select_ops
+    from runtime.sparse import BlockSelection
+    from runtime.step import StepBatch, StepItem
+
+    g = torch.Generator().manual_seed(61)
+    cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=2,
+                      num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    bs = 4
+    pool = KVPool(cfg, num_blocks=64, block_size=bs, dtype=kv_dtype)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=g)), pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+    items = [StepItem(0, 0, 1, 36, list(range(2, 12))),            # decode at 37 tokens, blocks 2..11
+             StepItem(1, 1, 1, 12, [50, 40, 41, 44]),               # decode, scattered blocks, a full last block
+             StepItem(2, 2, 3, 8, [30, 31, 32]),                    # a prompt chunk at 8..10
+             StepItem(3, 5, 1, 4, [20, 21, 22]),                    # decode at 5 tokens (a table longer than it)
+             StepItem(4, 6, 1, 0, [60])]                            # a one-token prompt: attends as a decode row
+    batch = StepBatch.build(items, [0] * 7, bs)
+    q, k, v = (torch.randn(7, h, 16, generator=g) for h in (6, 2, 2))
+    ops = select_ops(torch.device("cpu"), torch.float32, impl="torch")
+    assert ops.paged_attention is None
+    sel = None
+    if sparse:
+        sel = BlockSelection(cfg, LookaheadConfig(mode="sparse", block_size=bs, top_k=2, recent_window=8,
+                                                  num_sink_blocks=1), pool, ops)
+        a, b = torch.randn(sel.kmin.shape, generator=g), torch.randn(sel.kmin.shape, generator=g)
+        sel.kmin.copy_(torch.minimum(a, b)), sel.kmax.copy_(torch.maximum(a, b))
+    calls = []
+
+    def one_batch(q, k, v, *args):              # the batched kernel, its calls noted
+        calls.append(q.shape[0])
+        return paged(q, k, v, *args)
+    import runtime.attention_dense as dense
+    paged = dense.paged_decode_attention
+    try:
+        dense.paged_decode_attention = one_batch
+        out = DenseAttention(pool, 0.25, ops, sel).step(batch).forward(1, q, k, v)
+    finally:
+        dense.paged_decode_attention = paged
+    assert calls == [4]                         # the four one-token items, once
+    for it in items:
+        rows = slice(it.row_start, it.row_start + it.num_tokens)
+        kc, vc = pool.read(1, it.block_table, it.context_len)
+        if it.num_tokens == 1:
+            m = None if sel is None else sel.mask_for(1, q[rows][0], it.block_table, it.context_len)
+            expected = decode_attention(q[rows][0], kc, vc, 0.25, m)[None]
+        else:
+            expected = prefill_attention(q[rows], kc, vc)
+        torch.testing.assert_close(out[rows], expected, atol=2e-6, rtol=1e-5)
 
 
 def test_seeded_sampling_is_reproducible_and_varies_with_seed(tiny_dir):
