@@ -100,7 +100,7 @@ def int8_group(manifest: Manifest) -> int:
 class Engine:
     def __init__(self, spec: EngineSpec, model: LlamaModel, tokenizer: TextTokenizer, max_queue: int = 256,
                  transfer: str | TransferEngine | None = None, prefill_cache: PrefillCache | None = None,
-                 fused: bool = True):
+                 fused: bool = True, graph: bool = False):
         """The engine `spec` describes (`resolve_spec`: everything decided before this runs) over
         `model`, which it runs where the model lives with the spec's kernel table (the model's own,
         its prefill and decode entries at the spec's precisions); everything else it makes lives there
@@ -112,7 +112,9 @@ class Engine:
         prefill_cache: shared by engines over the same `model`, a prompt prefilled by one is
         replayed by the others (runtime/prefill_cache.py), e.g. one prompt under several modes.
         fused: a decode step may run as the kernel table's fused C step or layer (False: the
-        model's Python layers, the reference, every step)."""
+        model's Python layers, the reference, every step). graph: a dense decode step on the torch
+        table runs as one `torch.compile(fullgraph=True)` graph (`DenseRunner.compile_decode`;
+        `describe()["decode_graph"]` says why not where it does not apply)."""
         manifest, config = spec.manifest, spec.config
         model = model.with_ops(spec.table(model.ops)).with_positions(spec.max_model_len)   # RoPE for every position
         # the compute threads every step runs with, whichever thread calls `step`: the count of the
@@ -121,6 +123,7 @@ class Engine:
         self.threads = torch.get_num_threads()
         self.spec, self.max_model_len = spec, spec.max_model_len
         self.device, self.ops, self.debug_checks, self.fused = model.device, model.ops, spec.debug_checks, fused
+        self.graph = graph
         self.kernel_fallbacks = kernel_fallbacks(model.ops)
         for why in self.kernel_fallbacks:
             log.warning("%s", why)
@@ -176,7 +179,8 @@ class Engine:
         if cfg.mode in ("dense", "sparse"):
             selection = BlockSelection(mcfg, cfg, self.pool, self.ops) if cfg.mode == "sparse" else None
             return DenseRunner(self.model, DenseAttention(self.pool, mcfg.head_dim ** -0.5, self.ops, selection),
-                               cfg.block_size, self.prefill_cache, self.observers, fused=self.fused)
+                               cfg.block_size, self.prefill_cache, self.observers, fused=self.fused,
+                               graph=self.graph)
         from .draft import DraftChain, make_draft
         from .lookahead.attention import LookaheadAttention
         from .lookahead.runner import LookaheadRunner
@@ -209,7 +213,7 @@ class Engine:
                             debug_checks=self.debug_checks, num_host_blocks=num_host_blocks, weights=False,
                             allow_unverified_precision=allow_unverified_precision or bool(self.spec.unverified))
         return Engine(spec, self.model, self.tokenizer, transfer=transfer, prefill_cache=prefill_cache,
-                      fused=self.fused if fused is None else fused)
+                      fused=self.fused if fused is None else fused, graph=self.graph)
 
     def close(self) -> None:
         """Stop background workers (the transfer engine's thread)."""
@@ -222,7 +226,7 @@ class Engine:
     def from_dir(cls, path: str | Path, *, device: str | torch.device | None = None, verify_checksums: bool = True,
                  num_host_blocks: int | None = None, max_queue: int = 256,
                  transfer: str | TransferEngine | None = None, ops: Ops | None = None,
-                 impl: str = "auto", debug_checks: bool = False, fused: bool = True,
+                 impl: str = "auto", debug_checks: bool = False, fused: bool = True, graph: bool = False,
                  allow_unverified_precision: bool = False, **overrides: Any) -> "Engine":
         """Load an engine dir (refusing an incomplete, incompatible or tampered one).
 
@@ -231,7 +235,7 @@ class Engine:
         (e.g. mode="lookahead", top_k=64); a setting the mode does not read, or a precision the build
         did not verify (unless allow_unverified_precision), is a ConfigError naming it.
         Test knobs: ops (the kernel table; default the spec's), impl ("auto", "c", "torch",
-        "checked"; "auto" is "checked" with `debug_checks`), fused (as `Engine`'s), transfer.
+        "checked"; "auto" is "checked" with `debug_checks`), fused and graph (as `Engine`'s), transfer.
         """
         device = resolve_device(device)
         manifest = load_manifest(path, verify_checksums=verify_checksums)
@@ -245,7 +249,7 @@ class Engine:
         tokenizer = TextTokenizer.from_engine(manifest)
         # weights.safetensors read onto `device`, or a random_weights recipe generated there
         model = load_model(manifest, device, spec.table(ops), spec.dtype, max_positions=spec.max_model_len)
-        engine = cls(spec, model, tokenizer, max_queue, transfer, fused=fused)
+        engine = cls(spec, model, tokenizer, max_queue, transfer, fused=fused, graph=graph)
         info = engine.describe()
         if info["openmp_spin"].startswith("default") and not _warned["spin"]:
             _warned["spin"] = True
@@ -464,6 +468,7 @@ class Engine:
                         "base_library": loader.unavailable_reason() or "loaded",
                         "avx512_library": loader.avx512_unavailable_reason() or "loaded"},
             "fused_decode": getattr(self.runner, "fused_reason", None) or "yes",
+            "decode_graph": getattr(self.runner, "graph_reason", "not in lookahead mode") or "yes",
             "kernel_fallbacks": list(self.kernel_fallbacks),
             "memory_plan_bytes": {**self.memory_plan.components(), "total": self.memory_plan.total},
         }

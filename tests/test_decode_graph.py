@@ -90,3 +90,10 @@ def test_compile_decode_refuses_where_kernels_run_the_step(tiny_dir):
     if cpu.available():
         c = Engine.from_dir(tiny_dir)
         assert "run a decode step in their kernels" in c.runner.compile_decode() and c.runner.graph is None
+
+
+def test_the_engine_switch_and_its_report(tiny_dir):
+    eng = Engine.from_dir(tiny_dir, impl="torch", fused=False, graph=True, block_size=4)
+    assert eng.runner.graph is not None and eng.describe()["decode_graph"] == "yes"
+    assert eng.sibling(mode="sparse").describe()["decode_graph"] == "sparse mode selects per sequence"
+    assert Engine.from_dir(tiny_dir, block_size=4).describe()["decode_graph"] == "graph=False"
