@@ -476,12 +476,13 @@ def test_bandwidth_probe_divisor_is_robust_to_a_stalled_sample():
 @pytest.mark.slow
 def test_bench_smoke(default_engine_dir, tmp_path, capsys):
     """One point (512 tokens x 2), ours dense + sparse-ondemand, transformers' three paths. The
-    static-compile row is timed or "not available (...)" (compile capped by --compile-timeout, so
-    the test does not depend on torch.compile); offloaded needs CUDA. Under ~2 minutes on 2 cores."""
+    static-compile row is "not available (...)": its compile is cut by a --compile-timeout of 1 s
+    (a CPU compile of the model takes ~40-60 s here, which a timed row would add to every run);
+    offloaded needs CUDA. About a minute on 2 cores."""
     out = tmp_path / "bench.json"
     rc = bench_py.main(["--engine", str(default_engine_dir), "--contexts", "512", "--batches", "2",
                      "--decode-steps", "2", "--warmup-steps", "1", "--modes", "dense,sparse-ondemand",
-                     "--hf-impls", "default,static-compile,offloaded", "--compile-timeout", "60",
+                     "--hf-impls", "default,static-compile,offloaded", "--compile-timeout", "1",
                      "--threads", "1", "--json", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -504,11 +505,7 @@ def test_bench_smoke(default_engine_dir, tmp_path, capsys):
         assert 0 < during["worst_gbps"] <= during["median_gbps"] <= during["best_gbps"]
         assert r["floor_bandwidth_gbps"] == during["median_gbps"]
         assert r["floor_ms"] == pytest.approx(1000 * r["step_read_bytes"] / (during["median_gbps"] * 1e9))
-    static = rows["transformers-static-compile"]
-    if static.get("error"):
-        assert static["error"].startswith("not available (")
-    else:
-        assert math.isfinite(static["decode_tokens_per_s"]) and static["compile_s"] > 0
+    assert rows["transformers-static-compile"]["error"].startswith("not available (torch.compile took over 1 s")
     if not torch.cuda.is_available():
         assert "needs CUDA" in rows["transformers-offloaded"]["error"]
     table = capsys.readouterr().out.rstrip().splitlines()
