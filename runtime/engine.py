@@ -39,6 +39,7 @@ from .scheduler import Scheduler
 from .spec import EngineSpec, clamp_top_k, resolve_spec  # noqa: F401  (clamp_top_k: its old home)
 from .sequence import Sequence, SeqStatus
 from .step import StepInterrupted
+from .thread_tuner import ThreadTuner
 from .threads import spin_setting
 from .transfer import TransferEngine, make_transfer_engine
 from .tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -100,7 +101,7 @@ def int8_group(manifest: Manifest) -> int:
 class Engine:
     def __init__(self, spec: EngineSpec, model: LlamaModel, tokenizer: TextTokenizer, max_queue: int = 256,
                  transfer: str | TransferEngine | None = None, prefill_cache: PrefillCache | None = None,
-                 fused: bool = True, graph: bool = False):
+                 fused: bool = True, graph: bool = False, adaptive_threads: bool = True):
         """The engine `spec` describes (`resolve_spec`: everything decided before this runs) over
         `model`, which it runs where the model lives with the spec's kernel table (the model's own,
         its prefill and decode entries at the spec's precisions); everything else it makes lives there
@@ -114,13 +115,17 @@ class Engine:
         fused: a decode step may run as the kernel table's fused C step or layer (False: the
         model's Python layers, the reference, every step). graph: a dense decode step on the torch
         table runs as one `torch.compile(fullgraph=True)` graph (`DenseRunner.compile_decode`;
-        `describe()["decode_graph"]` says why not where it does not apply)."""
+        `describe()["decode_graph"]` says why not where it does not apply). adaptive_threads: a step
+        may run on fewer threads than the engine's while measured steps say fewer are faster (another
+        process on a core; runtime/thread_tuner.py); False: always the engine's count."""
         manifest, config = spec.manifest, spec.config
         model = model.with_ops(spec.table(model.ops)).with_positions(spec.max_model_len)   # RoPE for every position
         # the compute threads every step runs with, whichever thread calls `step`: the count of the
         # thread that builds the engine (a thread started later may inherit another default: a
         # lookahead engine's copy worker runs single-threaded, and OpenMP hands that to new threads)
         self.threads = torch.get_num_threads()
+        # fewer threads for a step while fewer are faster (a busy core: runtime/thread_tuner.py)
+        self.tuner = ThreadTuner(self.threads, enabled=adaptive_threads)
         self.spec, self.max_model_len = spec, spec.max_model_len
         self.device, self.ops, self.debug_checks, self.fused = model.device, model.ops, spec.debug_checks, fused
         self.graph = graph
@@ -213,7 +218,8 @@ class Engine:
                             debug_checks=self.debug_checks, num_host_blocks=num_host_blocks, weights=False,
                             allow_unverified_precision=allow_unverified_precision or bool(self.spec.unverified))
         return Engine(spec, self.model, self.tokenizer, transfer=transfer, prefill_cache=prefill_cache,
-                      fused=self.fused if fused is None else fused, graph=self.graph)
+                      fused=self.fused if fused is None else fused, graph=self.graph,
+                      adaptive_threads=self.tuner.enabled)
 
     def close(self) -> None:
         """Stop background workers (the transfer engine's thread)."""
@@ -227,13 +233,15 @@ class Engine:
                  num_host_blocks: int | None = None, max_queue: int = 256,
                  transfer: str | TransferEngine | None = None, ops: Ops | None = None,
                  impl: str = "auto", debug_checks: bool = False, fused: bool = True, graph: bool = False,
-                 allow_unverified_precision: bool = False, **overrides: Any) -> "Engine":
+                 adaptive_threads: bool = True, allow_unverified_precision: bool = False,
+                 **overrides: Any) -> "Engine":
         """Load an engine dir (refusing an incomplete, incompatible or tampered one).
 
         device: where the engine runs (None: CUDA when torch has a GPU, else CPU); a device that
         is not there is a ConfigError naming `device`. `overrides` replace settings of engine.yaml's
         (e.g. mode="lookahead", top_k=64); a setting the mode does not read, or a precision the build
         did not verify (unless allow_unverified_precision), is a ConfigError naming it.
+        adaptive_threads: as `Engine`'s (a benchmark that wants a fixed count passes False).
         Test knobs: ops (the kernel table; default the spec's), impl ("auto", "c", "torch",
         "checked"; "auto" is "checked" with `debug_checks`), fused and graph (as `Engine`'s), transfer.
         """
@@ -249,7 +257,8 @@ class Engine:
         tokenizer = TextTokenizer.from_engine(manifest)
         # weights.safetensors read onto `device`, or a random_weights recipe generated there
         model = load_model(manifest, device, spec.table(ops), spec.dtype, max_positions=spec.max_model_len)
-        engine = cls(spec, model, tokenizer, max_queue, transfer, fused=fused, graph=graph)
+        engine = cls(spec, model, tokenizer, max_queue, transfer, fused=fused, graph=graph,
+                     adaptive_threads=adaptive_threads)
         info = engine.describe()
         if info["openmp_spin"].startswith("default") and not _warned["spin"]:
             _warned["spin"] = True
@@ -329,9 +338,11 @@ class Engine:
         if not work:
             return outs
         t0 = time.perf_counter()
-        if torch.get_num_threads() != self.threads:  # a step on another thread (a server's loop thread)
-            torch.set_num_threads(self.threads)
         prompt_tokens = sum(n for s, n in work if s.in_prefill)
+        kind = "prefill" if prompt_tokens else "decode"
+        threads = self.tuner.threads(kind)       # the engine's count, or fewer while fewer are faster
+        if torch.get_num_threads() != threads:   # (a step on another thread: a server's loop thread)
+            torch.set_num_threads(threads)
         try:
             logits = self.runner.run(work, interrupt=self._interrupt_check(work, interrupt))
         except StepInterrupted:
@@ -358,6 +369,7 @@ class Engine:
             else:
                 outs.append(self._output(seq, [seq.output_ids[-1]], lps))
         took = time.perf_counter() - t0
+        self.tuner.record(kind, threads, took, prompt_tokens or 1, None if prompt_tokens else len(work))
         self.counters["step_seconds"] += took
         if not prompt_tokens:               # decode rows only: what one served token costs
             self.counters["decode_steps"] += 1
@@ -441,7 +453,7 @@ class Engine:
         """
         return {"num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
                 "free_blocks": self.allocator.num_free, **self.counters, **self.allocator.stats(),
-                **self.runner.stats(), "kernel_fallbacks": list(self.kernel_fallbacks)}
+                **self.runner.stats(), **self.tuner.stats(), "kernel_fallbacks": list(self.kernel_fallbacks)}
 
     def describe(self) -> dict[str, Any]:
         """What this engine resolved to on this machine, in one place: the model, the settings that
@@ -458,7 +470,10 @@ class Engine:
                       "kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "vocab": m.vocab_size,
                       "weights": self.manifest.dtype,
                       "int8_group": int8_group(self.manifest) if self.manifest.quantization else None},
-            "device": str(self.device), "threads": self.threads, "openmp_spin": spin_setting(),
+            "device": str(self.device), "threads": self.threads,
+            "adaptive_threads": (f"on: a step may run on {', '.join(map(str, self.tuner.candidates[1:]))} while faster"
+                                 if self.tuner.enabled and len(self.tuner.candidates) > 1 else "off"),
+            "openmp_spin": spin_setting(),
             "max_model_len": self.max_model_len,
             "settings": {"mode": c.mode, "kv_dtype": c.kv_dtype, "block_size": c.block_size, "top_k": c.top_k,
                          "residency": c.residency, "miss_policy": c.miss_policy, "max_batch_size": c.max_batch_size,
