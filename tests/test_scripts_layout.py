@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE_DIRS = ("scripts", "bench", "experiments")
 MAX_SCRIPTS = 16
 MODULE_ENTRY_POINTS = ("bench.gpu_kernels", "bench.gpu_decode", "bench.gpu_results", "bench.llama_cpp",
-                      "bench.cancel_latency", "bench.op_count")
+                      "bench.cancel_latency", "bench.op_count", "bench.contention")
 PATH_METHODS = {"insert", "append", "extend"}
 
 

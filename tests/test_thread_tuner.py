@@ -100,3 +100,16 @@ def test_the_engine_steps_on_the_tuners_count_and_reports_it(tiny_dir, monkeypat
     assert {"thread_switches", "threads_decode", "threads_prefill"} <= set(eng.stats())
     assert eng.sibling(mode="sparse").tuner.enabled
     assert not Engine.from_dir(tiny_dir, adaptive_threads=False).tuner.enabled
+
+
+def test_the_contention_bench_table():
+    from bench.contention import table
+    rows = [{"load": load, "mode": "dense", "adaptive_threads": a, "decode_ms": ms, "prefill_s": pf,
+             "threads_decode": 1 if (a and load == "busy") else 2}
+            for load, a, ms, pf in (("quiet", False, 26.0, 15.0), ("quiet", True, 26.5, 15.2),
+                                    ("busy", False, 104.0, 34.0), ("busy", True, 40.0, 27.0))]
+    lines = table(rows)
+    assert lines[0].split()[:4] == ["mode", "adaptive", "load", "decode"]
+    busy_on = lines[4].split()
+    assert busy_on[:4] == ["dense", "True", "busy", "40.00"] and busy_on[4] == f"{40 / 26.5:.2f}"
+    assert busy_on[-1] == "1/-" and lines[3].split()[4] == "4.00"
