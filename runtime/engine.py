@@ -22,7 +22,6 @@ import torch
 from .attention_dense import DenseAttention
 from .sparse import BlockSelection
 from .block_manager import BlockAllocator, blocks_needed
-from .config import LookaheadConfig
 from .device import resolve_device
 from .engine_dir import Manifest, group_size, load_manifest
 from .errors import RequestError

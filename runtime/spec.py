@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import torch
 
 from .block_manager import blocks_needed
-from .config import BuildPrecision, LookaheadConfig
+from .config import LookaheadConfig
 from .engine_dir import Manifest, group_size
 from .errors import ConfigError
 from .memory_plan import DTYPE_BYTES, MemoryPlan, plan_memory
