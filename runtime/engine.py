@@ -123,8 +123,10 @@ class Engine:
         # thread that builds the engine (a thread started later may inherit another default: a
         # lookahead engine's copy worker runs single-threaded, and OpenMP hands that to new threads)
         self.threads = torch.get_num_threads()
-        # fewer threads for a step while fewer are faster (a busy core: runtime/thread_tuner.py)
-        self.tuner = ThreadTuner(self.threads, enabled=adaptive_threads)
+        # fewer threads for a step while fewer are faster (a busy core: runtime/thread_tuner.py); not
+        # for a GPU's steps, nor a compiled graph's (torch.compile guards on the thread count)
+        self._adaptive = adaptive_threads
+        self.tuner = ThreadTuner(self.threads, enabled=adaptive_threads and model.device.type == "cpu" and not graph)
         self.spec, self.max_model_len = spec, spec.max_model_len
         self.device, self.ops, self.debug_checks, self.fused = model.device, model.ops, spec.debug_checks, fused
         self.graph = graph
@@ -218,7 +220,7 @@ class Engine:
                             allow_unverified_precision=allow_unverified_precision or bool(self.spec.unverified))
         return Engine(spec, self.model, self.tokenizer, transfer=transfer, prefill_cache=prefill_cache,
                       fused=self.fused if fused is None else fused, graph=self.graph,
-                      adaptive_threads=self.tuner.enabled)
+                      adaptive_threads=self._adaptive)
 
     def close(self) -> None:
         """Stop background workers (the transfer engine's thread)."""

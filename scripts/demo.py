@@ -136,7 +136,8 @@ def kv_memory(engine_dir: str | Path, context_tokens: int) -> dict:
     from runtime.spec import resolve_spec
     man = load_manifest(engine_dir, verify_checksums=False)
     m, b = man.model, DTYPE_BYTES[man.dtype]
-    plan = resolve_spec(man, torch.device("cpu"), {"mode": "lookahead"}, weights=False).memory_plan
+    spec = resolve_spec(man, torch.device("cpu"), {"mode": "lookahead"}, weights=False)
+    plan, cfg, max_len = spec.memory_plan, spec.config, spec.max_model_len
     per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * b          # K and V, every layer
     return {"working_set": plan.per_seq_device_tier,
             "summaries": plan.per_seq_device - plan.per_seq_device_tier,

@@ -100,6 +100,9 @@ def test_the_engine_steps_on_the_tuners_count_and_reports_it(tiny_dir, monkeypat
     assert {"thread_switches", "threads_decode", "threads_prefill"} <= set(eng.stats())
     assert eng.sibling(mode="sparse").tuner.enabled
     assert not Engine.from_dir(tiny_dir, adaptive_threads=False).tuner.enabled
+    # a compiled decode graph keeps one count: torch.compile guards on it (a change recompiles)
+    graph = Engine.from_dir(tiny_dir, impl="torch", fused=False, graph=True)
+    assert not graph.tuner.enabled and graph.describe()["adaptive_threads"] == "off"
 
 
 def test_the_contention_bench_table():
