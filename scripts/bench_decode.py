@@ -318,12 +318,14 @@ def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str
     tps = t.timed_tokens / t.decode_s
     ref_tps = ref.timing.timed_tokens / ref.timing.decode_s
     c = ref.model.config
+    # transformers' Qwen2 (and others) leave head_dim out of the config where it is hidden / heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     # ours read the engine's own bytes: its weights as stored (int8 + scales in an int8 engine) and
     # its KV in the storage dtype (kv_dtype); transformers' rows read the fp32 reference's
     ours = d.engine if isinstance(d, EngineDecoder) else None
     weights = stored_weight_bytes(ours.model) if ours is not None else floor["weight_bytes"]
     kv_elem = ours.pool.k.element_size() if ours is not None else ref.model.dtype.itemsize
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * kv_elem
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * kv_elem
     device = getattr(d, "device_bytes_per_seq", None)
     h2d = getattr(d, "h2d_bytes", 0) / t.timed_steps if device is not None else None
     wait = getattr(d, "wait_s", None)
@@ -336,7 +338,7 @@ def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str
     attended = sparse[0] // kv_per_token if sparse is not None else getattr(d, "kv_tokens", length)
     rows = batch * getattr(d, "rows_per_seq", 1)
     flops = step_flops(floor["weight_bytes"], ref.model.dtype.itemsize, rows, c.num_hidden_layers,
-                       c.num_attention_heads, c.head_dim, attended)
+                       c.num_attention_heads, head_dim, attended)
     compute_ms = 1000 * flops / (floor["matmul_gflops"] * 1e9) if on_cpu else None
     ms = 1000 * t.decode_s / t.timed_steps
     agree = min(_prefix(a, b) for a, b in zip(t.tokens, ref.timing.tokens))
