@@ -23,10 +23,9 @@ from .attention_dense import DenseAttention
 from .sparse import BlockSelection
 from .block_manager import BlockAllocator, blocks_needed
 from .device import resolve_device
-from .engine_dir import Manifest, group_size, load_manifest
+from .engine_dir import load_manifest
 from .errors import RequestError
 from .kv_pool import KVPool
-from .memory_plan import check_memory
 from .model import LlamaModel, load_model
 from .observe import Observer, Observers
 from .ops import Ops, kernel_fallbacks
@@ -35,7 +34,7 @@ from .prefix_cache import KVEvents, PrefixCache, engine_identity
 from .runner import DenseRunner
 from .sampling import SamplingParams, TokenLogprob, sample_rows, token_logprobs
 from .scheduler import Scheduler
-from .spec import EngineSpec, clamp_top_k, resolve_spec  # noqa: F401  (clamp_top_k: its old home)
+from .spec import DTYPES, EngineSpec, clamp_top_k, resolve_spec  # noqa: F401  (clamp_top_k, DTYPES: their old home)
 from .sequence import Sequence, SeqStatus
 from .step import StepInterrupted
 from .thread_tuner import ThreadTuner
@@ -47,7 +46,6 @@ log = logging.getLogger(__name__)
 
 _warned = {"spin": False}     # the default-spin warning: once a process
 INTERRUPT_POLL_S = 0.1   # how often a prompt-only step asks `step(interrupt=...)` between its layers
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -92,11 +90,6 @@ class Completion:
         return (len(self.token_ids) - 1) / decode_s if decode_s > 0 and len(self.token_ids) > 1 else 0.0
 
 
-def int8_group(manifest: Manifest) -> int:
-    """An int8 engine's inputs per weight scale (0: one scale per output channel); 0 for others."""
-    return group_size(manifest.quantization) if manifest.quantization else 0
-
-
 class Engine:
     def __init__(self, spec: EngineSpec, model: LlamaModel, tokenizer: TextTokenizer, max_queue: int = 256,
                  transfer: str | TransferEngine | None = None, prefill_cache: PrefillCache | None = None,
@@ -136,8 +129,7 @@ class Engine:
         self.manifest, self.model, self.tokenizer, self.config = manifest, model, tokenizer, config
         self.prefill_cache = prefill_cache
         self.eos_ids = manifest.model.eos_token_ids
-        self.memory_plan = spec.memory_plan
-        check_memory(self.memory_plan)
+        self.memory_plan = spec.memory_plan           # checked against the host by resolve_spec
         self.pool = self._make_pool(spec.memory_plan.num_host_blocks, DTYPES[config.kv_dtype])   # the KV storage dtype
         # the pool's blocks and their names (runtime/prefix_cache.py): `allocator.events` are
         # the cache's KV events
@@ -252,7 +244,6 @@ class Engine:
         # the mode ignores and an unverified precision are refused here
         spec = resolve_spec(manifest, device, overrides, impl=impl, ops=ops, debug_checks=debug_checks,
                             num_host_blocks=num_host_blocks, allow_unverified_precision=allow_unverified_precision)
-        check_memory(spec.memory_plan)
         # the tokenizer first (fast): ids past the vocabulary, or a chat template that cannot render,
         # are refused before the weights are read
         tokenizer = TextTokenizer.from_engine(manifest)
@@ -470,7 +461,7 @@ class Engine:
             "model": {"architecture": m.architecture, "layers": m.num_layers, "heads": m.num_heads,
                       "kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "vocab": m.vocab_size,
                       "weights": self.manifest.dtype,
-                      "int8_group": int8_group(self.manifest) if self.manifest.quantization else None},
+                      "int8_group": self.spec.int8_group if self.spec.quantized else None},
             "device": str(self.device), "threads": self.threads,
             "adaptive_threads": (f"on: a step may run on {', '.join(map(str, self.tuner.candidates[1:]))} while faster"
                                  if self.tuner.enabled and len(self.tuner.candidates) > 1 else "off"),

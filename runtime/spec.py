@@ -28,7 +28,7 @@ from .block_manager import blocks_needed
 from .config import LookaheadConfig
 from .engine_dir import Manifest, group_size
 from .errors import ConfigError
-from .memory_plan import DTYPE_BYTES, MemoryPlan, plan_memory
+from .memory_plan import DTYPE_BYTES, MemoryPlan, check_memory, plan_memory
 from .ops import IMPLS, Ops, c_applies, resolve_decode, resolve_prefill, select_ops
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ def resolve_spec(manifest: Manifest, device: torch.device, overrides: Mapping[st
                        weights=weights, packed_weights=False if q else None, device_type=device.type,
                        weight_saving=max(0, saving), prefill=prefill,
                        int8_group=group_size(q) if q else None, decode=decode)
+    check_memory(plan)          # what the host cannot hold is refused here, before anything is allocated
     return EngineSpec(manifest, device, config, max_model_len, impl, debug_checks, plan, why, unverified)
 
 
