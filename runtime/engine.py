@@ -29,6 +29,7 @@ from .kv_pool import KVPool
 from .model import LlamaModel, load_model
 from .observe import Observer, Observers
 from .ops import Ops, kernel_fallbacks
+from .projections import bind_pool_kernels
 from .prefill_cache import PrefillCache
 from .prefix_cache import KVEvents, PrefixCache, engine_identity
 from .runner import DenseRunner
@@ -123,14 +124,18 @@ class Engine:
         self.spec, self.max_model_len = spec, spec.max_model_len
         self.device, self.ops, self.debug_checks, self.fused = model.device, model.ops, spec.debug_checks, fused
         self.graph = graph
-        self.kernel_fallbacks = kernel_fallbacks(model.ops)
-        for why in self.kernel_fallbacks:
-            log.warning("%s", why)
         self.manifest, self.model, self.tokenizer, self.config = manifest, model, tokenizer, config
         self.prefill_cache = prefill_cache
         self.eos_ids = manifest.model.eos_token_ids
         self.memory_plan = spec.memory_plan           # checked against the host by resolve_spec
         self.pool = self._make_pool(spec.memory_plan.num_host_blocks, DTYPES[config.kv_dtype])   # the KV storage dtype
+        # the prompt attention bound to the pool's layout, once; with the weights' kernels (bound
+        # at load: model.projections), every kernel this engine runs is decided by now
+        self.ops, pool_why = bind_pool_kernels(self.ops, self.pool.k, self.pool.v, manifest.model.num_heads)
+        self.kernel_fallbacks = kernel_fallbacks(model.ops) + model.projections.fallbacks + \
+            ([pool_why] if pool_why else [])
+        for why in self.kernel_fallbacks:
+            log.warning("%s", why)
         # the pool's blocks and their names (runtime/prefix_cache.py): `allocator.events` are
         # the cache's KV events
         n_blocks, bs = spec.memory_plan.num_host_blocks, config.block_size
@@ -471,7 +476,7 @@ class Engine:
                          "residency": c.residency, "miss_policy": c.miss_policy, "max_batch_size": c.max_batch_size,
                          "prefill_chunk": c.prefill_chunk, "prefix_caching": c.prefix_caching},
             "precision": self.spec.precision_record(),
-            "kernels": {"table": self.ops.name,
+            "kernels": {"table": self.ops.name, "projections": self.model.projections.kernels(),
                         "base_library": loader.unavailable_reason() or "loaded",
                         "avx512_library": loader.avx512_unavailable_reason() or "loaded"},
             "fused_decode": getattr(self.runner, "fused_reason", None) or "yes",

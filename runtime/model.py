@@ -8,8 +8,11 @@ table (runtime/ops.py).
 
 Weight-only int8 (an engine.yaml `quantization:` section): the quantized roles' modules are
 `Int8Linear` / `Int8Embedding`, whose `.weight` is an `Int8Weight` (qweight int8 [N, K], scale
-fp32 [N] or [N, K // G]) instead of a tensor; the projections pass it to `ops.linear` like any
-weight, and the quantized engine's table (`select_ops(..., quantized=True)`) takes it.
+fp32 [N] or [N, K // G]) instead of a tensor; the quantized engine's table (`select_ops(...,
+quantized=True)`) takes it like any weight.
+
+The projections run through `model.projections` (runtime/projections.py): every weight bound to its
+kernels, and its packed copies made, when the weights load, not on a first prompt.
 The fp32 modules and their path are unchanged.
 
 `load_model(manifest, device, ops)` builds the model an engine dir describes: weights read from
@@ -31,6 +34,7 @@ from .config import ModelConfig
 from .engine_dir import WEIGHTS, Manifest, expected_shapes
 from .errors import EngineDirError
 from .ops import Ops, dequantize_int8, int8_group_size, select_ops
+from .projections import LayerProjections, Projections, step_projection
 from .rope import RotaryEmbedding
 
 
@@ -152,13 +156,14 @@ class DecoderLayer(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-            rope_tables: tuple[torch.Tensor, torch.Tensor] | None, ops: Ops, linear) -> tuple[torch.Tensor, ...]:
+            rope_tables: tuple[torch.Tensor, torch.Tensor] | None, ops: Ops, linear,
+            proj: LayerProjections) -> tuple[torch.Tensor, ...]:
         """The attention's inputs of the residual stream x [T, hidden]: rmsnorm -> wqkv (+ bias)
         -> each q and k head's RMSNorm (qk_norm) -> RoPE of q and k: q [T, H, D], k and v
         [T, KVH, D]. The one place the Python path applies them (plugins/cpu/decode.c's
         project_qkv is its C twin)."""
         c, T = self.cfg, x.shape[0]
-        qkv = linear(self.attn_norm(x, ops), self.wqkv.weight, self.wqkv.bias)  # [T, q + 2kv]
+        qkv = linear(self.attn_norm(x, ops), proj.wqkv)                     # [T, q + 2kv] (+ bias)
         # q and k are adjacent in qkv: one rotation covers both heads' sets (half the small ops)
         qk = qkv[:, : c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
@@ -171,15 +176,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 attn: AttentionBackend, rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
-                ops: Ops, linear=None) -> torch.Tensor:
-        """linear: the step's projection (`step_linear`; default `ops.linear` for every row)."""
-        c, linear = self.cfg, linear or ops.linear
-        T = x.shape[0]
-        q, k, v = self.qkv(x, positions, rope, rope_tables, ops, linear)
+                ops: Ops, linear, proj: LayerProjections) -> torch.Tensor:
+        """linear: the step's projection (`projections.step_projection`), applied to this layer's
+        bound projections `proj`."""
+        c, T = self.cfg, x.shape[0]
+        q, k, v = self.qkv(x, positions, rope, rope_tables, ops, linear, proj)
         o = attn.forward(self.layer_idx, q, k, v)                           # [T, H, D]
-        x = x + linear(o.reshape(T, c.q_size), self.wo.weight)
-        gate, up = linear(self.mlp_norm(x, ops), self.w13.weight).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.w2.weight)
+        x = x + linear(o.reshape(T, c.q_size), proj.wo)
+        gate, up = linear(self.mlp_norm(x, ops), proj.w13).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, proj.w2)
 
 
 def _head_norm(norm: RMSNorm, x: torch.Tensor, ops: Ops) -> torch.Tensor:
@@ -187,34 +192,6 @@ def _head_norm(norm: RMSNorm, x: torch.Tensor, ops: Ops) -> torch.Tensor:
     takes, and what decode.c normalises)."""
     T, n, D = x.shape
     return norm(x.reshape(T * n, D), ops).view(T, n, D)
-
-
-def step_linear(ops: Ops, batch=None, prompt: bool = False):
-    """The projection of a step (a `StepBatch`) whose prompt-chunk rows take the table's prefill
-    kernels and whose decode rows take its decode projection (`ops.decode_linear`, else
-    `ops.linear`): each row computes as it would in a step of its own kind alone, whatever the step
-    mixes. prompt: every row is a prompt's (no batch). No batch: the decode projection, as a
-    decode step's rows (and no prefill kernels: prompt rows take it too)."""
-    pf, dl = ops.prefill_linear, ops.decode_linear
-    if prompt:
-        return pf if pf is not None else ops.linear
-    dec = dl if dl is not None else ops.linear
-    if batch is None or (pf is None and dl is None):
-        return dec
-    pf = pf if pf is not None else ops.linear
-    if batch.all_prompt:
-        return pf
-    split = batch.row_kinds
-    if split is None:                   # decode rows only
-        return dec
-    prompt, rest = split
-
-    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = x.new_empty(x.shape[0], weight.shape[0])
-        out[prompt] = pf(x[prompt], weight, bias)
-        out[rest] = dec(x[rest], weight, bias)
-        return out
-    return linear
 
 
 class LlamaModel(nn.Module):
@@ -249,6 +226,22 @@ class LlamaModel(nn.Module):
         if not empty:
             self.to(device=device, dtype=dtype)
         self.rope = self._rope(max_positions or cfg.max_position_embeddings, dtype, device)
+        self.projections: Projections | None = None        # bound when the weights are real
+        if not empty:
+            self.bind_kernels()
+
+    def bind_kernels(self) -> Projections:
+        """Bind every projection to this model's table (runtime/projections.py): kernels chosen and
+        packed copies made now, once, not on a first prompt. Runs when the weights load or move
+        (`load_weights`, `.to()`) and on a twin with another table (`with_ops`)."""
+        self.__dict__["projections"] = Projections.bind(self)
+        return self.projections
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)                  # .to(), .float(), ...: tensors replaced
+        if self.__dict__.get("projections") is not None:
+            self.bind_kernels()
+        return out
 
     def _rope(self, max_positions: int, dtype: torch.dtype, device: str | torch.device) -> RotaryEmbedding:
         c = self.cfg
@@ -258,19 +251,21 @@ class LlamaModel(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 batch=None, prompt: bool = False) -> torch.Tensor:
         """batch: the step's `StepBatch`, whose prompt-chunk rows take the kernel table's prefill
-        projections (`step_linear`); prompt: every row is a prompt's (a prefill outside an engine:
-        the builder's checks); neither: every row takes `ops.linear`."""
+        projections (`projections.step_projection`); prompt: every row is a prompt's (a prefill
+        outside an engine: the builder's checks); neither: every row takes the decode kernels."""
         x = self.embed_tokens(tokens)
         tables = self.rope.tables(positions)
-        linear = step_linear(self.ops, batch, prompt)
-        for layer in self.layers:
-            x = layer(x, positions, self.rope, attn, tables, self.ops, linear)
+        linear, proj = step_projection(batch, prompt), self.projections
+        for layer, p in zip(self.layers, proj.layers):
+            x = layer(x, positions, self.rope, attn, tables, self.ops, linear, p)
         return self.norm(x, self.ops)
 
     def with_ops(self, ops: Ops) -> "LlamaModel":
         """This model (its weights and layers shared, not copied) computing with the table `ops`."""
         twin = copy.copy(self)
         twin.__dict__["ops"] = ops
+        if self.projections is not None:
+            twin.bind_kernels()
         return twin
 
     def with_positions(self, max_positions: int) -> "LlamaModel":
@@ -284,9 +279,8 @@ class LlamaModel(nn.Module):
         return twin
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        linear = self.ops.decode_linear or self.ops.linear      # every row's logits alike, prompt or decode
-        return linear(hidden, w).float()
+        # every row's logits alike, prompt or decode: the decode kernel (the table's decode_linear or linear)
+        return self.projections.head.decode(hidden).float()
 
     @property
     def device(self) -> torch.device:
@@ -328,6 +322,7 @@ class LlamaModel(nn.Module):
         The parameters take the tensors' device (load them where the model runs)."""
         self.load_state_dict(tensors, strict=True, assign=True)
         self.weights_version += 1          # new tensors: a fused decoder bound to the old ones re-binds
+        self.bind_kernels()
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -341,6 +336,7 @@ class LlamaModel(nn.Module):
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5))
+        m.bind_kernels()                   # the packed copies of the weights as they are now
         return m
 
 

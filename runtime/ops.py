@@ -123,16 +123,22 @@ def linear_int8_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     return F.linear(x, dequantize_int8(qweight, scale, x.dtype), bias)
 
 
-def quantized_linear(dense: Callable, int8: Callable) -> Callable:
+@dataclass(frozen=True)
+class QuantizedLinear:
     """`linear` for an engine with int8 weights: a tensor weight goes to `dense`, an `Int8Weight`
-    (anything else with qweight/scale) to `int8(x, qweight, scale, bias)`."""
-    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(weight, torch.Tensor):
-            return dense(x, weight, bias)
-        return int8(x, weight.qweight, weight.scale, bias)
+    (anything else with qweight/scale) to `int8(x, qweight, scale, bias)`. runtime/projections.py
+    binds each half to its weights at load."""
 
-    linear.__qualname__ = linear.__name__ = f"quantized_linear[{getattr(int8, '__name__', 'int8')}]"
-    return linear
+    dense: Callable
+    int8: Callable
+
+    def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return self.dense(x, weight, bias)
+        return self.int8(x, weight.qweight, weight.scale, bias)
+
+
+quantized_linear = QuantizedLinear
 
 
 def c_applies(device: torch.device) -> str | None:

@@ -9,6 +9,8 @@ caller's per-sequence path runs). All follow torch's intra-op thread count.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -421,3 +423,109 @@ def update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.Tensor,
                           f"max {int(block_ids.max())}")
     if rc != 0:
         raise_for(rc, "update_summaries")
+
+
+# ---- kernels bound to one weight at load ------------------------------------------------------------
+# The checks, the packed copy and the choice of kernel happen once, when the weights load
+# (runtime/projections.py binds every projection); a bound kernel trusts its caller for the rows
+# (2-D fp32 CPU tensors with the weight's K columns, as the model hands them) and checks nothing per
+# call. The one choice left per call is by size: more than MAX_LINEAR_ROWS / MAX_INT8_ROWS rows go
+# to BLAS, the same contract. Where the kernel does not take the weight, the `Kernel` runs the op's
+# torch formulation and says why in `fallback` (runtime/projections.py logs it at WARNING and
+# counts it). A packed copy is rebuilt only when its weight changed in place after binding (its
+# version counter), so a test that edits weights never reads a stale copy. The prefill kernels'
+# binders are prefill.py's.
+
+NO_UNITS = "this CPU has no "      # a fallback for the CPU's units, not the weight's shape
+
+
+@dataclass
+class Kernel:
+    """A weight's (or pool's) kernel: call it with the rows. impl: what runs; fallback: why the
+    torch formulation runs instead of the C kernel (None: it does not); buffers: the packed copies
+    it owns (their bytes are what the memory plan counts)."""
+
+    fn: Callable
+    impl: str
+    fallback: str | None = None
+    buffers: tuple = field(default=())
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def bias_fits(bias: torch.Tensor | None, n: int) -> bool:
+    return bias is None or (bias.dtype == torch.float32 and bias.shape == (n,) and bias.device.type == "cpu")
+
+
+def weight_misfit(weight: torch.Tensor, dtype: torch.dtype) -> str | None:
+    if weight.dim() != 2 or weight.dtype != dtype or weight.device.type != "cpu":
+        return f"a {weight.dtype} {tuple(weight.shape)} weight on {weight.device.type} (the kernel reads {dtype} [N, K] on cpu)"
+    return None
+
+
+def bind_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Kernel:
+    """fp32 `F.linear` over `weight` [N, K]: lkv_linear_packed (linear.c) on its packed copy, made
+    now, for up to MAX_LINEAR_ROWS rows; BLAS above (as fast there). Falls back to F.linear where
+    N % 8 != 0 or the library did not build."""
+    torch_fn = lambda x: F.linear(x, weight, bias)        # noqa: E731
+    lib = loaded()
+    why = ("the C kernels did not build" if lib is None else weight_misfit(weight, torch.float32)
+           or (f"N = {weight.shape[0]} is not a multiple of 8" if weight.shape[0] % 8 else None)
+           or (None if bias_fits(bias, weight.shape[0]) else "a bias the kernel cannot read"))
+    if why:
+        return Kernel(torch_fn, "F.linear", why)
+    N, K = weight.shape
+    state = {"packed": packed_weight(weight), "version": weight._version}
+    bias_ptr = bias.contiguous().data_ptr() if bias is not None else None
+    f = lib.lkv_linear_packed
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        M = x.shape[0]
+        if M > MAX_LINEAR_ROWS or M == 0:
+            return F.linear(x, weight, bias)
+        if weight._version != state["version"]:          # edited in place since binding: re-pack
+            state["packed"], state["version"] = packed_weight(weight), weight._version
+        x = x if x.is_contiguous() else x.contiguous()
+        y = torch.empty(M, N, dtype=torch.float32)
+        with traced("linear"):
+            f(x.data_ptr(), M, K, state["packed"].data_ptr(), N, bias_ptr, y.data_ptr(), _threads())
+        return y
+    return Kernel(fn, "c/linear_packed", None, (state["packed"],))
+
+
+def bind_linear_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> Kernel:
+    """Weight-only int8 linear over (qweight, scale): lkv_linear_int8 (linear_int8.c), which reads
+    the int8 weight where it lies, for up to MAX_INT8_ROWS rows; the chunked dequantize + BLAS
+    above. Falls back to the torch formulation where the group is not one the kernel reads."""
+    torch_fn = lambda x: _linear_int8_torch(x, qweight, scale, bias)     # noqa: E731
+    lib = loaded()
+    group = int8_kernel_group(qweight, scale)
+    why = ("the C kernels did not build" if lib is None else weight_misfit(qweight, torch.int8)
+           or (f"a group of {qweight.shape[1] // max(1, scale.numel() // qweight.shape[0])} inputs is not a "
+               "multiple of 8" if group is None else None)
+           or (None if scale.dtype == torch.float32 and scale.device.type == "cpu" else "a scale that is not fp32 on cpu")
+           or (None if bias_fits(bias, qweight.shape[0]) else "a bias the kernel cannot read"))
+    if why:
+        return Kernel(torch_fn, "torch/linear_int8", why)
+    q, s = qweight.contiguous(), scale.contiguous()
+    (N, K), bias_ptr, f = q.shape, (bias.contiguous().data_ptr() if bias is not None else None), lib.lkv_linear_int8
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        M = x.shape[0]
+        if M > MAX_INT8_ROWS or M == 0:
+            return _linear_int8_torch(x, qweight, scale, bias)
+        x = x if x.is_contiguous() else x.contiguous()
+        y = torch.empty(M, N, dtype=torch.float32)
+        with traced("linear_int8"):
+            f(x.data_ptr(), M, K, q.data_ptr(), N, s.data_ptr(), group, bias_ptr, y.data_ptr(), _threads())
+        return y
+    return Kernel(fn, "c/linear_int8")

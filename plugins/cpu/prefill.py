@@ -9,12 +9,15 @@ caller's torch path runs). All follow torch's intra-op thread count.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
 from ..reference import bf16_round, quantize_rows_ref
-from .abi import W8A8_MAX_GROUP, raise_for
-from .ops import KV_DTYPES, dequantize_int8, int8_group_size, loaded, loaded_avx512, traced
+from .abi import W8A8_MAX_GROUP, Status, raise_for
+from .ops import (KV_DTYPES, NO_UNITS, Kernel, _threads, bias_fits, dequantize_int8,
+                  int8_group_size, loaded, loaded_avx512, traced, weight_misfit)
 
 ISAS = ("auto", "avx2")     # prefill attention's paths: the best this CPU has, or AVX2 + FMA
 
@@ -269,3 +272,133 @@ def prefill_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
     arguments, else `prefill_attention_torch`."""
     out = prefill_attention(q, k, v, block_table, context_len, scale)
     return out if out is not None else prefill_attention_torch(q, k, v, block_table, context_len, scale)
+
+
+# ---- the prefill kernels bound at load (see ops.py, "kernels bound to one weight at load") ---------
+
+def _bound_gemm_bf16(packed_of: Callable[[], torch.Tensor], version: Callable[[], int], N: int,
+               bias: torch.Tensor | None) -> tuple[Callable, dict]:
+    lib = loaded_avx512()
+    state = {"packed": packed_of(), "version": version()}
+    bias_ptr = bias.contiguous().data_ptr() if bias is not None else None
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if version() != state["version"]:
+            state["packed"], state["version"] = packed_of(), version()
+        x = x if x.stride(1) == 1 else x.contiguous()
+        M, K = x.shape
+        y = torch.empty(M, N, dtype=torch.float32)
+        with traced("linear_bf16"):
+            rc = lib.lkv_gemm_bf16(x.data_ptr(), x.stride(0), M, K, state["packed"].data_ptr(), N, bias_ptr,
+                                   y.data_ptr(), N, _threads())
+        if rc != 0:
+            raise_for(rc, "linear_bf16")
+        return y
+    return fn, state
+
+
+def bind_linear_bf16(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Kernel:
+    """A prompt's fp32 projection in bf16 dot products (gemm.c, AVX512_BF16) on its bf16 panels,
+    packed now; the torch formulation (`linear_bf16_torch`, the same roundings) on a CPU
+    without the units."""
+    torch_fn = lambda x: linear_bf16_torch(x, weight, bias)      # noqa: E731
+    why = (NO_UNITS + "AVX512_BF16 (or the AVX-512 library did not build)" if not bf16_dot_products()
+           else weight_misfit(weight, torch.float32)
+           or (None if bias_fits(bias, weight.shape[0]) else "a bias the kernel cannot read"))
+    if why:
+        return Kernel(torch_fn, "torch/linear_bf16", why)
+    fn, state = _bound_gemm_bf16(lambda: packed_bf16(weight), lambda: weight._version, weight.shape[0], bias)
+    return Kernel(fn, "c/gemm_bf16", None, (state["packed"],))
+
+
+def bind_linear_bf16_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> Kernel:
+    """`bind_linear_bf16` of an int8 weight's dequantized values (its panels made now)."""
+    torch_fn = lambda x: linear_bf16_torch(x, dequantize_int8(qweight, scale), bias)   # noqa: E731
+    why = (NO_UNITS + "AVX512_BF16 (or the AVX-512 library did not build)" if not bf16_dot_products()
+           else weight_misfit(qweight, torch.int8)
+           or (None if bias_fits(bias, qweight.shape[0]) else "a bias the kernel cannot read"))
+    if why:
+        return Kernel(torch_fn, "torch/linear_bf16", why)
+    fn, state = _bound_gemm_bf16(lambda: packed_bf16_int8(qweight, scale),
+                           lambda: (qweight._version, scale._version), qweight.shape[0], bias)
+    return Kernel(fn, "c/gemm_bf16", None, (state["packed"],))
+
+
+def bind_linear_w8a8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> Kernel:
+    """An int8 weight times int8 activations (gemm.c, AVX512_VNNI) on its W8A8 panels, packed now;
+    the torch formulation (`linear_w8a8_torch`, the same roundings) where the CPU lacks the
+    units or the weight's group is not a multiple of 4 up to abi.W8A8_MAX_GROUP."""
+    torch_fn = lambda x: linear_w8a8_torch(x, qweight, scale, bias)     # noqa: E731
+    why = None
+    if not int8_dot_products():
+        why = NO_UNITS + "AVX512_VNNI (or the AVX-512 library did not build)"
+    else:
+        why = weight_misfit(qweight, torch.int8) or (None if bias_fits(bias, qweight.shape[0])
+                                                   else "a bias the kernel cannot read")
+        if why is None:
+            G = int8_group_size(qweight, scale)
+            if not (G % 4 == 0 and qweight.shape[1] % G == 0 and G <= W8A8_MAX_GROUP):
+                why = f"a group of {G} inputs (the kernel reads multiples of 4 up to {W8A8_MAX_GROUP})"
+    if why:
+        return Kernel(torch_fn, "torch/linear_w8a8", why)
+    lib, (N, K) = loaded_avx512(), qweight.shape
+    G = int8_group_size(qweight, scale)
+    state = {"packed": packed_w8a8(qweight, scale), "version": (qweight._version, scale._version)}
+    bias_ptr = bias.contiguous().data_ptr() if bias is not None else None
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if (qweight._version, scale._version) != state["version"]:
+            state["packed"], state["version"] = packed_w8a8(qweight, scale), (qweight._version, scale._version)
+        x = x if x.stride(1) == 1 else x.contiguous()
+        M = x.shape[0]
+        wq, wsc, wsum = state["packed"]
+        y = torch.empty(M, N, dtype=torch.float32)
+        with traced("linear_w8a8"):
+            rc = lib.lkv_gemm_w8a8(x.data_ptr(), x.stride(0), M, K, G, wq.data_ptr(), wsc.data_ptr(), wsum.data_ptr(),
+                                   N, bias_ptr, y.data_ptr(), N, _threads())
+        if rc != 0:
+            raise_for(rc, "linear_w8a8")
+        return y
+    return Kernel(fn, "c/gemm_w8a8", None, tuple(state["packed"]))
+
+
+def bind_prefill_attention(pool_k: torch.Tensor, pool_v: torch.Tensor, num_heads: int) -> Kernel:
+    """A prompt chunk's causal attention over this KV pool ([L, KVH, NB, bs, D] K and V, one layer
+    a call): prefill_attention.c, checked against the pool's layout now; per call the block table
+    is cut to the context and its ids range-checked (KernelIndexError: the kernel reads them
+    unchecked). Falls back to `prefill_attention_torch` (the same bf16
+    roundings) where the kernel does not take the layout."""
+    torch_fn = prefill_attention_torch
+    lib = loaded()
+    kvh, nb, bs, D = pool_k.shape[-4:]
+    why = ("the C kernels did not build" if lib is None
+           else None if pool_k.device.type == "cpu" else f"a pool on {pool_k.device.type}")
+    why = why or (None if pool_k.dtype in KV_DTYPES and pool_v.dtype == pool_k.dtype
+                  else f"KV dtype {pool_k.dtype} (the kernel reads {', '.join(map(str, KV_DTYPES))})")
+    why = why or (None if D % 16 == 0 and 0 < D <= 512 else f"head_dim {D} (the kernel reads multiples of 16 up to 512)")
+    why = why or (None if kvh > 0 and num_heads % kvh == 0 else f"{num_heads} heads over {kvh} KV heads")
+    why = why or (None if pool_k.is_contiguous() and pool_v.is_contiguous() and pool_v.shape == pool_k.shape
+                  else "a non-contiguous pool")
+    if why:
+        return Kernel(torch_fn, "torch/prefill_attention", why)
+    wide = loaded_avx512()
+    tiles = wide.lkv_prefill_bf16_tiles() if wide is not None else None
+    code, f = KV_DTYPES[pool_k.dtype], lib.lkv_prefill_attention
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table, context_len: int,
+           scale: float) -> torch.Tensor:
+        n, H, _ = q.shape
+        q = q if q.is_contiguous() else q.contiguous()
+        need = -(-context_len // bs)
+        table = torch.as_tensor(block_table[:need], dtype=torch.int64).contiguous()
+        if table.numel() < need or (need and (int(table.min()) < 0 or int(table.max()) >= nb)):
+            raise_for(Status.RANGE, "prefill_attention", f"a block table of {table.numel()} ids in [0, {nb}) "
+                      f"for {context_len} positions of {bs}")    # the kernel reads the ids unchecked
+        out = torch.empty(n, H, D, dtype=torch.float32)
+        with traced("prefill_attention"):
+            rc = f(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), nb * bs * D, table.data_ptr(), bs,
+                   context_len, n, H, kvh, D, float(scale), out.data_ptr(), H * D, _threads(), code, tiles)
+        if rc != 0:
+            raise_for(rc, "prefill_attention")
+        return out
+    return Kernel(fn, "c/prefill_attention" + ("+bf16_tiles" if tiles else ""))

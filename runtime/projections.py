@@ -1,0 +1,178 @@
+"""A model's projections with their kernels bound once, when the weights load.
+
+    proj = Projections.bind(model)          # every layer's wqkv, wo, w13, w2 and the logits head
+    proj.layers[i].wqkv.decode(x)           # a decode row's kernel; .prefill(x): a prompt row's
+    proj.fallbacks, proj.nbytes, proj.kernels()
+
+For each projection and each kind of row, the kernel table's entry (`ops.decode_linear` or
+`ops.linear` for decode rows and the logits, `ops.prefill_linear` for a prompt's) is bound to the
+weight here: a C entry through its binder (plugins/cpu/ops.py and prefill.py), which checks the weight once,
+makes the packed copy now and returns a kernel that checks nothing per call; where the C kernel
+does not take the weight, the op's torch formulation, with the reason in `fallbacks` (the engine
+logs each at WARNING and reports them in `stats()["kernel_fallbacks"]`). Any other entry (the torch
+table, a test's wrapped table) is called as it is, with the weight.
+
+This is where the kernels of the model's weights are decided; runtime/ops.py decides the table
+(which implementation of each op, at which precision) and the engine binds the prompt attention to
+its pool (`bind_pool_kernels`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from plugins.cpu import ops as cpu_ops
+from plugins.cpu import prefill
+
+from .ops import Ops, QuantizedLinear
+
+# the C entries of a kernel table and the binders that bind them to one weight
+BINDERS: dict[Callable, Callable[..., cpu_ops.Kernel]] = {
+    cpu_ops.linear: cpu_ops.bind_linear,
+    cpu_ops.linear_int8: cpu_ops.bind_linear_int8,
+    prefill.linear_bf16: prefill.bind_linear_bf16,
+    prefill.linear_bf16_int8: prefill.bind_linear_bf16_int8,
+    prefill.linear_w8a8: prefill.bind_linear_w8a8,
+}
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def bind_weight(entry: Callable, weight, bias: torch.Tensor | None = None) -> cpu_ops.Kernel:
+    """`entry` (a kernel table's linear entry) bound to `weight` (a tensor or an Int8Weight) and
+    `bias`: its binder's kernel for a C entry, else a call of the entry itself."""
+    if isinstance(entry, QuantizedLinear):
+        entry, args = (entry.dense, (weight,)) if isinstance(weight, torch.Tensor) else \
+            (entry.int8, (weight.qweight, weight.scale))
+    else:
+        args = (weight,)
+    binder = BINDERS.get(entry)
+    if binder is not None:
+        return binder(*args, bias)
+    return cpu_ops.Kernel(lambda x: entry(x, weight, bias), _name(entry))
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One weight's kernels: `decode` for a decode step's rows (and the logits), `prefill` for a
+    prompt chunk's (the same kernel where the table has no prefill entry)."""
+
+    name: str
+    decode: cpu_ops.Kernel
+    prefill: cpu_ops.Kernel
+
+
+@dataclass(frozen=True)
+class LayerProjections:
+    wqkv: Projection
+    wo: Projection
+    w13: Projection
+    w2: Projection
+
+
+@dataclass(frozen=True)
+class Projections:
+    """Every projection of a model bound to its table's kernels (see the module docstring)."""
+
+    layers: tuple[LayerProjections, ...]
+    head: Projection                 # the logits' projection (the tied embedding or lm_head)
+    ops_name: str
+
+    @classmethod
+    def bind(cls, model) -> "Projections":
+        """`model`'s (a LlamaModel with its weights loaded) projections bound to `model.ops`."""
+        ops: Ops = model.ops
+        dec = ops.decode_linear or ops.linear
+        pf = ops.prefill_linear
+
+        def proj(name: str, module) -> Projection:
+            w, b = module.weight, getattr(module, "bias", None)
+            d = bind_weight(dec, w, b)
+            p = bind_weight(pf, w, b) if pf is not None else (d if dec is ops.linear else bind_weight(ops.linear, w, b))
+            return Projection(name, d, p)
+        layers = tuple(LayerProjections(*(proj(f"layers.{i}.{n}", getattr(layer, n)) for n in ("wqkv", "wo", "w13", "w2")))
+                       for i, layer in enumerate(model.layers))
+        head_module = model.embed_tokens if model.lm_head is None else model.lm_head
+        head_w = head_module.weight
+        head = Projection("logits", *(2 * (bind_weight(dec, head_w, None),)))
+        return cls(layers, head, ops.name)
+
+    def all(self) -> list[Projection]:
+        return [p for layer in self.layers for p in (layer.wqkv, layer.wo, layer.w13, layer.w2)] + [self.head]
+
+    def kernels(self) -> dict[str, int]:
+        """{"decode <impl>" / "prefill <impl>": how many projections run it}."""
+        out: dict[str, int] = {}
+        for p in self.all():
+            for kind, k in (("decode", p.decode), ("prefill", p.prefill)):
+                out[f"{kind} {k.impl}"] = out.get(f"{kind} {k.impl}", 0) + 1
+        return out
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """One line per (kind, reason): the projections whose C kernel does not take their weight
+        and which run the op's torch formulation instead. A CPU without a precision's units is left
+        to `ops.kernel_fallbacks`, which says it once for the whole table, with the fix."""
+        seen: dict[tuple[str, str], list[str]] = {}
+        for p in self.all():
+            for kind, k in (("decode", p.decode), ("prefill", p.prefill)):
+                if k.fallback and not k.fallback.startswith(cpu_ops.NO_UNITS):
+                    seen.setdefault((kind, k.fallback), []).append(p.name)
+        return [f"{kind} rows of {len(names)} projection(s) ({names[0]}{', ...' if len(names) > 1 else ''}) run "
+                f"the torch formulation: {why}" for (kind, why), names in seen.items()]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed copies the bound kernels hold (each counted once)."""
+        seen: dict[int, int] = {}
+        for p in self.all():
+            for k in (p.decode, p.prefill):
+                for b in k.buffers:
+                    seen[b.data_ptr()] = b.numel() * b.element_size()
+        return sum(seen.values())
+
+
+def step_projection(batch=None, prompt: bool = False) -> Callable:
+    """The projection of a step (a `StepBatch`): `linear(x, projection)` runs prompt-chunk rows
+    through the projection's prefill kernel and decode rows through its decode kernel, each row as
+    in a step of its own kind alone. prompt: every row is a prompt's (no batch); no batch: the
+    decode kernel for every row."""
+    if prompt or (batch is not None and batch.all_prompt):
+        return _prefill_rows
+    split = batch.row_kinds if batch is not None else None
+    if split is None:
+        return _decode_rows
+    rows_prompt, rows_rest = split
+
+    def linear(x: torch.Tensor, p: Projection) -> torch.Tensor:
+        if p.prefill is p.decode:
+            return p.decode(x)
+        a = p.prefill(x[rows_prompt])
+        out = x.new_empty(x.shape[0], a.shape[1])
+        out[rows_prompt] = a
+        out[rows_rest] = p.decode(x[rows_rest])
+        return out
+    return linear
+
+
+def _decode_rows(x: torch.Tensor, p: Projection) -> torch.Tensor:
+    return p.decode(x)
+
+
+def _prefill_rows(x: torch.Tensor, p: Projection) -> torch.Tensor:
+    return p.prefill(x)
+
+
+def bind_pool_kernels(ops: Ops, pool_k: torch.Tensor, pool_v: torch.Tensor, num_heads: int) -> tuple[Ops, str | None]:
+    """`ops` with its prompt attention bound to this KV pool (its layout checked once, here), and
+    why it runs the torch formulation instead of the C kernel (None: it does not). A table whose
+    `prefill_attention` is not the C entry is returned as it is."""
+    if ops.prefill_attention is not prefill.prefill_attention_op:
+        return ops, None
+    k = prefill.bind_prefill_attention(pool_k, pool_v, num_heads)
+    why = f"prompt attention runs the torch formulation: {k.fallback}" if k.fallback else None
+    return replace(ops, prefill_attention=k.fn), why
