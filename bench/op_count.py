@@ -114,6 +114,7 @@ def make_engine(path: Path, mode: str, batch: int, dispatcher: bool = False):
     from dataclasses import replace
 
     from runtime.engine import Engine
+    from runtime.internals import Internals
     from runtime.ops import select_ops
 
     overrides = dict(LOOKAHEAD) if mode == "lookahead" else dict(mode=mode)
@@ -124,8 +125,8 @@ def make_engine(path: Path, mode: str, batch: int, dispatcher: bool = False):
                             block_gather=d.block_gather, block_topk=d.block_topk,
                             update_summaries=d.update_summaries, lookahead_attention=d.lookahead_attention,
                             name="torch/cpu+dispatcher")
-    return Engine.from_dir(path, device="cpu", impl="torch", fused=False, max_batch_size=max(batch, 1),
-                           prefix_caching=False, max_model_len=1024, **kw, **overrides)
+    return Engine.from_dir(path, device="cpu", internals=Internals(impl="torch", fused=False, **kw),
+                           max_batch_size=max(batch, 1), prefix_caching=False, max_model_len=1024, **overrides)
 
 
 @dataclass

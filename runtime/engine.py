@@ -24,11 +24,12 @@ from .sparse import BlockSelection
 from .block_manager import BlockAllocator, blocks_needed
 from .device import resolve_device
 from .engine_dir import load_manifest
+from .internals import Internals, refuse_knobs_as_settings
 from .errors import RequestError
 from .kv_pool import KVPool
 from .model import LlamaModel, load_model
 from .observe import Observer, Observers
-from .ops import Ops, kernel_fallbacks
+from .ops import kernel_fallbacks
 from .projections import bind_pool_kernels
 from .prefill_cache import PrefillCache
 from .prefix_cache import KVEvents, PrefixCache, engine_identity
@@ -205,19 +206,21 @@ class Engine:
         `observers.remove(observer)` unregisters it."""
         return self.observers.add(observer)
 
-    def sibling(self, prefill_cache: PrefillCache | None = None, transfer: str | TransferEngine | None = None,
-                fused: bool | None = None, num_host_blocks: int | None = None,
-                allow_unverified_precision: bool = False, **overrides: Any) -> "Engine":
+    def sibling(self, prefill_cache: PrefillCache | None = None, *, num_host_blocks: int | None = None,
+                allow_unverified_precision: bool = False, internals: Internals | None = None,
+                **overrides: Any) -> "Engine":
         """A new engine over this one's loaded model (no second weight load) with its own KV pool,
         `overrides` applied to this engine's settings (a setting its mode does not read is refused);
-        engines sharing a `prefill_cache` replay each other's prompts. transfer: its lookahead copy
-        engine (as `Engine`'s; default by device). fused: as `Engine`'s (default: this engine's)."""
+        engines sharing a `prefill_cache` replay each other's prompts. internals: its
+        `runtime.internals.Internals` (default: this engine's fused, impl and debug checks, and a
+        copy engine of its own; `impl` and `ops` are the model's and cannot change)."""
+        refuse_knobs_as_settings(overrides, "Engine.sibling")
+        mine = internals or Internals(impl=self.spec.impl, fused=self.fused, debug_checks=self.debug_checks)
         spec = resolve_spec(self.manifest, self.device, overrides, base=self.config, impl=self.spec.impl,
-                            debug_checks=self.debug_checks, num_host_blocks=num_host_blocks, weights=False,
+                            debug_checks=mine.debug_checks, num_host_blocks=num_host_blocks, weights=False,
                             allow_unverified_precision=allow_unverified_precision or bool(self.spec.unverified))
-        return Engine(spec, self.model, self.tokenizer, transfer=transfer, prefill_cache=prefill_cache,
-                      fused=self.fused if fused is None else fused, graph=self.graph,
-                      adaptive_threads=self._adaptive)
+        return Engine(spec, self.model, self.tokenizer, transfer=mine.transfer, prefill_cache=prefill_cache,
+                      fused=mine.fused, graph=self.graph, adaptive_threads=self._adaptive)
 
     def close(self) -> None:
         """Stop background workers (the transfer engine's thread)."""
@@ -228,21 +231,22 @@ class Engine:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_dir(cls, path: str | Path, *, device: str | torch.device | None = None, verify_checksums: bool = True,
-                 num_host_blocks: int | None = None, max_queue: int = 256,
-                 transfer: str | TransferEngine | None = None, ops: Ops | None = None,
-                 impl: str = "auto", debug_checks: bool = False, fused: bool = True, graph: bool = False,
+                 num_host_blocks: int | None = None, max_queue: int = 256, graph: bool = False,
                  adaptive_threads: bool = True, allow_unverified_precision: bool = False,
-                 **overrides: Any) -> "Engine":
+                 internals: Internals | None = None, **overrides: Any) -> "Engine":
         """Load an engine dir (refusing an incomplete, incompatible or tampered one).
 
         device: where the engine runs (None: CUDA when torch has a GPU, else CPU); a device that
         is not there is a ConfigError naming `device`. `overrides` replace settings of engine.yaml's
         (e.g. mode="lookahead", top_k=64); a setting the mode does not read, or a precision the build
         did not verify (unless allow_unverified_precision), is a ConfigError naming it.
-        adaptive_threads: as `Engine`'s (a benchmark that wants a fixed count passes False).
-        Test knobs: ops (the kernel table; default the spec's), impl ("auto", "c", "torch",
-        "checked"; "auto" is "checked" with `debug_checks`), fused and graph (as `Engine`'s), transfer.
+        adaptive_threads, graph: as `Engine`'s (a benchmark that wants a fixed thread count passes
+        adaptive_threads=False). internals: the kernel table, fused or Python layers, debug checks
+        and copy engine of tests and benchmarks (`runtime.internals.Internals`; not settings).
         """
+        refuse_knobs_as_settings(overrides, "Engine.from_dir")
+        internals = internals or Internals()
+        impl, ops, debug_checks = internals.impl, internals.ops, internals.debug_checks
         device = resolve_device(device)
         manifest = load_manifest(path, verify_checksums=verify_checksums)
         # everything decided once, before the weights are read: what the host cannot hold, a setting
@@ -254,7 +258,7 @@ class Engine:
         tokenizer = TextTokenizer.from_engine(manifest)
         # weights.safetensors read onto `device`, or a random_weights recipe generated there
         model = load_model(manifest, device, spec.table(ops), spec.dtype, max_positions=spec.max_model_len)
-        engine = cls(spec, model, tokenizer, max_queue, transfer, fused=fused, graph=graph,
+        engine = cls(spec, model, tokenizer, max_queue, internals.transfer, fused=internals.fused, graph=graph,
                      adaptive_threads=adaptive_threads)
         info = engine.describe()
         if info["openmp_spin"].startswith("default") and not _warned["spin"]:

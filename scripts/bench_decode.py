@@ -91,6 +91,7 @@ from bench.speed import (ContextSeedDraft, EngineDecoder, format_table, machine_
 from runtime.engine import Engine
 from runtime.prefill_cache import PrefillCache
 from runtime.sampling import SamplingParams
+from runtime.internals import Internals
 
 MODES = {"dense": {"mode": "dense"},
          "lookahead-resident": {"mode": "lookahead", "residency": "resident"},
@@ -227,7 +228,8 @@ def load_engines(args: argparse.Namespace) -> dict[str, Engine | str]:
     for mode in args.modes:
         try:
             name, old_chain, fields = mode_spec(mode)
-            engines[mode] = base.sibling(cache, fused=not mode.partition("@")[0].endswith(PYTHON_LAYERS),
+            python_layers = mode.partition("@")[0].endswith(PYTHON_LAYERS)
+            engines[mode] = base.sibling(cache, internals=Internals(fused=not python_layers),
                                          **{**MODES[name], **fields, **({"resync_after": 0} if old_chain else {})})
             if old_chain:
                 engines[mode].runner.chain.source = ContextSeedDraft()
@@ -411,15 +413,16 @@ def link_engines(args, ctx: int, batch: int, total_steps: int) -> tuple[Engine, 
     engines: dict[str, Engine | str] = {}
     for mode in args.link_modes:
         name, old_chain, fields = mode_spec(mode)
+        python_layers = mode.partition("@")[0].endswith(PYTHON_LAYERS)
         over = {**MODES[name], **fields, **({"resync_after": 0} if old_chain else {})}
         try:
             if MODES[name]["mode"] == "lookahead":
-                eng = base.sibling(cache, transfer=lib.make_recording_link(args.link_latency_us),
-                                   fused=not mode.partition("@")[0].endswith(PYTHON_LAYERS), **over)
+                eng = base.sibling(cache, internals=Internals(transfer=lib.make_recording_link(args.link_latency_us),
+                                                              fused=not python_layers), **over)
                 if type(eng.runner).__name__ == "DenseRunner":
                     raise RuntimeError("the engine runs dense for mode=lookahead")
             else:
-                eng = base.sibling(cache, fused=not mode.partition("@")[0].endswith(PYTHON_LAYERS), **over)
+                eng = base.sibling(cache, internals=Internals(fused=not python_layers), **over)
             if old_chain:
                 eng.runner.chain.source = ContextSeedDraft()
             engines[mode] = eng

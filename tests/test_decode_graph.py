@@ -13,6 +13,7 @@ import torch
 
 from runtime.engine import Engine
 from runtime.sampling import SamplingParams
+from runtime.internals import Internals
 from tiny_engine import QWEN3_YARN, make_tiny_engine, random_prompts
 
 
@@ -63,7 +64,8 @@ def test_compiled_decode_step_equals_eager(tiny_dir, qwen3_dir, arch):
     dynamo.utils.counters.clear()
     prompts = random_prompts(9, 22, 14, seed=3)
     # one prefill step; one thread count (as Engine(graph=True) keeps: torch.compile guards on it)
-    kw = dict(impl="torch", fused=False, block_size=4, max_batch_size=3, prefill_chunk=64, adaptive_threads=False)
+    kw = dict(internals=Internals(impl="torch", fused=False), block_size=4, max_batch_size=3, prefill_chunk=64,
+              adaptive_threads=False)
     eager = Engine.from_dir(path, **kw)
     graph = Engine.from_dir(path, **kw)
     assert graph.runner.compile_decode(backend="aot_eager") is None
@@ -86,7 +88,7 @@ def test_compiled_decode_step_equals_eager(tiny_dir, qwen3_dir, arch):
 def test_compile_decode_refuses_where_kernels_run_the_step(tiny_dir):
     from plugins import cpu
 
-    sparse = Engine.from_dir(tiny_dir, impl="torch", fused=False, mode="sparse", block_size=4)
+    sparse = Engine.from_dir(tiny_dir, internals=Internals(impl="torch", fused=False), mode="sparse", block_size=4)
     assert sparse.runner.compile_decode() == "sparse mode selects per sequence" and sparse.runner.graph is None
     if cpu.available():
         c = Engine.from_dir(tiny_dir)
@@ -94,7 +96,7 @@ def test_compile_decode_refuses_where_kernels_run_the_step(tiny_dir):
 
 
 def test_the_engine_switch_and_its_report(tiny_dir):
-    eng = Engine.from_dir(tiny_dir, impl="torch", fused=False, graph=True, block_size=4)
+    eng = Engine.from_dir(tiny_dir, internals=Internals(impl="torch", fused=False), graph=True, block_size=4)
     assert eng.runner.graph is not None and eng.describe()["decode_graph"] == "yes"
     assert eng.sibling(mode="sparse").describe()["decode_graph"] == "sparse mode selects per sequence"
     assert Engine.from_dir(tiny_dir, block_size=4).describe()["decode_graph"] == "graph=False"

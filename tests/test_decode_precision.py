@@ -20,6 +20,7 @@ from runtime.engine import Engine
 from runtime.errors import ConfigError
 from runtime.memory_plan import plan_memory
 from runtime.sampling import SamplingParams
+from runtime.internals import Internals
 from test_fused_decode import flat, make_int8_engine, run as fused_run
 from tiny_engine import SMALL_LOOKAHEAD, make_tiny_engine, random_prompts
 
@@ -49,7 +50,7 @@ def test_fused_w8a8_decode_equals_the_python_path(dirs, model, mode):
     prompts = random_prompts(37, 12, 60, seed=4)
     kw = dict(decode_precision="int8", prefill_precision="float32", max_batch_size=4, block_size=4)
     kw.update(dict(SMALL_LOOKAHEAD, top_k=6) if mode == "lookahead" else {})
-    ref_tokens, ref = run(Engine.from_dir(dirs[model], fused=False, **kw), prompts)
+    ref_tokens, ref = run(Engine.from_dir(dirs[model], internals=Internals(fused=False), **kw), prompts)
     eng = Engine.from_dir(dirs[model], **kw)
     assert eng.runner.fused is not None and eng.runner.fused.w8a8, eng.runner.fused_reason
     tokens, got = run(eng, prompts)
@@ -125,5 +126,5 @@ def test_a_precision_this_cpu_runs_in_torch_is_warned_and_counted(dirs, monkeypa
         assert all("AVX512_VNNI" in line for line in said)
         assert [r.getMessage() for r in caplog.records] == said
     torch_table = Engine.from_dir(dirs["int8"], prefill_precision="int8", decode_precision="int8", block_size=4,
-                                  impl="torch")
+                                  internals=Internals(impl="torch"))
     assert torch_table.stats()["kernel_fallbacks"] == []

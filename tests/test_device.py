@@ -14,6 +14,7 @@ from runtime.observe import Observer
 from runtime.ops import select_ops
 from runtime.sampling import SamplingParams
 from runtime.transfer import SyncTransferEngine
+from runtime.internals import Internals
 from tiny_engine import make_tiny_engine
 
 LOOKAHEAD = dict(mode="lookahead", block_size=4, recent_window=8, num_sink_blocks=1, top_k=6)
@@ -113,7 +114,7 @@ def test_every_tensor_a_step_touches_is_on_the_engine_device(tiny_dir, mode, dev
     ops = select_ops(dev, torch.float32, "checked").wrapped(check, "device-checked")
     lookahead = mode != "dense"
     transfer = InlineTransfer(dev) if lookahead else None
-    engine = Engine.from_dir(tiny_dir, device=device, ops=ops, transfer=transfer, **MODES[mode])
+    engine = Engine.from_dir(tiny_dir, device=device, internals=Internals(ops=ops, transfer=transfer), **MODES[mode])
     assert engine.device == dev and engine.ops is ops
     seams = engine.observe(SeamCheck(dev))
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)

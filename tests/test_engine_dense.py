@@ -8,6 +8,7 @@ from runtime.attention_ref import CausalAttention
 from runtime.engine import Engine
 from runtime.errors import CapacityError, RequestError
 from runtime.sampling import SamplingParams
+from runtime.internals import Internals
 from tiny_engine import make_tiny_engine
 
 
@@ -50,9 +51,9 @@ def test_cached_greedy_equals_full_recompute(tiny_dir, chunk, kv_dtype):
 def test_batched_sequences_of_different_lengths_match_alone(tiny_dir, impl):
     """torch: the decode items attend in one batch padded to the longest (paged_decode_attention)."""
     prompts = [prompt(s, n) for s, n in [(1, 5), (2, 40), (3, 17), (4, 64)]]
-    alone = [Engine.from_dir(tiny_dir, max_batch_size=1, impl=impl).generate([p], GREEDY)[0].token_ids
+    alone = [Engine.from_dir(tiny_dir, max_batch_size=1, internals=Internals(impl=impl)).generate([p], GREEDY)[0].token_ids
              for p in prompts]
-    together = Engine.from_dir(tiny_dir, max_batch_size=4, prefill_chunk=24, impl=impl).generate(prompts, GREEDY)
+    together = Engine.from_dir(tiny_dir, max_batch_size=4, prefill_chunk=24, internals=Internals(impl=impl)).generate(prompts, GREEDY)
     assert [c.token_ids for c in together] == alone
 
 
@@ -79,7 +80,7 @@ def test_chunked_prefill_logits_equal_one_shot(tiny_dir, kv_dtype):
 @pytest.mark.parametrize("impl", ["auto", "torch"])
 def test_noncontiguous_block_tables_read_correctly(tiny_dir, impl):
     """Interleave admissions so block runs are fragmented; results must not change."""
-    eng = Engine.from_dir(tiny_dir, max_batch_size=4, block_size=4, num_host_blocks=64, impl=impl)
+    eng = Engine.from_dir(tiny_dir, max_batch_size=4, block_size=4, num_host_blocks=64, internals=Internals(impl=impl))
     eng.allocator.allocate(3)                   # holes at the front of the free list
     hole = eng.allocator.allocate(2)
     eng.allocator.allocate(1)

@@ -10,6 +10,7 @@ import pytest
 from plugins import cpu
 from runtime.cli import main
 from runtime.engine import Engine
+from runtime.internals import Internals
 from tiny_engine import SMALL_LOOKAHEAD, make_tiny_engine
 
 
@@ -32,7 +33,7 @@ def test_describe_says_what_the_engine_runs_and_why(tiny_dir):
         assert spec["kernels"]["table"] == eng.ops.name and spec["kernels"]["base_library"] == "loaded"
     runner = eng.runner
     assert spec["fused_decode"] == ("yes" if runner.fused is not None else runner.fused_reason)
-    torch_table = Engine.from_dir(tiny_dir, impl="torch").describe()
+    torch_table = Engine.from_dir(tiny_dir, internals=Internals(impl="torch")).describe()
     assert torch_table["fused_decode"] != "yes" and torch_table["kernel_fallbacks"] == []
 
 

@@ -17,6 +17,7 @@ from runtime.engine import Engine
 from runtime.engine_dir import load_manifest, write_manifest
 from runtime.errors import ConfigError
 from runtime.spec import GOVERNS, resolve_spec
+from runtime.internals import Internals
 from test_fused_decode import make_int8_engine
 from tiny_engine import SMALL_LOOKAHEAD, make_tiny_engine, random_prompts
 
@@ -55,7 +56,7 @@ def test_auto_runs_the_builds_precision_on_every_host(dirs):
     assert eng.spec.why["prefill"].startswith("auto: the build's")
     assert Engine.from_dir(dirs["fp32"], block_size=4).ops.prefill == "float32"
     # the torch table is the float32 reference, whatever the build chose (it has no prefill kernels)
-    assert Engine.from_dir(dirs["bf16"], block_size=4, impl="torch").ops.prefill == "float32"
+    assert Engine.from_dir(dirs["bf16"], block_size=4, internals=Internals(impl="torch")).ops.prefill == "float32"
 
 
 def test_a_precision_the_build_did_not_verify_is_refused_by_name(dirs):
@@ -191,3 +192,24 @@ def test_a_build_records_what_it_resolved_and_verified(tmp_path):
     assert Engine.from_dir(tmp_path / "bf16").ops.prefill == "bfloat16"
     build(BuildConfig(model=str(src), output=tmp_path / "nov", verify=False), log=log.append)
     assert load_manifest(tmp_path / "nov").precision.verified_prefill is None
+
+
+# ---- implementation knobs are not settings -----------------------------------------------------------
+@pytest.mark.parametrize("knob,value", [("impl", "torch"), ("fused", False), ("debug_checks", True),
+                                        ("transfer", "sync"), ("ops", None)])
+def test_an_implementation_knob_given_as_a_setting_says_where_it_went(dirs, knob, value):
+    with pytest.raises(TypeError, match=rf"{knob} is not a setting: pass internals=runtime\.internals\.Internals\({knob}="):
+        Engine.from_dir(dirs["fp32"], block_size=4, **{knob: value})
+    eng = Engine.from_dir(dirs["fp32"], block_size=4)
+    with pytest.raises(TypeError, match="Engine.sibling: fused is not a setting"):
+        eng.sibling(fused=False)
+    with pytest.raises(ValueError, match="impl: one of"):
+        Internals(impl="fast")
+
+
+def test_a_sibling_keeps_the_engines_internals_unless_given_its_own(dirs):
+    eng = Engine.from_dir(dirs["fp32"], block_size=4, internals=Internals(impl="torch", fused=False))
+    sib = eng.sibling(mode="lookahead", top_k=4)
+    assert sib.spec.impl == "torch" and sib.fused is False and sib.ops.name == eng.ops.name
+    own = eng.sibling(internals=Internals(impl="torch", fused=True))
+    assert own.fused is True

@@ -32,6 +32,7 @@ from runtime.engine_dir import TOKENIZER_DIR, WEIGHTS, write_manifest
 from runtime.model import LlamaModel
 from runtime.observe import Observer
 from runtime.sampling import SamplingParams
+from runtime.internals import Internals
 from tiny_engine import QWEN3_YARN, TINY, byte_tokenizer, make_tiny_engine, random_prompts
 
 pytestmark = [pytest.mark.skipif(not cpu.available(), reason="no CPU kernels"),
@@ -103,7 +104,7 @@ class Record(Observer):
 def engine(d: Path, fused: str, **kw) -> Engine:
     """fused: "off" (`fused=False`), "auto" (the default), or the decoder rebound with
     silu "torch" (SiLU by torch between C calls) or "own" (common.h's exp)."""
-    eng = Engine.from_dir(d, fused=fused != "off", **kw)
+    eng = Engine.from_dir(d, internals=Internals(fused=fused != "off"), **kw)
     if fused in ("torch", "own"):
         eng.runner.fused, _ = eng.model.fused_decoder(eng.pool.k, eng.pool.v, eng.runner.attn.scale, silu=fused)
     assert (eng.runner.fused is None) == (fused == "off"), eng.runner.fused_reason
@@ -197,14 +198,14 @@ def test_models_and_ops_it_does_not_take(dirs, tmp_path):
     small = make_tiny_engine(tmp_path / "d16", seed=1)               # head_dim 16: no C attention
     eng = Engine.from_dir(small)
     assert eng.runner.fused is None and "head_dim 16" in eng.runner.fused_reason
-    eng = Engine.from_dir(dirs["int8"], debug_checks=True)           # the checked ops: every call seen
+    eng = Engine.from_dir(dirs["int8"], internals=Internals(debug_checks=True))           # the checked ops: every call seen
     assert eng.runner.fused is None and "checked" in eng.runner.fused_reason
     eng = Engine.from_dir(dirs["fp32"], mode="lookahead", block_size=4)
     assert eng.runner.fused is not None          # lookahead: the layers around its attention (test_fused_lookahead)
-    eng = Engine.from_dir(dirs["fp32"], fused=False)
+    eng = Engine.from_dir(dirs["fp32"], internals=Internals(fused=False))
     assert eng.runner.fused is None and eng.runner.fused_reason == "fused=False"
-    assert eng.sibling().runner.fused is None and eng.sibling(fused=True).runner.fused is not None
-    eng = Engine.from_dir(dirs["fp32"], impl="torch")                # the torch table: no C entry
+    assert eng.sibling().runner.fused is None and eng.sibling(internals=Internals(fused=True)).runner.fused is not None
+    eng = Engine.from_dir(dirs["fp32"], internals=Internals(impl="torch"))                # the torch table: no C entry
     assert eng.runner.fused is None and "torch" in eng.runner.fused_reason
 
 
@@ -301,7 +302,7 @@ def test_real_model_fused_step_equals_python_path(default_engine, which):
     for kv in (["float32", "float16"] if which == "default" else ["float16"]):
         results = {}
         for mode in ("off", "torch", "auto"):
-            eng = base.sibling(max_batch_size=2, max_model_len=512, kv_dtype=kv, fused=mode != "off")
+            eng = base.sibling(max_batch_size=2, max_model_len=512, kv_dtype=kv, internals=Internals(fused=mode != "off"))
             if mode == "torch":
                 eng.runner.fused, _ = eng.model.fused_decoder(eng.pool.k, eng.pool.v, eng.runner.attn.scale,
                                                               silu="torch")

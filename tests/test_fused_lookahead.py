@@ -26,6 +26,7 @@ from plugins import cpu
 from runtime.engine import Engine
 from runtime.observe import Observer
 from runtime.sampling import SamplingParams
+from runtime.internals import Internals
 from test_fused_decode import fp32_and_int8_dirs
 from tiny_engine import SMALL_LOOKAHEAD, random_prompts
 
@@ -61,7 +62,7 @@ class Record(Observer):
 
 
 def engine(d, fused: bool, **kw) -> Engine:
-    eng = Engine.from_dir(d, mode="lookahead", fused=fused, **kw)
+    eng = Engine.from_dir(d, mode="lookahead", internals=Internals(fused=fused), **kw)
     assert (eng.runner.fused is not None) == fused, eng.runner.fused_reason
     return eng
 
@@ -176,7 +177,7 @@ def test_fused_layer_yields_to_observers_and_debug_checks(dirs, mode, kv_dtype):
     assert tapped.runner.attn.c_layer.calls == 0
     for name, t in state(tapped).items():
         assert torch.equal(t, state(eng)[name]), name
-    checked = Engine.from_dir(dirs["int8"], mode="lookahead", debug_checks=True, **kw)   # checked ops: no fused layers
+    checked = Engine.from_dir(dirs["int8"], mode="lookahead", internals=Internals(debug_checks=True), **kw)   # checked ops: no fused layers
     assert run(checked, prompts)[0] == tokens
     assert checked.runner.attn.c_layer is None and checked.runner.fused is None
 

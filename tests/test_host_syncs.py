@@ -28,6 +28,7 @@ from runtime.lookahead.metrics import LookaheadMetrics
 from runtime.observe import Observer
 from runtime.sampling import SamplingParams
 from runtime.transfer import CopyJob, SyncTransferEngine
+from runtime.internals import Internals
 from tiny_engine import SMALL_LOOKAHEAD, make_tiny_engine, random_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,9 +153,9 @@ def test_a_decode_step_reads_the_device_once_the_sampled_ids(tiny_dir, name, pla
     """Through the seam: one read per decode step (the token ids), none elsewhere on the step's
     path. `torch`: the slot plan as it runs on a GPU (fixed-capacity lists, plan_torch). The
     copies run inline (SyncTransferEngine), on the thread the detector watches."""
-    engine = Engine.from_dir(tiny_dir, device="cpu", transfer=SyncTransferEngine(), top_k=3, max_batch_size=3,
-                             prefill_chunk=32, **SMALL_LOOKAHEAD, **CONFIGS[name],
-                             impl="auto" if plan_path == "cpu_kernel" else "torch")
+    internals = Internals(transfer=SyncTransferEngine(), impl="auto" if plan_path == "cpu_kernel" else "torch")
+    engine = Engine.from_dir(tiny_dir, device="cpu", internals=internals, top_k=3, max_batch_size=3, prefill_chunk=32,
+                             **SMALL_LOOKAHEAD, **CONFIGS[name])
     params = SamplingParams(max_tokens=10, temperature=0.7, seed=2, ignore_eos=True)
     steps = run_counting(engine, random_prompts(70, 45, 20, seed=3), params)
     decode = [(counts, seen) for is_decode, counts, seen in steps if is_decode]
@@ -358,7 +359,7 @@ def test_the_plan_moves_in_one_copy_and_decodes_the_same(tiny_dir, monkeypatch):
     def run(pack: bool):
         if pack:
             monkeypatch.setattr(step_plan, "MOVE", lambda device, *ts: staged_copy(device, ts, pin=False))
-        engine = Engine.from_dir(tiny_dir, device="cpu", transfer=SyncTransferEngine(), top_k=3, max_batch_size=2,
+        engine = Engine.from_dir(tiny_dir, device="cpu", internals=Internals(transfer=SyncTransferEngine()), top_k=3, max_batch_size=2,
                                  **SMALL_LOOKAHEAD, residency="pingpong", miss_policy="drop")
         plans = engine.observe(Plans())
         out = engine.generate(random_prompts(50, 30, seed=5), SamplingParams(max_tokens=8, ignore_eos=True))

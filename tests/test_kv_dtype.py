@@ -32,6 +32,7 @@ from runtime.errors import ConfigError
 from runtime.kv_pool import KVPool
 from runtime.memory_plan import plan_memory
 from runtime.sampling import SamplingParams
+from runtime.internals import Internals
 from tiny_engine import SMALL_LOOKAHEAD, TINY, make_tiny_engine, random_prompts
 
 HALF = ("float16", "bfloat16")
@@ -283,14 +284,14 @@ def test_every_lookahead_mode_runs_with_float16(tiny_dir, mode):
     at the model's precision there, not rounded, hence the fp16 tolerance); with a small K it runs."""
     ps = random_prompts(70, 33, seed=6)
     dense_t, dense_l = run(Engine.from_dir(tiny_dir, block_size=4, kv_dtype="float16"), ps)
-    eng = Engine.from_dir(tiny_dir, **SMALL_LOOKAHEAD, **mode, top_k=64, kv_dtype="float16", debug_checks=True)
+    eng = Engine.from_dir(tiny_dir, **SMALL_LOOKAHEAD, **mode, top_k=64, kv_dtype="float16", internals=Internals(debug_checks=True))
     assert eng.pool.k.dtype == eng.runner.attn.dev_k.dtype == torch.float16
     la_t, la_l = run(eng, ps)
     for ta, la, tb, lb in zip(la_t, la_l, dense_t, dense_l):
         i = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta) - 1)
         assert float((la[: i + 1] - lb[: i + 1]).abs().max()) <= LOGIT_TOL["float16"]   # on the same prefix
     assert any(a == b for a, b in zip(la_t, dense_t))
-    small = Engine.from_dir(tiny_dir, **SMALL_LOOKAHEAD, **mode, top_k=2, kv_dtype="float16", debug_checks=True)
+    small = Engine.from_dir(tiny_dir, **SMALL_LOOKAHEAD, **mode, top_k=2, kv_dtype="float16", internals=Internals(debug_checks=True))
     toks, _ = run(small, ps)
     assert [len(t) for t in toks] == [SP.max_tokens] * len(ps)
 
@@ -345,7 +346,7 @@ def test_topk_from_half_precision_keys_rarely_changes_real_model(default_engine)
     """SmolLM2's own keys and queries: a 2032-token prefill of README.md, the last 4 prompt rows'
     queries in every layer, K = 32 of the 127 blocks."""
     T, NQ = 2032, 4
-    eng = default_engine.sibling(fused=False)       # the model's layers over the recorder, every step
+    eng = default_engine.sibling(internals=Internals(fused=False))       # the model's layers over the recorder, every step
     ids = eng.tokenizer.encode(README.read_text() * 4)[:T]
     seen = {}
 

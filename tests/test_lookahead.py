@@ -13,10 +13,11 @@ from runtime.errors import ConfigError
 from runtime.observe import Observer
 from runtime.sampling import SamplingParams
 from runtime.transfer import SyncTransferEngine
+from runtime.internals import Internals
 from tiny_engine import SMALL_LOOKAHEAD as SMALL, make_tiny_engine, random_prompts as prompts
 
 SP = SamplingParams(max_tokens=16, ignore_eos=True)
-CHECKED = dict(SMALL, debug_checks=True)    # the checked ops, and check_integrity before every attention
+CHECKED = dict(SMALL, internals=Internals(debug_checks=True))    # the checked ops, and check_integrity before every attention
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +206,8 @@ class CountingTransfer(SyncTransferEngine):
 
 def test_random_draft_under_drop_never_corrupts_the_cache(tiny_dir):
     transfer = CountingTransfer()
-    eng = Engine.from_dir(tiny_dir, **CHECKED, top_k=4, miss_policy="drop", fetch_ratio=0.25, transfer=transfer)
+    eng = Engine.from_dir(tiny_dir, **SMALL, top_k=4, miss_policy="drop", fetch_ratio=0.25,
+                          internals=Internals(debug_checks=True, transfer=transfer))
     eng.runner.chain.source = RandomDraft(256, seed=2)
     urgent = eng.observe(UrgentSteps())
     outs, _ = run(eng, prompts(160, 120, seed=6))      # check_integrity runs before every attention
@@ -222,8 +224,9 @@ def test_random_draft_under_drop_never_corrupts_the_cache(tiny_dir):
 def test_h2d_bytes_equal_the_bytes_copied(tiny_dir, residency, top_k, plan_path):
     transfer = CountingTransfer()
     # torch: the torch table's slot plan (fixed-capacity lists, as on a GPU)
-    eng = Engine.from_dir(tiny_dir, **CHECKED, top_k=top_k, residency=residency, transfer=transfer,
-                          impl="checked" if plan_path == "cpu_kernel" else "torch")
+    eng = Engine.from_dir(tiny_dir, **SMALL, top_k=top_k, residency=residency,
+                          internals=Internals(debug_checks=True, transfer=transfer,
+                                              impl="checked" if plan_path == "cpu_kernel" else "torch"))
     run(eng, prompts(140, 75, seed=7))               # check_integrity: the copies landed where told
     unit = 2 * 4 * 16 * 4                            # K+V of one (block, head): 2 * bs * D * fp32
     st = eng.stats()

@@ -24,6 +24,7 @@ from builder import BuildConfig, build
 from builder.verify import _load_reference, _reference_greedy
 from plugins import cpu
 from runtime.engine import Engine
+from runtime.internals import Internals
 from runtime.observe import Observer
 from runtime.sampling import SamplingParams
 from tiny_engine import SMALL_LOOKAHEAD, random_prompts
@@ -72,8 +73,9 @@ class Emitted(Observer):
         self.logits += [v.clone() for v in logits.values()]
 
 
-def decode(engine_dir: Path, prompt: list[int], max_tokens: int, **kw) -> tuple[list[int], torch.Tensor, Engine]:
-    eng = Engine.from_dir(engine_dir, **kw)
+def decode(engine_dir: Path, prompt: list[int], max_tokens: int, impl: str = "auto",
+           **kw) -> tuple[list[int], torch.Tensor, Engine]:
+    eng = Engine.from_dir(engine_dir, internals=Internals(impl=impl), **kw)
     rec = eng.observe(Emitted())
     tokens = eng.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
     return tokens, torch.stack(rec.logits), eng

@@ -8,6 +8,7 @@ from runtime.engine import Engine
 from runtime.observe import Observer
 from runtime.prefill_cache import PrefillCache
 from runtime.sampling import SamplingParams
+from runtime.internals import Internals
 from test_lookahead import SMALL, prompts, run
 from tiny_engine import make_tiny_engine
 
@@ -50,7 +51,7 @@ def count_rows(engine: Engine) -> list[int]:
 @pytest.mark.parametrize("chunk", [512, 40])      # one prefill step; several chunks, mixed with decodes
 def test_replayed_prefill_decodes_exactly_like_a_real_one(tiny_dir, mode, chunk):
     ps = prompts(150, 61, 97, seed=12)
-    base = Engine.from_dir(tiny_dir, debug_checks=True)      # its siblings check their slots too
+    base = Engine.from_dir(tiny_dir, internals=Internals(debug_checks=True))      # its siblings check their slots too
     ref, ref_logits = run(sibling(base, None, **MODES[mode], prefill_chunk=chunk), ps, SP)
 
     cache = PrefillCache(max_prompts=3)

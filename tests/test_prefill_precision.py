@@ -17,6 +17,7 @@ from runtime.errors import ConfigError
 from runtime.memory_plan import plan_memory
 from runtime.ops import resolve_prefill, select_ops
 from runtime.sampling import SamplingParams
+from runtime.internals import Internals
 
 from builder_fixtures import write_checkpoint
 from tiny_engine import SMALL_LOOKAHEAD, make_tiny_engine, random_prompts
@@ -109,7 +110,7 @@ def test_prompt_rows_take_the_prefill_kernels_and_decode_rows_do_not(tiny_dir, p
             return fn(*a, **k)
         return wrapped
     ops = select_ops(CPU, torch.float32, "c", prefill=precision).wrapped(count)
-    eng = Engine.from_dir(tiny_dir, ops=ops, block_size=4, prefill_chunk=16)
+    eng = Engine.from_dir(tiny_dir, internals=Internals(ops=ops), block_size=4, prefill_chunk=16)
     eng.generate(random_prompts(20, seed=1), SamplingParams(max_tokens=1, ignore_eos=True))
     prompt_calls = dict(calls)
     calls.clear()
@@ -160,8 +161,8 @@ def test_decode_rows_beside_a_prompt_compute_as_alone(tiny_dir):
     a_prompt, b_prompt = random_prompts(9, 70, seed=4)
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
     alone_t, alone_l = run(Engine.from_dir(tiny_dir, prefill_precision="bfloat16", block_size=4, prefill_chunk=8,
-                                           fused=False), [a_prompt], sp)
-    eng = Engine.from_dir(tiny_dir, prefill_precision="bfloat16", block_size=4, prefill_chunk=8, fused=False,
+                                           internals=Internals(fused=False)), [a_prompt], sp)
+    eng = Engine.from_dir(tiny_dir, prefill_precision="bfloat16", block_size=4, prefill_chunk=8, internals=Internals(fused=False),
                           max_batch_size=2)
     toks, logits = run(eng, [a_prompt, b_prompt], sp)        # b's chunks run beside a's decode steps
     assert toks[0] == alone_t[0]
@@ -174,8 +175,8 @@ def test_the_torch_formulation_agrees_with_the_kernels(tiny_dir):
     but for the kernel's bf16 probabilities: the two within a few % of the logits' spread, both
     as close to fp32's (a wrong scale or row would be off by the spread itself)."""
     ps = random_prompts(45, seed=6)
-    c = run(Engine.from_dir(tiny_dir, ops=select_ops(CPU, torch.float32, "c", prefill="bfloat16"), block_size=4), ps)
-    t = run(Engine.from_dir(tiny_dir, ops=select_ops(CPU, torch.float32, "torch", prefill="bfloat16"), block_size=4), ps)
+    c = run(Engine.from_dir(tiny_dir, internals=Internals(ops=select_ops(CPU, torch.float32, "c", prefill="bfloat16")), block_size=4), ps)
+    t = run(Engine.from_dir(tiny_dir, internals=Internals(ops=select_ops(CPU, torch.float32, "torch", prefill="bfloat16")), block_size=4), ps)
     f = run(Engine.from_dir(tiny_dir, prefill_precision="float32", block_size=4), ps)
     spread = float(f[1][0][0].std())
     assert c[0] == t[0]

@@ -11,6 +11,7 @@ from runtime.engine import Engine
 from runtime.errors import ConfigError, RequestError
 from runtime.prefix_cache import BlockRemoved, BlockStored, PrefixCache, chain_hashes
 from runtime.sampling import SamplingParams
+from runtime.internals import Internals
 from tiny_engine import SMALL_LOOKAHEAD, make_tiny_engine, random_prompts
 
 BS = 4
@@ -119,7 +120,7 @@ def test_a_cache_hit_changes_no_token_in_any_mode(tiny_dir, mode, kv_dtype):
     tokens: with the shortest, the prompt's last window lies in the cached blocks, which lookahead
     must restore to the device tier (debug_checks verifies the slots before every attention)."""
     cfg = dict(MODES[mode], kv_dtype=kv_dtype)
-    on = Engine.from_dir(tiny_dir, debug_checks=True, **cfg)
+    on = Engine.from_dir(tiny_dir, internals=Internals(debug_checks=True), **cfg)
     off = Engine.from_dir(tiny_dir, prefix_caching=False, **cfg)
     doc = random_prompts(70, seed=3)[0]
     try:

@@ -21,6 +21,7 @@ from runtime.model import LlamaModel
 from runtime.ops import select_ops
 from runtime.sampling import SamplingParams
 from runtime.projections import Projections
+from runtime.internals import Internals
 from test_fused_decode import make_int8_engine
 from test_prefill_kernels import ATOL, pool_case
 from tiny_engine import SMALL_LOOKAHEAD, TINY, make_tiny_engine, random_prompts
@@ -67,12 +68,12 @@ def test_a_step_calls_no_argument_checking_wrapper(dirs, monkeypatch, which, mod
     helpers on every call; a bound kernel only when it binds, at load. Python layers (fused=False) run every
     projection, prompt and decode rows."""
     over = SMALL_LOOKAHEAD if mode == "lookahead" else dict(block_size=4)
-    eng = Engine.from_dir(dirs[which], fused=False, **over)
+    eng = Engine.from_dir(dirs[which], internals=Internals(fused=False), **over)
     want = eng.generate(random_prompts(21, 9, seed=1), GREEDY)
 
     def refuse(*a, **k):
         raise AssertionError("a per-call eligibility check ran in a step")
-    eng = Engine.from_dir(dirs[which], fused=False, **over)           # binds (and checks) here
+    eng = Engine.from_dir(dirs[which], internals=Internals(fused=False), **over)           # binds (and checks) here
     for mod, name in ((cpu_ops, "packed_weight"), (cpu_ops, "int8_kernel_group"), (prefill, "prefill_attention")):
         monkeypatch.setattr(mod, name, refuse)
     got = eng.generate(random_prompts(21, 9, seed=1), GREEDY)
@@ -94,7 +95,7 @@ def test_a_weight_the_kernel_does_not_take_is_warned_and_counted(dirs, caplog, w
     assert any(why in r.getMessage() for r in caplog.records)
     assert eng.describe()["kernel_fallbacks"] == fallbacks
     # and it still runs, equal to the torch table's tokens
-    torch_eng = Engine.from_dir(dirs[which], block_size=4, impl="torch")
+    torch_eng = Engine.from_dir(dirs[which], block_size=4, internals=Internals(impl="torch"))
     prompts = random_prompts(13, 30, seed=2, vocab=eng.manifest.model.vocab_size)
     got = [c.token_ids for c in eng.generate(prompts, GREEDY)]
     assert got == [c.token_ids for c in torch_eng.generate(prompts, GREEDY)]

@@ -25,6 +25,7 @@ from runtime.lookahead.device_tier import SlotLayout
 from runtime.ops import select_ops
 from runtime.sampling import SamplingParams
 from runtime.sparse import BlockSelection
+from runtime.internals import Internals
 from test_fused_decode import fp32_and_int8_dirs
 from test_fused_lookahead import run as run_recorded
 from tiny_engine import random_prompts
@@ -48,7 +49,7 @@ def run(eng: Engine, prompts):
 
 def engine(d, fused: bool, **kw) -> Engine:
     settings = {**GEOMETRY, **kw}
-    eng = Engine.from_dir(d, fused=fused, **settings_for(settings.get("mode", "dense"), settings))
+    eng = Engine.from_dir(d, internals=Internals(fused=fused), **settings_for(settings.get("mode", "dense"), settings))
     assert (eng.runner.fused is not None) == fused, eng.runner.fused_reason
     return eng
 

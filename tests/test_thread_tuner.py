@@ -9,6 +9,7 @@ import torch
 from runtime.engine import Engine
 from runtime.sampling import SamplingParams
 from runtime.thread_tuner import EXPLORE, MAX_INTERVAL, RECENT, ThreadTuner, candidates
+from runtime.internals import Internals
 from tiny_engine import make_tiny_engine, random_prompts
 
 
@@ -101,7 +102,7 @@ def test_the_engine_steps_on_the_tuners_count_and_reports_it(tiny_dir, monkeypat
     assert eng.sibling(mode="sparse").tuner.enabled
     assert not Engine.from_dir(tiny_dir, adaptive_threads=False).tuner.enabled
     # a compiled decode graph keeps one count: torch.compile guards on it (a change recompiles)
-    graph = Engine.from_dir(tiny_dir, impl="torch", fused=False, graph=True)
+    graph = Engine.from_dir(tiny_dir, internals=Internals(impl="torch", fused=False), graph=True)
     assert not graph.tuner.enabled and graph.describe()["adaptive_threads"] == "off"
 
 

@@ -41,6 +41,7 @@ from runtime.transfer import (LinkTransferEngine, SyncTransferEngine, ThreadTran
                               make_transfer_engine)
 from runtime.transfer.base import CopyJob  # noqa: E402
 from runtime.transfer.link import parse_link_spec  # noqa: E402
+from runtime.internals import Internals
 
 KVH, NB, BS, D = 2, 8, 4, 8            # one layer's pool: heads, blocks, block size, head dim
 UNIT = 2 * BS * D * 4                  # bytes of one (block, head) unit, K and V, fp32: 256
@@ -273,7 +274,7 @@ def test_engine_from_dir_runs_on_a_link(tmp_path):
     prompts = random_prompts(40, 37, seed=1)
     out, stats = {}, {}
     for kind in ("thread", "link:0.002,50"):
-        eng = Engine.from_dir(path, transfer=kind, **SMALL_LOOKAHEAD, top_k=3, max_batch_size=2)
+        eng = Engine.from_dir(path, internals=Internals(transfer=kind), **SMALL_LOOKAHEAD, top_k=3, max_batch_size=2)
         try:
             out[kind] = [r.token_ids for r in eng.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))]
             stats[kind] = eng.stats()

@@ -64,7 +64,7 @@ from .base import CopyJob, Ticket, TransferEngine
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'lookahead-kv[gpu]' (or: pip install cuda-python)"
-CPU_HINT = "use transfer='thread' on a machine without a GPU"
+CPU_HINT = "use internals=Internals(transfer='thread') on a machine without a GPU"
 
 
 class CudaTransferUnavailable(LookaheadError, RuntimeError):
