@@ -22,15 +22,25 @@ VALUES = {"mode": MODES, "residency": RESIDENCY, "miss_policy": MISS_POLICIES, "
 
 
 def add_lookahead_flags(parser: argparse.ArgumentParser) -> None:
-    """One `--field-name` flag per LookaheadConfig field; unset flags keep the engine's value."""
-    group = parser.add_argument_group("lookahead (override engine.yaml)")
-    for f in dataclasses.fields(LookaheadConfig):
+    """One `--field-name` flag per LookaheadConfig field; unset flags keep the engine's value. The
+    settings a user chooses (runtime.spec.ESSENTIAL) and the tuning ones are two help groups."""
+    from .spec import ESSENTIAL, GOVERNS
+
+    groups = {True: parser.add_argument_group("settings (override engine.yaml; dense reads the first four, sparse "
+                                              "adds --top-k, lookahead the rest)"),
+              False: parser.add_argument_group("tuning (override engine.yaml; the defaults fit long contexts: "
+                                               "docs/SETTINGS.md)")}
+    rank = {name: i for i, name in enumerate(ESSENTIAL)}
+    for f in sorted(dataclasses.fields(LookaheadConfig), key=lambda f: rank.get(f.name, len(rank))):
+        group = groups[f.name in ESSENTIAL]
+        modes = GOVERNS.get(f.name)
+        read_by = f"{' and '.join(modes)} mode{'s' if len(modes) > 1 else ''}; " if modes else ""
         typ = {"int": int, "float": float, "str": str, "bool": parse_bool}.get(str(f.type).split(" |")[0], int)
         values = f"{', '.join(VALUES[f.name])}; " if f.name in VALUES else ""
         default = "the weights' dtype" if f.name == "kv_dtype" else f.default
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=None,
-                           help=f"{values}default: {default}")
-    group.add_argument("--allow-unverified-precision", dest="allow_unverified_precision", type=parse_bool,
+                           help=f"{read_by}{values}default: {default}")
+    groups[False].add_argument("--allow-unverified-precision", dest="allow_unverified_precision", type=parse_bool,
                        nargs="?", const=True, default=None,
                        help="run a prefill/decode precision the engine's build did not verify (default: refused)")
 

@@ -41,6 +41,15 @@ GOVERNS = {**dict.fromkeys(("top_k", "num_sink_blocks", "recent_window", "group_
            **dict.fromkeys(("fetch_ratio", "residency", "miss_policy", "draft", "resync_after", "prefetch_lead",
                             "prefill_top_k", "prefill_window", "device_budget_bytes"), ("lookahead",))}
 
+# What a user chooses in each mode; every other setting is tuning, whose default fits the seeds'
+# operating point (docs/SETTINGS.md lists both, the CLI's --help shows them in two groups)
+ESSENTIAL = ("mode", "max_model_len", "max_batch_size", "kv_dtype", "top_k", "residency", "miss_policy", "draft")
+
+
+def essential_settings(mode: str) -> tuple[str, ...]:
+    """The settings a user must know to run `mode` (the rest are tuning with working defaults)."""
+    return tuple(k for k in ESSENTIAL if mode in GOVERNS.get(k, (mode,)))
+
 
 @dataclass(frozen=True)
 class EngineSpec:

@@ -213,3 +213,18 @@ def test_a_sibling_keeps_the_engines_internals_unless_given_its_own(dirs):
     assert sib.spec.impl == "torch" and sib.fused is False and sib.ops.name == eng.ops.name
     own = eng.sibling(internals=Internals(impl="torch", fused=True))
     assert own.fused is True
+
+
+def test_a_user_must_know_few_settings_in_any_mode():
+    """The settings a mode's user chooses (the rest are tuning with working defaults), at most 10,
+    each one the mode reads; the CLI shows them as their own help group."""
+    from runtime.spec import essential_settings
+    sizes = {mode: essential_settings(mode) for mode in ("dense", "sparse", "lookahead")}
+    assert {m: len(v) for m, v in sizes.items()} == {"dense": 4, "sparse": 5, "lookahead": 8}
+    assert all(len(v) <= 10 for v in sizes.values())
+    assert "top_k" not in sizes["dense"] and "residency" not in sizes["sparse"]
+    parser = build_parser()
+    gen = parser._subparsers._group_actions[0].choices["generate"]
+    groups = {g.title.split(" (")[0]: [a.dest for a in g._group_actions] for g in gen._action_groups}
+    assert groups["settings"] == list(sizes["lookahead"])
+    assert "fetch_ratio" in groups["tuning"] and "prefill_precision" in groups["tuning"]
