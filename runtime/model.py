@@ -11,9 +11,10 @@ Weight-only int8 (an engine.yaml `quantization:` section): the quantized roles' 
 fp32 [N] or [N, K // G]) instead of a tensor; the quantized engine's table (`select_ops(...,
 quantized=True)`) takes it like any weight.
 
+The fp32 modules and their path are unchanged.
+
 The projections run through `model.projections` (runtime/projections.py): every weight bound to its
 kernels, and its packed copies made, when the weights load, not on a first prompt.
-The fp32 modules and their path are unchanged.
 
 `load_model(manifest, device, ops)` builds the model an engine dir describes: weights read from
 weights.safetensors, or, for a `random_weights:` recipe, generated on `device` tensor by tensor.

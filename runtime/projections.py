@@ -119,7 +119,9 @@ class Projections:
         to `ops.kernel_fallbacks`, which says it once for the whole table, with the fix."""
         seen: dict[tuple[str, str], list[str]] = {}
         for p in self.all():
-            for kind, k in (("decode", p.decode), ("prefill", p.prefill)):
+            kinds = (("decode and prompt", p.decode),) if p.prefill is p.decode else \
+                (("decode", p.decode), ("prompt", p.prefill))
+            for kind, k in kinds:
                 if k.fallback and not k.fallback.startswith(cpu_ops.NO_UNITS):
                     seen.setdefault((kind, k.fallback), []).append(p.name)
         return [f"{kind} rows of {len(names)} projection(s) ({names[0]}{', ...' if len(names) > 1 else ''}) run "

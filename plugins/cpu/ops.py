@@ -467,8 +467,11 @@ def bias_fits(bias: torch.Tensor | None, n: int) -> bool:
 
 
 def weight_misfit(weight: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """Why a kernel that reads `dtype` [N, K] CPU weights does not take `weight` (None: it does).
+    Shape-free, so that one line covers every weight of a model."""
     if weight.dim() != 2 or weight.dtype != dtype or weight.device.type != "cpu":
-        return f"a {weight.dtype} {tuple(weight.shape)} weight on {weight.device.type} (the kernel reads {dtype} [N, K] on cpu)"
+        return (f"{str(weight.dtype).removeprefix('torch.')} {weight.dim()}-D weights on {weight.device.type} "
+                f"(the kernel reads {str(dtype).removeprefix('torch.')} [N, K] on cpu)")
     return None
 
 
