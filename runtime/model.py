@@ -52,8 +52,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """The norm through the table's entry (a model's layers run their bound kernel instead:
+        runtime/projections.py)."""
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return ops.rms_norm(x, self.weight, self.eps)      # one C call, or F.rms_norm
+        return self.upcast(x)
+
+    def upcast(self, x: torch.Tensor) -> torch.Tensor:
+        """A 16-bit model's norm: computed in fp32, scaled in x's dtype."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(x.dtype) * self.weight
@@ -157,19 +163,19 @@ class DecoderLayer(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-            rope_tables: tuple[torch.Tensor, torch.Tensor] | None, ops: Ops, linear,
+            rope_tables: tuple[torch.Tensor, torch.Tensor] | None, linear,
             proj: LayerProjections) -> tuple[torch.Tensor, ...]:
         """The attention's inputs of the residual stream x [T, hidden]: rmsnorm -> wqkv (+ bias)
         -> each q and k head's RMSNorm (qk_norm) -> RoPE of q and k: q [T, H, D], k and v
         [T, KVH, D]. The one place the Python path applies them (plugins/cpu/decode.c's
         project_qkv is its C twin)."""
         c, T = self.cfg, x.shape[0]
-        qkv = linear(self.attn_norm(x, ops), proj.wqkv)                     # [T, q + 2kv] (+ bias)
+        qkv = linear(proj.attn_norm(x), proj.wqkv)                          # [T, q + 2kv] (+ bias)
         # q and k are adjacent in qkv: one rotation covers both heads' sets (half the small ops)
         qk = qkv[:, : c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
-            qk = torch.cat([_head_norm(self.q_norm, qk[:, : c.num_heads], ops),
-                            _head_norm(self.k_norm, qk[:, c.num_heads:], ops)], dim=1)
+            qk = torch.cat([_head_norm(proj.q_norm, qk[:, : c.num_heads]),
+                            _head_norm(proj.k_norm, qk[:, c.num_heads:])], dim=1)
         qk = rope.apply(qk, positions, rope_tables)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]                    # [T, H, D], [T, KVH, D]
         v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim)
@@ -177,22 +183,22 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 attn: AttentionBackend, rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
-                ops: Ops, linear, proj: LayerProjections) -> torch.Tensor:
+                linear, proj: LayerProjections) -> torch.Tensor:
         """linear: the step's projection (`projections.step_projection`), applied to this layer's
-        bound projections `proj`."""
+        bound projections `proj` (its norms are bound there too)."""
         c, T = self.cfg, x.shape[0]
-        q, k, v = self.qkv(x, positions, rope, rope_tables, ops, linear, proj)
+        q, k, v = self.qkv(x, positions, rope, rope_tables, linear, proj)
         o = attn.forward(self.layer_idx, q, k, v)                           # [T, H, D]
         x = x + linear(o.reshape(T, c.q_size), proj.wo)
-        gate, up = linear(self.mlp_norm(x, ops), proj.w13).chunk(2, dim=-1)
+        gate, up = linear(proj.mlp_norm(x), proj.w13).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, proj.w2)
 
 
-def _head_norm(norm: RMSNorm, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-    """`norm` over the last dim of heads x [T, n, D]: as rows [T * n, D] (what `ops.rms_norm`
-    takes, and what decode.c normalises)."""
+def _head_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """`norm` (a bound RMSNorm kernel) over the last dim of heads x [T, n, D]: as rows [T * n, D]
+    (what the kernel takes, and what decode.c normalises)."""
     T, n, D = x.shape
-    return norm(x.reshape(T * n, D), ops).view(T, n, D)
+    return norm(x.reshape(T * n, D)).view(T, n, D)
 
 
 class LlamaModel(nn.Module):
@@ -258,8 +264,8 @@ class LlamaModel(nn.Module):
         tables = self.rope.tables(positions)
         linear, proj = step_projection(batch, prompt), self.projections
         for layer, p in zip(self.layers, proj.layers):
-            x = layer(x, positions, self.rope, attn, tables, self.ops, linear, p)
-        return self.norm(x, self.ops)
+            x = layer(x, positions, self.rope, attn, tables, linear, p)
+        return proj.norm(x)
 
     def with_ops(self, ops: Ops) -> "LlamaModel":
         """This model (its weights and layers shared, not copied) computing with the table `ops`."""

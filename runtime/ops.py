@@ -36,7 +36,24 @@ from .config import DECODE_PRECISIONS, PREFILL_PRECISIONS
 from .errors import ConfigError
 
 IMPLS = ("auto", "c", "torch", "checked")
+Kernel, NO_UNITS = cpu.ops.Kernel, cpu.ops.NO_UNITS      # a kernel bound to one weight or pool (runtime/projections.py)
+# the C entries of a kernel table that bind to one weight at load, and their binders
+BINDERS: dict[Callable, Callable[..., Kernel]] = {
+    cpu.ops.linear: cpu.ops.bind_linear,
+    cpu.ops.linear_int8: cpu.ops.bind_linear_int8,
+    cpu.ops.rms_norm: cpu.ops.bind_rms_norm,
+    prefill.linear_bf16: prefill.bind_linear_bf16,
+    prefill.linear_bf16_int8: prefill.bind_linear_bf16_int8,
+    prefill.linear_w8a8: prefill.bind_linear_w8a8,
+}
+prefill_attention_entry = prefill.prefill_attention_op      # the C table's; bound to the pool by the engine
+bind_prefill_attention = prefill.bind_prefill_attention
 FUSED = ("fused_decoder", "lookahead_layer")     # entries that bind a whole step or layer to C
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch table's RMSNorm (F.rms_norm over the last dim)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 @dataclass(frozen=True)
@@ -49,7 +66,7 @@ class Ops:
     update_summaries: Callable
     lookahead_attention: Callable
     linear: Callable            # (x [M, K], weight [N, K] | Int8Weight, bias [N] | None) -> [M, N]
-    rms_norm: Callable = lambda x, weight, eps: F.rms_norm(x, weight.shape, weight, eps)
+    rms_norm: Callable = torch_rms_norm
     paged_attention: Callable | None = None     # plugins.cpu.attention_paged (None: per item)
     plan_slots: Callable | None = None          # bookkeeping.plan (None: SlotTable.plan_torch)
     copy_blocks: Callable | None = None         # bookkeeping.copy_blocks (None: torch indexing)

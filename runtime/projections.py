@@ -1,12 +1,12 @@
-"""A model's projections with their kernels bound once, when the weights load.
+"""A model's projections (and RMSNorms) with their kernels bound once, when the weights load.
 
-    proj = Projections.bind(model)          # every layer's wqkv, wo, w13, w2 and the logits head
+    proj = Projections.bind(model)          # every layer's wqkv, wo, w13, w2, its norms, the logits head
     proj.layers[i].wqkv.decode(x)           # a decode row's kernel; .prefill(x): a prompt row's
     proj.fallbacks, proj.nbytes, proj.kernels()
 
 For each projection and each kind of row, the kernel table's entry (`ops.decode_linear` or
 `ops.linear` for decode rows and the logits, `ops.prefill_linear` for a prompt's) is bound to the
-weight here: a C entry through its binder (plugins/cpu/ops.py and prefill.py), which checks the weight once,
+weight here: a C entry through its binder (`ops.BINDERS`: plugins/cpu/ops.py and prefill.py), which checks the weight once,
 makes the packed copy now and returns a kernel that checks nothing per call; where the C kernel
 does not take the weight, the op's torch formulation, with the reason in `fallbacks` (the engine
 logs each at WARNING and reports them in `stats()["kernel_fallbacks"]`). Any other entry (the torch
@@ -23,26 +23,14 @@ from typing import Callable
 
 import torch
 
-from plugins.cpu import ops as cpu_ops
-from plugins.cpu import prefill
-
-from .ops import Ops, QuantizedLinear
-
-# the C entries of a kernel table and the binders that bind them to one weight
-BINDERS: dict[Callable, Callable[..., cpu_ops.Kernel]] = {
-    cpu_ops.linear: cpu_ops.bind_linear,
-    cpu_ops.linear_int8: cpu_ops.bind_linear_int8,
-    prefill.linear_bf16: prefill.bind_linear_bf16,
-    prefill.linear_bf16_int8: prefill.bind_linear_bf16_int8,
-    prefill.linear_w8a8: prefill.bind_linear_w8a8,
-}
+from .ops import BINDERS, NO_UNITS, Kernel, Ops, QuantizedLinear, bind_prefill_attention, prefill_attention_entry
 
 
 def _name(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def bind_weight(entry: Callable, weight, bias: torch.Tensor | None = None) -> cpu_ops.Kernel:
+def bind_weight(entry: Callable, weight, bias: torch.Tensor | None = None) -> Kernel:
     """`entry` (a kernel table's linear entry) bound to `weight` (a tensor or an Int8Weight) and
     `bias`: its binder's kernel for a C entry, else a call of the entry itself."""
     if isinstance(entry, QuantizedLinear):
@@ -53,7 +41,7 @@ def bind_weight(entry: Callable, weight, bias: torch.Tensor | None = None) -> cp
     binder = BINDERS.get(entry)
     if binder is not None:
         return binder(*args, bias)
-    return cpu_ops.Kernel(lambda x: entry(x, weight, bias), _name(entry))
+    return Kernel(lambda x: entry(x, weight, bias), _name(entry))
 
 
 @dataclass(frozen=True)
@@ -62,16 +50,36 @@ class Projection:
     prompt chunk's (the same kernel where the table has no prefill entry)."""
 
     name: str
-    decode: cpu_ops.Kernel
-    prefill: cpu_ops.Kernel
+    decode: Kernel
+    prefill: Kernel
 
 
 @dataclass(frozen=True)
 class LayerProjections:
+    """A layer's projections and its RMSNorms (each row alike: one kernel for every kind of row;
+    q_norm / k_norm: qwen3's per-head norms, None elsewhere)."""
+
     wqkv: Projection
     wo: Projection
     w13: Projection
     w2: Projection
+    attn_norm: Kernel
+    mlp_norm: Kernel
+    q_norm: Kernel | None = None
+    k_norm: Kernel | None = None
+
+
+def bind_norm(norm, ops: Ops) -> Kernel:
+    """An RMSNorm module (weight [N], eps) bound to the table's `rms_norm`: the C binder's kernel,
+    or the entry itself; a 16-bit weight takes the module's own upcasting formula."""
+    w, eps = norm.weight, norm.eps
+    if w.dtype != torch.float32:
+        return Kernel(norm.upcast, "rms_norm(upcast)")
+    binder = BINDERS.get(ops.rms_norm)
+    if binder is not None:
+        return binder(w, eps)
+    entry = ops.rms_norm
+    return Kernel(lambda x: entry(x, w, eps), _name(entry))
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,7 @@ class Projections:
 
     layers: tuple[LayerProjections, ...]
     head: Projection                 # the logits' projection (the tied embedding or lm_head)
+    norm: Kernel                     # the final RMSNorm
     ops_name: str
 
     @classmethod
@@ -94,22 +103,30 @@ class Projections:
             d = bind_weight(dec, w, b)
             p = bind_weight(pf, w, b) if pf is not None else (d if dec is ops.linear else bind_weight(ops.linear, w, b))
             return Projection(name, d, p)
-        layers = tuple(LayerProjections(*(proj(f"layers.{i}.{n}", getattr(layer, n)) for n in ("wqkv", "wo", "w13", "w2")))
+        def norm(module) -> Kernel | None:
+            return bind_norm(module, ops) if module is not None else None
+        layers = tuple(LayerProjections(*(proj(f"layers.{i}.{n}", getattr(layer, n)) for n in ("wqkv", "wo", "w13", "w2")),
+                                        *(norm(getattr(layer, n)) for n in ("attn_norm", "mlp_norm", "q_norm", "k_norm")))
                        for i, layer in enumerate(model.layers))
         head_module = model.embed_tokens if model.lm_head is None else model.lm_head
-        head_w = head_module.weight
-        head = Projection("logits", *(2 * (bind_weight(dec, head_w, None),)))
-        return cls(layers, head, ops.name)
+        head = Projection("logits", *(2 * (bind_weight(dec, head_module.weight, None),)))
+        return cls(layers, head, norm(model.norm), ops.name)
 
     def all(self) -> list[Projection]:
         return [p for layer in self.layers for p in (layer.wqkv, layer.wo, layer.w13, layer.w2)] + [self.head]
 
+    def norms(self) -> list[tuple[str, Kernel]]:
+        return [(f"layers.{i}.{n}", k) for i, layer in enumerate(self.layers)
+                for n in ("attn_norm", "mlp_norm", "q_norm", "k_norm")
+                if (k := getattr(layer, n)) is not None] + [("norm", self.norm)]
+
     def kernels(self) -> dict[str, int]:
-        """{"decode <impl>" / "prefill <impl>": how many projections run it}."""
+        """{"decode <impl>" / "prefill <impl>": how many projections run it; "norm <impl>": how many
+        RMSNorms}."""
         out: dict[str, int] = {}
-        for p in self.all():
-            for kind, k in (("decode", p.decode), ("prefill", p.prefill)):
-                out[f"{kind} {k.impl}"] = out.get(f"{kind} {k.impl}", 0) + 1
+        for key in [f"{kind} {k.impl}" for p in self.all() for kind, k in (("decode", p.decode), ("prefill", p.prefill))] \
+                + [f"norm {k.impl}" for _, k in self.norms()]:
+            out[key] = out.get(key, 0) + 1
         return out
 
     @property
@@ -122,10 +139,14 @@ class Projections:
             kinds = (("decode and prompt", p.decode),) if p.prefill is p.decode else \
                 (("decode", p.decode), ("prompt", p.prefill))
             for kind, k in kinds:
-                if k.fallback and not k.fallback.startswith(cpu_ops.NO_UNITS):
-                    seen.setdefault((kind, k.fallback), []).append(p.name)
-        return [f"{kind} rows of {len(names)} projection(s) ({names[0]}{', ...' if len(names) > 1 else ''}) run "
-                f"the torch formulation: {why}" for (kind, why), names in seen.items()]
+                if k.fallback and not k.fallback.startswith(NO_UNITS):
+                    seen.setdefault((f"{kind} rows of", k.fallback), []).append(p.name)
+        for name, k in self.norms():
+            if k.fallback:
+                seen.setdefault(("every row of", k.fallback), []).append(name)
+        return [f"{kind} {len(names)} {'RMSNorm' if 'norm' in names[0] else 'projection'}(s) "
+                f"({names[0]}{', ...' if len(names) > 1 else ''}) run the torch formulation: {why}"
+                for (kind, why), names in seen.items()]
 
     @property
     def nbytes(self) -> int:
@@ -173,8 +194,8 @@ def bind_pool_kernels(ops: Ops, pool_k: torch.Tensor, pool_v: torch.Tensor, num_
     """`ops` with its prompt attention bound to this KV pool (its layout checked once, here), and
     why it runs the torch formulation instead of the C kernel (None: it does not). A table whose
     `prefill_attention` is not the C entry is returned as it is."""
-    if ops.prefill_attention is not prefill.prefill_attention_op:
+    if ops.prefill_attention is not prefill_attention_entry:
         return ops, None
-    k = prefill.bind_prefill_attention(pool_k, pool_v, num_heads)
+    k = bind_prefill_attention(pool_k, pool_v, num_heads)
     why = f"prompt attention runs the torch formulation: {k.fallback}" if k.fallback else None
     return replace(ops, prefill_attention=k.fn), why

@@ -6,6 +6,7 @@ reference on fresh random inputs."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -49,7 +50,8 @@ def test_packed_copies_are_made_at_load_and_counted_by_the_plan(dirs):
     proj = eng.model.projections
     assert proj is not None and eng.stats()["steps"] == 0                # no prompt has run
     assert proj.nbytes > 0 and proj.nbytes == eng.memory_plan.packed_weights + eng.memory_plan.prefill_weights
-    assert set(proj.kernels()) == {"decode c/linear_packed", "prefill c/linear_packed"}
+    assert set(proj.kernels()) == {"decode c/linear_packed", "prefill c/linear_packed", "norm c/rmsnorm"}
+    assert proj.kernels()["norm c/rmsnorm"] == 2 * eng.manifest.model.num_layers + 1
     assert eng.describe()["kernels"]["projections"] == proj.kernels()
     assert eng.stats()["kernel_fallbacks"] == []
 
@@ -74,6 +76,9 @@ def test_a_step_calls_no_argument_checking_wrapper(dirs, monkeypatch, which, mod
     def refuse(*a, **k):
         raise AssertionError("a per-call eligibility check ran in a step")
     eng = Engine.from_dir(dirs[which], internals=Internals(fused=False), **over)           # binds (and checks) here
+    # nor does the model reach its table's projection and norm entries after load: their bound kernels run
+    eng.model.__dict__["ops"] = replace(eng.model.ops, **dict.fromkeys(
+        ("linear", "rms_norm", "prefill_linear", "decode_linear"), refuse))
     for mod, name in ((cpu_ops, "packed_weight"), (cpu_ops, "int8_kernel_group"), (prefill, "prefill_attention")):
         monkeypatch.setattr(mod, name, refuse)
     got = eng.generate(random_prompts(21, 9, seed=1), GREEDY)
@@ -192,4 +197,4 @@ def test_projections_follow_the_weights():
     assert model.projections is not first
     twin = model.with_ops(select_ops(torch.device("cpu"), torch.float32, impl="torch"))
     assert twin.projections.ops_name == "torch/cpu" and model.projections.ops_name == "c/cpu"
-    assert set(twin.projections.kernels()) == {"decode linear", "prefill linear"}
+    assert set(twin.projections.kernels()) == {"decode linear", "prefill linear", "norm torch_rms_norm"}

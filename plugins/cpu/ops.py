@@ -532,3 +532,27 @@ def bind_linear_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
             f(x.data_ptr(), M, K, q.data_ptr(), N, s.data_ptr(), group, bias_ptr, y.data_ptr(), _threads())
         return y
     return Kernel(fn, "c/linear_int8")
+
+
+def bind_rms_norm(weight: torch.Tensor, eps: float) -> Kernel:
+    """`F.rms_norm` over rows with this fp32 weight [N]: lkv_rmsnorm (elementwise.c), checked now
+    (N % 8 == 0, fp32 on cpu); per call the rows only need a unit last stride, which every caller's
+    rows have (a projection's output, or heads reshaped into rows). Falls back to F.rms_norm."""
+    torch_fn = lambda x: F.rms_norm(x, weight.shape, weight, eps)        # noqa: E731
+    lib = loaded()
+    why = ("the C kernels did not build" if lib is None
+           else None if weight.dim() == 1 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+           and weight.is_contiguous() else weight_misfit(weight.view(1, -1), torch.float32))
+    why = why or (f"N = {weight.shape[0]} is not a multiple of 8" if weight.shape[0] % 8 else None)
+    if why:
+        return Kernel(torch_fn, "F.rms_norm", why)
+    N, f, eps = weight.shape[0], lib.lkv_rmsnorm, float(eps)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        M = x.shape[0]
+        y = torch.empty(M, N, dtype=torch.float32)
+        with traced("rms_norm"):
+            f(x.data_ptr(), x.stride(0), weight.data_ptr(), eps, y.data_ptr(), N, M, N)
+        return y
+    return Kernel(fn, "c/rmsnorm")
