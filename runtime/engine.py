@@ -39,7 +39,7 @@ from .scheduler import Scheduler
 from .spec import DTYPES, EngineSpec, clamp_top_k, resolve_spec  # noqa: F401  (clamp_top_k, DTYPES: their old home)
 from .sequence import Sequence, SeqStatus
 from .step import StepInterrupted
-from .thread_tuner import ThreadTuner
+from .thread_tuner import ThreadTuner, attention_ratio, prefill_units
 from .threads import spin_setting
 from .transfer import TransferEngine, make_transfer_engine
 from .tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -122,6 +122,7 @@ class Engine:
         # for a GPU's steps, nor a compiled graph's (torch.compile guards on the thread count)
         self._adaptive = adaptive_threads
         self.tuner = ThreadTuner(self.threads, enabled=adaptive_threads and model.device.type == "cpu" and not graph)
+        self._attention_ratio = attention_ratio(spec.manifest.model)
         self.spec, self.max_model_len = spec, spec.max_model_len
         self.device, self.ops, self.debug_checks, self.fused = model.device, model.ops, spec.debug_checks, fused
         self.graph = graph
@@ -341,6 +342,9 @@ class Engine:
         t0 = time.perf_counter()
         prompt_tokens = sum(n for s, n in work if s.in_prefill)
         kind = "prefill" if prompt_tokens else "decode"
+        # a prompt step's work: its tokens' projections and their attention over the keys before them
+        units = prefill_units(((s.num_cached, n) for s, n in work if s.in_prefill), self._attention_ratio) \
+            if prompt_tokens else 1
         threads = self.tuner.threads(kind)       # the engine's count, or fewer while fewer are faster
         if torch.get_num_threads() != threads:   # (a step on another thread: a server's loop thread)
             torch.set_num_threads(threads)
@@ -370,7 +374,7 @@ class Engine:
             else:
                 outs.append(self._output(seq, [seq.output_ids[-1]], lps))
         took = time.perf_counter() - t0
-        self.tuner.record(kind, threads, took, prompt_tokens or 1, None if prompt_tokens else len(work))
+        self.tuner.record(kind, threads, took, units, None if prompt_tokens else len(work))
         self.counters["step_seconds"] += took
         if not prompt_tokens:               # decode rows only: what one served token costs
             self.counters["decode_steps"] += 1

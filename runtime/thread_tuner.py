@@ -7,7 +7,8 @@ on 2 cores with one busy process, a 4-stream decode step went from 30 to 126 ms 
 while 1 thread took 46 ms, its quiet time; a 4K prefill 15-17 -> 34 s against 28 s on one.
 
 `ThreadTuner` measures instead of guessing. It keeps the recent costs of each step kind ("decode":
-seconds a step, at one batch size; "prefill": seconds a prompt token) at the count in use, and runs
+seconds a step, at one batch size; "prefill": seconds a unit of work, `prefill_units`: a prompt
+token's projections plus its attention over the keys before it) at the count in use, and runs
 a few steps at another candidate (the engine's count, one fewer, half) when
 - at the engine's count: once its first `RECENT` steps are in (a core busy from the start), then
   when the steps got `TRIGGER` slower than at the last check (the signature of a core getting busy;
@@ -29,6 +30,24 @@ EXPLORE = {"decode": 3, "prefill": 1}      # steps at a candidate per check (dec
                                            # the team's resize, is not counted)
 BASE_INTERVAL = {"decode": 16, "prefill": 4}     # steps at fewer threads before the first check back
 MAX_INTERVAL = {"decode": 512, "prefill": 64}    # the longest between checks
+
+
+def attention_ratio(cfg) -> float:
+    """What one cached key adds to a prompt token's cost, as a share of the token's projections:
+    attention's 4 * heads * head_dim FLOPs a key (q.k and p.v) over the projections' 2 * (their
+    weights' elements), per layer (a ModelConfig)."""
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    weights = h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h
+    return 4 * cfg.num_heads * cfg.head_dim / (2 * weights)
+
+
+def prefill_units(chunks, ratio: float) -> float:
+    """A prompt step's work in tokens at no context: each chunk of n tokens after position p is n
+    tokens of projections plus attention over p + (n - 1) / 2 keys each on average. A chunk late
+    in a long prompt then costs what its work says, and the tuner compares like with like (per
+    token, a 16K prompt's last chunk costs ~3x its first: seen as a slowdown, it set off a check,
+    a chunk on fewer threads, every few chunks)."""
+    return sum(n * (1.0 + ratio * (p + (n - 1) / 2)) for p, n in chunks)
 
 
 def candidates(max_threads: int) -> tuple[int, ...]:
@@ -61,6 +80,7 @@ class ThreadTuner:
         self.candidates = candidates(max_threads)
         self.kinds: dict[str, _Kind] = {}
         self.switches = 0
+        self.checks = 0             # steps begun at another count to measure it
 
     def _kind(self, kind: str) -> _Kind:
         if kind not in self.kinds:
@@ -76,6 +96,7 @@ class ThreadTuner:
             others = [c for c in self.candidates if c != k.current]
             k.trying, k.tried = others[k.next_candidate % len(others)], []
             k.next_candidate += 1
+            self.checks += 1
         return k.trying if k.trying is not None else k.current
 
     def _due(self, kind: str, k: _Kind) -> bool:
@@ -123,5 +144,6 @@ class ThreadTuner:
             k.interval, k.mark = min(2 * k.interval, self.max_interval[kind]), here
 
     def stats(self) -> dict[str, int]:
-        """The counts in use by kind, and how often they changed (Engine.stats())."""
-        return {**{f"threads_{name}": k.current for name, k in self.kinds.items()}, "thread_switches": self.switches}
+        """The counts in use by kind, how often they changed, and how many checks ran (Engine.stats())."""
+        return {**{f"threads_{name}": k.current for name, k in self.kinds.items()}, "thread_switches": self.switches,
+                "thread_checks": self.checks}

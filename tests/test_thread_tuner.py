@@ -8,7 +8,7 @@ import torch
 
 from runtime.engine import Engine
 from runtime.sampling import SamplingParams
-from runtime.thread_tuner import EXPLORE, MAX_INTERVAL, RECENT, ThreadTuner, candidates
+from runtime.thread_tuner import EXPLORE, MAX_INTERVAL, RECENT, ThreadTuner, attention_ratio, candidates, prefill_units
 from runtime.internals import Internals
 from tiny_engine import make_tiny_engine, random_prompts
 
@@ -117,3 +117,29 @@ def test_the_contention_bench_table():
     busy_on = lines[4].split()
     assert busy_on[:4] == ["dense", "True", "busy", "40.00"] and busy_on[4] == f"{40 / 26.5:.2f}"
     assert busy_on[-1] == "1/-" and lines[3].split()[4] == "4.00"
+
+
+@pytest.mark.parametrize("normalised", [True, False])
+def test_a_long_prompt_is_not_a_slowdown(tiny_model_config, normalised):
+    """A quiet machine's 16K prompt in 512-token chunks: a late chunk costs ~3x a first one per token
+    (attention over the keys before it). Measured per unit of work (`prefill_units`) the tuner checks
+    once, at the start; per token (as before), the growth reads as a slowdown and sets off a check,
+    a chunk on one thread, every few chunks (on the 0.5B model: a 12K prompt 24 % slower)."""
+    from runtime.config import ModelConfig
+    cfg = ModelConfig(architecture="qwen2", vocab_size=1000, hidden_size=896, intermediate_size=4864, num_layers=24,
+                      num_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=32768, rope_theta=1e6)
+    ratio = attention_ratio(cfg)
+    assert 1e-4 < ratio < 1.5e-4                     # a key costs ~1/8,000 of a token's projections
+    tuner, used = ThreadTuner(2), []
+    for i in range(32):
+        chunk = [(512 * i, 512)]
+        work = prefill_units(chunk, ratio)
+        n = tuner.threads("prefill")
+        used.append(n)
+        seconds = work * {2: 0.01, 1: 0.019}[n]      # the cost the work says, 1.9x on one thread
+        tuner.record("prefill", n, seconds, work if normalised else 512)
+    assert used[-1] == 2 and tuner.switches == 0
+    if normalised:
+        assert tuner.checks == 1 and used.count(1) == 1
+    else:
+        assert tuner.checks >= 3                     # the defect the units fix
