@@ -113,6 +113,17 @@ def precisions_of(engine: Engine, asked: list[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def mode_fields(mode: str) -> tuple[str, dict]:
+    """'MODE[@FIELD=VALUE[+FIELD=VALUE...]]' -> (MODE, settings), e.g.
+    'lookahead@prefill_top_k=128+prefill_window=1024' (block-sparse prefill)."""
+    name, _, extra = mode.partition("@")
+    fields = {}
+    for item in filter(None, extra.split("+")):
+        key, _, value = item.partition("=")
+        fields[key] = int(value) if value.lstrip("-").isdigit() else value
+    return name, fields
+
+
 def ours_configs(args) -> list[dict]:
     return [{"engine": e, "precision": p, "mode": m} for e in args.engines for p in args.precisions for m in args.modes]
 
@@ -179,7 +190,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", default="engines/default,engines/int8", help="engine dirs, comma-separated")
     p.add_argument("--contexts", default="2048,4096,8192", help="context lengths; the prompt is one token less")
-    p.add_argument("--modes", default="dense,lookahead", help="dense,lookahead,sparse")
+    p.add_argument("--modes", default="dense,lookahead",
+                   help="dense,lookahead,sparse, each optionally with settings, MODE@FIELD=VALUE[+FIELD=VALUE]: "
+                        "lookahead@prefill_top_k=128+prefill_window=1024 is block-sparse prefill")
     p.add_argument("--precisions", default="auto,float32",
                    help="prefill precisions, comma-separated (auto, float32, bfloat16, int8) or 'all'; each "
                         "engine runs the distinct ones it takes")
@@ -257,8 +270,9 @@ def main(argv=None) -> int:
         base = Engine.from_dir(path, prefix_caching=False, max_batch_size=1)
         for p in precisions_of(base, a.precisions):
             for mode in a.modes:
+                name, fields = mode_fields(mode)
                 try:
-                    eng = base.sibling(mode=mode, prefill_precision=p)
+                    eng = base.sibling(mode=name, prefill_precision=p, **fields)
                 except LookaheadError as e:
                     print(f"  {path} {mode} {p}: {e}")
                     continue

@@ -37,3 +37,12 @@ def test_a_run_on_a_tiny_engine_writes_every_row(tmp_path):
     got = {(r["context"], r["mode"], r["precision"]) for r in rows}
     assert got == {(c, m, p) for c in (64, 96) for m in ("dense", "lookahead") for p in ("float32", "bfloat16")}
     assert all(r["ttft_s"] > 0 and r["prompt_tokens"] == r["context"] - 1 for r in rows)
+
+
+def test_a_mode_takes_settings():
+    """'lookahead@prefill_top_k=128+prefill_window=1024': block-sparse prefill beside the dense one."""
+    from bench.prefill import mode_fields
+    assert mode_fields("lookahead@prefill_top_k=128+prefill_window=1024") == (
+        "lookahead", {"prefill_top_k": 128, "prefill_window": 1024})
+    assert mode_fields("dense") == ("dense", {})
+    assert mode_fields("lookahead@miss_policy=drop") == ("lookahead", {"miss_policy": "drop"})
