@@ -276,8 +276,8 @@ def prefill_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
 
 # ---- the prefill kernels bound at load (see ops.py, "kernels bound to one weight at load") ---------
 
-def _bound_gemm_bf16(packed_of: Callable[[], torch.Tensor], version: Callable[[], int], N: int,
-               bias: torch.Tensor | None) -> tuple[Callable, dict]:
+def _bound_gemm_bf16(packed_of: Callable[[], torch.Tensor], version: Callable[[], object], N: int,
+                     bias: torch.Tensor | None) -> tuple[Callable, dict]:
     lib = loaded_avx512()
     state = {"packed": packed_of(), "version": version()}
     bias_ptr = bias.contiguous().data_ptr() if bias is not None else None
@@ -320,7 +320,7 @@ def bind_linear_bf16_int8(qweight: torch.Tensor, scale: torch.Tensor, bias: torc
     if why:
         return Kernel(torch_fn, "torch/linear_bf16", why)
     fn, state = _bound_gemm_bf16(lambda: packed_bf16_int8(qweight, scale),
-                           lambda: (qweight._version, scale._version), qweight.shape[0], bias)
+                                 lambda: (qweight._version, scale._version), qweight.shape[0], bias)
     return Kernel(fn, "c/gemm_bf16", None, (state["packed"],))
 
 
@@ -334,7 +334,7 @@ def bind_linear_w8a8(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
         why = NO_UNITS + "AVX512_VNNI (or the AVX-512 library did not build)"
     else:
         why = weight_misfit(qweight, torch.int8) or (None if bias_fits(bias, qweight.shape[0])
-                                                   else "a bias the kernel cannot read")
+                                                     else "a bias the kernel cannot read")
         if why is None:
             G = int8_group_size(qweight, scale)
             if not (G % 4 == 0 and qweight.shape[1] % G == 0 and G <= W8A8_MAX_GROUP):
