@@ -28,14 +28,18 @@ def test_a_run_on_a_tiny_engine_writes_every_row(tmp_path):
     eng = make_tiny_engine(tmp_path / "tiny", seed=2, head_dim=32, num_heads=4, num_kv_heads=2)
     out = tmp_path / "bp.json"
     args = [sys.executable, "-m", "bench.prefill", "--engines", str(eng), "--contexts", "64,96",
-            "--modes", "dense,lookahead", "--precisions", "float32,bfloat16", "--peers", "", "--threads", "1",
+            "--modes", "dense,lookahead,lookahead@prefill_top_k=1+prefill_window=16", "--precisions",
+            "float32,bfloat16", "--peers", "", "--threads", "1",
             "--json", str(out), "--plot", str(tmp_path / "bp.png")]
     dry = subprocess.run(args + ["--dry-run"], capture_output=True, text=True, cwd=ROOT, check=True)
     assert "context 96: 95 prompt tokens" in dry.stdout and not out.exists()
     subprocess.run(args, capture_output=True, text=True, cwd=ROOT, check=True)
     rows = json.loads(out.read_text())["rows"]
     got = {(r["context"], r["mode"], r["precision"]) for r in rows}
-    assert got == {(c, m, p) for c in (64, 96) for m in ("dense", "lookahead") for p in ("float32", "bfloat16")}
+    modes = ("dense", "lookahead", "lookahead@prefill_top_k=1+prefill_window=16")
+    assert got == {(c, m, p) for c in (64, 96) for m in modes for p in ("float32", "bfloat16")}
+    # a block-sparse prefill claims no FLOP rate (it skips part of the attention the count holds)
+    assert all((r["gflops"] is None) == ("@" in r["mode"]) for r in rows)
     assert all(r["ttft_s"] > 0 and r["prompt_tokens"] == r["context"] - 1 for r in rows)
 
 
