@@ -107,7 +107,7 @@ class Ops:
             return replace(self, decode_linear=None, decode="float32")
         c = self.c_kernels
         int8 = prefill.linear_w8a8 if c else prefill.linear_w8a8_torch
-        return replace(self, decode_linear=quantized_linear(cpu.linear if c else F.linear, int8), decode=precision)
+        return replace(self, decode_linear=QuantizedLinear(cpu.linear if c else F.linear, int8), decode=precision)
 
 
 # W8A8 under "auto" only where the weights' groups are this fine or finer: activations quantized
@@ -154,8 +154,6 @@ class QuantizedLinear:
             return self.dense(x, weight, bias)
         return self.int8(x, weight.qweight, weight.scale, bias)
 
-
-quantized_linear = QuantizedLinear
 
 
 def c_applies(device: torch.device) -> str | None:
@@ -231,7 +229,7 @@ def prefill_entries(precision: str, use_c: bool, quantized: bool) -> dict:
         int8 = p.linear_w8a8 if use_c else p.linear_w8a8_torch
     else:
         int8 = p.linear_bf16_int8 if use_c else (lambda x, q, s, b=None: p.linear_bf16_torch(x, dequantize_int8(q, s), b))
-    return {"prefill_linear": quantized_linear(dense, int8) if quantized else dense,
+    return {"prefill_linear": QuantizedLinear(dense, int8) if quantized else dense,
             "prefill_attention": p.prefill_attention_op if use_c else p.prefill_attention_torch,
             "prefill": precision}
 
@@ -253,12 +251,12 @@ def select_ops(device: torch.device, dtype: torch.dtype, impl: str = "auto", qua
     if not use_c:
         d = plugins.direct if device.type == "cpu" else torch.ops.lookahead   # CPU: no dispatcher
         ops = Ops(d.block_gather, d.block_topk, d.update_summaries, d.lookahead_attention,
-                  quantized_linear(F.linear, linear_int8_torch) if quantized else F.linear,
+                  QuantizedLinear(F.linear, linear_int8_torch) if quantized else F.linear,
                   name=f"torch/{device.type}", **extra)
     else:
         d = plugins.direct
         ops = Ops(d.block_gather, cpu.ops.block_topk_op, cpu.ops.update_summaries, cpu.ops.lookahead_attention_op,
-                  quantized_linear(cpu.linear, cpu.linear_int8) if quantized else cpu.linear,
+                  QuantizedLinear(cpu.linear, cpu.linear_int8) if quantized else cpu.linear,
                   rms_norm=cpu.rms_norm, paged_attention=cpu.attention_paged, plan_slots=bookkeeping.plan,
                   copy_blocks=bookkeeping.copy_blocks, fused_decoder=fused.bind,
                   lookahead_layer=lookahead_layer.LookaheadLayer.bind, name="c/cpu", **extra)
