@@ -131,11 +131,12 @@ class Engine:
         self.eos_ids = manifest.model.eos_token_ids
         self.memory_plan = spec.memory_plan           # checked against the host by resolve_spec
         self.pool = self._make_pool(spec.memory_plan.num_host_blocks, DTYPES[config.kv_dtype])   # the KV storage dtype
-        # the prompt attention bound to the pool's layout, once; with the weights' kernels (bound
-        # at load: model.projections), every kernel this engine runs is decided by now
-        self.ops, pool_why = bind_pool_kernels(self.ops, self.pool.k, self.pool.v, manifest.model.num_heads)
-        self.kernel_fallbacks = kernel_fallbacks(model.ops) + model.projections.fallbacks + \
-            ([pool_why] if pool_why else [])
+        # the pool-side kernels (prompt and decode attention, block selection, summaries) bound to
+        # the pool's layout, once; with the weights' kernels (bound at load: model.projections),
+        # every kernel this engine runs is decided by now
+        self.ops, pool_why = bind_pool_kernels(self.ops, self.pool.k, self.pool.v, manifest.model.num_heads,
+                                               config.mode)
+        self.kernel_fallbacks = kernel_fallbacks(model.ops) + model.projections.fallbacks + pool_why
         for why in self.kernel_fallbacks:
             log.warning("%s", why)
         # the pool's blocks and their names (runtime/prefix_cache.py): `allocator.events` are

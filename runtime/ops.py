@@ -46,8 +46,20 @@ BINDERS: dict[Callable, Callable[..., Kernel]] = {
     prefill.linear_bf16_int8: prefill.bind_linear_bf16_int8,
     prefill.linear_w8a8: prefill.bind_linear_w8a8,
 }
-prefill_attention_entry = prefill.prefill_attention_op      # the C table's; bound to the pool by the engine
-bind_prefill_attention = prefill.bind_prefill_attention
+# the C entries of a kernel table that the engine binds to its KV pool and summaries at load
+# (runtime/projections.py `bind_pool_kernels`), by the Ops field that holds them
+POOL_ENTRIES: dict[str, Callable] = {
+    "prefill_attention": prefill.prefill_attention_op,
+    "paged_attention": cpu.attention_paged,
+    "lookahead_attention": cpu.ops.lookahead_attention_op,
+    "block_topk": cpu.ops.block_topk_op,
+    "update_summaries": cpu.ops.update_summaries,
+}
+POOL_BINDERS = {"prefill_attention": prefill.bind_prefill_attention,
+                "paged_attention": cpu.ops.bind_paged_attention,
+                "lookahead_attention": cpu.ops.bind_lookahead_attention,
+                "block_topk": cpu.ops.bind_block_topk,
+                "update_summaries": cpu.ops.bind_update_summaries}
 FUSED = ("fused_decoder", "lookahead_layer")     # entries that bind a whole step or layer to C
 
 

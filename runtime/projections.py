@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .ops import BINDERS, NO_UNITS, Kernel, Ops, QuantizedLinear, bind_prefill_attention, prefill_attention_entry
+from .ops import BINDERS, NO_UNITS, POOL_BINDERS, POOL_ENTRIES, Kernel, Ops, QuantizedLinear
 
 
 def _name(fn: Callable) -> str:
@@ -190,12 +190,34 @@ def _prefill_rows(x: torch.Tensor, p: Projection) -> torch.Tensor:
     return p.prefill(x)
 
 
-def bind_pool_kernels(ops: Ops, pool_k: torch.Tensor, pool_v: torch.Tensor, num_heads: int) -> tuple[Ops, str | None]:
-    """`ops` with its prompt attention bound to this KV pool (its layout checked once, here), and
-    why it runs the torch formulation instead of the C kernel (None: it does not). A table whose
-    `prefill_attention` is not the C entry is returned as it is."""
-    if ops.prefill_attention is not prefill_attention_entry:
-        return ops, None
-    k = bind_prefill_attention(pool_k, pool_v, num_heads)
-    why = f"prompt attention runs the torch formulation: {k.fallback}" if k.fallback else None
-    return replace(ops, prefill_attention=k.fn), why
+# what each pool-side entry computes, for a fallback's line; and which entries a mode's steps call
+POOL_OPS = {"prefill_attention": "prompt attention", "paged_attention": "dense decode attention",
+            "lookahead_attention": "lookahead decode attention", "block_topk": "block top-K selection",
+            "update_summaries": "block summary updates"}
+MODE_POOL_OPS = {"dense": ("prefill_attention", "paged_attention"),
+                 "sparse": ("prefill_attention", "paged_attention", "block_topk", "update_summaries"),
+                 "lookahead": ("prefill_attention", "lookahead_attention", "block_topk", "update_summaries")}
+
+
+def bind_pool_kernels(ops: Ops, pool_k: torch.Tensor, pool_v: torch.Tensor, num_heads: int,
+                      mode: str = "lookahead") -> tuple[Ops, list[str]]:
+    """`ops` with the pool-side entries a `mode` engine calls bound to its KV pool ([L, KVH, NB,
+    bs, D] K and V; the device tier and the fp32 block summaries share its KV heads and head_dim):
+    each entry's layout checked once, here, and why any of them runs the torch formulation instead
+    of its C kernel (one line each; empty: none does). An entry that is not the C table's (a torch
+    or test table) is left as it is. A dense decode attention the kernel does not take is None in
+    the returned table: the caller's torch path attends."""
+    kvh, D = pool_k.shape[-4], pool_k.shape[-1]
+    dev, dt = pool_k.device, pool_k.dtype
+    args = {"prefill_attention": (pool_k, pool_v, num_heads), "paged_attention": (pool_k, pool_v, num_heads),
+            "lookahead_attention": (dev, dt, D, num_heads, kvh, 2 if mode == "lookahead" else 1),
+            "block_topk": (dev, D, num_heads, kvh), "update_summaries": (dev, D, kvh)}
+    bound, why = {}, []
+    for name in MODE_POOL_OPS[mode]:
+        if getattr(ops, name) is not POOL_ENTRIES[name]:
+            continue
+        k = POOL_BINDERS[name](*args[name])
+        bound[name] = k.fn
+        if k.fallback:
+            why.append(f"{POOL_OPS[name]} runs the torch formulation: {k.fallback}")
+    return replace(ops, **bound), why

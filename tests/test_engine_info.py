@@ -16,7 +16,8 @@ from tiny_engine import SMALL_LOOKAHEAD, make_tiny_engine
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return make_tiny_engine(tmp_path_factory.mktemp("info"), seed=5)
+    # head_dim 32: every kernel the modes call takes the layout (16 would be said as a fallback)
+    return make_tiny_engine(tmp_path_factory.mktemp("info"), seed=5, head_dim=32)
 
 
 def test_describe_says_what_the_engine_runs_and_why(tiny_dir):
@@ -33,6 +34,8 @@ def test_describe_says_what_the_engine_runs_and_why(tiny_dir):
         assert spec["kernels"]["table"] == eng.ops.name and spec["kernels"]["base_library"] == "loaded"
     runner = eng.runner
     assert spec["fused_decode"] == ("yes" if runner.fused is not None else runner.fused_reason)
+    if cpu.available():             # prefill "auto" resolves to what this CPU runs: nothing falls back
+        assert spec["kernel_fallbacks"] == [], spec["kernel_fallbacks"]
     torch_table = Engine.from_dir(tiny_dir, internals=Internals(impl="torch")).describe()
     assert torch_table["fused_decode"] != "yes" and torch_table["kernel_fallbacks"] == []
 

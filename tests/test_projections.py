@@ -21,7 +21,8 @@ from runtime.engine import Engine
 from runtime.model import LlamaModel
 from runtime.ops import select_ops
 from runtime.sampling import SamplingParams
-from runtime.projections import Projections
+from runtime.ops import POOL_ENTRIES
+from runtime.projections import MODE_POOL_OPS, Projections
 from runtime.internals import Internals
 from test_fused_decode import make_int8_engine
 from test_prefill_kernels import ATOL, pool_case
@@ -64,12 +65,14 @@ def test_an_int8_engine_binds_its_int8_kernel(dirs):
 
 
 @pytest.mark.parametrize("which,mode", [("fp32", "dense"), ("fp32", "lookahead"), ("int8", "dense"),
-                                        ("int8", "lookahead")])
+                                        ("int8", "lookahead"), ("fp32", "sparse")])
 def test_a_step_calls_no_argument_checking_wrapper(dirs, monkeypatch, which, mode):
-    """The checked wrappers (cpu.linear, cpu.linear_int8, prefill.prefill_attention) look up these
-    helpers on every call; a bound kernel only when it binds, at load. Python layers (fused=False) run every
-    projection, prompt and decode rows."""
-    over = SMALL_LOOKAHEAD if mode == "lookahead" else dict(block_size=4)
+    """The checked wrappers (cpu.linear, cpu.linear_int8, prefill.prefill_attention, the decode
+    attentions' and block top-K's `*_supported`) look up these helpers on every call; a bound kernel
+    only when it binds, at load. Python layers (fused=False) run every projection, prompt and decode
+    rows, and the pool-side ops the mode calls."""
+    over = (SMALL_LOOKAHEAD if mode == "lookahead" else dict(block_size=4, mode="sparse", top_k=2)
+            if mode == "sparse" else dict(block_size=4))
     eng = Engine.from_dir(dirs[which], internals=Internals(fused=False), **over)
     want = eng.generate(random_prompts(21, 9, seed=1), GREEDY)
 
@@ -79,8 +82,12 @@ def test_a_step_calls_no_argument_checking_wrapper(dirs, monkeypatch, which, mod
     # nor does the model reach its table's projection and norm entries after load: their bound kernels run
     eng.model.__dict__["ops"] = replace(eng.model.ops, **dict.fromkeys(
         ("linear", "rms_norm", "prefill_linear", "decode_linear"), refuse))
-    for mod, name in ((cpu_ops, "packed_weight"), (cpu_ops, "int8_kernel_group"), (prefill, "prefill_attention")):
+    for mod, name in ((cpu_ops, "packed_weight"), (cpu_ops, "int8_kernel_group"), (prefill, "prefill_attention"),
+                      (cpu_ops, "attention_supported"), (cpu_ops, "block_topk_supported")):
         monkeypatch.setattr(mod, name, refuse)
+    # the pool-side entries the mode calls are bound ones, not the checked functions of the table
+    for name in MODE_POOL_OPS[eng.config.mode]:
+        assert getattr(eng.ops, name) is not POOL_ENTRIES[name], name
     got = eng.generate(random_prompts(21, 9, seed=1), GREEDY)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     # the control: the checked wrapper does look them up (so this test can fail)
@@ -125,7 +132,113 @@ def test_a_pool_the_prompt_kernel_does_not_take_is_warned():
     ops = select_ops(torch.device("cpu"), torch.float32, prefill="bfloat16", impl="c")
     pool_k = torch.zeros(1, 2, 5, 4, 8)
     bound_ops, why = bind_pool_kernels(ops, pool_k[0], pool_k[0].clone(), 4)
-    assert why and "head_dim 8" in why and bound_ops.prefill_attention is prefill.prefill_attention_torch
+    assert why[0].startswith("prompt attention runs the torch formulation: head_dim 8")
+    assert bound_ops.prefill_attention is prefill.prefill_attention_torch
+    # and every other pool-side kernel the mode calls says the same of itself
+    assert [w.split(" runs")[0] for w in why] == ["prompt attention", "lookahead decode attention"]
+    dense_ops, why = bind_pool_kernels(ops, pool_k[0], pool_k[0].clone(), 4, "dense")
+    assert dense_ops.paged_attention is None and why[1].startswith("dense decode attention runs the torch")
+
+
+# ---- the pool-side kernels, bound to a layout ---------------------------------------------------
+def _paged_reference(q, k, v, tables, lens, scale):
+    """Dense decode attention of each sequence over its blocks, in plain torch (fp32)."""
+    H, (kvh, _, bs, D) = q.shape[1], k.shape
+    out = []
+    for b, (t, n) in enumerate(zip(tables, lens)):
+        ks = k[:, t].reshape(kvh, -1, D)[:, :n].float().repeat_interleave(H // kvh, 0)
+        vs = v[:, t].reshape(kvh, -1, D)[:, :n].float().repeat_interleave(H // kvh, 0)
+        w = torch.softmax((ks @ q[b][:, :, None]).squeeze(-1) * scale, -1)
+        out.append((w[:, None] @ vs).squeeze(1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_bound_paged_attention_matches_reference_and_checks_its_arguments(kv_dtype):
+    g = _gen(21)
+    kvh, nb, bs, D, H = 2, 12, 4, 32, 6
+    pool_k, pool_v = (torch.randn(1, kvh, nb, bs, D, generator=g).to(kv_dtype) for _ in range(2))
+    kern = cpu_ops.bind_paged_attention(pool_k, pool_v, H)
+    assert kern.fallback is None and kern.impl == "c/attention_paged"
+    lens = [9, 16, 3]
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables = [perm[0:3], perm[3:7], perm[7:8]]               # paged, not runs
+    q = torch.randn(3, H, D, generator=g)
+    got = kern(q, pool_k[0], pool_v[0], None, lens, 0.3, None, tables)
+    want = _paged_reference(q, pool_k[0], pool_v[0], tables, lens, 0.3)
+    torch.testing.assert_close(got, want, atol=2e-5 if kv_dtype == torch.float32 else 1e-2, rtol=0)
+    runs = kern(q, pool_k[0], pool_v[0], [0, 3, 7], lens, 0.3)      # one run of blocks each
+    torch.testing.assert_close(runs, _paged_reference(q, pool_k[0], pool_v[0], [[0, 1, 2], [3, 4, 5, 6], [7]], lens,
+                                                      0.3), atol=2e-5 if kv_dtype == torch.float32 else 1e-2, rtol=0)
+    with pytest.raises(abi.KernelIndexError):                 # an id past the pool: read unchecked by the kernel
+        kern(q, pool_k[0], pool_v[0], None, lens, 0.3, None, [[0, 1, nb], *tables[1:]])
+    with pytest.raises(abi.KernelIndexError):                 # a run past the layer
+        kern(q, pool_k[0], pool_v[0], [0, 3, nb - 1], [9, 16, 5], 0.3)
+    with pytest.raises(ValueError, match="q is"):
+        kern(q[:, :4], pool_k[0], pool_v[0], [0, 3, 7], lens, 0.3)
+
+
+def test_bound_lookahead_attention_matches_the_torch_formulation():
+    from plugins.attention import _lookahead_attention_impl
+    g = _gen(22)
+    B, R, H, kvh, N, E, D = 2, 2, 6, 2, 20, 2, 32
+    kern = cpu_ops.bind_lookahead_attention(torch.device("cpu"), torch.float16, D, H, kvh, R)
+    assert kern.fallback is None and kern.impl == "c/lookahead_attention"
+    q = torch.randn(B, R, H, D, generator=g)
+    k, v = (torch.randn(B, kvh, N, D, generator=g).half() for _ in range(2))
+    kx, vx = (torch.randn(B, kvh, E, D, generator=g) for _ in range(2))
+    mask = torch.rand(B, kvh, N, generator=g) < 0.7
+    extra = torch.tensor([[True, False], [True, True]])[None].expand(B, R, E).contiguous()
+    got = kern(q, k, v, mask, kx, vx, extra, 0.2)
+    want = _lookahead_attention_impl(q, k, v, mask, kx, vx, extra, 0.2)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="k, v is"):         # another KV dtype than the bound tier's
+        kern(q, k.float(), v.float(), mask, kx, vx, extra, 0.2)
+    assert cpu_ops.bind_lookahead_attention(torch.device("cpu"), torch.float16, D, 64, 1, 2).fallback == \
+        "128 query rows per KV head (the kernel takes 64)"
+
+
+@pytest.mark.parametrize("group_score", ["sum", "max"])
+def test_bound_block_topk_matches_the_torch_formulation(group_score):
+    from plugins.topk import _block_topk_impl
+    g = _gen(23)
+    B, R, H, kvh, nb, D, k = 2, 2, 6, 2, 30, 16, 7
+    kern = cpu_ops.bind_block_topk(torch.device("cpu"), D, H, kvh)
+    assert kern.fallback is None and kern.impl == "c/block_topk"
+    q = torch.randn(B, R, H, D, generator=g)
+    kmin = torch.randn(B, nb, kvh, D, generator=g)
+    kmax = kmin + torch.rand(B, nb, kvh, D, generator=g)
+    valid = torch.rand(B, R, nb, generator=g) < 0.8
+    idx, scores = kern(q, kmin, kmax, valid, k, group_score)
+    want_idx, want_scores = _block_topk_impl(q, kmin, kmax, valid, k, group_score)
+    assert torch.equal(idx, want_idx)
+    torch.testing.assert_close(scores, want_scores, atol=1e-4, rtol=1e-4)
+    i3, _ = kern(q[:, 0], kmin, kmax, valid[:, 0], k, group_score)          # one row a sequence: [B, H, D]
+    assert torch.equal(i3, want_idx[:, 0])
+    with pytest.raises(ValueError, match="k: must be in"):
+        kern(q, kmin, kmax, valid, nb + 1, group_score)
+    with pytest.raises(ValueError, match="kmin, kmax is"):
+        kern(q, kmin.transpose(1, 2), kmax.transpose(1, 2), valid, k, group_score)
+
+
+@pytest.mark.parametrize("key_dtype", [torch.float32, torch.float16])
+def test_bound_update_summaries_matches_the_torch_formulation(key_dtype):
+    from plugins.summaries import _update_summaries_impl
+    g = _gen(24)
+    nb, kvh, D, T = 10, 2, 16, 25
+    kern = cpu_ops.bind_update_summaries(torch.device("cpu"), D, kvh)
+    assert kern.fallback is None and kern.impl == "c/update_summaries"
+    kmin, kmax = torch.randn(nb, kvh, D, generator=g), torch.randn(nb, kvh, D, generator=g)
+    keys = torch.randn(T, kvh, D, generator=g).to(key_dtype)
+    ids, offs = torch.randint(0, nb, (T,), generator=g), torch.randint(0, 4, (T,), generator=g)
+    a, b = kmin.clone(), kmax.clone()
+    kern(a, b, keys, ids, offs)
+    c, d = kmin.clone(), kmax.clone()
+    _update_summaries_impl(c, d, keys, ids, offs)
+    assert torch.equal(a, c) and torch.equal(b, d)
+    with pytest.raises(ValueError, match="block_ids"):
+        kern(a, b, keys, torch.full((T,), nb), offs)
+    assert torch.equal(a, c)                                   # nothing changed
 
 
 # ---- each bound kernel against its reference ----------------------------------------------------

@@ -3,8 +3,10 @@ kernel assumes.
 
 The kernel table's C entries (runtime/ops.py) `linear`, `linear_int8`, `rms_norm`, `block_topk_op`
 and `lookahead_attention_op` run their kernel where the arguments are what it reads (`*_supported`)
-and the torch formulation where not (a prefill's rows); `attention_paged` returns None there (its
-caller's per-sequence path runs). All follow torch's intra-op thread count.
+and the torch formulation where not; `attention_paged` returns None there (its caller's torch path
+runs). These checked entries serve tests, scripts and the `checked` table: an engine binds each to
+its weights or its pool at load (`bind_*` below; runtime/projections.py), and a bound kernel
+decides nothing per call. All follow torch's intra-op thread count.
 """
 from __future__ import annotations
 
@@ -267,28 +269,7 @@ def attention_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: l
             and (tables is not None or (len(starts) == B
                                         and all(0 <= s and 0 < n and s * bs + n <= nb * bs for s, n in zip(starts, lens))))):
         return None
-    if mask is None:
-        mask = paged_mask(lens, kvh)
-    if mask.shape != (B, kvh, max(lens)) or mask.dtype != torch.bool or not mask.is_contiguous():
-        raise ValueError(f"mask: expected paged_mask(lens, {kvh}) of shape {(B, kvh, max(lens))}, "
-                         f"got {tuple(mask.shape)} {mask.dtype}")
-    q = q.contiguous()
-    out = torch.empty(B, H, D, dtype=torch.float32)
-    lib, nt, kd = loaded(), torch.get_num_threads(), KV_DTYPES[k.dtype]
-    with traced("attention_paged"):
-        if tables is None:
-            base = torch.tensor([s * bs * D for s in starts], dtype=torch.int64)
-            rc = lib.lkv_attention_paged(q.data_ptr(), k.data_ptr(), v.data_ptr(), base.data_ptr(), nb * bs * D,
-                                         mask.data_ptr(), out.data_ptr(), B, H, kvh, mask.shape[2], D,
-                                         float(scale), nt, kd)
-        else:
-            table = block_tables(tables, lens, bs)
-            rc = lib.lkv_attention_paged_table(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(),
-                                               table.shape[1], bs, nb * bs * D, mask.data_ptr(), out.data_ptr(),
-                                               B, H, kvh, mask.shape[2], D, float(scale), nt, kd)
-    if rc != 0:
-        raise_for(rc, "attention_paged")
-    return out
+    return _paged_call(loaded(), q, k, v, starts, tables, lens, scale, mask, KV_DTYPES[k.dtype])
 
 
 def run_of(table: list[int], n: int, bs: int) -> int | None:
@@ -556,3 +537,195 @@ def bind_rms_norm(weight: torch.Tensor, eps: float) -> Kernel:
             f(x.data_ptr(), x.stride(0), weight.data_ptr(), eps, y.data_ptr(), N, M, N)
         return y
     return Kernel(fn, "c/rmsnorm")
+
+
+# ---- kernels bound to the engine's KV pool and summaries at load ------------------------------------
+# The decode-side ops whose tensors are the engine's own (a layer of the KV pool, the device tier,
+# the block summaries): what their kernels need of the layout (the KV dtype, head_dim, heads per KV
+# head, query rows per KV head) is checked once, when the engine makes its pool
+# (runtime/projections.py `bind_pool_kernels`). Per call a bound kernel only compares the call's
+# shapes with the bound layout and range-checks the ids its kernel would read unchecked; a mismatch
+# raises (ValueError naming the argument, or KernelIndexError): a caller's bug, never a switch to
+# the torch formulation's other roundings. Where the kernel does not take the layout, the `Kernel`
+# runs the torch formulation for the engine's whole life and says why (`fallback`).
+
+def pool_misfit(device: torch.device, kv_dtype: torch.dtype | None, head_dim: int, num_heads: int, kv_heads: int,
+                rows: int, multiple: int) -> str | None:
+    """Why a pool-side kernel does not take this layout (None: it does): the library, the device,
+    the KV dtype (None: fp32 summaries only), head_dim a multiple of `multiple`, whole groups of
+    heads per KV head, and `rows` query rows of each group within MAX_GROUP_ROWS."""
+    if loaded() is None:
+        return "the C kernels did not build"
+    if device.type != "cpu":
+        return f"tensors on {device.type}"
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        return f"KV dtype {kv_dtype} (the kernel reads {', '.join(map(str, KV_DTYPES))})"
+    if head_dim % multiple:
+        return f"head_dim {head_dim} (the kernel reads multiples of {multiple})"
+    if kv_heads <= 0 or num_heads % kv_heads:
+        return f"{num_heads} heads over {kv_heads} KV heads"
+    if rows * (num_heads // kv_heads) > MAX_GROUP_ROWS:
+        return f"{rows * (num_heads // kv_heads)} query rows per KV head (the kernel takes {MAX_GROUP_ROWS})"
+    return None
+
+
+def _bad(op: str, arg: str, got, want) -> None:
+    raise ValueError(f"{op}: {arg} is {got}, the layout bound at load expects {want}")
+
+
+def bind_paged_attention(pool_k: torch.Tensor, pool_v: torch.Tensor, num_heads: int) -> Kernel:
+    """Dense decode attention over one layer of this pool ([L, KVH, NB, bs, D] K and V):
+    `attention_paged`'s contract and kernels (lkv_attention_paged, _table), the pool's layout
+    checked now. Per call: q [B, H, D] fp32 and the layer's shape, and the starts or block tables
+    range-checked (KernelIndexError). Where the kernel does not take the pool, `fn` is None: the
+    caller's torch path attends (the table's `paged_attention` is None there, as on a torch table)."""
+    kvh, nb, bs, D = pool_k.shape[-4:]
+    why = pool_misfit(pool_k.device, pool_k.dtype, D, num_heads, kvh, 1, 32)
+    why = why or (None if pool_k.is_contiguous() and pool_v.is_contiguous() and pool_v.shape == pool_k.shape
+                  and pool_v.dtype == pool_k.dtype else "a non-contiguous pool")
+    why = why or (None if nb * bs < 1 << 31 else f"{nb * bs} positions a layer (the kernel indexes int32)")
+    if why:
+        return Kernel(None, "torch/per-sequence attention", why)
+    H, layer, code, lib = num_heads, tuple(pool_k.shape[1:]), KV_DTYPES[pool_k.dtype], loaded()
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int] | None, lens: list[int],
+           scale: float, mask: torch.Tensor | None = None, tables: list[list[int]] | None = None) -> torch.Tensor:
+        B = len(lens)
+        if q.shape != (B, H, D) or q.dtype != torch.float32:
+            _bad("attention_paged", "q", f"{tuple(q.shape)} {q.dtype}", f"({B}, {H}, {D}) torch.float32")
+        if tuple(k.shape) != layer or tuple(v.shape) != layer or not (k.is_contiguous() and v.is_contiguous()):
+            _bad("attention_paged", "k, v", tuple(k.shape), f"{layer}, one contiguous layer of the pool")
+        if tables is not None:
+            starts, tables = runs_or_tables(tables, lens, bs)
+        if tables is None:
+            if len(starts) != B or not all(0 <= s and 0 < n and s * bs + n <= nb * bs for s, n in zip(starts, lens)):
+                raise_for(abi.Status.RANGE, "attention_paged", f"runs of {lens} positions from blocks {starts} "
+                          f"in a layer of {nb} blocks")
+        elif not all(len(t) * bs >= n and all(0 <= b < nb for b in t[: -(-n // bs)]) for t, n in zip(tables, lens)):
+            raise_for(abi.Status.RANGE, "attention_paged", f"block tables covering {lens} positions with ids "
+                      f"in [0, {nb})")         # the kernel reads the ids unchecked
+        return _paged_call(lib, q, k, v, starts, tables, lens, scale, mask, code)
+    return Kernel(fn, "c/attention_paged")
+
+
+def _paged_call(lib, q, k, v, starts, tables, lens, scale, mask, code) -> torch.Tensor:
+    """One lkv_attention_paged(_table) call (arguments checked by the caller)."""
+    (B, H, D), (kvh, nb, bs, _) = q.shape, k.shape
+    if mask is None:
+        mask = paged_mask(lens, kvh)
+    if mask.shape != (B, kvh, max(lens)) or mask.dtype != torch.bool or not mask.is_contiguous():
+        raise ValueError(f"mask: expected paged_mask(lens, {kvh}) of shape {(B, kvh, max(lens))}, "
+                         f"got {tuple(mask.shape)} {mask.dtype}")
+    q = q if q.is_contiguous() else q.contiguous()
+    out = torch.empty(B, H, D, dtype=torch.float32)
+    nt = torch.get_num_threads()
+    with traced("attention_paged"):
+        if tables is None:
+            base = torch.tensor([s * bs * D for s in starts], dtype=torch.int64)
+            rc = lib.lkv_attention_paged(q.data_ptr(), k.data_ptr(), v.data_ptr(), base.data_ptr(), nb * bs * D,
+                                         mask.data_ptr(), out.data_ptr(), B, H, kvh, mask.shape[2], D,
+                                         float(scale), nt, code)
+        else:
+            table = block_tables(tables, lens, bs)
+            rc = lib.lkv_attention_paged_table(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(),
+                                               table.shape[1], bs, nb * bs * D, mask.data_ptr(), out.data_ptr(),
+                                               B, H, kvh, mask.shape[2], D, float(scale), nt, code)
+    if rc != 0:
+        raise_for(rc, "attention_paged")
+    return out
+
+
+def bind_lookahead_attention(device: torch.device, kv_dtype: torch.dtype, head_dim: int, num_heads: int,
+                             kv_heads: int, rows: int) -> Kernel:
+    """`lookahead::lookahead_attention` over a device tier of `kv_dtype` (lkv_attention), the layout
+    checked now for up to `rows` query rows a sequence. Per call: the shapes agree with each other
+    and the layout, at most MAX_EXTRA_KEYS extra keys, and the strides the kernel reads (the tier's
+    views have them). Falls back to the op's torch formulation where the kernel does not take it."""
+    why = pool_misfit(device, kv_dtype, head_dim, num_heads, kv_heads, rows, 32)
+    if why:
+        return Kernel(_lookahead_attention_impl, "torch/lookahead_attention", why)
+    H, D, kvh = num_heads, head_dim, kv_heads
+
+    def fn(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale) -> torch.Tensor:
+        if q.dim() != 4 or q.shape[2:] != (H, D) or q.shape[1] > rows or q.dtype != torch.float32:
+            _bad("lookahead_attention", "q", f"{tuple(q.shape)} {q.dtype}", f"[B, <= {rows}, {H}, {D}] torch.float32")
+        B, R = q.shape[:2]
+        N, E = k.shape[2], k_extra.shape[2]
+        if k.shape != (B, kvh, N, D) or v.shape != k.shape or k.dtype != kv_dtype or v.dtype != kv_dtype:
+            _bad("lookahead_attention", "k, v", f"{tuple(k.shape)} {k.dtype}", f"[{B}, {kvh}, N, {D}] {kv_dtype}")
+        if k_extra.shape != (B, kvh, E, D) or v_extra.shape != k_extra.shape or E > MAX_EXTRA_KEYS:
+            _bad("lookahead_attention", "k_extra", tuple(k_extra.shape), f"[{B}, {kvh}, <= {MAX_EXTRA_KEYS}, {D}]")
+        if kv_mask.shape != (B, kvh, N) or extra_mask.shape != (B, R, E):
+            _bad("lookahead_attention", "kv_mask, extra_mask", (tuple(kv_mask.shape), tuple(extra_mask.shape)),
+                 ((B, kvh, N), (B, R, E)))
+        if not (k.stride() == v.stride() and k.stride(3) == 1 and (k.stride(2) == D or N <= 1)
+                and k_extra.stride(3) == 1 and v_extra.stride(3) == 1):
+            _bad("lookahead_attention", "k, v strides", (k.stride(), v.stride()), "rows of D contiguous, alike for K and V")
+        return attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale)
+    return Kernel(fn, "c/lookahead_attention")
+
+
+def bind_block_topk(device: torch.device, head_dim: int, num_heads: int, kv_heads: int) -> Kernel:
+    """`lookahead::block_topk` over fp32 block summaries of this layout (lkv_block_topk), checked
+    now. Per call (q [B, H, D] or [B, R, H, D]): the summaries one [B, NB, KVH, D] run each (alike
+    for kmin and kmax), valid [B, (R,) NB] bool, and 1 <= k <= NB. Falls back to the op's torch
+    formulation where the kernel does not take the layout."""
+    why = pool_misfit(device, None, head_dim, num_heads, kv_heads, 1, 8)
+    if why:
+        return Kernel(_block_topk_impl, "torch/block_topk", why)
+    H, D, kvh = num_heads, head_dim, kv_heads
+
+    def fn(q, kmin, kmax, valid, k: int, group_score: str = "sum"):
+        rows = q.dim() == 4
+        q4, v3 = (q, valid) if rows else (q.unsqueeze(1), valid.unsqueeze(1))
+        if q4.dim() != 4 or q4.shape[2:] != (H, D) or q.dtype != torch.float32:
+            _bad("block_topk", "q", f"{tuple(q.shape)} {q.dtype}", f"[B, (R,) {H}, {D}] torch.float32")
+        B, R = q4.shape[:2]
+        nb = kmin.shape[1] if kmin.dim() == 4 else -1
+        if (kmin.shape != (B, nb, kvh, D) or kmax.shape != kmin.shape or kmin.dtype != torch.float32
+                or kmax.dtype != torch.float32 or kmin.stride()[1:] != (kvh * D, D, 1) or kmax.stride() != kmin.stride()):
+            _bad("block_topk", "kmin, kmax", f"{tuple(kmin.shape)} {kmin.dtype} strides {kmin.stride()}",
+                 f"[{B}, NB, {kvh}, {D}] torch.float32, each sequence's [NB, {kvh}, {D}] contiguous")
+        if v3.shape != (B, R, nb) or v3.dtype != torch.bool or v3.stride(-1) != 1:
+            _bad("block_topk", "valid", f"{tuple(valid.shape)} {valid.dtype}", f"[{B}, (R,) {nb}] torch.bool")
+        if not 1 <= k <= nb:
+            fail("k", f"must be in [1, NB={nb}], got {k}")
+        top, scores = block_topk(q4, kmin, kmax, v3, k, group_score)
+        return (top, scores) if rows else (top[:, 0], scores[:, 0])
+    return Kernel(fn, "c/block_topk")
+
+
+def bind_update_summaries(device: torch.device, head_dim: int, kv_heads: int) -> Kernel:
+    """`lookahead::update_summaries` into fp32 summaries of this layout (lkv_update_summaries),
+    checked now. Per call: kmin/kmax [num_blocks, KVH, D] contiguous fp32 (written in place), keys
+    [T, KVH, D] fp32 / fp16 / bf16, int64 [T] ids and offsets; an id outside [0, num_blocks):
+    ValueError naming block_ids, nothing changed. Falls back to the op's torch formulation where
+    the kernel does not take the layout."""
+    why = pool_misfit(device, None, head_dim, kv_heads, kv_heads, 1, 1)
+    if why:
+        return Kernel(_update_summaries_impl, "torch/update_summaries", why)
+    D, kvh, lib = head_dim, kv_heads, loaded()
+
+    def fn(kmin, kmax, keys, block_ids, block_offsets) -> None:
+        T = keys.shape[0]
+        if (kmin.dim() != 3 or kmin.shape[1:] != (kvh, D) or kmax.shape != kmin.shape or kmin.dtype != torch.float32
+                or kmax.dtype != torch.float32 or not (kmin.is_contiguous() and kmax.is_contiguous())):
+            _bad("update_summaries", "kmin, kmax", f"{tuple(kmin.shape)} {kmin.dtype}",
+                 f"[num_blocks, {kvh}, {D}] torch.float32, contiguous")
+        if keys.shape != (T, kvh, D) or keys.dtype not in KV_DTYPES:
+            _bad("update_summaries", "keys", f"{tuple(keys.shape)} {keys.dtype}", f"[T, {kvh}, {D}] in {list(KV_DTYPES)}")
+        if (block_ids.shape != (T,) or block_offsets.shape != (T,) or block_ids.dtype != torch.int64
+                or block_offsets.dtype != torch.int64):
+            _bad("update_summaries", "block_ids, block_offsets", (tuple(block_ids.shape), tuple(block_offsets.shape)),
+                 f"({T},) torch.int64 each")
+        keys, ids, offs = keys.contiguous(), block_ids.contiguous(), block_offsets.contiguous()
+        num_blocks = kmin.shape[0]
+        with traced("update_summaries"):
+            rc = lib.lkv_update_summaries(kmin.data_ptr(), kmax.data_ptr(), keys.data_ptr(), ids.data_ptr(),
+                                          offs.data_ptr(), T, kvh, D, num_blocks, KV_DTYPES[keys.dtype],
+                                          torch.get_num_threads())
+        if rc == abi.Status.RANGE:
+            fail("block_ids", f"values must be in [0, {num_blocks}), got min {int(ids.min())}, max {int(ids.max())}")
+        if rc != 0:
+            raise_for(rc, "update_summaries")
+    return Kernel(fn, "c/update_summaries")
