@@ -135,7 +135,7 @@ class Engine:
         # the pool's layout, once; with the weights' kernels (bound at load: model.projections),
         # every kernel this engine runs is decided by now
         self.ops, pool_why = bind_pool_kernels(self.ops, self.pool.k, self.pool.v, manifest.model.num_heads,
-                                               config.mode)
+                                               config.mode, spec.dtype)
         self.kernel_fallbacks = kernel_fallbacks(model.ops) + model.projections.fallbacks + pool_why
         for why in self.kernel_fallbacks:
             log.warning("%s", why)

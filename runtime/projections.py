@@ -200,17 +200,18 @@ MODE_POOL_OPS = {"dense": ("prefill_attention", "paged_attention"),
 
 
 def bind_pool_kernels(ops: Ops, pool_k: torch.Tensor, pool_v: torch.Tensor, num_heads: int,
-                      mode: str = "lookahead") -> tuple[Ops, list[str]]:
+                      mode: str = "lookahead", dtype: torch.dtype = torch.float32) -> tuple[Ops, list[str]]:
     """`ops` with the pool-side entries a `mode` engine calls bound to its KV pool ([L, KVH, NB,
-    bs, D] K and V; the device tier and the fp32 block summaries share its KV heads and head_dim):
-    each entry's layout checked once, here, and why any of them runs the torch formulation instead
-    of its C kernel (one line each; empty: none does). An entry that is not the C table's (a torch
-    or test table) is left as it is. A dense decode attention the kernel does not take is None in
-    the returned table: the caller's torch path attends."""
+    bs, D] K and V; the device tier and the fp32 block summaries share its KV heads and head_dim)
+    and its queries (`dtype`, the model's): each entry's layout checked once, here, and why any of
+    them runs the torch formulation instead of its C kernel (one line each; empty: none does). An
+    entry that is not the C table's (a torch or test table) is left as it is (a table with none
+    is returned as it is). A dense decode attention the kernel does not take is None in the
+    returned table: the batched torch path attends (as on a torch table)."""
     kvh, D = pool_k.shape[-4], pool_k.shape[-1]
     dev, dt = pool_k.device, pool_k.dtype
-    args = {"prefill_attention": (pool_k, pool_v, num_heads), "paged_attention": (pool_k, pool_v, num_heads),
-            "lookahead_attention": (dev, dt, D, num_heads, kvh, 2 if mode == "lookahead" else 1),
+    args = {"prefill_attention": (pool_k, pool_v, num_heads), "paged_attention": (pool_k, pool_v, num_heads, dtype),
+            "lookahead_attention": (dev, dt, D, num_heads, kvh, 2 if mode == "lookahead" else 1, dtype),
             "block_topk": (dev, D, num_heads, kvh), "update_summaries": (dev, D, kvh)}
     bound, why = {}, []
     for name in MODE_POOL_OPS[mode]:
@@ -220,4 +221,4 @@ def bind_pool_kernels(ops: Ops, pool_k: torch.Tensor, pool_v: torch.Tensor, num_
         bound[name] = k.fn
         if k.fallback:
             why.append(f"{POOL_OPS[name]} runs the torch formulation: {k.fallback}")
-    return replace(ops, **bound), why
+    return (replace(ops, **bound) if bound else ops), why

@@ -77,10 +77,10 @@ class DenseRunner:
     def compile_decode(self, **compile_kwargs) -> str | None:
         """Run the torch table's decode steps through `torch.compile(model.forward, fullgraph=True,
         **compile_kwargs)` (default backend inductor; compiled lazily, at the first such step).
-        Returns why not (and compiles nothing) where those steps do not run the torch path: a
-        table with a paged kernel or a fused step, sparse mode."""
+        Returns why not (and compiles nothing) where those steps do not run the torch path: the C
+        table (its paged kernel or fused step), a table with a paged kernel, sparse mode."""
         why = None
-        if self.fused is not None or self.attn.ops.paged_attention is not None:
+        if self.fused is not None or self.attn.ops.paged_attention is not None or self.attn.ops.c_kernels:
             why = f"ops {self.attn.ops.name or 'custom'} run a decode step in their kernels"
         elif self.selection is not None:
             why = "sparse mode selects per sequence"

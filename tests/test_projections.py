@@ -138,6 +138,13 @@ def test_a_pool_the_prompt_kernel_does_not_take_is_warned():
     assert [w.split(" runs")[0] for w in why] == ["prompt attention", "lookahead decode attention"]
     dense_ops, why = bind_pool_kernels(ops, pool_k[0], pool_k[0].clone(), 4, "dense")
     assert dense_ops.paged_attention is None and why[1].startswith("dense decode attention runs the torch")
+    # a 16-bit model's queries: its decode attentions run in torch, said (the kernels read fp32 rows)
+    pool = torch.zeros(1, 2, 5, 4, 32)
+    bf16_ops, why = bind_pool_kernels(ops, pool[0], pool[0].clone(), 4, "dense", torch.bfloat16)
+    assert bf16_ops.paged_attention is None and why == ["dense decode attention runs the torch formulation: "
+                                                        "bfloat16 queries (the kernel reads float32)"]
+    torch_table = select_ops(torch.device("cpu"), torch.float32, impl="torch")
+    assert bind_pool_kernels(torch_table, pool[0], pool[0].clone(), 4) == (torch_table, [])   # left as it is
 
 
 # ---- the pool-side kernels, bound to a layout ---------------------------------------------------

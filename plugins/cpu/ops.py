@@ -550,14 +550,17 @@ def bind_rms_norm(weight: torch.Tensor, eps: float) -> Kernel:
 # runs the torch formulation for the engine's whole life and says why (`fallback`).
 
 def pool_misfit(device: torch.device, kv_dtype: torch.dtype | None, head_dim: int, num_heads: int, kv_heads: int,
-                rows: int, multiple: int) -> str | None:
+                rows: int, multiple: int, q_dtype: torch.dtype = torch.float32) -> str | None:
     """Why a pool-side kernel does not take this layout (None: it does): the library, the device,
-    the KV dtype (None: fp32 summaries only), head_dim a multiple of `multiple`, whole groups of
-    heads per KV head, and `rows` query rows of each group within MAX_GROUP_ROWS."""
+    the queries' dtype (the model's: the kernels read fp32), the KV dtype (None: fp32 summaries
+    only), head_dim a multiple of `multiple`, whole groups of heads per KV head, and `rows` query
+    rows of each group within MAX_GROUP_ROWS."""
     if loaded() is None:
         return "the C kernels did not build"
     if device.type != "cpu":
         return f"tensors on {device.type}"
+    if q_dtype != torch.float32:
+        return f"{str(q_dtype).removeprefix('torch.')} queries (the kernel reads float32)"
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         return f"KV dtype {kv_dtype} (the kernel reads {', '.join(map(str, KV_DTYPES))})"
     if head_dim % multiple:
@@ -573,14 +576,15 @@ def _bad(op: str, arg: str, got, want) -> None:
     raise ValueError(f"{op}: {arg} is {got}, the layout bound at load expects {want}")
 
 
-def bind_paged_attention(pool_k: torch.Tensor, pool_v: torch.Tensor, num_heads: int) -> Kernel:
+def bind_paged_attention(pool_k: torch.Tensor, pool_v: torch.Tensor, num_heads: int,
+                         q_dtype: torch.dtype = torch.float32) -> Kernel:
     """Dense decode attention over one layer of this pool ([L, KVH, NB, bs, D] K and V):
     `attention_paged`'s contract and kernels (lkv_attention_paged, _table), the pool's layout
     checked now. Per call: q [B, H, D] fp32 and the layer's shape, and the starts or block tables
     range-checked (KernelIndexError). Where the kernel does not take the pool, `fn` is None: the
     caller's torch path attends (the table's `paged_attention` is None there, as on a torch table)."""
     kvh, nb, bs, D = pool_k.shape[-4:]
-    why = pool_misfit(pool_k.device, pool_k.dtype, D, num_heads, kvh, 1, 32)
+    why = pool_misfit(pool_k.device, pool_k.dtype, D, num_heads, kvh, 1, 32, q_dtype)
     why = why or (None if pool_k.is_contiguous() and pool_v.is_contiguous() and pool_v.shape == pool_k.shape
                   and pool_v.dtype == pool_k.dtype else "a non-contiguous pool")
     why = why or (None if nb * bs < 1 << 31 else f"{nb * bs} positions a layer (the kernel indexes int32)")
@@ -636,12 +640,12 @@ def _paged_call(lib, q, k, v, starts, tables, lens, scale, mask, code) -> torch.
 
 
 def bind_lookahead_attention(device: torch.device, kv_dtype: torch.dtype, head_dim: int, num_heads: int,
-                             kv_heads: int, rows: int) -> Kernel:
+                             kv_heads: int, rows: int, q_dtype: torch.dtype = torch.float32) -> Kernel:
     """`lookahead::lookahead_attention` over a device tier of `kv_dtype` (lkv_attention), the layout
     checked now for up to `rows` query rows a sequence. Per call: the shapes agree with each other
     and the layout, at most MAX_EXTRA_KEYS extra keys, and the strides the kernel reads (the tier's
     views have them). Falls back to the op's torch formulation where the kernel does not take it."""
-    why = pool_misfit(device, kv_dtype, head_dim, num_heads, kv_heads, rows, 32)
+    why = pool_misfit(device, kv_dtype, head_dim, num_heads, kv_heads, rows, 32, q_dtype)
     if why:
         return Kernel(_lookahead_attention_impl, "torch/lookahead_attention", why)
     H, D, kvh = num_heads, head_dim, kv_heads
