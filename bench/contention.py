@@ -14,11 +14,19 @@ issue 42 target: busy <= 2.2x quiet (ideal: 2x for a step that had both cores).
 
 Table on stdout, JSON with --json. Run it on an otherwise idle machine: the busy process is the
 only contention it means to measure.
+
+    python -m bench.contention --quiet-rounds 10 --modes lookahead,dense --json results/tuner_quiet.json
+
+The quiet cost of the tuner's checks, sharper than the one pair above: --quiet-rounds pairs of
+fresh processes a mode (decode only, as above), adaptive on and off in A B B A order, so a drift of
+the machine's speed lands on both; per pair, on / off, and the median of those ratios (each its
+own process: two engines in one share its OpenMP pools and transfer threads).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +61,36 @@ out.update(e.tuner.stats())
 print(json.dumps(out))
 """
 
+def quiet_cost(args: argparse.Namespace) -> list[dict]:
+    """Per mode: --quiet-rounds pairs of fresh processes (decode only), the tuner on and off in A B
+    B A order; each pair's on / off and their median."""
+    rows = []
+    quiet = argparse.Namespace(**{**vars(args), "prefill_tokens": 0})
+    for mode in args.modes.split(","):
+        on, off, checks = [], [], []
+        for r in range(args.quiet_rounds):
+            for adaptive in ((True, False) if r % 2 == 0 else (False, True)):
+                out = run_child(quiet, mode, adaptive)
+                (on if adaptive else off).append(out["decode_ms"])
+                if adaptive:
+                    checks.append(out["thread_checks"])
+        ratios = [a / b for a, b in zip(on, off)]
+        rows.append({"mode": mode, "on_ms": on, "off_ms": off, "ratios": ratios,
+                     "median_ratio": statistics.median(ratios), "checks": checks})
+        print(f"  {mode}: {rows[-1]}", file=sys.stderr)
+    return rows
+
+
+def quiet_table(rows: list[dict]) -> list[str]:
+    lines = [f"{'mode':10} {'rounds':>6} {'on ms (median)':>15} {'off ms (median)':>16} {'on/off by round':>32} "
+             f"{'median':>7} {'checks':>7}"]
+    for r in rows:
+        spread = f"{min(r['ratios']):.2f}-{max(r['ratios']):.2f}"
+        lines.append(f"{r['mode']:10} {len(r['ratios']):6d} {statistics.median(r['on_ms']):15.2f} "
+                     f"{statistics.median(r['off_ms']):16.2f} {spread:>32} {r['median_ratio']:7.3f} "
+                     f"{max(r['checks']):>7}")
+    return lines
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.contention", description=__doc__.split("\n\n")[0])
@@ -63,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--prefill-tokens", type=int, default=4096, help="the dense prefill measured (0: none)")
+    p.add_argument("--quiet-rounds", type=int, default=0, metavar="N",
+                   help="instead: the tuner's quiet cost, N interleaved rounds a mode (see above)")
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
 
@@ -111,6 +151,14 @@ def table(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.quiet_rounds:
+        rows = quiet_cost(args)
+        print("\n".join(quiet_table(rows)))
+        print("on/off: a process with the tuner against the next (or previous) without, A B B A, each the best of "
+              "two decode rounds; checks: the most any process with the tuner ran")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
+        return 0
     rows = measure(args)
     print("\n".join(table(rows)))
     print("x quiet: against the same mode and setting on the quiet machine; threads: decode/prefill at the end")

@@ -119,6 +119,20 @@ def test_the_contention_bench_table():
     assert busy_on[-1] == "1/-" and lines[3].split()[4] == "4.00"
 
 
+def test_the_quiet_cost_table():
+    from bench.contention import quiet_table
+    on, off = [50.0, 52.0, 66.0], [48.0, 53.0, 60.0]
+    ratios = [a / b for a, b in zip(on, off)]
+    row = {"mode": "lookahead", "on_ms": on, "off_ms": off, "ratios": ratios, "median_ratio": sorted(ratios)[1],
+           "checks": [1, 2, 1]}
+    lines = quiet_table([row])
+    assert lines[0].split()[:2] == ["mode", "rounds"]
+    cells = lines[1].split()
+    assert cells[:4] == ["lookahead", "3", "52.00", "53.00"]
+    assert cells[4] == f"{min(ratios):.2f}-{max(ratios):.2f}" and cells[5] == f"{sorted(ratios)[1]:.3f}"
+    assert cells[6] == "2"
+
+
 @pytest.mark.parametrize("normalised", [True, False])
 def test_a_long_prompt_is_not_a_slowdown(tiny_model_config, normalised):
     """A quiet machine's 16K prompt in 512-token chunks: a late chunk costs ~3x a first one per token
