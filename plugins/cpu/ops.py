@@ -589,7 +589,7 @@ def bind_paged_attention(pool_k: torch.Tensor, pool_v: torch.Tensor, num_heads: 
                   and pool_v.dtype == pool_k.dtype else "a non-contiguous pool")
     why = why or (None if nb * bs < 1 << 31 else f"{nb * bs} positions a layer (the kernel indexes int32)")
     if why:
-        return Kernel(None, "torch/per-sequence attention", why)
+        return Kernel(None, "torch/paged_decode_attention", why)
     H, layer, code, lib = num_heads, tuple(pool_k.shape[1:]), KV_DTYPES[pool_k.dtype], loaded()
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int] | None, lens: list[int],
