@@ -135,9 +135,9 @@ def kv_memory(engine_dir: str | Path, context_tokens: int) -> dict:
     from runtime.memory_plan import DTYPE_BYTES
     from runtime.spec import resolve_spec
     man = load_manifest(engine_dir, verify_checksums=False)
-    m, b = man.model, DTYPE_BYTES[man.dtype]
     spec = resolve_spec(man, torch.device("cpu"), {"mode": "lookahead"}, weights=False)
     plan, cfg, max_len = spec.memory_plan, spec.config, spec.max_model_len
+    m, b = man.model, DTYPE_BYTES[cfg.kv_dtype]     # the KV's storage dtype, not the weights'
     per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * b          # K and V, every layer
     return {"working_set": plan.per_seq_device_tier,
             "summaries": plan.per_seq_device - plan.per_seq_device_tier,

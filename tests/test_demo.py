@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 
 from tiny_engine import make_tiny_engine
 
@@ -101,6 +102,23 @@ def test_kv_memory_matches_the_engine_the_server_loads(tiny_dir):
     assert mem["lookahead_total"] == mem["working_set"] + mem["summaries"] and mem["summaries"] > 0
     assert mem["dense_context"] == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * 1000
     assert mem["block_bytes"] == 2 * 16 * cfg.head_dim * 4
+
+
+def test_kv_memory_counts_the_kv_dtype_not_the_weights(tmp_path):
+    """fp32 weights with fp16 KV (every int8 build): dense's K and V are 2 bytes a value, as its pool
+    holds them (the demo said twice that: 703 MiB for the 0.5B at 30K, against 352)."""
+    from runtime.config import LookaheadConfig
+    from runtime.engine import Engine
+    half = make_tiny_engine(tmp_path / "half", seed=3, lookahead=LookaheadConfig(kv_dtype="float16"))
+    mem = demo.kv_memory(half, 1000)
+    eng = Engine.from_dir(half, mode="dense", verify_checksums=False)
+    try:
+        pool = eng.pool
+        per_token = 2 * pool.k.element_size() * pool.k[:, :, 0, 0].numel()   # K + V: [L, KVH, D] a token
+        assert pool.k.dtype == torch.float16 and mem["dense_kv_per_token"] == per_token
+        assert mem["dense_context"] == per_token * 1000
+    finally:
+        eng.close()
 
 
 # ---- the report -----------------------------------------------------------------------------------
