@@ -13,8 +13,9 @@ logs each at WARNING and reports them in `stats()["kernel_fallbacks"]`). Any oth
 table, a test's wrapped table) is called as it is, with the weight.
 
 This is where the kernels of the model's weights are decided; runtime/ops.py decides the table
-(which implementation of each op, at which precision) and the engine binds the prompt attention to
-its pool (`bind_pool_kernels`).
+(which implementation of each op, at which precision) and the engine binds the pool-side ops its
+mode calls (prompt and decode attention, block top-K, summary updates) to its pool here
+(`bind_pool_kernels`).
 """
 from __future__ import annotations
 
