@@ -263,16 +263,24 @@ def stream_generate(http_port: int, prompt: str, max_tokens: int, timeout: float
     return ans
 
 
+def request_timeout(prompt_tokens: int) -> float:
+    """Seconds to wait for a question's first byte: its cold prefill comes first, and on a 2-core AVX2
+    CPU a 30K prompt takes ~15 min on the 0.5B model (600 s, the old fixed limit, cut it off)."""
+    return 600.0 + 0.05 * prompt_tokens
+
+
 def ask(http_port: int, metrics_port: int, q: Question, max_tokens: int, log=print,
-        every_s: float = PROGRESS_EVERY_S) -> tuple[Answer, dict]:
-    """Send the question and wait for its answer, printing prefill progress (from the prompt-token
-    counter) every `every_s`; -> (the answer, request_numbers of the scrapes around it)."""
+        every_s: float = PROGRESS_EVERY_S, timeout: float | None = None) -> tuple[Answer, dict]:
+    """Send the question and wait for its answer (at most `timeout` s, default
+    `request_timeout(q.prompt_tokens)`), printing prefill progress (from the prompt-token counter)
+    every `every_s`; -> (the answer, request_numbers of the scrapes around it)."""
     before = scrape(metrics_port)
     box: dict = {}
+    limit = timeout if timeout is not None else request_timeout(q.prompt_tokens)
 
     def work() -> None:
         try:
-            box["answer"] = stream_generate(http_port, q.prompt, max_tokens)
+            box["answer"] = stream_generate(http_port, q.prompt, max_tokens, timeout=limit)
         except BaseException as e:                     # re-raised below, in the main thread
             box["error"] = e
     worker = threading.Thread(target=work, name="demo-request", daemon=True)
@@ -530,6 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RULER length: prompt + RULER's answer reserve (5120: a ~5K-token prompt)")
     p.add_argument("--index", type=int, default=0, help="which sample of the task")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                   help="seconds to wait for the first question's answer (default: 600 + 0.05 a prompt token: a "
+                        "30K prompt's cold prefill takes ~15 min on 2 AVX2 cores)")
     p.add_argument("--modes", default="dense,lookahead", help="comma-separated, of dense,lookahead")
     p.add_argument("--no-load-test", dest="load_test", action="store_false")
     p.add_argument("--load-test-args", default=LOAD_TEST_ARGS, help="scripts/load_test.py's options "
@@ -579,7 +590,8 @@ def main(argv: list[str] | None = None, log=print) -> int:
             log(f"\ndemo: [{m}] starting the server", flush=True)
             with Server(args, m):
                 log(f"demo: [{m}] asking (prefill of {q.prompt_tokens} tokens takes a while on a CPU)", flush=True)
-                ans, numbers = ask(args.http_port, args.metrics_port, q, args.max_tokens, log=log)
+                ans, numbers = ask(args.http_port, args.metrics_port, q, args.max_tokens, log=log,
+                                   timeout=args.request_timeout)
                 if ans.error:
                     raise DemoError(f"[{m}] the request failed: {ans.error}")
                 results[m] = {"answer": {k: v for k, v in asdict(ans).items() if k != "token_times"},

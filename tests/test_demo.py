@@ -259,6 +259,21 @@ def test_ask_streams_times_and_reads_the_metrics(fake_triton):
     assert any("prefill 0/100 prompt tokens" in line for line in log.lines)      # progress while waiting
 
 
+def test_the_first_answer_waits_for_a_long_prompts_prefill(fake_triton, monkeypatch):
+    """A 30K prompt's cold prefill takes ~15 min on 2 AVX2 cores: the wait scales with the prompt
+    (the fixed 600 s cut the 0.5B's 30K demo off), and it is the request's own socket timeout."""
+    assert demo.request_timeout(5000) == 850.0 and demo.request_timeout(30000) >= 1800
+    srv, seen, real = fake_triton(), [], demo.stream_generate
+    monkeypatch.setattr(demo, "stream_generate", lambda *a, timeout: seen.append(timeout) or real(*a, timeout=timeout))
+    demo.ask(srv.port, srv.port, QUESTION, 3, log=Log(), every_s=0.1)
+    assert seen == [demo.request_timeout(QUESTION.prompt_tokens)]
+
+
+def test_request_timeout_sets_the_wait(stubbed):
+    assert demo.main(["--engine", str(stubbed.dir), "--no-load-test", "--request-timeout", "1234"], log=Log()) == 0
+    assert stubbed.timeouts[0] == 1234.0
+
+
 def test_ask_reports_an_error_response(fake_triton):
     srv = fake_triton(error="max_tokens: must be > 0")
     ans, _ = demo.ask(srv.port, srv.port, QUESTION, 3, log=Log(), every_s=0.1)
@@ -291,8 +306,9 @@ def stubbed(monkeypatch, tiny_dir):
         assert "--server-pid-file" in cmd and "--url" in cmd
         return stubbed.load_rc
 
-    def ask(http_port, metrics_port, q, max_tokens, log=print, every_s=5.0):
+    def ask(http_port, metrics_port, q, max_tokens, log=print, every_s=5.0, timeout=None):
         calls.append(("ask", tuple(up)))
+        stubbed.timeouts.append(timeout)
         if stubbed.interrupt_in_ask:
             raise KeyboardInterrupt
         a = demo.Answer(text="The number is 7761348.", prompt_tokens=q.prompt_tokens, output_tokens=5,
@@ -304,7 +320,7 @@ def stubbed(monkeypatch, tiny_dir):
     monkeypatch.setattr(demo, "ask", ask)
     monkeypatch.setattr(demo, "make_question", lambda *a: QUESTION)
     monkeypatch.setattr(demo.signal, "signal", lambda *a: None)
-    stubbed.calls, stubbed.dir = calls, tiny_dir
+    stubbed.calls, stubbed.dir, stubbed.timeouts = calls, tiny_dir, []
     return stubbed
 
 
