@@ -133,16 +133,21 @@ def _scores_chunked(q, kmin, kmax, valid, group_score: str = "sum", chunk: int =
 
 
 def _run_topk(ext, q, kmin, kmax, valid, k, group_score) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, D] or [B, R, H, D] (valid [B, NB] or [B, R, NB]): the extension takes R rows per
+    sequence flat, in one launch."""
     B, num_blocks, num_kv_heads, _ = kmin.shape
-    indices = torch.full((B, num_kv_heads, k), -7, dtype=torch.int64, device=q.device)
-    scores = torch.full((B, num_kv_heads, num_blocks), float("nan"), device=q.device)
-    ext.block_topk_out(q, kmin, kmax, valid, k, group_score == "max", indices, scores)
-    return indices, scores
+    lead = tuple(q.shape[:-2])
+    rows = q.reshape(-1, *q.shape[-2:])
+    indices = torch.full((rows.shape[0], num_kv_heads, k), -7, dtype=torch.int64, device=q.device)
+    scores = torch.full((rows.shape[0], num_kv_heads, num_blocks), float("nan"), device=q.device)
+    ext.block_topk_out(rows, kmin, kmax, valid.reshape(-1, num_blocks), k, group_score == "max", indices, scores)
+    return indices.view(*lead, num_kv_heads, k), scores.view(*lead, num_kv_heads, num_blocks)
 
 
 def check_block_topk(dtype: torch.dtype, case: str, target: Target | None = None, seed: int = 0) -> list[Check]:
     """case: "integer" (exact scores, many ties) | "ties" (every block scores the same) | "random"
-    | "large" (2^31+ summary elements); a "_max" suffix scores a GQA group by its best head."""
+    | "rows" (a decode step's two query rows per sequence, each with its own valid blocks, one
+    launch) | "large" (2^31+ summary elements); a "_max" suffix scores a GQA group by its best head."""
     target = target or cuda_target()
     group_score = "max" if case.endswith("_max") else "sum"
     case = case.removesuffix("_max")
@@ -152,16 +157,17 @@ def check_block_topk(dtype: torch.dtype, case: str, target: Target | None = None
     else:
         B, H, num_kv_heads, D, num_blocks, k = 3, 6, 2, 64, 300, 32
     exact = case != "random"   # small integers: every sum is exact in fp32, in any order
-    q = (torch.randint(-1, 2, (B, H, D), generator=gen, device=gen.device, dtype=dtype) if exact
-         else _randn((B, H, D), dtype, gen))
+    lead = (B, 2) if case == "rows" else (B,)
+    q = (torch.randint(-1, 2, (*lead, H, D), generator=gen, device=gen.device, dtype=dtype) if exact
+         else _randn((*lead, H, D), dtype, gen))
     kmin, kmax = _summaries((B, num_blocks, num_kv_heads, D), dtype, gen, integer=exact)
     if case == "ties":
         kmin.fill_(1.0)
         kmax.fill_(1.0)
-    valid = torch.rand((B, num_blocks), generator=gen, device=gen.device) < 0.8
+    valid = torch.rand((*lead, num_blocks), generator=gen, device=gen.device) < 0.8
     if B > 1:                              # the last sequence has fewer valid blocks than k: a -1 tail
         valid[-1] = False
-        valid[-1, :5] = True
+        valid[-1, ..., :5] = True
     indices, scores = _run_topk(target.ext, q, kmin, kmax, valid, k, group_score)
     if case == "large":
         exp_scores = _scores_chunked(q, kmin, kmax, valid, group_score)
@@ -286,14 +292,122 @@ def check_lookahead_attention(dtype: torch.dtype, case: str, target: Target | No
     return _compare("lookahead_attention", dtype, case, out, expected)
 
 
+# --- copy_blocks ----------------------------------------------------------------------------
+
+def check_copy_blocks(dtype: torch.dtype, case: str, target: Target | None = None, seed: int = 0) -> Check:
+    """case: "device" | "host" (a pinned, head-major pool: the runtime's) | "large" (source
+    blocks past 2^31 elements). A fixed-capacity job: a third of the entries skipped (some naming
+    block -1); every destination slot is poisoned first, and the skipped ones must keep it."""
+    target = target or cuda_target()
+    gen = _gen(seed, target.device)
+    kvh, block_size, head_dim, lanes, slots, n = 4, 16, 64, 3, 24, 40
+    per_block = kvh * block_size * head_dim
+    num_blocks = LARGE // per_block + 2 if case == "large" else 96
+    if case == "host":                                        # [KVH, NB, bs, D] viewed as [NB, KVH, bs, D]
+        src_k, src_v = (_randn((kvh, num_blocks, block_size, head_dim), dtype, gen).transpose(0, 1) for _ in range(2))
+    elif case == "large":                                     # only the blocks read are filled
+        src_k, src_v = (torch.empty((num_blocks, kvh, block_size, head_dim), dtype=dtype, device=gen.device)
+                        for _ in range(2))
+    else:
+        src_k, src_v = (_randn((num_blocks, kvh, block_size, head_dim), dtype, gen) for _ in range(2))
+    low = num_blocks - 64 if case == "large" else 0
+    blocks = torch.randint(low, num_blocks, (n,), generator=gen, device=gen.device)
+    if case == "large":
+        used = blocks.unique()
+        for t in (src_k, src_v):
+            t[used] = _randn((used.numel(), kvh, block_size, head_dim), dtype, gen)
+    dest = torch.randperm(lanes * kvh * slots, generator=gen, device=gen.device)[:n]     # distinct
+    lane_ix, dst_heads, slot_ix = dest // (kvh * slots), dest // slots % kvh, dest % slots
+    src_heads = torch.randint(0, kvh, (n,), generator=gen, device=gen.device)
+    valid = torch.rand(n, generator=gen, device=gen.device) < 0.67
+    blocks = torch.where(valid | (torch.arange(n, device=gen.device) % 2 == 0), blocks, -1)
+    if case == "host" and torch.cuda.is_available():
+        src_k, src_v = (t.cpu().pin_memory() for t in (src_k, src_v))
+    elif case == "host":
+        src_k, src_v = src_k.cpu(), src_v.cpu()
+    dst_k, dst_v = (torch.full((lanes, kvh, slots, block_size, head_dim), float("nan"), dtype=dtype,
+                               device=gen.device) for _ in range(2))
+    target.ext.copy_blocks(src_k, src_v, dst_k, dst_v, blocks, src_heads, lane_ix, dst_heads, slot_ix, valid)
+    want_k, want_v = (torch.full_like(dst_k, float("nan")) for _ in range(2))
+    for i in valid.nonzero().flatten().tolist():
+        b, sh = int(blocks[i]), int(src_heads[i])
+        want_k[lane_ix[i], dst_heads[i], slot_ix[i]] = src_k[b, sh].to(want_k.device)
+        want_v[lane_ix[i], dst_heads[i], slot_ix[i]] = src_v[b, sh].to(want_v.device)
+    got, want = torch.stack([dst_k, dst_v]).nan_to_num(7.0), torch.stack([want_k, want_v]).nan_to_num(7.0)
+    return _compare("copy_blocks", dtype, case, got, want, exact=True)
+
+
+# --- plan_slots -----------------------------------------------------------------------------
+
+def _plan_requests(held: torch.Tensor, top_k: int, max_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """want [B, KVH, top_k]: per (lane, head), ~70 % of its held blocks kept, fresh distinct
+    blocks after them, the last 3 entries padding (-1), as a short context's top-K has."""
+    want = torch.full(held.shape, -1, dtype=torch.long)
+    for i in range(held.shape[0]):
+        for h in range(held.shape[1]):
+            kept = [b for b in held[i, h].tolist() if b >= 0 and torch.rand(1, generator=gen).item() < 0.7]
+            fresh = [b for b in torch.randperm(max_blocks, generator=gen).tolist() if b not in kept]
+            row = (kept + fresh)[: top_k - 3]
+            want[i, h, : len(row)] = torch.tensor(row)[torch.randperm(len(row), generator=gen)]
+    return want
+
+
+def check_plan_slots(dtype: torch.dtype, case: str, target: Target | None = None, seed: int = 0) -> Check:
+    """case: "decode" (a capped plan of 5 of 8 lanes) | "seed" (every lane, cap = K). Five plans
+    in a row on the same tables; each one's lists and tables must equal the reference's
+    admissions (`plugins.reference.plan_slots_ref`) and the torch implementation's lists (every
+    rank, taken or not), exactly. The op has no float data: `dtype` only names the run."""
+    from plugins.plan import _plan_slots_impl
+
+    target = target or cuda_target()
+    gen = torch.Generator().manual_seed(seed)                 # drawn on the host: the reference runs there
+    lanes_total, kvh, top_k, max_blocks = 8, 4, 64, 512
+    table = (torch.full((lanes_total, kvh, top_k), -1, dtype=torch.long),
+             torch.full((lanes_total, kvh, top_k), -1, dtype=torch.long),
+             torch.full((lanes_total, kvh, max_blocks + 1), -1, dtype=torch.long))
+    ref_table, impl_table = [t.clone() for t in table], [t.clone() for t in table]
+    dev_table = [t.to(target.device) for t in table]
+    bad = []
+    for step in range(1, 6):
+        lanes = torch.randperm(lanes_total, generator=gen)[: 5 if case == "decode" else lanes_total]
+        want = _plan_requests(ref_table[0][lanes], top_k, max_blocks, gen)
+        scores = torch.randint(0, 6, (*want.shape[:2], max_blocks), generator=gen).float()   # ties on purpose
+        cap = 13 if case == "decode" else top_k
+        n = lanes.numel() * kvh * cap
+        got = [torch.full((n,), -7, dtype=torch.long, device=target.device) for _ in range(2)]
+        got.append(torch.zeros(n, dtype=torch.bool, device=target.device))
+        target.ext.plan_slots_out(*dev_table, lanes.to(target.device), want.to(target.device),
+                                  scores.to(target.device), cap, step, *got)
+        got = [t.cpu() for t in got]
+        expected = _plan_slots_impl(*impl_table, lanes, want, scores, cap, step)
+        admitted = reference.plan_slots_ref(*ref_table, lanes, want, scores, cap, step)
+        slots, blocks, valid = (t.tolist() for t in got)
+        taken = [(i // (kvh * cap), i // cap % kvh, slots[i], blocks[i]) for i in range(n) if valid[i]]
+        if taken != admitted:
+            bad.append(f"step {step}: admissions differ from the reference")
+        if not all(torch.equal(g, e) for g, e in zip(got, expected)):
+            bad.append(f"step {step}: lists differ from the torch implementation")
+        if not all(torch.equal(d.cpu(), r) for d, r in zip(dev_table, ref_table)):
+            bad.append(f"step {step}: tables differ from the reference")
+    return Check("plan_slots", str(dtype).removeprefix("torch."), case, not bad, 0.0 if not bad else float("inf"),
+                 "; ".join(bad))
+
+
 # --- all of them ----------------------------------------------------------------------------
 
 SMALL_CASES = {
     check_block_gather: ("device", "host", "unaligned"),
-    check_block_topk: ("integer", "ties", "random", "integer_max", "random_max"),
+    check_block_topk: ("integer", "ties", "random", "integer_max", "random_max", "rows", "rows_max"),
     check_update_summaries: ("prefill", "decode"),
     check_lookahead_attention: ("smollm2", "llama8b", "group16", "long", "short"),
+    check_plan_slots: ("decode", "seed"),
+    check_copy_blocks: ("device", "host"),
 }
+# ops without a case past 2^31 elements: the reason (the large sets leave them out)
+NO_LARGE_CASE = {
+    check_plan_slots: "its tables are int64: 2^31 elements are 16 GB a table; every offset is computed in int64",
+}
+LARGE_CASES = tuple(fn for fn in SMALL_CASES if fn not in NO_LARGE_CASE)
 
 
 def run_checks(large: bool = True, target: Target | None = None) -> Iterator[Check]:
@@ -302,7 +416,7 @@ def run_checks(large: bool = True, target: Target | None = None) -> Iterator[Che
     target = target or cuda_target()
     plan = [(fn, dtype, case) for dtype in DTYPES for fn, cases in SMALL_CASES.items() for case in cases]
     if large:
-        plan += [(fn, torch.bfloat16, "large") for fn in SMALL_CASES]
+        plan += [(fn, torch.bfloat16, "large") for fn in LARGE_CASES]
     for fn, dtype, case in plan:
         try:
             result = fn(dtype, case, target)

@@ -274,8 +274,8 @@ class MeteredTransfer(TransferEngine):
         return getattr(self.inner, "transfer_s", None)
 
     @property
-    def gather_kernel(self) -> bool | None:
-        return getattr(self.inner, "gather_kernel", None)
+    def copy_kernel(self) -> bool | None:
+        return getattr(self.inner, "copy_kernel", None)
 
     def submit(self, job, urgent: bool = False) -> Ticket:
         if self.recorder is not None:
@@ -585,7 +585,7 @@ def run_row(loader: Engine, cache: PrefillCache, prompt: list[int], cfg: Lookahe
             row["exposed_copy_ms_per_step"] = exposed
             row["hidden_share"] = share_or_none(hidden_share(row["ms_per_step"], sat["ms_per_step"], copy_ms))
             row["hidden_share_unclamped"] = 1.0 - exposed / copy_ms if copy_ms > 0 else None
-            row["gather_kernel"] = transfer.gather_kernel
+            row["copy_kernel"] = transfer.copy_kernel
             row["cuda_graph"] = {"captures": 0, "replays": 0, "graph": NO_LOOKAHEAD_GRAPH}
         else:
             row["cuda_graph"] = dense_graph(eng, args.graph_replays, clock)
@@ -702,7 +702,7 @@ def run_shape(name: str, path: Path, args, results: ResultFile) -> int:
     shape["ops"] = getattr(loader.ops, "name", str(loader.ops))
     shape["cuda_kernels_registered"] = {op: torch._C._dispatch_has_kernel_for_dispatch_key(f"lookahead::{op}", "CUDA")
                                         for op in ("block_gather", "block_topk", "update_summaries",
-                                                   "lookahead_attention")}
+                                                   "lookahead_attention", "plan_slots", "copy_blocks")}
     # one prompt, prefilled once for real and replayed into every engine's backend
     g = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, mcfg.vocab_size, (context,), generator=g).tolist()

@@ -53,7 +53,7 @@ from bench.floor import StreamClock
 from bench.gpu_results import ResultFile
 
 RESULTS = "kernel_check.json"
-OPS = ("block_gather", "block_topk", "update_summaries", "lookahead_attention")
+OPS = ("block_gather", "block_topk", "update_summaries", "lookahead_attention", "plan_slots", "copy_blocks")
 # (num_kv_heads, block_size, head_dim) of one layer's pool, bf16: rows of 2 KB and 4 KB.
 GATHER_SHAPES = {"smollm2": (3, 16, 64), "llama8b": (8, 16, 128)}
 GATHER_TARGET = 0.80        # gather bandwidth / memcpy bandwidth
@@ -62,6 +62,15 @@ CHILD_SETS = ("large", "smoke")
 
 
 # ---- the three doors ---------------------------------------------------------------------------------
+def as_rows(q: torch.Tensor, kmin: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The extension's block_topk takes R query rows per sequence flat ([B * R, H, D], valid
+    [B * R, NB]); the op takes them as [B, R, H, D], [B, R, NB]."""
+    B = kmin.shape[0]
+    if q.shape[0] == B:
+        return q, valid
+    return q.view(B, -1, *q.shape[1:]), valid.view(B, -1, valid.shape[-1])
+
+
 class DispatchEntryPoints:
     """The extension's entry points, written as the runtime calls the ops: `torch.ops.lookahead.*`
     (on a GPU the CUDA dispatch key, i.e. plugins/cuda/loader.py's wrappers around the kernels)."""
@@ -72,9 +81,10 @@ class DispatchEntryPoints:
 
     @staticmethod
     def block_topk_out(q, kmin, kmax, valid, k, group_max, indices, scores):
+        q, valid = as_rows(q, kmin, valid)
         got_i, got_s = torch.ops.lookahead.block_topk(q, kmin, kmax, valid, k, "max" if group_max else "sum")
-        indices.copy_(got_i)
-        scores.copy_(got_s)
+        indices.copy_(got_i.view(indices.shape))
+        scores.copy_(got_s.view(scores.shape))
 
     @staticmethod
     def update_summaries(kmin, kmax, keys, block_ids, block_offsets):
@@ -83,6 +93,16 @@ class DispatchEntryPoints:
     @staticmethod
     def lookahead_attention_out(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale, out):
         out.copy_(torch.ops.lookahead.lookahead_attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale))
+
+    @staticmethod
+    def copy_blocks(*args):
+        torch.ops.lookahead.copy_blocks(*args)
+
+    @staticmethod
+    def plan_slots_out(block, last_used, slot_of, lanes, want, scores, cap, step, slots, blocks, valid):
+        for out, got in zip((slots, blocks, valid), torch.ops.lookahead.plan_slots(block, last_used, slot_of, lanes,
+                                                                                   want, scores, cap, step)):
+            out.copy_(got)
 
 
 class WrapperEntryPoints:
@@ -96,9 +116,10 @@ class WrapperEntryPoints:
     @staticmethod
     def block_topk_out(q, kmin, kmax, valid, k, group_max, indices, scores):
         import plugins
+        q, valid = as_rows(q, kmin, valid)
         got_i, got_s = plugins.block_topk(q, kmin, kmax, valid, k, "max" if group_max else "sum")
-        indices.copy_(got_i)
-        scores.copy_(got_s)
+        indices.copy_(got_i.view(indices.shape))
+        scores.copy_(got_s.view(scores.shape))
 
     @staticmethod
     def update_summaries(kmin, kmax, keys, block_ids, block_offsets):
@@ -109,6 +130,18 @@ class WrapperEntryPoints:
     def lookahead_attention_out(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale, out):
         import plugins
         out.copy_(plugins.lookahead_attention(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale))
+
+    @staticmethod
+    def copy_blocks(*args):
+        import plugins
+        plugins.copy_blocks(*args)
+
+    @staticmethod
+    def plan_slots_out(block, last_used, slot_of, lanes, want, scores, cap, step, slots, blocks, valid):
+        import plugins
+        for out, got in zip((slots, blocks, valid), plugins.plan_slots(block, last_used, slot_of, lanes, want,
+                                                                       scores, cap, step)):
+            out.copy_(got)
 
 
 class CpuSmokeEntryPoints(DispatchEntryPoints):
@@ -122,6 +155,9 @@ class CpuSmokeEntryPoints(DispatchEntryPoints):
 
 # (target, op, case) that cannot run: the reason
 NOT_APPLICABLE = {
+    ("wrappers", "copy_blocks", "host"): "plugins.copy_blocks takes the indices on the host pool's device; the "
+                                         "transfer engine's mixed-device call goes through torch.ops, checked "
+                                         "by the dispatch target",
     ("wrappers", "block_gather", "host"): "plugins.block_gather takes src and block_ids on one device; the "
                                           "mixed-device call (pinned host pool, ids on the GPU) goes through "
                                           "torch.ops, checked by the dispatch target",
@@ -142,10 +178,10 @@ def targets(device: torch.device) -> list[tuple[str, object]]:
 
 def plan(case_set: str, device: torch.device) -> list[tuple]:
     """(fn, dtype, case) of a case set: "small" (every small case, every dtype; bf16 only on CPU),
-    "large" (one >2^31-element case per op, bf16) or "smoke" (one small case per op, bf16)."""
+    "large" (one >2^31-element case per op that has one, bf16) or "smoke" (one small case per op, bf16)."""
     from bench import cuda_numerics as numerics
     if case_set == "large":
-        return [(fn, torch.bfloat16, "large") for fn in numerics.SMALL_CASES]
+        return [(fn, torch.bfloat16, "large") for fn in numerics.LARGE_CASES]
     if case_set == "smoke":
         return [(fn, torch.bfloat16, cases[0]) for fn, cases in numerics.SMALL_CASES.items()]
     dtypes = numerics.DTYPES if device.type == "cuda" else (torch.bfloat16,)
@@ -259,7 +295,7 @@ def measure_transfer_engine(name: str, num_kv_heads: int, block_size: int, head_
 
         memcpy_ms = time_ms(memcpy, clock)
         return {"shape": name, "engine": type(eng).__name__, "bytes": nbytes, "units": job.num_units,
-                "gather_kernel": getattr(eng, "gather_kernel", None), "engine_gbps": gbps(nbytes, engine_ms),
+                "copy_kernel": getattr(eng, "copy_kernel", None), "engine_gbps": gbps(nbytes, engine_ms),
                 "memcpy_h2d_gbps": gbps(nbytes, memcpy_ms), "engine_vs_memcpy": memcpy_ms / engine_ms}
     finally:
         eng.close()

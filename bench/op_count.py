@@ -19,8 +19,9 @@ shape is used (`--shape` names a builder shape instead, its layer count overridd
 The lookahead engine copies with the "sync" transfer engine, so its copies are dispatched (and
 counted) on the step's thread, where a CUDA engine's copy launches would be too. On CPU the torch
 table calls the lookahead ops' torch implementations directly (`plugins.direct`: their inner ops
-are counted); a CUDA engine's torch table calls `torch.ops.lookahead.*`, each one CUDA kernel
-there: `--dispatcher` builds the table so, and each lookahead op counts one (dense calls none).
+are counted); a CUDA engine's torch table calls `torch.ops.lookahead.*` (the slot plan and the
+copy jobs included), each one CUDA launch there (block_topk: its score and select kernels, one
+call): `--dispatcher` builds the table so, and each lookahead op counts one (dense calls none).
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def make_engine(path: Path, mode: str, batch: int, dispatcher: bool = False):
 
     from runtime.engine import Engine
     from runtime.internals import Internals
-    from runtime.ops import select_ops
+    from runtime.ops import job_copy, select_ops
 
     overrides = dict(LOOKAHEAD) if mode == "lookahead" else dict(mode=mode)
     kw = dict(transfer="sync") if mode == "lookahead" else {}
@@ -124,6 +125,7 @@ def make_engine(path: Path, mode: str, batch: int, dispatcher: bool = False):
         kw["ops"] = replace(select_ops(torch.device("cpu"), torch.float32, impl="torch"),
                             block_gather=d.block_gather, block_topk=d.block_topk,
                             update_summaries=d.update_summaries, lookahead_attention=d.lookahead_attention,
+                            plan_slots_fixed=d.plan_slots, copy_blocks=job_copy(d.copy_blocks),
                             name="torch/cpu+dispatcher")
     return Engine.from_dir(path, device="cpu", internals=Internals(impl="torch", fused=False, **kw),
                            max_batch_size=max(batch, 1), prefix_caching=False, max_model_len=1024, **overrides)

@@ -4,6 +4,8 @@
     block_topk           Quest upper-bound block scores + head-wise top-K per KV head
     update_summaries     in-place per-block min/max key summaries
     lookahead_attention  dual-row sparse attention with GQA
+    plan_slots           capped admission into a lane's selected slots (the residency's slot plan)
+    copy_blocks          a copy job's (block, KV head) units of K and V into device slots
 
 Each op has a torch implementation (any device; written for CPU), a plain-torch reference in
 `plugins.reference`, and a contract in `plugins/CONTRACTS.md`. The wrappers below validate
@@ -25,11 +27,14 @@ import torch
 
 from . import reference
 from .attention import _lookahead_attention_impl, lookahead_attention
+from .copy import _copy_blocks_impl, copy_blocks
 from .gather import _block_gather_impl, block_gather
+from .plan import _plan_slots_impl, plan_slots
 from .summaries import _update_summaries_impl, update_summaries
 from .topk import _block_topk_impl, block_topk
 
-__all__ = ["block_gather", "block_topk", "update_summaries", "lookahead_attention", "reference", "direct",
+__all__ = ["block_gather", "block_topk", "update_summaries", "lookahead_attention", "plan_slots", "copy_blocks",
+           "reference", "direct",
            "ensure_cuda_kernels"]
 
 # The ops' implementations without the dispatcher, for callers that build every argument
@@ -37,7 +42,8 @@ __all__ = ["block_gather", "block_topk", "update_summaries", "lookahead_attentio
 # costs ~0.1 ms of dispatch here (torch profiler), about what a decode-size op computes in.
 # Not for CUDA tensors: there the dispatcher is what routes to plugins.cuda's kernels.
 direct = SimpleNamespace(block_gather=_block_gather_impl, block_topk=_block_topk_impl,
-                         update_summaries=_update_summaries_impl, lookahead_attention=_lookahead_attention_impl)
+                         update_summaries=_update_summaries_impl, lookahead_attention=_lookahead_attention_impl,
+                         plan_slots=_plan_slots_impl, copy_blocks=_copy_blocks_impl)
 
 logger = logging.getLogger(__name__)
 

@@ -77,6 +77,49 @@ def update_summaries_ref(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.Ten
             kmax[b] = torch.maximum(kmax[b], key)
 
 
+def plan_slot_rule(held: list[int], last: list[int], want: list[int], prio: list[float], cap: int, step: int):
+    """The slot plan of one (lane, KV head), as `plan_slots` states it: returns (held', last',
+    [(slot, block)] in rank order). Wanted held slots are stamped `step`; the missing wanted
+    blocks, best priority first (ties: request order), go into the slots not wanted, least
+    recently selected first (ties: the lower slot; empty slots are last used -1)."""
+    held, last = list(held), list(last)
+    wanted = {b for b in want if b >= 0}
+    for s, b in enumerate(held):
+        if b >= 0 and b in wanted:
+            last[s] = step
+    missing = [j for j, b in enumerate(want) if b >= 0 and b not in held]
+    missing.sort(key=lambda j: -prio[j])
+    free = [s for s in range(len(held)) if not (held[s] >= 0 and held[s] in wanted)]
+    free.sort(key=lambda s: last[s])
+    admitted = []
+    for j, s in zip(missing[:cap], free):
+        held[s], last[s] = want[j], step
+        admitted.append((s, want[j]))
+    return held, last, admitted
+
+
+def plan_slots_ref(block: torch.Tensor, last_used: torch.Tensor, slot_of: torch.Tensor, lanes: torch.Tensor,
+                   want: torch.Tensor, scores: torch.Tensor, cap: int, step: int) -> list[tuple[int, int, int, int]]:
+    """`plan_slots` by `plan_slot_rule` (a wanted block's priority: its score), in place (the
+    inverse map rebuilt from the table); returns the admissions as (row of lanes, head, slot,
+    block), in (row, head, rank) order."""
+    out = []
+    for i, lane in enumerate(lanes.tolist()):
+        for h in range(block.shape[1]):
+            row = want[i, h].tolist()
+            prio = [float(scores[i, h, b]) if b >= 0 else 0.0 for b in row]
+            held, last, adm = plan_slot_rule(block[lane, h].tolist(), last_used[lane, h].tolist(), row, prio, cap,
+                                             step)
+            block[lane, h] = torch.tensor(held)
+            last_used[lane, h] = torch.tensor(last)
+            slot_of[lane, h] = -1
+            for s, b in enumerate(held):
+                if b >= 0:
+                    slot_of[lane, h, b] = s
+            out += [(i, h, s, b) for s, b in adm]
+    return out
+
+
 def lookahead_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor,
                             k_extra: torch.Tensor, v_extra: torch.Tensor, extra_mask: torch.Tensor,
                             scale: float) -> torch.Tensor:

@@ -68,6 +68,16 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
+def job_copy(op: Callable) -> Callable:
+    """`lookahead::copy_blocks` (or one of its doors) as a table's `copy_blocks` entry: a CopyJob's
+    call, (src_k, src_v, dst_k, dst_v, src_index, dst_index, valid) -> True."""
+    def copy(src_k, src_v, dst_k, dst_v, src_index, dst_index, valid=None) -> bool:
+        op(src_k, src_v, dst_k, dst_v, *src_index, *dst_index, valid)
+        return True
+    copy.op = op
+    return copy
+
+
 @dataclass(frozen=True)
 class Ops:
     """One callable per op; signatures: `plugins/CONTRACTS.md`, F.linear, F.rms_norm's (x, weight,
@@ -80,8 +90,12 @@ class Ops:
     linear: Callable            # (x [M, K], weight [N, K] | Int8Weight, bias [N] | None) -> [M, N]
     rms_norm: Callable = torch_rms_norm
     paged_attention: Callable | None = None     # plugins.cpu.attention_paged (None: per item)
-    plan_slots: Callable | None = None          # bookkeeping.plan (None: SlotTable.plan_torch)
-    copy_blocks: Callable | None = None         # bookkeeping.copy_blocks (None: torch indexing)
+    plan_slots: Callable | None = None          # bookkeeping.plan, exact lists (None: plan_slots_fixed)
+    # lookahead::plan_slots: the slot plan as a fixed-capacity list, one op (one kernel on a GPU)
+    plan_slots_fixed: Callable = plugins.direct.plan_slots
+    # a CopyJob's copy, True when done (bookkeeping.copy_blocks; a torch table's `job_copy` of
+    # lookahead::copy_blocks, one kernel on a GPU; None: the op's torch implementation)
+    copy_blocks: Callable | None = None
     fused_decoder: Callable | None = None       # fused.bind: a dense decode step in one C call
     lookahead_layer: Callable | None = None     # LookaheadLayer.bind: a lookahead layer in one
     # a prompt's rows (None: `linear` and the backends' torch attention, the float32 reference)
@@ -264,7 +278,8 @@ def select_ops(device: torch.device, dtype: torch.dtype, impl: str = "auto", qua
         d = plugins.direct if device.type == "cpu" else torch.ops.lookahead   # CPU: no dispatcher
         ops = Ops(d.block_gather, d.block_topk, d.update_summaries, d.lookahead_attention,
                   QuantizedLinear(F.linear, linear_int8_torch) if quantized else F.linear,
-                  name=f"torch/{device.type}", **extra)
+                  plan_slots_fixed=d.plan_slots, copy_blocks=job_copy(d.copy_blocks), name=f"torch/{device.type}",
+                  **extra)
     else:
         d = plugins.direct
         ops = Ops(d.block_gather, cpu.ops.block_topk_op, cpu.ops.update_summaries, cpu.ops.lookahead_attention_op,
@@ -275,6 +290,8 @@ def select_ops(device: torch.device, dtype: torch.dtype, impl: str = "auto", qua
     if impl != "checked":
         return ops
     return replace(ops, block_gather=plugins.block_gather, update_summaries=plugins.update_summaries,
+                   plan_slots_fixed=plugins.plan_slots,
+                   copy_blocks=ops.copy_blocks if use_c else job_copy(plugins.copy_blocks),
                    block_topk=functools.partial(plugins.block_topk, impl=ops.block_topk if use_c else None),
                    lookahead_attention=functools.partial(plugins.lookahead_attention,
                                                          impl=ops.lookahead_attention if use_c else None),

@@ -23,7 +23,10 @@ from plugins.reference import lookahead_attention_ref
 from bench import gpu_kernels as gkc
 
 LAUNCHERS = {"lookahead_kv_block_gather", "lookahead_kv_block_topk", "lookahead_kv_block_topk_strided",
-             "lookahead_kv_update_summaries", "lookahead_kv_attention", "lookahead_kv_attention_workspace_size"}
+             "lookahead_kv_block_topk_rows",
+             "lookahead_kv_update_summaries", "lookahead_kv_attention", "lookahead_kv_attention_workspace_size",
+             "lookahead_kv_plan_slots", "lookahead_kv_plan_slots_host", "lookahead_kv_copy_blocks",
+             "lookahead_kv_copy_blocks_host"}
 CASES = [(fn, case) for fn, cases in numerics.SMALL_CASES.items() for case in cases]
 CASE_IDS = [f"{fn.__name__.removeprefix('check_')}-{case}" for fn, case in CASES]
 
@@ -54,7 +57,7 @@ def test_kernels_compile_for_sm90_into_one_library(compiled):
     assert (compiled / "liblookahead_kernels.so").is_file()
     kernels = " ".join(row[4] for row in _ptxas_rows(compiled))
     for name in ("block_gather_kernel", "score_kernel", "select_kernel", "update_summaries_kernel",
-                 "attention_kernel", "combine_kernel"):
+                 "attention_kernel", "combine_kernel", "plan_slots_kernel", "copy_blocks_kernel"):
         assert name in kernels
     assert "for 'sm_90'" in (compiled / "ptxas.log").read_text()
 
@@ -154,7 +157,7 @@ def test_kernel_matches_reference(fn, case, dtype):
 
 @requires_cuda
 @pytest.mark.slow
-@pytest.mark.parametrize("fn", list(numerics.SMALL_CASES), ids=lambda fn: fn.__name__)
+@pytest.mark.parametrize("fn", list(numerics.LARGE_CASES), ids=lambda fn: fn.__name__)
 def test_kernel_large_index(fn):
     """Data past 2^31 elements (4-16 GB of GPU memory): catches 32-bit offset overflow."""
     for check in _as_list(fn(torch.bfloat16, "large")):
@@ -251,12 +254,7 @@ class TorchEntryPoints:
     def block_gather_out(src, block_ids, out):
         out.copy_(torch.ops.lookahead.block_gather(src, block_ids))
 
-    @staticmethod
-    def block_topk_out(q, kmin, kmax, valid, k, group_max, indices, scores):
-        got_indices, got_scores = torch.ops.lookahead.block_topk(q, kmin, kmax, valid, k,
-                                                                 "max" if group_max else "sum")
-        indices.copy_(got_indices)
-        scores.copy_(got_scores)
+    block_topk_out = staticmethod(gkc.DispatchEntryPoints.block_topk_out)
 
     @staticmethod
     def update_summaries(kmin, kmax, keys, block_ids, block_offsets):
@@ -265,6 +263,9 @@ class TorchEntryPoints:
     @staticmethod
     def lookahead_attention_out(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale, out):
         out.copy_(lookahead_attention_ref(q, k, v, kv_mask, k_extra, v_extra, extra_mask, scale))
+
+    plan_slots_out = staticmethod(gkc.DispatchEntryPoints.plan_slots_out)
+    copy_blocks = staticmethod(gkc.DispatchEntryPoints.copy_blocks)
 
 
 CPU = numerics.Target("cpu", TorchEntryPoints())
@@ -292,11 +293,29 @@ class TiesToTheHigherId(TorchEntryPoints):
     @staticmethod
     def block_topk_out(q, kmin, kmax, valid, k, group_max, indices, scores):
         num_blocks = kmin.shape[1]
-        flipped = (torch.flip(kmin, [1]), torch.flip(kmax, [1]), torch.flip(valid, [1]))
+        q, valid = gkc.as_rows(q, kmin, valid)
+        flipped = (torch.flip(kmin, [1]), torch.flip(kmax, [1]), torch.flip(valid, [-1]))
         got_indices, got_scores = torch.ops.lookahead.block_topk(q, *flipped, k, "max" if group_max else "sum")
+        got_indices, got_scores = got_indices.view(indices.shape), got_scores.view(scores.shape)
         ids = torch.where(got_indices >= 0, num_blocks - 1 - got_indices, num_blocks).sort(-1).values
         indices.copy_(ids.masked_fill(ids == num_blocks, -1))
         scores.copy_(torch.flip(got_scores, [-1]))
+
+
+class VictimTiesToTheHigherSlot(TorchEntryPoints):
+    """A plan whose victims among equally old slots go to the higher slot (the rule: the lower)."""
+
+    @staticmethod
+    def plan_slots_out(block, last_used, slot_of, lanes, want, scores, cap, step, slots, blocks, valid):
+        flip = lambda t: torch.flip(t, [-1])                                      # noqa: E731
+        fb, fl = flip(block).contiguous(), flip(last_used).contiguous()
+        got = torch.ops.lookahead.plan_slots(fb, fl, slot_of, lanes, want, scores, cap, step)
+        K = block.shape[-1]
+        block.copy_(flip(fb))
+        last_used.copy_(flip(fl))
+        slot_of.copy_(torch.where(slot_of >= 0, K - 1 - slot_of, -1))
+        for out, g in zip((slots, blocks, valid), (K - 1 - got[0], got[1], got[2])):
+            out.copy_(g)
 
 
 CPU_DOOR_CASES = [(fn, case) for fn, case in CASES if fn is not numerics.check_lookahead_attention]
@@ -328,6 +347,70 @@ def test_checks_catch_ties_resolved_the_wrong_way():
     scores_check, indices_check = numerics.check_block_topk(torch.float32, "ties",
                                                             numerics.Target("cpu", TiesToTheHigherId()))
     assert scores_check.ok and not indices_check.ok
+
+
+def test_checks_catch_a_plan_that_breaks_ties_the_other_way():
+    import plugins  # noqa: F401
+
+    check = numerics.check_plan_slots(torch.float32, "decode", numerics.Target("cpu", VictimTiesToTheHigherSlot()))
+    assert not check.ok and "differ" in check.detail
+
+
+@requires_nvcc
+def test_plan_kernel_rule_on_the_host_equals_the_reference(compiled):
+    """plan_slots.cu's per-thread code (`plan_one`), run on the host through the library's host
+    entry, against the reference and the torch implementation: the kernel's rule is tested here,
+    where no GPU is; the GPU machine runs the kernel itself (check_plan_slots)."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(compiled / "liblookahead_kernels.so"))
+    lib.lookahead_kv_plan_slots_host.restype = ctypes.c_int
+
+    class HostEntry(TorchEntryPoints):
+        @staticmethod
+        def plan_slots_out(block, last_used, slot_of, lanes, want, scores, cap, step, slots, blocks, valid):
+            ptr = lambda t: ctypes.c_void_p(t.data_ptr())                         # noqa: E731
+            args = [block, last_used, slot_of, lanes.contiguous(), want.contiguous(), scores.contiguous(),
+                    slots, blocks, valid]
+            rc = lib.lookahead_kv_plan_slots_host(*map(ptr, args), *map(ctypes.c_int64, (
+                want.shape[0], block.shape[1], block.shape[2], want.shape[2], scores.shape[2], slot_of.shape[2],
+                cap, step)))
+            assert rc == 0, rc
+
+    for case in ("decode", "seed"):
+        for seed in range(3):
+            check = numerics.check_plan_slots(torch.float32, case, numerics.Target("cpu", HostEntry()), seed=seed)
+            assert check.ok, check
+    # and the launcher's argument checks: top_k past kLookaheadPlanMaxSlots, num_want past top_k
+    z = ctypes.c_void_p(0)
+    assert lib.lookahead_kv_plan_slots_host(*[z] * 9, *map(ctypes.c_int64, (1, 1, 2048, 4, 9, 9, 1, 1))) != 0
+    assert lib.lookahead_kv_plan_slots_host(*[z] * 9, *map(ctypes.c_int64, (1, 1, 8, 9, 9, 9, 1, 1))) != 0
+
+
+@requires_nvcc
+@pytest.mark.parametrize("case", ["device", "host"])
+def test_copy_kernel_code_on_the_host_equals_the_reference(compiled, case):
+    """copy_blocks.cu's per-thread code (`copy_one`, each vector width the strides allow), run on
+    the host through the library's host entry: a pool in either layout, skipped entries."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(compiled / "liblookahead_kernels.so"))
+
+    class HostEntry(TorchEntryPoints):
+        @staticmethod
+        def copy_blocks(src_k, src_v, dst_k, dst_v, blocks, src_heads, lanes, dst_heads, slots, valid):
+            es = src_k.element_size()
+            index = [t.contiguous() for t in (blocks, src_heads, lanes, dst_heads, slots, valid)]
+            rc = lib.lookahead_kv_copy_blocks_host(
+                *(ctypes.c_void_p(t.data_ptr()) for t in (src_k, src_v, dst_k, dst_v, *index)),
+                *map(ctypes.c_int64, (blocks.numel(), src_k.shape[0], src_k.stride(0) * es, src_k.stride(1) * es,
+                                      dst_k.stride(0) * es, dst_k.stride(1) * es, dst_k.stride(2) * es,
+                                      src_k.shape[2] * src_k.shape[3] * es)))
+            assert rc == 0, rc
+
+    for dtype in (torch.float32, torch.bfloat16):
+        check = numerics.check_copy_blocks(dtype, case, numerics.Target("cpu", HostEntry()))
+        assert check.ok, check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the numerics tests exercise the real registration")

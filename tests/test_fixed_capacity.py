@@ -1,10 +1,11 @@
 """Fixed-capacity copy lists (the residency manager's admissions made on the device without reading
-their length): an unused entry names block -1, which `block_gather` turns into a zero row without
-reading the pool (no PCIe traffic on a GPU), and no copy writes it into the device tier.
+their length): a skipped entry is read and written by no copy. `block_gather` turns a -1 id into
+a zero row without reading the pool; `copy_blocks` skips an entry `valid` marks off, whatever
+block it names (-1 included), without reading it.
 
 Checked on every path that can see such an entry: the torch implementation of `block_gather` and
-its reference, the validating wrapper, the residency manager's copy job, the CUDA transfer engine's
-row ids (its host-pool gather), and the CPU engines landing a fixed-capacity job.
+its reference, the validating wrapper, `copy_blocks` through each door, the residency manager's
+copy job, and the CPU engines landing a fixed-capacity job.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import plugins
 from plugins import reference as ref
 from runtime.lookahead.residency import Admission, ResidencyManager
 from runtime.transfer import CopyJob, SyncTransferEngine, ThreadTransferEngine
-from runtime.transfer.cuda import _host_rows
 
 NB, KVH, BS, D = 6, 2, 4, 8
 
@@ -51,14 +51,15 @@ def test_reference_reads_nothing_for_minus_one():
 
 
 def _manager(pool_k, pool_v, dst_k, dst_v, lane_blocks):
+    views = [(dst_k, dst_v)]
     self = SimpleNamespace(
         lane_blocks=lane_blocks, pool_views=[(pool_k, pool_v)],
-        tier=SimpleNamespace(views=[(dst_k, dst_v)], layout=SimpleNamespace(selected_start=1)),
+        tier=SimpleNamespace(views=views, selected_views=[(k[:, :, 1:], v[:, :, 1:]) for k, v in views]),
         step_idx=7)
     return self
 
 
-def test_residency_copy_job_names_minus_one_for_unused_entries():
+def test_residency_copy_job_addresses_the_selected_slots_and_keeps_the_valid_mask():
     pool = torch.randn(KVH, NB, BS, D)
     src = pool.transpose(0, 1)
     dst = torch.full((2, KVH, 4, BS, D), float("nan"))
@@ -69,24 +70,49 @@ def test_residency_copy_job_names_minus_one_for_unused_entries():
                     slots=torch.tensor([0, 1, 2, 0]), blocks=torch.tensor([1, 0, 2, 0]), valid=valid)
     job = ResidencyManager.job(self, 0, 0, adm)
     assert job.valid is valid
-    assert job.src_index[0].tolist() == [2, -1, 3, -1]                  # valid ones: their host blocks
-    assert job.dst_index[2].tolist() == [1, 2, 3, 1]                    # selected_start + slot
+    assert job.src_index[0][valid].tolist() == [2, 3]                   # valid ones: their host blocks
+    assert job.dst_index[2].tolist() == [0, 1, 2, 0]                    # selected slots, from the first
+    assert job.dst_k.data_ptr() == dst[:, :, 1].data_ptr()              # ... which the view starts at
+    SyncTransferEngine().submit(job)
+    torch.testing.assert_close(dst[0, 0, 1], src[2, 0], rtol=0, atol=0)
+    torch.testing.assert_close(dst[1, 1, 3], src[3, 1], rtol=0, atol=0)
+    assert dst[0, 1, 2].isnan().all() and dst[1, 0, 1].isnan().all()   # the skipped entries' slots
 
 
+@pytest.mark.parametrize("door", ["direct", "dispatch", "checked"])
 @pytest.mark.parametrize("layout", ["block_major", "head_major"])
-def test_cuda_engine_gathers_unused_entries_as_nothing(layout):
-    """The CUDA engine's host-pool gather: an unused entry's row id is -1 in either pool layout (not
-    the previous head's last row, which heads * NB + (-1) would be); gathered with the op, it is a
-    zero row, and the valid mask then keeps the slot's own contents."""
+def test_copy_blocks_lands_valid_entries_only(door, layout):
+    """copy_blocks against the reference, either pool layout, through each door; a skipped entry
+    naming block -1 is neither read nor written."""
     base = torch.randn(NB, KVH, BS, D) if layout == "block_major" else torch.randn(KVH, NB, BS, D)
-    src = base if layout == "block_major" else base.transpose(0, 1)
-    blocks, heads = torch.tensor([2, -1, 5, -1]), torch.tensor([1, 1, 0, 0])
-    rows_k, _, row_ids = _host_rows(src, src, blocks, heads)
-    assert row_ids[1] == -1 and row_ids[3] == -1 and (row_ids[[0, 2]] >= 0).all()
-    got = torch.ops.lookahead.block_gather(rows_k, row_ids.view(1, -1))[0]
-    assert not got[1].any() and not got[3].any()
-    torch.testing.assert_close(got[0], src[2, 1], rtol=0, atol=0)
-    torch.testing.assert_close(got[2], src[5, 0], rtol=0, atol=0)
+    src_k = base if layout == "block_major" else base.transpose(0, 1)
+    src_v = src_k * 2
+    dst_k, dst_v = (torch.randn(3, KVH, 5, BS, D) for _ in range(2))
+    blocks, src_heads = torch.tensor([2, -1, 5, 0, 4]), torch.tensor([1, 1, 0, 0, 1])
+    lanes, dst_heads, slots = torch.tensor([0, 2, 1, 2, 1]), torch.tensor([0, 1, 1, 0, 1]), torch.tensor([4, 0, 2, 2, 3])
+    valid = torch.tensor([True, False, True, True, False])
+    want_k, want_v = dst_k.clone(), dst_v.clone()
+    for i in valid.nonzero().flatten().tolist():
+        want_k[lanes[i], dst_heads[i], slots[i]] = src_k[blocks[i], src_heads[i]]
+        want_v[lanes[i], dst_heads[i], slots[i]] = src_v[blocks[i], src_heads[i]]
+    fn = {"direct": plugins.direct.copy_blocks, "dispatch": torch.ops.lookahead.copy_blocks,
+          "checked": plugins.copy_blocks}[door]
+    fn(src_k, src_v, dst_k, dst_v, blocks, src_heads, lanes, dst_heads, slots, valid)
+    torch.testing.assert_close(dst_k, want_k, rtol=0, atol=0)
+    torch.testing.assert_close(dst_v, want_v, rtol=0, atol=0)
+
+
+def test_copy_blocks_wrapper_names_the_bad_argument():
+    src, dst = torch.randn(NB, KVH, BS, D), torch.randn(2, KVH, 3, BS, D)
+    ix = [torch.tensor([1]), torch.tensor([0]), torch.tensor([1]), torch.tensor([0]), torch.tensor([2])]
+    for i, (name, bad) in enumerate([("blocks", NB), ("src_heads", KVH), ("lanes", 2), ("dst_heads", KVH),
+                                     ("slots", 3)]):
+        args = list(ix)
+        args[i] = torch.tensor([bad])
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            plugins.copy_blocks(src, src, dst, dst.clone(), *args)
+    with pytest.raises(ValueError, match="^dst_k:"):
+        plugins.copy_blocks(src, src, dst.half(), dst.half(), *ix)
 
 
 @pytest.mark.parametrize("kind", ["sync", "thread"])

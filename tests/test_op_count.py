@@ -61,3 +61,19 @@ def test_dispatcher_counts_each_lookahead_op_once(engines):
     assert dispatched.by_op["lookahead_attention"] == 1 and "lookahead_attention" not in direct.by_op
     assert dispatched.by_op["block_topk"] >= 1
     assert direct.non_view > dispatched.non_view
+
+
+def test_lookahead_step_on_a_gpus_table_is_within_half_again_of_dense(engines):
+    """Issue 42's target at these shapes: a lookahead layer (b5, its ops through the dispatcher as
+    a CUDA engine calls them) dispatches at most 1.5x a dense layer's ops, its slot plans and copy
+    jobs one op each (they were ~40 and ~10 apiece)."""
+    per_layer, counts = {}, {}
+    for mode in ("dense", "lookahead"):
+        one, two = (op_count.count_step(engines[n], mode, 5, warm=2, steps=1, dispatcher=mode == "lookahead")
+                    for n in (1, 2))
+        per_layer[mode] = two.total - one.total
+        counts[mode] = (one, two)
+    one, two = counts["lookahead"]
+    assert two.by_op["plan_slots"] - one.by_op["plan_slots"] == 2           # urgent and predicted
+    assert two.by_op["copy_blocks"] >= 2 and "scatter_" not in two.by_op and "argsort" not in two.by_op
+    assert per_layer["lookahead"] <= 1.5 * per_layer["dense"], per_layer

@@ -549,10 +549,24 @@ def _op_samples():
         "update_summaries": (_randn(g, 10, 2, 8), _randn(g, 10, 2, 8), _randn(g, 5, 2, 8),
                              torch.tensor([1, 1, 4, 9, 1]), torch.tensor([0, 1, 3, 5, 0])),
         "lookahead_attention": _attention_inputs(11, 2, 2, 6, 2, 12, 2, 8, torch.float32),
+        "plan_slots": _plan_inputs(g),
     }
 
 
-@pytest.mark.parametrize("name", ["block_gather", "block_topk", "update_summaries", "lookahead_attention"])
+def _plan_inputs(g: torch.Generator, lanes_total: int = 4, kvh: int = 2, top_k: int = 6, max_blocks: int = 20):
+    """A slot table a plan has filled, and a next request for lanes 2 and 0 (cap 3, step 2)."""
+    block, last = (torch.full((lanes_total, kvh, top_k), -1, dtype=torch.long) for _ in range(2))
+    slot_of = torch.full((lanes_total, kvh, max_blocks + 1), -1, dtype=torch.long)
+    first = torch.stack([torch.randperm(max_blocks, generator=g)[:top_k] for _ in range(lanes_total * kvh)])
+    torch.ops.lookahead.plan_slots(block, last, slot_of, torch.arange(lanes_total), first.view(lanes_total, kvh, -1),
+                                   torch.rand(lanes_total, kvh, max_blocks, generator=g), top_k, 1)
+    want = torch.stack([torch.randperm(max_blocks, generator=g)[:top_k] for _ in range(2 * kvh)]).view(2, kvh, -1)
+    want[..., -1] = -1
+    return block, last, slot_of, torch.tensor([2, 0]), want, torch.rand(2, kvh, max_blocks, generator=g), 3, 2
+
+
+@pytest.mark.parametrize("name", ["block_gather", "block_topk", "update_summaries", "lookahead_attention",
+                                  "plan_slots"])
 def test_registered_op_passes_opcheck(name):
     op = getattr(torch.ops.lookahead, name)
     args = _op_samples()[name]
@@ -574,8 +588,34 @@ def test_ops_compile_in_one_graph():
     torch.testing.assert_close(compiled(*args), step(*args))
 
 
+def test_plan_slots_matches_the_reference_and_refuses_bad_arguments():
+    g = _gen(12)
+    args = _plan_inputs(g)
+    tables = [t.clone() for t in args[:3]]
+    slots, blocks, valid = plugins.plan_slots(*args)
+    expected = ref.plan_slots_ref(*tables, *args[3:])
+    kc = 3
+    got = [(i // (2 * kc), i // kc % 2, s, b) for i, (s, b, ok) in
+           enumerate(zip(slots.tolist(), blocks.tolist(), valid.tolist())) if ok]
+    assert got == expected and len(expected) > 0
+    assert all(torch.equal(a, b) for a, b in zip(args[:3], tables))
+    block, last, slot_of, lanes, want, scores, cap, step = args
+    bad = {
+        "lanes": dict(lanes=torch.tensor([0, 0])),
+        "want": dict(want=torch.full_like(want, 21)),
+        "scores": dict(scores=scores.double()),
+        "cap": dict(cap=-1),
+        "last_used": dict(last_used=last[:, :1]),
+    }
+    for arg, change in bad.items():
+        call = dict(block=block, last_used=last, slot_of=slot_of, lanes=lanes, want=want, scores=scores, cap=cap,
+                    step=step) | change
+        with pytest.raises(ValueError, match=f"^{arg}:"):
+            plugins.plan_slots(**call)
+
+
 def test_registration_is_idempotent():
-    for module in (plugins.gather, plugins.topk, plugins.summaries, plugins.attention):
+    for module in (plugins.gather, plugins.topk, plugins.summaries, plugins.attention, plugins.plan):
         importlib.reload(module)
     importlib.reload(plugins)
     src, ids = _op_samples()["block_gather"]

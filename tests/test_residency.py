@@ -8,29 +8,12 @@ import torch
 
 from plugins import cpu
 from plugins.cpu import loader
+from plugins.reference import plan_slot_rule
 from runtime.lookahead.residency import SlotTable
 from runtime.ops import select_ops
 
-PATHS = ["torch", pytest.param("cpu_kernel", marks=pytest.mark.skipif(
+PATHS = ["torch", "dispatcher", pytest.param("cpu_kernel", marks=pytest.mark.skipif(
     not cpu.available(), reason=f"plugins.cpu: {loader.unavailable_reason()}"))]
-
-
-def plan_ref(held: list[int], last: list[int], want: list[int], prio: list[float], cap: int, step: int):
-    """One (lane, head): returns (held', last', [(slot, block)]) per the rule in SlotTable.plan."""
-    held, last = list(held), list(last)
-    wanted = {b for b in want if b >= 0}
-    for s, b in enumerate(held):
-        if b >= 0 and b in wanted:
-            last[s] = step
-    missing = [j for j, b in enumerate(want) if b >= 0 and b not in held]
-    missing.sort(key=lambda j: -prio[j])                       # stable: ties keep request order
-    free = [s for s in range(len(held)) if not (held[s] >= 0 and held[s] in wanted)]
-    free.sort(key=lambda s: last[s])                           # stable: ties to the lower slot
-    admitted = []
-    for j, s in zip(missing[:cap], free):
-        held[s], last[s] = want[j], step
-        admitted.append((s, want[j]))
-    return held, last, admitted
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -39,7 +22,9 @@ def test_plan_matches_the_rule_and_keeps_the_inverse_map_true(path):
     B, KVH, K, NB, bufs = 3, 2, 6, 20, 2
     # the C table's plan kernel, or none (plan_torch)
     kernel = select_ops(torch.device("cpu"), torch.float32, "c").plan_slots if path == "cpu_kernel" else None
-    table = SlotTable(bufs, B, KVH, K, NB, kernel=kernel)
+    # plan_torch's op: its torch implementation, or through the dispatcher (as a CUDA engine calls it)
+    fixed = torch.ops.lookahead.plan_slots if path == "dispatcher" else None
+    table = SlotTable(bufs, B, KVH, K, NB, kernel=kernel, fixed=fixed)
     held = [[[[-1] * K for _ in range(KVH)] for _ in range(B)] for _ in range(bufs)]
     last = [[[[-1] * K for _ in range(KVH)] for _ in range(B)] for _ in range(bufs)]
     total = 0
@@ -52,9 +37,10 @@ def test_plan_matches_the_rule_and_keeps_the_inverse_map_true(path):
             for h in range(KVH):
                 n = rng.randint(0, kw)
                 want[i, h, :n] = torch.tensor(rng.sample(range(NB), n))
-        prio = torch.randint(0, 4, want.shape).float()            # ties on purpose
+        scores = torch.randint(0, 4, (len(lanes), KVH, NB)).float()        # ties on purpose
+        prio = torch.where(want >= 0, scores.gather(-1, want.clamp(min=0)), 0.0)
         cap = rng.randint(1, K)
-        adm = table.plan(buf, torch.tensor(lanes), want, prio, cap, step)
+        adm = table.plan(buf, torch.tensor(lanes), want, scores, cap, step)
         entries = list(zip(adm.lanes.tolist(), adm.heads.tolist(), adm.slots.tolist(), adm.blocks.tolist()))
         if adm.valid is not None:       # plan_torch: a fixed-capacity list, B x KVH x min(cap, K') entries
             assert table.kernel is None and len(adm) == len(lanes) * KVH * min(cap, kw)
@@ -65,7 +51,7 @@ def test_plan_matches_the_rule_and_keeps_the_inverse_map_true(path):
         exp = []
         for i, lane in enumerate(lanes):
             for h in range(KVH):
-                hl, ls, a = plan_ref(held[buf][lane][h], last[buf][lane][h], want[i, h].tolist(),
+                hl, ls, a = plan_slot_rule(held[buf][lane][h], last[buf][lane][h], want[i, h].tolist(),
                                      prio[i, h].tolist(), cap, step)
                 held[buf][lane][h], last[buf][lane][h] = hl, ls
                 exp += [(lane, h, s, b) for s, b in a]
@@ -122,9 +108,9 @@ def test_metrics_agreement_and_hits_count_the_overlap():
 @pytest.mark.skipif(not cpu.available(), reason=f"plugins.cpu: {loader.unavailable_reason()}")
 def test_kernel_plan_refuses_out_of_range_indices_and_leaves_the_table():
     table = SlotTable(1, 2, 1, 4, 10, kernel=select_ops(torch.device("cpu"), torch.float32, "c").plan_slots)
-    table.plan(0, torch.tensor([0]), torch.tensor([[[3, 7]]]), torch.ones(1, 1, 2), 2, step=1)
+    table.plan(0, torch.tensor([0]), torch.tensor([[[3, 7]]]), torch.ones(1, 1, 10), 2, step=1)
     before = [t.clone() for t in (table.block, table.last_used, table.slot_of)]
     for lanes, want in ((torch.tensor([2]), torch.tensor([[[1]]])), (torch.tensor([0]), torch.tensor([[[10]]]))):
         with pytest.raises(IndexError, match="SlotTable.plan"):
-            table.plan(0, lanes, want, torch.ones(1, 1, 1), 1, step=2)
+            table.plan(0, lanes, want, torch.ones(1, 1, 11), 1, step=2)
     assert all(torch.equal(a, b) for a, b in zip(before, (table.block, table.last_used, table.slot_of)))

@@ -327,8 +327,8 @@ def test_stall_and_transfer_time_are_measured(cuda_engine):
     assert 0.0 < eng.transfer_s < eng.wait_s    # the copy itself is short; the hold is not copy time
 
 
-def test_gather_kernel_serves_the_host_to_device_copies(cuda_engine):
-    assert cuda_engine.gather_kernel, "torch.ops.lookahead.block_gather has no CUDA kernel: copies run synchronously"
+def test_copy_kernel_serves_the_host_to_device_copies(cuda_engine):
+    assert cuda_engine.copy_kernel, "torch.ops.lookahead.copy_blocks has no CUDA kernel: copies run synchronously"
 
 
 @requires_cuda_engine

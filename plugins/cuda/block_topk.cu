@@ -24,7 +24,7 @@ template <typename T>
 __global__ void __launch_bounds__(kScoreWarps * 32) score_kernel(T const* __restrict__ q,
     T const* __restrict__ kmin, T const* __restrict__ kmax, uint8_t const* __restrict__ valid,
     float* __restrict__ scores, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t head_dim,
-    int64_t summary_batch_stride, int64_t chunks_per_row, int32_t group_max)
+    int64_t summary_batch_stride, int64_t rows_per_sequence, int64_t chunks_per_row, int32_t group_max)
 {
     extern __shared__ float q_group[]; // [group, head_dim]
     int64_t const row = blockIdx.x / chunks_per_row; // b * num_kv_heads + g
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) score_kernel(T const* __rest
             }
             continue;
         }
-        int64_t const base = b * summary_batch_stride + (n * num_kv_heads + g) * head_dim;
+        int64_t const base = (b / rows_per_sequence) * summary_batch_stride + (n * num_kv_heads + g) * head_dim;
         float s = 0.0f;
         if (group_max)
         {
@@ -262,15 +262,16 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(float const* __r
 } // namespace
 } // namespace lookahead_kv::cuda
 
-extern "C" cudaError_t lookahead_kv_block_topk_strided(void const* q, void const* kmin, void const* kmax,
-    uint8_t const* valid, int64_t* indices, float* scores, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-    int64_t num_blocks, int64_t head_dim, int64_t summary_batch_stride, int64_t k, int32_t group_max, int32_t dtype,
-    cudaStream_t stream)
+extern "C" cudaError_t lookahead_kv_block_topk_rows(void const* q, void const* kmin, void const* kmax,
+    uint8_t const* valid, int64_t* indices, float* scores, int64_t batch, int64_t rows_per_sequence,
+    int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t head_dim, int64_t summary_batch_stride,
+    int64_t k, int32_t group_max, int32_t dtype, cudaStream_t stream)
 {
     using namespace lookahead_kv::cuda;
-    if (batch < 0 || num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_blocks < 0
-        || num_blocks >= (int64_t(1) << 31) || head_dim <= 0 || k <= 0
-        || (batch > 1 && summary_batch_stride < num_blocks * num_kv_heads * head_dim))
+    if (batch < 0 || rows_per_sequence < 1 || batch % rows_per_sequence != 0 || num_heads <= 0 || num_kv_heads <= 0
+        || num_heads % num_kv_heads != 0 || num_blocks < 0 || num_blocks >= (int64_t(1) << 31) || head_dim <= 0
+        || k <= 0
+        || (batch / rows_per_sequence > 1 && summary_batch_stride < num_blocks * num_kv_heads * head_dim))
     {
         return cudaErrorInvalidValue;
     }
@@ -291,7 +292,8 @@ extern "C" cudaError_t lookahead_kv_block_topk_strided(void const* q, void const
             using T = typename decltype(tag)::type;
             score_kernel<T><<<unsigned(rows * chunks_per_row), kScoreWarps * 32, q_bytes, stream>>>(
                 static_cast<T const*>(q), static_cast<T const*>(kmin), static_cast<T const*>(kmax), valid, scores,
-                num_heads, num_kv_heads, num_blocks, head_dim, summary_batch_stride, chunks_per_row, group_max);
+                num_heads, num_kv_heads, num_blocks, head_dim, summary_batch_stride, rows_per_sequence, chunks_per_row,
+                group_max);
             return cudaGetLastError();
         });
         if (err != cudaSuccess)
@@ -301,6 +303,15 @@ extern "C" cudaError_t lookahead_kv_block_topk_strided(void const* q, void const
     }
     select_kernel<<<unsigned(rows), kSelectThreads, 0, stream>>>(scores, valid, indices, num_kv_heads, num_blocks, k);
     return cudaGetLastError();
+}
+
+extern "C" cudaError_t lookahead_kv_block_topk_strided(void const* q, void const* kmin, void const* kmax,
+    uint8_t const* valid, int64_t* indices, float* scores, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+    int64_t num_blocks, int64_t head_dim, int64_t summary_batch_stride, int64_t k, int32_t group_max, int32_t dtype,
+    cudaStream_t stream)
+{
+    return lookahead_kv_block_topk_rows(q, kmin, kmax, valid, indices, scores, batch, 1, num_heads, num_kv_heads,
+        num_blocks, head_dim, summary_batch_stride, k, group_max, dtype, stream);
 }
 
 extern "C" cudaError_t lookahead_kv_block_topk(void const* q, void const* kmin, void const* kmax,

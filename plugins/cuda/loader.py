@@ -52,8 +52,8 @@ from pathlib import Path
 import torch
 
 KERNEL_DIR = Path(__file__).resolve().parent
-SOURCES = ("block_gather.cu", "block_topk.cu", "update_summaries.cu", "lookahead_attention.cu",
-           "torch_bindings.cpp")
+SOURCES = ("block_gather.cu", "block_topk.cu", "update_summaries.cu", "lookahead_attention.cu", "plan_slots.cu",
+           "copy_blocks.cu", "torch_bindings.cpp")
 EXTENSION_NAME = "lookahead_kv_cuda"
 # As in scripts/compile_kernels.sh, less its -std: torch adds its own C++ standard (the one its
 # headers need), the arch of the visible GPU (or TORCH_CUDA_ARCH_LIST) and its
@@ -176,19 +176,19 @@ def _block_gather(src: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 def _block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
                 k: int, group_score: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
-    if q.dim() == 4:    # R rows per sequence: one kernel launch per row
-        outs = [_block_topk(q[:, r], kmin, kmax, valid[:, r], k, group_score) for r in range(q.shape[1])]
-        return torch.stack([o[0] for o in outs], 1), torch.stack([o[1] for o in outs], 1)
     B, num_blocks, num_kv_heads, _ = kmin.shape
-    indices = torch.empty((B, num_kv_heads, k), dtype=torch.int64, device=q.device)
-    scores = torch.empty((B, num_kv_heads, num_blocks), dtype=torch.float32, device=q.device)
+    lead = tuple(q.shape[:-2])                   # (B,) or (B, R): R rows per sequence, one launch
+    if q.dim() == 4:
+        q, valid = q.reshape(-1, *q.shape[2:]), valid.reshape(-1, num_blocks)
+    indices = torch.empty((q.shape[0], num_kv_heads, k), dtype=torch.int64, device=q.device)
+    scores = torch.empty((q.shape[0], num_kv_heads, num_blocks), dtype=torch.float32, device=q.device)
     # The summaries are read where they lie (a [:lanes, :blocks] view of the runtime's tables has a
     # batch stride of its own): a copy only for a layout the kernel cannot stride through.
     if not (_summary_rows(kmin) and kmin.stride() == kmax.stride()):
         kmin, kmax = kmin.contiguous(), kmax.contiguous()
     load_extension().block_topk_out(q.contiguous(), kmin, kmax, valid.contiguous(),
                                     k, group_score == "max", indices, scores)
-    return indices, scores
+    return indices.view(*lead, num_kv_heads, k), scores.view(*lead, num_kv_heads, num_blocks)
 
 
 def _update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.Tensor, block_ids: torch.Tensor,
@@ -218,11 +218,38 @@ def _lookahead_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_m
     return out
 
 
+def _plan_slots(block: torch.Tensor, last_used: torch.Tensor, slot_of: torch.Tensor, lanes: torch.Tensor,
+                want: torch.Tensor, scores: torch.Tensor, cap: int,
+                step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from ..plan import admit_per_head
+
+    n = want.shape[0] * want.shape[1] * admit_per_head(cap, want.shape[-1], block.shape[-1])
+    slots, blocks = (torch.empty(n, dtype=torch.int64, device=block.device) for _ in range(2))
+    valid = torch.empty(n, dtype=torch.bool, device=block.device)
+    # the tables are written in place: a strided view cannot be made contiguous here (the binding refuses it)
+    load_extension().plan_slots_out(block, last_used, slot_of, lanes.contiguous(), want.contiguous(),
+                                    scores.contiguous(), int(cap), int(step), slots, blocks, valid)
+    return slots, blocks, valid
+
+
+def _copy_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
+                 blocks: torch.Tensor, src_heads: torch.Tensor, lanes: torch.Tensor, dst_heads: torch.Tensor,
+                 slots: torch.Tensor, valid: torch.Tensor | None) -> None:
+    # the host pool is read where it is (pinned: the kernel maps it); the indices go where the kernel reads them
+    device = dst_k.device
+    index = [t.to(device, non_blocking=True).contiguous() for t in (blocks, src_heads, lanes, dst_heads, slots)]
+    if valid is not None:
+        valid = valid.to(device, non_blocking=True).contiguous()
+    load_extension().copy_blocks(src_k, src_v, dst_k, dst_v, *index, valid)
+
+
 KERNELS = {
     "block_gather": _block_gather,
     "block_topk": _block_topk,
     "update_summaries": _update_summaries,
     "lookahead_attention": _lookahead_attention,
+    "plan_slots": _plan_slots,
+    "copy_blocks": _copy_blocks,
 }
 
 

@@ -67,7 +67,7 @@ void const* device_readable(at::Tensor const& src)
     {
         return src.data_ptr();
     }
-    TORCH_CHECK(src.is_cpu() && src.is_pinned(), "block_gather: a host src must be pinned (Tensor.pin_memory())");
+    TORCH_CHECK(src.is_cpu() && src.is_pinned(), "a host src must be pinned (Tensor.pin_memory())");
     cudaPointerAttributes attr{};
     check_launch(cudaPointerGetAttributes(&attr, src.data_ptr()), "block_gather (cudaPointerGetAttributes)");
     TORCH_CHECK(attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr,
@@ -108,8 +108,13 @@ void block_topk_out(at::Tensor const& q, at::Tensor const& kmin, at::Tensor cons
         kmax.strides());
     TORCH_CHECK(indices.scalar_type() == at::kLong && scores.scalar_type() == at::kFloat,
         "indices must be int64 and scores float32");
-    check_launch(lookahead_kv_block_topk_strided(q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), mask_ptr(valid),
-                     indices.data_ptr<int64_t>(), scores.data_ptr<float>(), q.size(0), q.size(1), kmin.size(2),
+    // q's rows are R per sequence of the summaries (R = 2: a decode step's real and draft rows)
+    int64_t const sequences = kmin.size(0);
+    int64_t const rows = sequences > 0 ? q.size(0) / sequences : 1;
+    TORCH_CHECK(q.size(0) == sequences * rows, "q's rows (", q.size(0), ") must be a multiple of the summaries' ",
+        "sequences (", sequences, ")");
+    check_launch(lookahead_kv_block_topk_rows(q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), mask_ptr(valid),
+                     indices.data_ptr<int64_t>(), scores.data_ptr<float>(), q.size(0), rows, q.size(1), kmin.size(2),
                      kmin.size(1), q.size(2), kmin.stride(0), k, group_max ? 1 : 0, dtype_code(q),
                      c10::cuda::getCurrentCUDAStream()),
         "block_topk");
@@ -162,14 +167,82 @@ void lookahead_attention_out(at::Tensor const& q, at::Tensor const& k, at::Tenso
         "lookahead_attention");
 }
 
+void plan_slots_out(at::Tensor& block, at::Tensor& last_used, at::Tensor& slot_of, at::Tensor const& lanes,
+    at::Tensor const& want, at::Tensor const& scores, int64_t cap, int64_t step, at::Tensor& slots,
+    at::Tensor& blocks, at::Tensor& valid)
+{
+    at::Device const device = block.device();
+    c10::cuda::CUDAGuard guard(device);
+    for (auto [t, name] : {std::pair{block, "block"}, {last_used, "last_used"}, {slot_of, "slot_of"},
+             {lanes, "lanes"}, {want, "want"}, {slots, "slots"}, {blocks, "blocks"}})
+    {
+        check_device(t, name, device);
+        TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+    }
+    check_device(scores, "scores", device);
+    TORCH_CHECK(scores.scalar_type() == at::kFloat, "scores must be float32, got ", scores.scalar_type());
+    check_device(valid, "valid", device);
+    TORCH_CHECK(valid.scalar_type() == at::kBool, "valid must be bool, got ", valid.scalar_type());
+    check_launch(lookahead_kv_plan_slots(block.data_ptr<int64_t>(), last_used.data_ptr<int64_t>(),
+                     slot_of.data_ptr<int64_t>(), lanes.data_ptr<int64_t>(), want.data_ptr<int64_t>(),
+                     scores.data_ptr<float>(), slots.data_ptr<int64_t>(), blocks.data_ptr<int64_t>(),
+                     reinterpret_cast<uint8_t*>(valid.data_ptr<bool>()), want.size(0), block.size(1), block.size(2),
+                     want.size(2), scores.size(2), slot_of.size(2), cap, step, c10::cuda::getCurrentCUDAStream()),
+        "plan_slots");
+}
+
+void copy_blocks(at::Tensor const& src_k, at::Tensor const& src_v, at::Tensor& dst_k, at::Tensor& dst_v,
+    at::Tensor const& blocks, at::Tensor const& src_heads, at::Tensor const& lanes, at::Tensor const& dst_heads,
+    at::Tensor const& slots, std::optional<at::Tensor> const& valid)
+{
+    at::Device const device = dst_k.device();
+    c10::cuda::CUDAGuard guard(device);
+    TORCH_CHECK(dst_k.is_cuda() && dst_v.device() == device, "copy_blocks: dst_k and dst_v must be on one GPU");
+    for (auto [t, name] : {std::pair{blocks, "blocks"}, {src_heads, "src_heads"}, {lanes, "lanes"},
+             {dst_heads, "dst_heads"}, {slots, "slots"}})
+    {
+        check_device(t, name, device);
+        TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+        TORCH_CHECK(t.dim() == 1 && t.size(0) == blocks.size(0), name, " must be [n] like blocks");
+    }
+    if (valid)
+    {
+        check_device(*valid, "valid", device);
+        TORCH_CHECK(valid->dim() == 1 && valid->size(0) == blocks.size(0), "valid must be [n] like blocks");
+    }
+    TORCH_CHECK(src_k.dim() == 4 && dst_k.dim() == 5, "copy_blocks: src [NB, KVH, bs, D], dst [L, KVH, S, bs, D]");
+    TORCH_CHECK(src_k.strides() == src_v.strides() && src_k.sizes() == src_v.sizes(),
+        "src_k and src_v must share shape and strides");
+    TORCH_CHECK(dst_k.strides() == dst_v.strides() && dst_k.sizes() == dst_v.sizes(),
+        "dst_k and dst_v must share shape and strides");
+    for (auto [t, name] : {std::pair{src_v, "src_v"}, {dst_k, "dst_k"}, {dst_v, "dst_v"}})
+    {
+        check_dtype(t, name, src_k, "src_k");
+    }
+    int64_t const bs = src_k.size(2), d = src_k.size(3), es = src_k.element_size();
+    TORCH_CHECK(src_k.stride(3) == 1 && (bs == 1 || src_k.stride(2) == d), "src rows [bs, D] must be dense");
+    TORCH_CHECK(dst_k.stride(4) == 1 && (bs == 1 || dst_k.stride(3) == d) && dst_k.size(3) == bs && dst_k.size(4) == d,
+        "dst rows [bs, D] must be dense and match src's");
+    check_launch(lookahead_kv_copy_blocks(device_readable(src_k), device_readable(src_v), dst_k.data_ptr(),
+                     dst_v.data_ptr(), blocks.data_ptr<int64_t>(), src_heads.data_ptr<int64_t>(),
+                     lanes.data_ptr<int64_t>(), dst_heads.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
+                     valid ? mask_ptr(*valid) : nullptr, blocks.size(0), src_k.size(0), src_k.stride(0) * es,
+                     src_k.stride(1) * es, dst_k.stride(0) * es, dst_k.stride(1) * es, dst_k.stride(2) * es,
+                     bs * d * es, c10::cuda::getCurrentCUDAStream()),
+        "copy_blocks");
+}
+
 } // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
     m.doc() = "lookahead CUDA kernels (plugins/cuda); call through torch.ops.lookahead, not directly";
     m.def("block_gather_out", &block_gather_out, "out[h, i] = src[block_ids[h, i], h]; src on device or pinned host");
-    m.def("block_topk_out", &block_topk_out, "Quest block scores and the top-k per (sequence, KV head)");
+    m.def("block_topk_out", &block_topk_out,
+        "Quest block scores and the top-k per (query row, KV head); q may hold R rows per sequence");
     m.def("update_summaries", &update_summaries, "fold keys into block min/max summaries, in place");
     m.def("lookahead_attention_out", &lookahead_attention_out, "dual-row sparse GQA attention");
+    m.def("copy_blocks", &copy_blocks, "a copy job's units, K and V, into device slots; src on device or pinned host");
+    m.def("plan_slots_out", &plan_slots_out, "the residency's slot plan, in place; a fixed-capacity admission list");
     m.def("attention_workspace_size", &lookahead_kv_attention_workspace_size, "bytes of scratch the launcher wants");
 }

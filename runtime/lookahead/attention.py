@@ -225,7 +225,9 @@ class LookaheadAttention:
         if self.debug_checks:
             check_integrity(self.tier, res, self.pool, layer, d)
         o = self._attend(buf, qd, k, v, d)
-        if d.packed:
+        if out is None:                 # a packed step's rows are the attention's output as it is
+            out = o.view(n * d.rows, *o.shape[2:])
+        elif d.packed:
             out.view(n, d.rows, *out.shape[1:]).copy_(o)
         else:
             out[d.real_rows] = o[d.lanes, 0]
@@ -234,7 +236,7 @@ class LookaheadAttention:
         predicted = None
         if d.rows == 2:     # look ahead: the draft query predicts the next step's top-K here
             predicted = res.predict(layer, L, idx[L, 1], scores[L, 1], cap=self.fetch_cap)
-        return LayerResult(true, hits, fetch is not None, urgent, predicted)
+        return LayerResult(true, hits, fetch is not None, urgent, predicted, out)
 
     def _attend(self, buf: int, qd: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: DecodePart) -> torch.Tensor:
         """Both rows over the device tier (sink, occupied selected slots, window) plus this step's
@@ -290,7 +292,7 @@ class LookaheadAttention:
         if r.predicted:             # the resident policy's admissions, as `SlotTable.plan` made them
             slots.high[buf] = slots.grown(buf, self.fetch_cap, res.most)
             predicted = Admission(*pred_adm[: 4 * true.numel()].view(4, -1)[:, : r.predicted].unbind(0))
-        return LayerResult(true, hits, lanes is not None, urgent, predicted)
+        return LayerResult(true, hits, lanes is not None, urgent, predicted, out)
 
     # ---- storing ------------------------------------------------------------------------------------
     def _store(self, p: StepPlan, layers: slice, ks: torch.Tensor, vs: torch.Tensor, blocking: bool = True) -> None:
@@ -360,6 +362,8 @@ class LookaheadStep:
             # rows in one go after the last layer (finish), not three small copies per layer.
             assert len(self._pending) == layer, "decode layers must run in order, all of them"
             self._pending.append((kr, vr))
+        if not p.prefill and p.decode is not None and p.decode.packed and self._c is None:
+            return self._decode(layer, q, k, v, None, p.decode)     # no buffer: the attention's output
         out = torch.empty_like(q)
         for part in p.prefill:
             a._prefill(layer, p, part, q, k, v, out)
@@ -367,8 +371,10 @@ class LookaheadStep:
             self._decode(layer, q, k, v, out, p.decode)
         return out
 
-    def _decode(self, layer: int, q, k, v, out, d: DecodePart) -> None:
-        """One layer of the decode lanes: wait for its copies, run it, apply its result."""
+    def _decode(self, layer: int, q, k, v, out, d: DecodePart) -> torch.Tensor:
+        """One layer of the decode lanes: wait for its copies, run it, apply its result. out: the
+        layer's output rows, or None (the torch layer of a packed step: its attention's output,
+        returned)."""
         a, res = self.attn, self.attn.residency
         buf = res.buffer_of(layer)
         for ticket in res.take_tickets(layer):
@@ -380,6 +386,7 @@ class LookaheadStep:
             r = a._decode_torch(layer, buf, q, k, v, out, d)
         self.layers += 1
         res.apply(layer, d, r)
+        return r.out
 
     def finish(self) -> StepStats:
         """After the last layer: store a decode step's K/V and tally its metrics, all layers at once."""

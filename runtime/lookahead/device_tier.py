@@ -41,6 +41,9 @@ class DeviceTier:
         # ([lanes, KVH, tokens, D]: all slots' tokens in a row, no gather)
         tokens = (num_lanes, num_kv_heads, layout.num_slots * layout.block_size, head_dim)
         self.views = [(self.k[b], self.v[b]) for b in range(num_buffers)]
+        # the selected slots alone (slot j of a view is selected slot j): what admissions address
+        S = layout.selected_start
+        self.selected_views = [(k[:, :, S:], v[:, :, S:]) for k, v in self.views]
         self._tokens = [(self.k[b].view(tokens), self.v[b].view(tokens)) for b in range(num_buffers)]
         # attention's key mask by slot and token: sink/window rows set once per step
         # (`set_window_mask`), the selected rows per layer from the slot table (`keys`)

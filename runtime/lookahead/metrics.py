@@ -60,6 +60,7 @@ class LookaheadMetrics:
         return self._block_totals()[1]
 
     def _block_totals(self) -> list[int]:
+        self.flush()
         if self._blocks_dev is not None:
             for i, n in enumerate(host_list(self._blocks_dev, "metrics (urgent/prefetched blocks)")):
                 self._blocks_host[i] += n
@@ -70,13 +71,9 @@ class LookaheadMetrics:
     def add_blocks(self, urgent: bool, lanes: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Blocks admitted for copying, one per entry of `lanes` (where `valid`, for a fixed-capacity
         list): fetched urgently or prefetched."""
-        column = 0 if urgent else 1
         if valid is None:
-            self._blocks_host[column] += lanes.numel()
-        else:
-            counted = torch.zeros(2, dtype=torch.long, device=valid.device)
-            counted[column] = valid.sum()
-            self._blocks_dev = counted if self._blocks_dev is None else self._blocks_dev + counted
+            self._blocks_host[0 if urgent else 1] += lanes.numel()
+        # a fixed-capacity list's count is added where it is, at `flush` (one sum a step, not a layer)
         self.count_blocks(Col.URGENT if urgent else Col.PREFETCHED, lanes, valid)
 
     def add_hits(self, lanes, true: torch.Tensor, resident: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,14 +94,20 @@ class LookaheadMetrics:
         self._counts.append((column, lanes, valid))
 
     def flush(self) -> None:
+        """The counts of the step so far: per lane, and the fixed-capacity lists' engine totals."""
         counts, self._counts = self._counts, []
         for column in (Col.URGENT, Col.PREFETCHED):
             rec = [(ln, v) for c, ln, v in counts if c == column]
-            if rec:
-                lanes = torch.cat([ln for ln, _ in rec])
-                ones = torch.cat([torch.ones_like(ln, dtype=self.lane.dtype) if v is None else v.to(self.lane.dtype)
-                                  for ln, v in rec])
-                self.lane.index_put_((lanes, torch.full_like(lanes, column)), ones, accumulate=True)
+            if not rec:
+                continue
+            lanes = torch.cat([ln for ln, _ in rec])
+            taken = torch.cat([torch.ones_like(ln, dtype=torch.bool) if v is None else v for ln, v in rec])
+            self.lane.index_put_((lanes, torch.full_like(lanes, column)), taken.to(self.lane.dtype), accumulate=True)
+            if any(v is not None for _, v in rec):
+                fixed = taken if all(v is not None for _, v in rec) else torch.cat([v for _, v in rec if v is not None])
+                if self._blocks_dev is None:
+                    self._blocks_dev = torch.zeros(2, dtype=torch.long, device=fixed.device)
+                self._blocks_dev[column - Col.URGENT] += fixed.sum()
 
     def take_lane(self, lane: int) -> "RequestMetrics":
         """A finished request's metrics (read from the device when first looked at); resets the

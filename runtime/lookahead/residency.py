@@ -28,6 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+import plugins
+from plugins.plan import admit_per_head
+
 from ..config import LookaheadConfig
 from ..device import to_device
 from ..kv_pool import KVPool
@@ -62,10 +65,13 @@ class Admission:
 
 class SlotTable:
     def __init__(self, num_buffers: int, num_lanes: int, num_kv_heads: int, top_k: int, max_blocks: int,
-                 device: torch.device = torch.device("cpu"), kernel=None):
-        """kernel: the kernel table's `plan_slots` (None: `plan_torch`)."""
+                 device: torch.device = torch.device("cpu"), kernel=None, fixed=None):
+        """kernel: the kernel table's `plan_slots`, exact lists (None: `plan_torch`); fixed: its
+        `plan_slots_fixed`, what `plan_torch` runs (default: the op's torch implementation)."""
         shape = (num_buffers, num_lanes, num_kv_heads, top_k)
         self.top_k, self.max_blocks, self.device, self.kernel = top_k, max_blocks, device, kernel
+        self.fixed = fixed if fixed is not None else plugins.direct.plan_slots
+        self._ids: dict[tuple, object] = {}        # lane and entry ids of fixed-capacity lists
         self.block = torch.full(shape, -1, dtype=torch.long, device=device)
         self.last_used = torch.full(shape, -1, dtype=torch.long, device=device)
         # slot_of[..., b] = slot holding logical block b, or -1; column max_blocks stands for "no
@@ -103,15 +109,16 @@ class SlotTable:
         inv[..., self.max_blocks] = -1
         self.slot_of[buf, lanes] = inv
 
-    def plan(self, buf: int, lanes: torch.Tensor, want: torch.Tensor, priority: torch.Tensor,
+    def plan(self, buf: int, lanes: torch.Tensor, want: torch.Tensor, scores: torch.Tensor,
              cap: int, step: int, most: int | None = None) -> Admission:
-        """Admit up to `cap` missing wanted blocks per (lane, head), best `priority` first, each
+        """Admit up to `cap` missing wanted blocks per (lane, head), best score first, each
         into the slot of a least-recently-selected block that is not wanted (empty slots first).
         `lanes`: a tensor of lane ids, or a slice of consecutive lanes (start set, step 1).
         `most`: at most this many distinct blocks were ever candidates of these lanes (bounds
         `high`; default K).
 
-        want, priority: [B, KVH, K'] (want -1 = padding, K' <= K). Updates the table in place.
+        want: [B, KVH, K'] (-1 = padding, K' <= K); scores: [B, KVH, NS] the blocks' scores (a
+        wanted block's priority; NS > every wanted block). Updates the table in place.
         With a `kernel` (a C table's `plan_slots`) this runs as one C call (exact lists); else
         `plan_torch`, the same rule in torch ops with fixed-capacity output (its reference in the
         tests).
@@ -122,10 +129,10 @@ class SlotTable:
                         if isinstance(lanes, slice)
                         else lanes)
             out = self.kernel(self.block[buf], self.last_used[buf], self.slot_of[buf], lane_ids, want,
-                              priority, cap, step)
+                              scores.gather(-1, want.clamp(min=0)), cap, step)
             adm = Admission(*out) if out is not None else None
         if adm is None:
-            adm = self.plan_torch(buf, lanes, want, priority, cap, step)
+            adm = self.plan_torch(buf, lanes, want, scores, cap, step)
         if len(adm):
             self.high[buf] = self.grown(buf, min(cap, want.shape[-1]), self.top_k if most is None else most)
         return adm
@@ -135,49 +142,44 @@ class SlotTable:
         with at most `most` distinct candidates (see `high`)."""
         return max(self.high[buf], min(self.top_k, self.high[buf] + min(per_head, self.top_k), most))
 
-    def plan_torch(self, buf: int, lanes: torch.Tensor, want: torch.Tensor, priority: torch.Tensor,
+    def plan_torch(self, buf: int, lanes: torch.Tensor, want: torch.Tensor, scores: torch.Tensor,
                    cap: int, step: int) -> Admission:
-        """`plan` in torch ops, with no host read: the admissions as a fixed-capacity list of
-        B x KVH x min(cap, K') entries in (lane, head, rank) order, `valid` marking the real ones."""
-        held = self.block[buf, lanes]                                           # [B, KVH, K]
-        last = self.last_used[buf, lanes]
-        inv = self.slot_of[buf, lanes]
-        valid = want >= 0
-        where = inv.gather(-1, self._col(want))                                 # [B, KVH, K'] slot or -1
-        missing = valid & (where < 0)
-        # slots holding a wanted block: scatter into a spare column K for the not-held ones
-        slot_wanted = torch.zeros(*held.shape[:-1], self.top_k + 1, dtype=torch.bool, device=self.device)
-        slot_wanted.scatter_(-1, torch.where(where >= 0, where, self.top_k), True)
-        slot_wanted = slot_wanted[..., : self.top_k]
-        last = torch.where(slot_wanted, step, last)
-        victims = torch.argsort(torch.where(slot_wanted, torch.iinfo(torch.long).max, last), dim=-1,
-                                stable=True)
-        order = torch.argsort(torch.where(missing, -priority, float("inf")), dim=-1, stable=True)
-        kc = max(0, min(cap, want.shape[-1], self.top_k))                       # entries per (lane, head)
-        n_admit = missing.sum(-1).clamp(max=cap)                                # [B, KVH]
-        take = torch.arange(kc, device=self.device) < n_admit[..., None]        # [B, KVH, kc]
-        # rank j goes into victim j: distinct slots per (lane, head), so the untaken entries name
-        # slots no admission writes (the copy skips them)
-        slots = victims[..., :kc]
-        blocks = torch.where(take, want.gather(-1, order[..., :kc]), 0)
-        evicted = held.gather(-1, slots)
-        no_block = torch.full_like(slots, self.max_blocks)                      # the spare column
-        inv.scatter_(-1, torch.where(take, self._col(evicted), no_block), -1)
-        inv.scatter_(-1, torch.where(take, blocks, no_block), torch.where(take, slots, -1))
-        inv[..., self.max_blocks] = -1
-        held.scatter_(-1, slots, torch.where(take, blocks, evicted))
-        last.scatter_(-1, slots, torch.where(take, step, last.gather(-1, slots)))
-        self.last_used[buf, lanes] = last
-        if not isinstance(lanes, slice):     # a slice indexes views: held and inv were updated in place
-            self.block[buf, lanes] = held
-            self.slot_of[buf, lanes] = inv
-        B, kvh = want.shape[0], want.shape[1]
-        lane_ids = (torch.arange(lanes.start, lanes.start + B, device=self.device) if isinstance(lanes, slice)
-                    else lanes)
-        shape = (B, kvh, kc)
-        return Admission(lane_ids[:, None, None].expand(shape).reshape(-1),
-                         torch.arange(kvh, device=self.device)[None, :, None].expand(shape).reshape(-1),
-                         slots.reshape(-1), blocks.reshape(-1), take.reshape(-1))
+        """`plan` as one `lookahead::plan_slots` op (`fixed`; one kernel on a GPU), with no host
+        read: the admissions as a fixed-capacity list of B x KVH x min(cap, K') entries in (lane,
+        head, rank) order, `valid` marking the real ones."""
+        lane_ids = self._lane_ids(lanes, want.shape[0])
+        slots, blocks, valid = self.fixed(*self._buffer(buf), lane_ids, want, scores, cap, step)
+        shape = (*want.shape[:2], admit_per_head(cap, want.shape[-1], self.top_k))
+        return Admission(*self._entry_ids(lanes, lane_ids, shape), slots, blocks, valid)
+
+    def _buffer(self, buf: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Buffer `buf`'s block, last_used and slot_of (views made once: the tables are never
+        reallocated, only written)."""
+        key = ("buffer", buf)
+        if key not in self._ids:
+            self._ids[key] = (self.block[buf], self.last_used[buf], self.slot_of[buf])
+        return self._ids[key]
+
+    def _lane_ids(self, lanes, n: int) -> torch.Tensor:
+        """The lane ids of `lanes` (a slice of consecutive lanes: made once per (start, n))."""
+        if not isinstance(lanes, slice):
+            return lanes
+        key = ("lanes", lanes.start, n)
+        if key not in self._ids:
+            self._ids[key] = torch.arange(lanes.start, lanes.start + n, device=self.device)
+        return self._ids[key]
+
+    def _entry_ids(self, lanes, lane_ids: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lane and head of each entry of a [B, KVH, kc] list, flat (a decode step's, for a
+        slice of lanes, made once per shape: constants, as a captured graph wants them)."""
+        key = ("entries", lanes.start, *shape) if isinstance(lanes, slice) else None
+        if key in self._ids:
+            return self._ids[key]
+        heads = torch.arange(shape[1], device=self.device)[None, :, None].expand(shape).reshape(-1)
+        ids = lane_ids[:, None, None].expand(shape).reshape(-1), heads
+        if key is not None:
+            self._ids[key] = ids
+        return ids
 
 
 ALL_LANES = object()        # a miss policy's answer: fetch the misses of every lane
@@ -227,6 +229,7 @@ class LayerResult:
     fetched: bool                     # the miss policy fetched this layer's misses
     urgent: Admission | None          # the blocks copied before attention (the step waited)
     predicted: Admission | None       # the prediction's admissions: copies for the next step
+    out: torch.Tensor | None = None   # the rows it wrote (the caller's buffer, or its own)
 
 
 @dataclass
@@ -251,7 +254,7 @@ class ResidencyManager:
         self.metrics, self.observers, self.max_blocks = metrics, observers, max_blocks
         self.misses = MISS_POLICIES[cfg.miss_policy]
         self.slots = SlotTable(policy.num_buffers, num_lanes, num_kv_heads, cfg.top_k, max_blocks, device,
-                               ops.plan_slots)
+                               ops.plan_slots, ops.plan_slots_fixed)
         transfer.use_kernel(ops.copy_blocks)
         long, bool_ = dict(dtype=torch.long, device=device), dict(dtype=torch.bool, device=device)
         self.pred = torch.full((num_layers, num_lanes, num_kv_heads, cfg.top_k), -1, **long)  # next step's sets
@@ -307,8 +310,7 @@ class ResidencyManager:
     def fetch_urgent(self, layer: int, buf: int, lanes, want: torch.Tensor, scores: torch.Tensor) -> Admission:
         """Admit the blocks of `want` [lanes, KVH, K] missing from `buf` and copy them on the
         urgent queue, waiting for them; the admission (counted by `apply`)."""
-        prio = scores.gather(-1, want.clamp(min=0))
-        adm = self.slots.plan(buf, lanes, want, prio, self.cfg.top_k, self.step_idx, most=self.most)
+        adm = self.slots.plan(buf, lanes, want, scores, self.cfg.top_k, self.step_idx, most=self.most)
         if len(adm):
             self.transfer.wait(self.send(self.job(layer, buf, adm), urgent=True))
         return adm
@@ -349,14 +351,13 @@ class ResidencyManager:
         self._queue(copies)
 
     def job(self, layer: int, buf: int, adm: Admission) -> CopyJob:
-        """Admitted blocks -> one copy job (host pool of `layer` -> selected slots of `buf`); a
-        fixed-capacity admission's invalid entries travel as the job's `valid` mask."""
-        host, src_heads = self.lane_blocks[adm.lanes, adm.blocks], adm.heads
-        if adm.valid is not None:       # an untaken entry names block -1: gathered as nothing, not copied
-            host = torch.where(adm.valid, host, -1)
-        return CopyJob(*self.pool_views[layer], *self.tier.views[buf], (host, src_heads),
-                       (adm.lanes, adm.heads, adm.slots + self.tier.layout.selected_start), tag=(self.step_idx, layer),
-                       valid=adm.valid)
+        """Admitted blocks -> one copy job (host pool of `layer` -> the selected slots of `buf`,
+        addressed from the first selected slot); a fixed-capacity admission's invalid entries
+        travel as the job's `valid` mask (their source block is whatever block 0 of the lane is,
+        -1 included: a copy reads nothing for them)."""
+        return CopyJob(*self.pool_views[layer], *self.tier.selected_views[buf],
+                       (self.lane_blocks[adm.lanes, adm.blocks], adm.heads), (adm.lanes, adm.heads, adm.slots),
+                       tag=(self.step_idx, layer), valid=adm.valid)
 
     def _queue(self, copies: list[Copy]) -> None:
         """The only place background copies are submitted: each counted, sent, and its ticket
@@ -407,8 +408,7 @@ class ResidentPolicy:
 
     def on_predict(self, mgr: ResidencyManager, layer: int, lanes, idx: torch.Tensor, scores: torch.Tensor,
                    cap: int) -> Admission:
-        prio = scores.gather(-1, idx.clamp(min=0))
-        return mgr.slots.plan(layer, lanes, idx, prio, cap, mgr.step_idx, most=mgr.most)
+        return mgr.slots.plan(layer, lanes, idx, scores, cap, mgr.step_idx, most=mgr.most)
 
     def after_layer(self, mgr: ResidencyManager, layer: int, d: DecodePart) -> list[Copy]:
         return []

@@ -28,6 +28,9 @@ class BlockSummaries:
         shape = (num_layers, num_lanes * max_blocks, num_kv_heads, head_dim)
         self.kmin = torch.zeros(shape, dtype=DTYPE, device=device)
         self.kmax = torch.zeros(shape, dtype=DTYPE, device=device)
+        # per layer, by lane: [lanes, max_blocks, KVH, D] views, made once (what scoring reads)
+        by_lane = (num_lanes, max_blocks, num_kv_heads, head_dim)
+        self._by_lane = [(self.kmin[i].view(by_lane), self.kmax[i].view(by_lane)) for i in range(num_layers)]
 
     def nbytes(self, num_layers: int, num_blocks: int) -> int:
         """kmin + kmax of `num_blocks` blocks of one lane over `num_layers` layers."""
@@ -56,8 +59,7 @@ class BlockSummaries:
         in one read of the summaries for every row.
         """
         nb = min(num_blocks, self.max_blocks)
-        kmin = self.kmin[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n, :nb]
-        kmax = self.kmax[layer].view(-1, self.max_blocks, self.kvh, self.hd)[:n, :nb]
+        kmin, kmax = (t[:n, :nb] for t in self._by_lane[layer])
         k_sel = min(top_k, nb)
         idx, scores = self.ops.block_topk(q.to(DTYPE), kmin, kmax, valid[..., :nb], k_sel, group_score)
         if k_sel < top_k:

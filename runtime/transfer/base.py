@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+import plugins
+
 from ..device import host_list
 
 
@@ -58,17 +60,15 @@ class CopyJob:
         return self.num_units if self.valid is None else self.valid.sum()
 
     def execute(self) -> None:
-        """`kernel` (on CPU: one memcpy per unit, no gathered temporary) where it takes the layout,
-        else indexing; a fixed-capacity list's skipped entries keep their destination's contents."""
+        """`kernel` (the C table's: one memcpy per unit, no gathered temporary; a torch table's:
+        `lookahead::copy_blocks`, one launch on a GPU) where it takes the layout, else the op's
+        torch implementation; a fixed-capacity list's skipped entries keep their destination's
+        contents."""
         if not self.num_units or (self.kernel is not None and self.kernel(
                 self.src_k, self.src_v, self.dst_k, self.dst_v, self.src_index, self.dst_index, self.valid)):
             return
-        for src, dst in ((self.src_k, self.dst_k), (self.src_v, self.dst_v)):
-            rows = src[self.src_index]
-            if self.valid is not None:
-                rows = torch.where(self.valid.view(-1, *[1] * (rows.dim() - 1)), rows.to(dst.device),
-                                   dst[self.dst_index])
-            dst[self.dst_index] = rows
+        plugins.direct.copy_blocks(self.src_k, self.src_v, self.dst_k, self.dst_v, *self.src_index,
+                                   *self.dst_index, self.valid)
 
 
 @dataclass
@@ -92,11 +92,15 @@ class TransferEngine(abc.ABC):
         self.urgent_jobs = 0
         self.wait_s = 0.0
 
-    # h2d_bytes: counted at submit. A fixed-capacity job's count stays where its list is (a
-    # device tensor), added up there and read only when h2d_bytes is (through runtime.device's
-    # seam, not per step).
+    # h2d_bytes: counted at submit. A fixed-capacity job's count stays where its list is (its
+    # `valid`, a device tensor): the lists are kept by unit size and added up there in one sum
+    # per FOLD_LISTS of them (not a few ops per job), and read only when h2d_bytes is (through
+    # runtime.device's seam, not per step).
+    FOLD_LISTS = 256
+
     @property
     def h2d_bytes(self) -> int:
+        self._fold_lists()
         pending = getattr(self, "_h2d_pending", None)
         if pending is not None:
             self._h2d_host += host_list(pending, "transfer accounting (h2d_bytes)")
@@ -105,7 +109,15 @@ class TransferEngine(abc.ABC):
 
     @h2d_bytes.setter
     def h2d_bytes(self, value: int) -> None:
-        self._h2d_host, self._h2d_pending = value, None
+        self._h2d_host, self._h2d_pending, self._h2d_lists = value, None, {}
+
+    def _fold_lists(self) -> None:
+        """The kept lists' units, times their unit bytes, into the device-side count."""
+        lists, self._h2d_lists = getattr(self, "_h2d_lists", {}), {}
+        for unit_bytes, valids in lists.items():
+            moved = torch.cat(valids).sum() * unit_bytes
+            self._h2d_pending = moved if self._h2d_pending is None else self._h2d_pending + moved.to(
+                self._h2d_pending.device)
 
     @abc.abstractmethod
     def submit(self, job: CopyJob, urgent: bool = False) -> Ticket:
@@ -149,13 +161,12 @@ class TransferEngine(abc.ABC):
         of those moved for a fixed-capacity list)."""
         if job.kernel is None:
             job.kernel = self.kernel
-        units = job.units_moved()
-        if isinstance(units, int):
-            self._h2d_host += units * job.unit_bytes
+        if job.valid is None:
+            self._h2d_host += job.num_units * job.unit_bytes
         else:
-            moved = units * job.unit_bytes
-            self._h2d_pending = moved if self._h2d_pending is None else self._h2d_pending + moved.to(
-                self._h2d_pending.device)
+            self._h2d_lists.setdefault(job.unit_bytes, []).append(job.valid)
+            if sum(map(len, self._h2d_lists.values())) >= self.FOLD_LISTS:
+                self._fold_lists()
         self.jobs += 1
         self.urgent_jobs += urgent
         return Ticket(job.nbytes, urgent)

@@ -19,22 +19,20 @@ queueing and the waiting instead of a host thread:
   raised by `wait`, as the thread engine does. A job the engine cannot run at all (destination
   not on its GPU, an unpinned host pool) is refused at `submit` with a typed error.
 
-The copy. A job whose source is the host pool is read by the `lookahead::block_gather` CUDA kernel
-straight from pinned memory through its device-mapped address (no staging copy, no host sync;
-`plugins/cuda/README.md`), then scattered into the device slots with torch indexing on the same
-stream. A job whose source is already on the GPU runs `CopyJob.execute()` on the stream.
+The copy. A job whose source is the host pool is one `lookahead::copy_blocks` launch, K and V
+alike: its CUDA kernel reads the pool straight from pinned memory through its device-mapped
+address and writes the device slots (no staging copy, no host sync, no temporary;
+`plugins/cuda/README.md`). A job whose source is already on the GPU runs `CopyJob.execute()` on
+the stream (the same op).
 
-Pinned host memory is required: the gather kernel reads the pool over PCIe and refuses pageable
+Pinned host memory is required: the copy kernel reads the pool over PCIe and refuses pageable
 memory. Allocate the pool pinned (`KVPool(..., pin_memory=True)`), or page-lock an existing one in
 place with `pin_pool(pool)` (`cudaHostRegister`: no copy, no power-of-two rounding of torch's
 pinned allocator, views stay valid).
 
-Fixed-capacity jobs (`CopyJob.valid`, lists made on the GPU without reading their length): every
-entry goes through the gather, and a skipped entry writes its destination's own contents back
-(the list's destinations are distinct), so nothing is read on the host to skip it. A skipped
-entry costs no PCIe traffic: its row id is -1 (the residency manager names block -1 for it, and
-any entry `valid` marks off is sent as -1 here), which the `block_gather` kernel turns into a zero
-row without reading the pool; only the device-side rewrite of its slot remains.
+Fixed-capacity jobs (`CopyJob.valid`, lists made on the GPU without reading their length): the
+kernel reads `valid` itself, and a skipped entry reads and writes nothing (no PCIe traffic),
+so nothing is read on the host to skip it.
 
 Accounting. `h2d_bytes`, `jobs` and `urgent_jobs` are counted at submit, as by every engine (a
 fixed-capacity job's bytes on the GPU, read when `h2d_bytes` is). With
@@ -172,29 +170,6 @@ def pin_pool(pool):
     return pool
 
 
-def _host_rows(src_k: torch.Tensor, src_v: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor):
-    """One layer's host pool as contiguous rows `[R, 1, bs, D]` (one row per (block, head)) for the
-    gather kernel, and the row id of each (block, head) unit.
-
-    Accepts the two layouts a `[num_blocks, KVH, bs, D]` source comes in: block-major contiguous, or
-    the head-major pool's `by_block` view (`[KVH, num_blocks, bs, D]` contiguous, transposed).
-    A negative block (an unused entry of a fixed-capacity list) gets row id -1 (gathered as nothing).
-    """
-    if src_k.shape != src_v.shape or src_k.stride() != src_v.stride():
-        raise ValueError(f"CopyJob.src_k and src_v differ in shape or strides "
-                         f"({tuple(src_k.shape)}/{src_k.stride()} vs {tuple(src_v.shape)}/{src_v.stride()})")
-    nb, kvh, bs, d = src_k.shape
-    if src_k.is_contiguous():
-        return (src_k.view(nb * kvh, 1, bs, d), src_v.view(nb * kvh, 1, bs, d),
-                torch.where(blocks >= 0, blocks * kvh + heads, -1))
-    if src_k.transpose(0, 1).is_contiguous():
-        shape = (kvh * nb, 1, bs, d)
-        return (src_k.transpose(0, 1).view(shape), src_v.transpose(0, 1).view(shape),
-                torch.where(blocks >= 0, heads * nb + blocks, -1))
-    raise ValueError(f"CopyJob.src_k has strides {src_k.stride()}: the gather kernel reads a block-major or "
-                     "head-major contiguous pool (KVPool.by_block gives one)")
-
-
 def _check_range(name: str, t: torch.Tensor, high: int, low: int = 0) -> None:
     """Host index tensors are checked before the copy (device ones would cost a sync)."""
     if t.is_cuda or t.numel() == 0:
@@ -269,9 +244,9 @@ class CudaTransferEngine(TransferEngine):
         self._closed = False
         import plugins
         plugins.ensure_cuda_kernels()          # once per process (the engine's select_ops may have already)
-        self.gather_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("lookahead::block_gather", "CUDA")
-        if not self.gather_kernel:
-            logger.warning("the block_gather CUDA kernel is not registered (see plugins/cuda/README.md): "
+        self.copy_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("lookahead::copy_blocks", "CUDA")
+        if not self.copy_kernel:
+            logger.warning("the copy_blocks CUDA kernel is not registered (see plugins/cuda/README.md): "
                            "host->device copies fall back to a synchronous host gather")
 
     # ---- accounting read through CUDA timing events ---------------------------------------------------
@@ -430,19 +405,11 @@ class CudaTransferEngine(TransferEngine):
             job.execute()
             return
         blocks, heads = job.src_index
-        if job.valid is not None:        # the unused entries: -1, gathered as nothing (no PCIe read)
-            blocks = torch.where(job.valid.to(blocks.device, non_blocking=True), blocks, -1)
         _check_range("src_index[0] (blocks)", blocks, job.src_k.shape[0], low=-1 if job.valid is not None else 0)
         _check_range("src_index[1] (heads)", heads, job.src_k.shape[1])
         for i, t in enumerate(job.dst_index):
             _check_range(f"dst_index[{i}]", t, job.dst_k.shape[i])
-        rows_k, rows_v, row_ids = _host_rows(job.src_k, job.src_v, blocks, heads)
-        ids = row_ids.to(self.device, non_blocking=True).view(1, -1)
-        dst_index = tuple(t.to(self.device, non_blocking=True) for t in job.dst_index)
-        valid = job.valid.to(self.device, non_blocking=True).view(-1, 1, 1) if job.valid is not None else None
-        # mixed-device call (host pool, ids on the GPU): the CUDA kernel reads pinned memory directly
-        for rows, dst in ((rows_k, job.dst_k), (rows_v, job.dst_v)):
-            got = torch.ops.lookahead.block_gather(rows, ids)[0]
-            if valid is not None:        # a fixed-capacity list: skipped entries keep their slot
-                got = torch.where(valid, got, dst[dst_index])      # (distinct destinations: no race)
-            dst[dst_index] = got
+        # mixed-device call (host pool, indices and slots on the GPU): one launch, K and V, whose
+        # kernel reads the pinned pool directly; a fixed-capacity list's skipped entries read nothing
+        torch.ops.lookahead.copy_blocks(job.src_k, job.src_v, job.dst_k, job.dst_v, *job.src_index, *job.dst_index,
+                                        job.valid)
