@@ -36,8 +36,11 @@ def pool_case(n, L, H, KVH, D, bs, dtype=torch.float32, seed=0, extra_blocks=7, 
     table = torch.randperm(nb, generator=g)[:need].tolist() if scatter else list(range(need))
     if big:                      # block ids past 2**20: a table that indexes a large pool
         pad = 1 << 20
-        k = torch.cat([torch.zeros(KVH, pad, bs, D, dtype=dtype), k], 1)
-        v = torch.cat([torch.zeros(KVH, pad, bs, D, dtype=dtype), v], 1)
+        # the blocks below the table's are left unwritten (never touched, so never paged in: GBs
+        # of zeros cost ~25 s here); a kernel that read one would read garbage and fail the check
+        big_k, big_v = (torch.empty(KVH, pad + nb, bs, D, dtype=dtype) for _ in range(2))
+        big_k[:, pad:], big_v[:, pad:] = k, v
+        k, v = big_k, big_v
         table = [b + pad for b in table]
     q = torch.randn(n, H, D, generator=g)
     return q, k, v, table
@@ -48,7 +51,8 @@ def check_attention(q, k, v, table, L, isa):
     out = prefill.prefill_attention(q, k, v, table, L, D ** -0.5, isa)
     assert out is not None
     want = ref.prefill_attention_ref(q, k.float(), v.float(), table, L, D ** -0.5)
-    torch.testing.assert_close(out, want, atol=ATOL * float(v.float().abs().max()), rtol=0)
+    read = v[:, table[: -(-L // v.shape[2])]]           # the blocks a context of L reads (no others)
+    torch.testing.assert_close(out, want, atol=ATOL * float(read.float().abs().max()), rtol=0)
     return out
 
 
