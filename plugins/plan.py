@@ -82,7 +82,7 @@ def plan_slots(block: torch.Tensor, last_used: torch.Tensor, slot_of: torch.Tens
     want : Tensor, [B, KVH, K'], int64, K' <= K
         The wanted blocks of each lane's row (-1 = padding; distinct otherwise).
     scores : Tensor, [B, KVH, NS], float32
-        The blocks' scores: a wanted block's priority is its score (ties: the earlier request).
+        The blocks' scores: a wanted block's priority is its score, finite (ties: the earlier request).
         NS > every wanted block.
     cap, step : int
         Admissions per (lane, head), and the step stamped on admitted and wanted slots.

@@ -226,7 +226,7 @@ class LookaheadAttention:
             check_integrity(self.tier, res, self.pool, layer, d)
         o = self._attend(buf, qd, k, v, d)
         if out is None:                 # a packed step's rows are the attention's output as it is
-            out = o.view(n * d.rows, *o.shape[2:])
+            out = o.reshape(n * d.rows, *o.shape[2:])
         elif d.packed:
             out.view(n, d.rows, *out.shape[1:]).copy_(o)
         else:
