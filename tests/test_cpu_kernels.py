@@ -221,8 +221,11 @@ def test_the_torch_table_has_no_c_entry():
     """impl="torch" (what LOOKAHEAD_CPU_KERNELS=0 was): no entry of the table is a C kernel's."""
     c, t = select_ops(torch.device("cpu"), torch.float32, "c"), select_ops(torch.device("cpu"), torch.float32, "torch")
     assert c.fused_decoder is not None and c.plan_slots is not None and c.linear is cpu.linear
-    for name in ("paged_attention", "plan_slots", "copy_blocks", "fused_decoder", "lookahead_layer"):
+    for name in ("paged_attention", "plan_slots", "fused_decoder", "lookahead_layer"):
         assert getattr(t, name) is None, name
+    # the slot plan and the copies are the ops' torch implementations (one op each through the dispatcher)
+    assert t.plan_slots_fixed is plugins.direct.plan_slots and t.copy_blocks.op is plugins.direct.copy_blocks
+    assert c.copy_blocks is not t.copy_blocks
     assert t.linear is F.linear and t.block_topk is plugins.direct.block_topk
     assert all(getattr(t, f) is not getattr(c, f) for f in ("linear", "rms_norm", "block_topk", "lookahead_attention"))
     with pytest.raises(ValueError, match="impl='c'"):
