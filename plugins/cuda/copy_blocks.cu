@@ -131,6 +131,41 @@ cudaError_t copy_args(CopyArgs& a, void const* src_k, void const* src_v, void* d
     return cudaSuccess;
 }
 
+// Checks and fills the arguments, then runs the copy: launched on `stream`, or (on_host) over host
+// memory by the same per-thread code.
+cudaError_t copy_blocks(bool on_host, void const* src_k, void const* src_v, void* dst_k, void* dst_v,
+    int64_t const* blocks, int64_t const* src_heads, int64_t const* lanes, int64_t const* dst_heads,
+    int64_t const* slots, uint8_t const* valid, int64_t n, int64_t num_blocks, int64_t src_block_stride,
+    int64_t src_head_stride, int64_t dst_lane_stride, int64_t dst_head_stride, int64_t dst_slot_stride,
+    int64_t row_bytes, cudaStream_t stream)
+{
+    CopyArgs a;
+    cudaError_t const err = copy_args(a, src_k, src_v, dst_k, dst_v, blocks, src_heads, lanes, dst_heads, slots, valid,
+        n, num_blocks, src_block_stride, src_head_stride, dst_lane_stride, dst_head_stride, dst_slot_stride,
+        row_bytes);
+    if (err != cudaSuccess || n == 0)
+    {
+        return err;
+    }
+    auto run = [&](auto tag) {
+        using Vec = typename decltype(tag)::type;
+        if (!on_host)
+        {
+            return launch<Vec>(a, stream);
+        }
+        run_on_host<Vec>(a);
+        return cudaSuccess;
+    };
+    switch (vector_bytes(a))
+    {
+    case 16: return run(TypeTag<uint4>{});
+    case 8: return run(TypeTag<uint2>{});
+    case 4: return run(TypeTag<uint32_t>{});
+    case 2: return run(TypeTag<uint16_t>{});
+    default: return run(TypeTag<uint8_t>{});
+    }
+}
+
 } // namespace
 } // namespace lookahead_kv::cuda
 
@@ -140,23 +175,9 @@ extern "C" cudaError_t lookahead_kv_copy_blocks(void const* src_k, void const* s
     int64_t src_head_stride, int64_t dst_lane_stride, int64_t dst_head_stride, int64_t dst_slot_stride,
     int64_t row_bytes, cudaStream_t stream)
 {
-    using namespace lookahead_kv::cuda;
-    CopyArgs a;
-    cudaError_t const err = copy_args(a, src_k, src_v, dst_k, dst_v, blocks, src_heads, lanes, dst_heads, slots, valid,
-        n, num_blocks, src_block_stride, src_head_stride, dst_lane_stride, dst_head_stride, dst_slot_stride,
-        row_bytes);
-    if (err != cudaSuccess || n == 0)
-    {
-        return err;
-    }
-    switch (vector_bytes(a))
-    {
-    case 16: return launch<uint4>(a, stream);
-    case 8: return launch<uint2>(a, stream);
-    case 4: return launch<uint32_t>(a, stream);
-    case 2: return launch<uint16_t>(a, stream);
-    default: return launch<uint8_t>(a, stream);
-    }
+    return lookahead_kv::cuda::copy_blocks(false, src_k, src_v, dst_k, dst_v, blocks, src_heads, lanes, dst_heads,
+        slots, valid, n, num_blocks, src_block_stride, src_head_stride, dst_lane_stride, dst_head_stride,
+        dst_slot_stride, row_bytes, stream);
 }
 
 extern "C" cudaError_t lookahead_kv_copy_blocks_host(void const* src_k, void const* src_v, void* dst_k, void* dst_v,
@@ -165,22 +186,7 @@ extern "C" cudaError_t lookahead_kv_copy_blocks_host(void const* src_k, void con
     int64_t src_head_stride, int64_t dst_lane_stride, int64_t dst_head_stride, int64_t dst_slot_stride,
     int64_t row_bytes)
 {
-    using namespace lookahead_kv::cuda;
-    CopyArgs a;
-    cudaError_t const err = copy_args(a, src_k, src_v, dst_k, dst_v, blocks, src_heads, lanes, dst_heads, slots, valid,
-        n, num_blocks, src_block_stride, src_head_stride, dst_lane_stride, dst_head_stride, dst_slot_stride,
-        row_bytes);
-    if (err != cudaSuccess || n == 0)
-    {
-        return err;
-    }
-    switch (vector_bytes(a))
-    {
-    case 16: run_on_host<uint4>(a); break;
-    case 8: run_on_host<uint2>(a); break;
-    case 4: run_on_host<uint32_t>(a); break;
-    case 2: run_on_host<uint16_t>(a); break;
-    default: run_on_host<uint8_t>(a); break;
-    }
-    return cudaSuccess;
+    return lookahead_kv::cuda::copy_blocks(true, src_k, src_v, dst_k, dst_v, blocks, src_heads, lanes, dst_heads,
+        slots, valid, n, num_blocks, src_block_stride, src_head_stride, dst_lane_stride, dst_head_stride,
+        dst_slot_stride, row_bytes, nullptr);
 }
