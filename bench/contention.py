@@ -82,7 +82,7 @@ def quiet_cost(args: argparse.Namespace) -> list[dict]:
 
 
 def quiet_table(rows: list[dict]) -> list[str]:
-    lines = [f"{'mode':10} {'rounds':>6} {'on ms (median)':>15} {'off ms (median)':>16} {'on/off by round':>32} "
+    lines = [f"{'mode':10} {'pairs':>6} {'on ms (median)':>15} {'off ms (median)':>16} {'on/off per pair':>32} "
              f"{'median':>7} {'checks':>7}"]
     for r in rows:
         spread = f"{min(r['ratios']):.2f}-{max(r['ratios']):.2f}"

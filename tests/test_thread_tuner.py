@@ -126,7 +126,7 @@ def test_the_quiet_cost_table():
     row = {"mode": "lookahead", "on_ms": on, "off_ms": off, "ratios": ratios, "median_ratio": sorted(ratios)[1],
            "checks": [1, 2, 1]}
     lines = quiet_table([row])
-    assert lines[0].split()[:2] == ["mode", "rounds"]
+    assert lines[0].split()[:2] == ["mode", "pairs"]
     cells = lines[1].split()
     assert cells[:4] == ["lookahead", "3", "52.00", "53.00"]
     assert cells[4] == f"{min(ratios):.2f}-{max(ratios):.2f}" and cells[5] == f"{sorted(ratios)[1]:.3f}"
