@@ -7,10 +7,10 @@
 // (lane, head) is listed whether taken or not (a fixed-capacity list made without a host read):
 // its victim slot, its block (0 when untaken) and whether it is an admission.
 //
-// One thread per (lane, head) (`plan_one`; `lookahead_kv_plan_slots_host` runs the same code on the
-// host, for the tests of a machine without a GPU): a plan is K <= kLookaheadPlanMaxSlots slots and a few dozen admissions,
-// bookkeeping a single warp finishes in microseconds; what it saves is the ~40 launches of the
-// same rule in torch ops. The thread's slot and request flags live in bit sets (local memory).
+// One thread per (lane, head) (`plan_one`; `lookahead_kv_plan_slots_host` runs the same code on
+// the host, for the tests of a machine without a GPU): a plan is K <= kLookaheadPlanMaxSlots
+// slots and a few dozen admissions, bookkeeping a single warp finishes in microseconds; what it
+// saves is the ~40 launches of the same rule in torch ops. The thread's slot and request flags live in bit sets (local memory).
 #include "common.cuh"
 
 namespace lookahead_kv::cuda

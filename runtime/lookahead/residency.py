@@ -48,8 +48,8 @@ class Admission:
 
     valid None: every entry is an admission (the CPU kernel's exact lists). Otherwise a fixed-
     capacity list: only entries with valid[i] are admissions; the others name block 0 and a
-    (lane, head, slot) no valid entry of the list names, and are skipped by the copy (whose
-    source block they name is -1: `submit`).
+    (lane, head, slot) no valid entry of the list names, and are skipped by the copy, which reads
+    nothing for them (`lookahead::copy_blocks`).
     """
 
     lanes: torch.Tensor

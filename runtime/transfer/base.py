@@ -24,9 +24,10 @@ class CopyJob:
     dst_*: a device buffer `[lanes, KVH, slots, bs, D]`, dst_index = (lanes [n], heads [n], slots [n]).
     valid: None (all n entries are copied), or bool [n]: a fixed-capacity list made on the device
            without reading how many entries are real; the others are skipped. Such a list's
-           destinations are distinct, and its skipped entries still name in-range indices.
+           destinations are distinct, and its skipped entries still name in-range indices (a
+           source block of -1 included: nothing is read for them).
     kernel: the copy kernel (the transfer engine's, `TransferEngine.use_kernel`, set at submit),
-           or None: torch indexing.
+           or None: the `lookahead::copy_blocks` op's torch implementation.
     """
 
     src_k: torch.Tensor
