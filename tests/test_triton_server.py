@@ -384,5 +384,6 @@ def test_server_stops_cleanly_and_leaves_no_shared_memory(triton_server):
     assert shm_regions(server.shm_prefix), "the python backend should hold shm regions while running"
     code = server.stop()
     assert code == 0, server.log_tail()
+    assert server.stray_stubs == [] and server.stray_regions == [], "a clean exit must end its stubs and regions itself"
     assert shm_regions(server.shm_prefix) == []
     assert "successfully unloaded 'lookahead_llm'" in server.log_path.read_text()

@@ -16,7 +16,7 @@ import subprocess
 import time
 import urllib.request
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -37,6 +37,8 @@ class TritonServer:
     shm_prefix: str
     log_path: Path
     engine_dir: Path
+    stray_stubs: list[int] = field(default_factory=list)     # what stop() had to kill / remove after
+    stray_regions: list[Path] = field(default_factory=list)  # the server was gone (a clean exit: none)
 
     @property
     def grpc_url(self) -> str:
@@ -54,16 +56,22 @@ class TritonServer:
         return "\n".join(lines[-n:])
 
     def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM and wait; returns the exit status (idempotent)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(f"tritonserver ignored SIGTERM for {timeout} s:\n{self.log_tail()}")
-        return self.proc.returncode
+        """SIGTERM and wait; returns the exit status (idempotent). Whatever way the server ends, its
+        Python-backend stubs and /dev/shm regions end with it: a server SIGKILLed here (or one that
+        died) leaves its stubs behind, reparented to init, holding their regions."""
+        from deploy.supervisor import clean_run
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+                    raise AssertionError(f"tritonserver ignored SIGTERM for {timeout} s:\n{self.log_tail()}")
+            return self.proc.returncode
+        finally:
+            self.stray_stubs, self.stray_regions = clean_run(self.shm_prefix)
 
 
 
@@ -124,11 +132,7 @@ def triton_engine_dir(tmp_path_factory) -> Path:
 def triton_server(tmp_path_factory, triton_engine_dir, triton_backend_dir):
     server = start_server(tmp_path_factory.mktemp("triton"), triton_engine_dir, triton_backend_dir)
     yield server
-    try:
-        server.stop()
-    finally:                         # whatever a failed test left: stubs of this prefix, its regions
-        from deploy.supervisor import clean_run
-        clean_run(server.shm_prefix)
+    server.stop()                    # also ends whatever a failed test left: stubs of this prefix, its regions
 
 
 @dataclass
