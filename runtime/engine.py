@@ -107,8 +107,9 @@ class Engine:
         prefill_cache: shared by engines over the same `model`, a prompt prefilled by one is
         replayed by the others (runtime/prefill_cache.py), e.g. one prompt under several modes.
         fused: a decode step may run as the kernel table's fused C step or layer (False: the
-        model's Python layers, the reference, every step). graph: a dense decode step on the torch
-        table runs as one `torch.compile(fullgraph=True)` graph (`DenseRunner.compile_decode`;
+        model's Python layers, the reference, every step). graph: a decode step on the torch table
+        runs as one `torch.compile(fullgraph=True)` graph (`DenseRunner.compile_decode`; lookahead:
+        each layer's attention one op in it, `LookaheadRunner.compile_decode`;
         `describe()["decode_graph"]` says why not where it does not apply). adaptive_threads: a step
         may run on fewer threads than the engine's while measured steps say fewer are faster (another
         process on a core; runtime/thread_tuner.py); False: always the engine's count."""
@@ -200,7 +201,7 @@ class Engine:
         source = make_draft(cfg.draft)
         chain = DraftChain(source, cfg.resync_after) if source is not None else None
         return LookaheadRunner(self.model, attn, cfg.block_size, chain, cfg.max_batch_size, self.prefill_cache,
-                               self.observers, fused=self.fused)
+                               self.observers, fused=self.fused, graph=self.graph)
 
     def observe(self, observer: Observer) -> Observer:
         """Register an `Observer` (runtime/observe.py): its hooks see this engine's step batches,
@@ -489,7 +490,7 @@ class Engine:
                         "base_library": loader.unavailable_reason() or "loaded",
                         "avx512_library": loader.avx512_unavailable_reason() or "loaded"},
             "fused_decode": getattr(self.runner, "fused_reason", None) or "yes",
-            "decode_graph": getattr(self.runner, "graph_reason", "not in lookahead mode") or "yes",
+            "decode_graph": self.runner.graph_reason or "yes",
             "kernel_fallbacks": list(self.kernel_fallbacks),
             "memory_plan_bytes": {**self.memory_plan.components(), "total": self.memory_plan.total},
         }

@@ -35,6 +35,23 @@ def score_prompt_rows(model: LlamaModel, hidden: torch.Tensor, pairs) -> None:
             seq.prompt_logprobs += token_logprobs(logits, targets, [k] * (b - a), ranks=True)
 
 
+def compile_forward(model: LlamaModel, ops, fused, why: str | None = None, **compile_kwargs):
+    """(`torch.compile(model.forward, fullgraph=True, **compile_kwargs)`, None), or (None, why not)
+    where a decode step does not run the model's torch path: a fused C step (`fused`), a table with
+    a paged kernel or C kernels, the caller's `why`, or no torch.compile here."""
+    if fused is not None or ops.paged_attention is not None or ops.c_kernels:
+        why = f"ops {ops.name or 'custom'} run a decode step in their kernels"
+    if why is None:
+        import torch._dynamo.eval_frame as dynamo
+        try:
+            dynamo.check_if_dynamo_supported()
+        except RuntimeError as e:
+            why = f"torch.compile is unavailable here: {e}"
+    if why is not None:
+        return None, why
+    return torch.compile(model.forward, fullgraph=True, **compile_kwargs), None
+
+
 class DenseRunner:
     """Dense mode: every row attends to its sequence's full cached context.
 
@@ -79,23 +96,9 @@ class DenseRunner:
         **compile_kwargs)` (default backend inductor; compiled lazily, at the first such step).
         Returns why not (and compiles nothing) where those steps do not run the torch path: the C
         table (its paged kernel or fused step), a table with a paged kernel, sparse mode."""
-        why = None
-        if self.fused is not None or self.attn.ops.paged_attention is not None or self.attn.ops.c_kernels:
-            why = f"ops {self.attn.ops.name or 'custom'} run a decode step in their kernels"
-        elif self.selection is not None:
-            why = "sparse mode selects per sequence"
-        if why is None:
-            import torch._dynamo.eval_frame as dynamo
-            try:
-                dynamo.check_if_dynamo_supported()
-            except RuntimeError as e:
-                why = f"torch.compile is unavailable here: {e}"
-        if why is not None:
-            self.graph, self.graph_reason = None, why
-            return why
-        self.graph = torch.compile(self.model.forward, fullgraph=True, **compile_kwargs)
-        self.graph_reason = None
-        return None
+        why = "sparse mode selects per sequence" if self.selection is not None else None
+        self.graph, self.graph_reason = compile_forward(self.model, self.attn.ops, self.fused, why, **compile_kwargs)
+        return self.graph_reason
 
     def release(self, seq: Sequence) -> None:
         """Nothing per sequence to free beyond its blocks (the scheduler frees those)."""

@@ -100,3 +100,58 @@ def test_the_engine_switch_and_its_report(tiny_dir):
     assert eng.runner.graph is not None and eng.describe()["decode_graph"] == "yes"
     assert eng.sibling(mode="sparse").describe()["decode_graph"] == "sparse mode selects per sequence"
     assert Engine.from_dir(tiny_dir, block_size=4).describe()["decode_graph"] == "graph=False"
+
+
+LOOKAHEAD_MODES = {
+    "resident-urgent": dict(residency="resident", miss_policy="urgent"),
+    "pingpong": dict(residency="pingpong", miss_policy="urgent"),
+    "sparse-ondemand": dict(residency="resident", miss_policy="urgent", draft="none"),
+}
+
+
+@pytest.mark.parametrize("mode", list(LOOKAHEAD_MODES))
+def test_compiled_lookahead_step_equals_eager(tiny_dir, mode):
+    """A lookahead decode step on the torch table as one fullgraph graph, each layer's lookahead
+    attention the opaque `lookahead::attend_layer` op (runtime/lookahead/graph.py): every decode
+    step runs the graph, 0 graph breaks, and logits, tokens and the backend's own record (hits,
+    urgent blocks, agreement, bytes moved) equal the eager steps'. K = 2 blocks of contexts up to 36
+    tokens (9 blocks): most blocks are outside the working set, so the misses and copies run."""
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    prompts = random_prompts(21, 30, 14, seed=5)
+    kw = dict(internals=Internals(impl="torch", fused=False, transfer="sync"), mode="lookahead", block_size=4,
+              recent_window=8, num_sink_blocks=1, top_k=2, max_batch_size=3, prefill_chunk=128,
+              adaptive_threads=False, **LOOKAHEAD_MODES[mode])
+    eager = Engine.from_dir(tiny_dir, **kw)
+    graph = Engine.from_dir(tiny_dir, **kw)
+    assert graph.runner.compile_decode(backend="aot_eager") is None and graph.describe()["decode_graph"] == "yes"
+    compiled, calls = graph.runner.graph, []
+    graph.runner.graph = lambda *a: calls.append(a[0].shape[0]) or compiled(*a)
+    logs = [_logged(e) for e in (eager, graph)]
+    outs = [e.generate(prompts, GREEDY) for e in (eager, graph)]
+    assert [c.token_ids for c in outs[0]] == [c.token_ids for c in outs[1]]
+    # every step after the one prefill step (all decode-only) ran the graph; a lane leaves when its
+    # sequence ends, which a rejected draft's pre-decoding step puts off: the batch then shrinks
+    rows = 3 if mode == "sparse-ondemand" else 6                     # a draft row beside each real one
+    assert len(calls) == len(logs[1]) - 1 and calls[0] == rows and calls == sorted(calls, reverse=True)
+    assert len(logs[0]) == len(logs[1])
+    for a, b in zip(*logs):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k])
+    stats = [e.runner.stats() for e in (eager, graph)]
+    assert stats[0] == stats[1] and stats[1]["urgent_blocks"] > 0, stats
+    assert not dynamo.utils.counters["graph_break"]
+    assert 1 <= dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+    for e in (eager, graph):
+        e.close()
+
+
+def test_the_attend_layer_op_outside_a_step():
+    """The op runs a bound step's layer only; called bare it says where it belongs."""
+    import runtime.lookahead.graph  # noqa: F401  (registers the op)
+    x = torch.zeros(2, 4, 8)
+    with pytest.raises(RuntimeError, match="inside a lookahead step only"):
+        torch.ops.lookahead.attend_layer(x, x[:, :2], x[:, :2], 0)

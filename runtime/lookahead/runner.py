@@ -16,21 +16,24 @@ from ..draft import DraftChain
 from ..model import LlamaModel
 from ..observe import Observers
 from ..prefill_cache import PrefillCache
-from ..runner import score_prompt_rows
+from ..runner import compile_forward, score_prompt_rows
 from ..sampling import PendingDraws
 from ..sequence import Sequence
 from ..step import Interruptible, StepInterrupted, StepItem
 from .attention import LookaheadAttention, StepStats
+from .graph import GRAPH_ATTENTION, bound
 from .step_plan import StepPlan, StepRows, build_plan
 
 
 class LookaheadRunner:
     def __init__(self, model: LlamaModel, attn: LookaheadAttention, block_size: int, chain: DraftChain | None,
                  num_lanes: int, prefill_cache: PrefillCache | None = None, observers: Observers | None = None,
-                 fused: bool = True):
+                 fused: bool = True, graph: bool = False):
         """chain None: sparse attention without look-ahead (one row per sequence, no prediction).
         fused: a decode-only step runs the model's layers around the attention in C, where the
-        model's kernel table has the fused decoder."""
+        model's kernel table has the fused decoder. graph: on the torch table a decode-only step's
+        model work runs as one `torch.compile(fullgraph=True)` graph, each layer's lookahead
+        attention one opaque op in it (`compile_decode`, runtime/lookahead/graph.py)."""
         self.model, self.attn, self.block_size, self.chain = model, attn, block_size, chain
         self.prefill_cache = prefill_cache
         self.observers = observers if observers is not None else Observers()
@@ -40,6 +43,16 @@ class LookaheadRunner:
         self.last_step: StepStats | None = None     # what the backend's last step ran
         self._want_fused = fused
         self._bind_fused()
+        self.graph, self.graph_reason = None, "graph=False"     # the compiled decode step, or why not
+        if graph:
+            self.compile_decode()
+
+    def compile_decode(self, **compile_kwargs) -> str | None:
+        """Run the torch table's decode-only steps through `torch.compile(model.forward,
+        fullgraph=True, **compile_kwargs)` traced over `graph.GRAPH_ATTENTION` (compiled lazily, at
+        the first such step); returns why not where those steps run C (as `DenseRunner`'s)."""
+        self.graph, self.graph_reason = compile_forward(self.model, self.attn.ops, self.fused, **compile_kwargs)
+        return self.graph_reason
 
     def _bind_fused(self) -> None:
         """The model's layers around this backend's attention in C, where the model takes it
@@ -103,6 +116,10 @@ class LookaheadRunner:
         if self.fused is not None and rec is None and not plan.prefill and plan.decode is not None:
             # every layer's non-attention stages in one C call each side of the backend's attention
             hidden = self.fused.run_layers(plan.batch.tokens, plan.batch.positions, step.forward)
+        if hidden is None and self.graph is not None and rec is None and interrupt is None \
+                and not plan.prefill and plan.decode is not None:
+            with bound(step):           # each layer's lookahead::attend_layer runs this step's layer
+                hidden = self.graph(plan.batch.tokens, plan.batch.positions, GRAPH_ATTENTION)
         if hidden is None:
             backend = rec.wrap(step, num_layers) if rec else step
             try:
