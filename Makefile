@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11, pip, make):
 #   make demo   build the default engine (when missing) and run the main job on it
-#   make test   run the test suite
+#   make test   run the test suite's fast tier (make test-slow: the rest; make test-all: both)
 # The entry points behind these targets, and the others, are listed in scripts/README.md.
 PY      ?= python3
 VENV    := .venv
@@ -14,7 +14,7 @@ ifeq ($(origin OMP_WAIT_POLICY),undefined)
 export GOMP_SPINCOUNT ?= 10000
 endif
 
-.PHONY: venv model data dynamo engine demo test bench clean
+.PHONY: venv model data dynamo engine demo test test-slow test-all bench clean
 .DEFAULT_GOAL := demo
 
 # A machine whose python already has a CUDA torch (the GPU machine) reuses it;
@@ -92,7 +92,16 @@ serve: engine
 serve-stop:
 	PYTHON=$(VPY) scripts/serve.sh stop
 
+# make test: the fast tier (~10 min on 2 cores); the tests marked `slow` (a tritonserver started
+# several times, a real Dynamo frontend and workers, nvcc builds, whole bench and GPU-check runs) are
+# make test-slow; CI (.ci/run) runs both.
 test: model data dynamo
+	$(VPY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-slow: model data dynamo
+	$(VPY) -m pytest -m slow $(PYTEST_ARGS)
+
+test-all: model data dynamo
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 bench: engine

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.prefill import prefill_flops
 from runtime.config import ModelConfig
 
@@ -24,6 +26,7 @@ def test_flops_count_projections_and_causal_attention():
     assert f["total"] == f["gemm"] + f["attention"]
 
 
+@pytest.mark.slow
 def test_a_run_on_a_tiny_engine_writes_every_row(tmp_path):
     eng = make_tiny_engine(tmp_path / "tiny", seed=2, head_dim=32, num_heads=4, num_kv_heads=2)
     out = tmp_path / "bp.json"

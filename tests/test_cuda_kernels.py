@@ -110,6 +110,7 @@ def _torch_extension_flags():
     return loader, nvcc_flags, cxx_flags
 
 
+@pytest.mark.slow
 @requires_nvcc
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="a GPU is here: plugins.cuda.loader builds the extension for real (the kernels stage)")

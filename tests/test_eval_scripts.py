@@ -429,6 +429,7 @@ def test_gpu_results_file_keeps_each_write_and_takes_a_childs_rows(tmp_path):
         "1/2 rows timed; m resident 2.50x dense; first error: boom"
 
 
+@pytest.mark.slow
 def test_gpu_decode_bench_cpu_smoke(tmp_path, capsys):
     """The GPU bench on CPU over the builder's tiny random-weights engine: every row through the real
     engine, the satisfied round, the copy replay and the graph path's eager half; a shape whose
@@ -527,6 +528,7 @@ def test_sweep_fetch_ratio_reports_each_policy_and_ratio(tiny_dir, tmp_path, sma
     assert json.loads(out.read_text())["rows"] == rows
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(330)
 def test_gpu_check_dry_run_runs_every_stage_on_cpu(tmp_path):
     """scripts/gpu_check.sh --dry-run: the GPU check's Python stages on CPU, so a Python error in

@@ -285,6 +285,7 @@ def test_stop_is_quick_and_leaves_nothing(watched):
 
 
 # -- without --watch ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_without_watch_deaths_are_reported_cleaned_up_and_stop_takes_seconds(unwatched):
     run = unwatched
     run.sh("start", "--timeout", "60", timeout=90, check=True)
