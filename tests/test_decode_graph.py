@@ -150,8 +150,10 @@ def test_compiled_lookahead_step_equals_eager(tiny_dir, mode):
 
 
 def test_the_attend_layer_op_outside_a_step():
-    """The op runs a bound step's layer only; called bare it says where it belongs."""
+    """The op runs a bound step's layer only; called bare it says where it belongs. It is tagged
+    cudagraph_unsafe, so a CUDA graph of the compiled step is captured around it, not through it."""
     import runtime.lookahead.graph  # noqa: F401  (registers the op)
     x = torch.zeros(2, 4, 8)
     with pytest.raises(RuntimeError, match="inside a lookahead step only"):
         torch.ops.lookahead.attend_layer(x, x[:, :2], x[:, :2], 0)
+    assert torch.Tag.cudagraph_unsafe in torch.ops.lookahead.attend_layer.default.tags

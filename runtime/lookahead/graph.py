@@ -8,7 +8,8 @@ the graph is traced with). Dynamo sees the op's fake implementation (the output'
 dtype: q's); at run time the op runs the step's backend, `LookaheadStep.forward`, which
 `LookaheadRunner.run` names for the call (`bound(step)`). Everything around it (embedding, norms,
 projections, RoPE, MLP, the final norm) is the graph, with no Python between its ops: on a GPU
-what a CUDA graph would capture, in pieces split at this op, as vLLM splits at its attention.
+what a CUDA graph would capture, in pieces split at this op, as vLLM splits at its attention (the
+op is tagged `cudagraph_unsafe`, which is what makes inductor split there).
 
 The op declares no mutated inputs: q, k and v are only read. Its effects live in the backend's
 own state (device tier, slot tables, pool, metrics), which nothing in the graph reads, and each
@@ -24,7 +25,9 @@ import torch
 _bound = threading.local()          # the step whose layers the op runs, per thread
 
 
-@torch.library.custom_op("lookahead::attend_layer", mutates_args=())
+# cudagraph_unsafe: inductor's graph partition leaves the op out of a CUDA graph and captures the
+# pieces between two of them (`torch.compile(mode="reduce-overhead")` on a GPU; never run: no GPU here)
+@torch.library.custom_op("lookahead::attend_layer", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def attend_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """Layer `layer`'s lookahead attention of the step `bound` names: q [T, H, D], k and v
     [T, KVH, D] -> out [T, H, D]."""
