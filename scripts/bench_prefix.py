@@ -230,6 +230,50 @@ def run_dynamo_routing(args, tok) -> dict:
     return out
 
 
+def run_dynamo_long(args, tok) -> dict:
+    """--dynamo-long: D documents of --dynamo-long-tokens on Dynamo, one worker whose host pool holds
+    them all: a first question on every document at once (cold prefills, side by side), then a
+    second question on every document at once (each document from the prefix cache). Per document:
+    both TTFTs and second / first; every request's error, where one fails (the run goes on)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench.prefix_serve import DynamoDeployment, complete
+    n, length = args.dynamo_long_docs, args.dynamo_long_tokens
+    docs = make_docs(tok, n, [length], args.seed + 505)
+    blocks = int(n * (length + 256) / 16) + 64
+    out: dict = {"workload": {"docs": n, "doc_tokens": length, "workers": 1, "num_host_blocks": blocks,
+                              "max_tokens": args.max_tokens, "worker_args": args.dynamo_worker_arg,
+                              "request_timeout_s": args.request_timeout}, "rounds": []}
+
+    def ask(prompt: str):
+        try:
+            return complete(url, "lookahead_llm", prompt, args.max_tokens, timeout=args.request_timeout)
+        except Exception as e:      # noqa: BLE001 — recorded with its document, the round goes on
+            return f"{type(e).__name__}: {e}"[:300]
+
+    with DynamoDeployment(args.engine, 1, "kv", blocks, extra=list(args.dynamo_worker_arg)) as dep:
+        url = dep.url
+        print(f"dynamo long documents: {url} ({n} x {length} tokens, {blocks} host blocks)", flush=True)
+        for q in (0, 1):
+            prompts = [tok.apply_chat_template(f"{d}\n\n{QUESTIONS[q]}") for d in docs]
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(n) as pool:
+                replies = list(pool.map(ask, prompts))
+            rows = [{"error": r} if isinstance(r, str) else
+                    {"ttft_s": r.ttft_s, "total_s": r.total_s, "prompt_tokens": r.prompt_tokens,
+                     "cached_tokens": r.cached_tokens, "completion_tokens": r.completion_tokens, "text": r.text}
+                    for r in replies]
+            out["rounds"].append({"question": QUESTIONS[q], "wall_s": time.perf_counter() - t0, "requests": rows})
+            print(f"  round {q + 1}: {[row.get('ttft_s', row.get('error')) for row in rows]}", flush=True)
+    first, later = out["rounds"]
+    ratios = [b["ttft_s"] / a["ttft_s"] for a, b in zip(first["requests"], later["requests"])
+              if a.get("ttft_s") and b.get("ttft_s")]
+    out["errors"] = sum("error" in r for rnd in out["rounds"] for r in rnd["requests"])
+    out["later_over_first"] = ratios
+    out["later_over_first_max"] = max(ratios) if ratios else None
+    return out
+
+
 def run_second(engine, args, doc: str) -> dict:
     from runtime.sampling import SamplingParams
     tok = engine.tokenizer
@@ -396,6 +440,20 @@ def print_report(rep: dict) -> None:
             kv, rr = d["kv"], d["round-robin"]
             print(f"kv / round-robin: prefill computed {kv['prefill_tokens_computed'] / rr['prefill_tokens_computed']:.2f}, "
                   f"TTFT p50 {fmt(kv['ttft_p50_s'] / rr['ttft_p50_s'], '.2f')}")
+    if "dynamo_long" in rep:
+        d = rep["dynamo_long"]
+        w = d["workload"]
+        print(f"\nDynamo, long documents: {w['docs']} x {w['doc_tokens']} tokens, one worker "
+              f"({' '.join(w['worker_args']) or 'engine defaults'}), {w['max_tokens']} output tokens; errors {d['errors']}")
+        print("doc | prompt tokens | first TTFT s | later TTFT s | later cached tokens | later / first")
+        first, later = d["rounds"]
+        for i, (a, b) in enumerate(zip(first["requests"], later["requests"])):
+            ratio = b["ttft_s"] / a["ttft_s"] if a.get("ttft_s") and b.get("ttft_s") else None
+            print(" | ".join([str(i), str(a.get("prompt_tokens", "-")), fmt(a.get("ttft_s"), ".1f"),
+                              fmt(b.get("ttft_s"), ".2f"), str(b.get("cached_tokens", "-")), fmt(ratio, ".4f")]))
+            for r in (a, b):
+                if "error" in r:
+                    print(f"    error: {r['error']}")
     if "second" in rep:
         for k, s in rep["second"].items():
             q1, q2 = s["questions"]
@@ -523,6 +581,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dynamo-concurrency", type=int, default=2, help="requests in flight on Dynamo (one a worker)")
     p.add_argument("--dynamo-pool-docs", type=float, default=5.0,
                    help="each worker's host pool holds about this many documents (default: %(default)s)")
+    p.add_argument("--dynamo-long", action="store_true",
+                   help="also run long documents on Dynamo: a first question on each of --dynamo-long-docs documents "
+                        "at once, then a second on each (from the prefix cache); one worker")
+    p.add_argument("--dynamo-long-docs", type=int, default=4)
+    p.add_argument("--dynamo-long-tokens", type=int, default=30000)
+    p.add_argument("--dynamo-worker-arg", action="append", default=[], metavar="ARG",
+                   help="an argument for the Dynamo workers (python -m serving.dynamo_worker's), e.g. "
+                        "--dynamo-worker-arg=--mode --dynamo-worker-arg=lookahead; repeat")
+    p.add_argument("--request-timeout", type=float, default=900.0, metavar="S",
+                   help="the HTTP client's limit per request (--dynamo-long: four cold 30K prefills side by side "
+                        "take ~20 min on 2 cores; default %(default)s)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--from-json", default=None, metavar="JSON",
@@ -581,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{time.perf_counter() - t_start:.0f}s] n {setting} done", flush=True)
         finally:
             engine.close() if hasattr(engine, "close") else None
-    if args.peer in ("llama-server", "vllm") or args.dynamo or args.served_url:
+    if args.peer in ("llama-server", "vllm") or args.dynamo or args.dynamo_long or args.served_url:
         from runtime.engine import Engine as _E   # the tokenizer only (the engines above are closed)
         tok = _E.from_dir(args.engine, num_host_blocks=64).tokenizer
         if args.served_url:
@@ -607,6 +676,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.dynamo:
             rep["dynamo"] = run_dynamo_routing(args, tok)
             print(f"[{time.perf_counter() - t_start:.0f}s] dynamo routing done", flush=True)
+        if args.dynamo_long:
+            rep["dynamo_long"] = run_dynamo_long(args, tok)
+            print(f"[{time.perf_counter() - t_start:.0f}s] dynamo long documents done", flush=True)
     rep["loadavg_end"] = loadavg()
     print_report(rep)
     if args.json:

@@ -86,3 +86,56 @@ def test_served_url_runs_the_same_prompts_and_compares_the_answers(tmp_path):
     assert sv["ttft_first_p50_s"] is not None and sv["ttft_later_p50_s"] is not None
     assert sv["same_answers"]["compared"] == 4             # a random tiny model does not say " w0 w1 w2"
     assert sv["same_answers"]["equal"] == 0 and "served (ours)" in r.stdout
+
+
+@pytest.mark.skipif(not _essays_installed(), reason="no essays installed (make data)")
+def test_dynamo_long_documents_asks_every_document_at_once_twice(monkeypatch, tmp_path, capsys):
+    """--dynamo-long against a fake OpenAI server in place of the Dynamo deployment: round one asks a
+    question on each document at once (the server sees all four in flight), round two a second
+    question on each; each document's second / first TTFT; a request that fails is recorded with
+    its document and the round goes on."""
+    import argparse
+    from contextlib import contextmanager
+
+    import bench.prefix_serve as ps
+    from script_loader import load_script
+    from test_prefix_serve import FakeServer
+
+    from runtime.engine import Engine
+
+    bp = load_script("scripts/bench_prefix.py")
+    tok = Engine.from_dir(make_tiny_engine(tmp_path / "tiny"), num_host_blocks=64).tokenizer
+    fake = FakeServer(hold=4)
+    started = []
+
+    @contextmanager
+    def deployment(engine, workers, router, blocks, extra=None):
+        started.append((workers, router, blocks, extra))
+        yield argparse.Namespace(url=fake.url)
+
+    real_complete, asked = ps.complete, []
+
+    def complete(url, model, prompt, max_tokens, extra=None, timeout=900.0):
+        asked.append(timeout)
+        if len(asked) == 6:                                 # the second round's second request
+            raise ps.ServerError("boom")
+        return real_complete(url, model, prompt, max_tokens, extra, timeout)
+
+    monkeypatch.setattr(ps, "DynamoDeployment", deployment)
+    monkeypatch.setattr(ps, "complete", complete)
+    args = argparse.Namespace(engine="e", dynamo_long_docs=4, dynamo_long_tokens=80, seed=0, max_tokens=3,
+                              dynamo_worker_arg=["--mode", "lookahead"], request_timeout=1234.0)
+    try:
+        out = bp.run_dynamo_long(args, tok)
+    finally:
+        fake.close()
+    assert started == [(1, "kv", int(4 * (80 + 256) / 16) + 64, ["--mode", "lookahead"])]
+    assert fake.peak >= 4 and asked == [1234.0] * 8
+    first, later = out["rounds"]
+    assert [len(r["requests"]) for r in out["rounds"]] == [4, 4] and first["question"] != later["question"]
+    assert out["errors"] == 1 and sum("error" in r for r in later["requests"]) == 1
+    assert len(out["later_over_first"]) == 3 and out["later_over_first_max"] == max(out["later_over_first"])
+    assert all(r["prompt_tokens"] > 0 for r in first["requests"])
+    bp.print_report({"engine": "e", "commit": None, "loadavg_start": None, "loadavg_end": None, "dynamo_long": out})
+    table = capsys.readouterr().out
+    assert "4 x 80 tokens" in table and "errors 1" in table and "error: ServerError: boom" in table
