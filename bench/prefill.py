@@ -16,7 +16,8 @@ Per context (prompt = context - 1 tokens, random ids, the same ids for ours and 
   (`logits_to_keep=1`, no KV cache kept).
 * **llama.cpp** (b11434, built once by `python -m bench.llama_cpp build`): `llama-batched-bench`
   prompt processing time (its T_PP) at the same depth, batch 1, per `--llama-configs` (weights /
-  KV type; flash attention off and on), its fastest one marked "best".
+  KV type, made with llama-quantize from the GGUF the first engine was built from, else the default
+  model's; flash attention off and on), its fastest one marked "best".
 * **vLLM CPU** where installed (`--vllm-python`: a python that imports vllm): `LLM.generate` of the
   same token ids, `max_tokens=1`, prefix caching off, bf16, after a short warm-up, in its own
   process; elsewhere the row says it was not run.
@@ -344,9 +345,11 @@ def main(argv=None) -> int:
 
 def llama_rows(a, plan, rates) -> list[dict]:
     configs = llama_cpp.parse_configs(a.llama_configs)
+    source = llama_cpp.engine_gguf(a.engines[0])        # the GGUF the engine was built from, else the default's
     rows = []
     for flash in ("off", "on"):
-        got = llama_cpp.run_peer(configs, [ctx for ctx, _, _ in plan], [1], 1, a.threads, flash=flash)
+        got = llama_cpp.run_peer(configs, [ctx for ctx, _, _ in plan], [1], 1, a.threads, source=source,
+                                 flash=flash)
         for r, (ctx, n, f) in ((r, next(p for p in plan if p[0] == r["context"])) for r in got):
             cfg = r["impl"].removeprefix("llama.cpp ")
             name = f"llama.cpp {cfg} fa {flash}"

@@ -53,3 +53,27 @@ def test_a_mode_takes_settings():
         "lookahead", {"prefill_top_k": 128, "prefill_window": 1024})
     assert mode_fields("dense") == ("dense", {})
     assert mode_fields("lookahead@miss_policy=drop") == ("lookahead", {"miss_policy": "drop"})
+
+
+def test_llama_cpp_runs_the_gguf_the_engine_was_built_from(tmp_path, monkeypatch):
+    """The llama.cpp rows time the engine's own source GGUF (engine.yaml `source`), not the default model's."""
+    import argparse
+
+    from bench import llama_cpp, prefill
+
+    gguf = tmp_path / "Long-Model.gguf"
+    gguf.write_bytes(b"GGUF")
+    eng = tmp_path / "eng"
+    eng.mkdir()
+    (eng / "engine.yaml").write_text(f"source:\n  kind: gguf\n  path: {gguf}\n")
+    seen = []
+
+    def fake_run_peer(configs, contexts, batches, gen, threads, prefill_threads=None, source=None, **kw):
+        seen.append(source)
+        return [{"context": c, "batch": 1, "impl": cfg.label, "error": "not run"} for cfg in configs for c in contexts]
+
+    monkeypatch.setattr(llama_cpp, "run_peer", fake_run_peer)
+    a = argparse.Namespace(llama_configs="Q8_0/f16", engines=[str(eng)], threads=2)
+    rows = prefill.llama_rows(a, [(64, 63, {"total": 1.0})], {"int8": 1.0, "float32": 1.0})
+    assert seen == [gguf, gguf]                              # flash attention off, then on
+    assert [r["impl"] for r in rows] == ["llama.cpp Q8_0/f16 fa off", "llama.cpp Q8_0/f16 fa on"]
