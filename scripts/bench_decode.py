@@ -72,6 +72,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from runtime.threads import prepare_threads
@@ -89,6 +90,7 @@ from bench.runs import typed_value
 from bench.speed import (ContextSeedDraft, EngineDecoder, format_table, machine_info, make_prompts, plot,
                          profile_steps, reference_hf_dir)
 from runtime.engine import Engine
+from runtime.engine_dir import load_manifest
 from runtime.prefill_cache import PrefillCache
 from runtime.sampling import SamplingParams
 from runtime.internals import Internals
@@ -138,9 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="dense", help=f"ours, comma-separated: {', '.join(MODES)}, or 'all' "
                    "(default: %(default)s; each lookahead mode adds its own prefill, ~+50%% run time)")
     p.add_argument("--hf-impls", default="default,static-compile,offloaded",
-                   help=f"transformers paths, comma-separated: {', '.join(HF_IMPLS)}, or 'all' (default: "
-                   "%(default)s; 'default' is the reference of 'vs transformers' and must stay; "
-                   "static-compile compiles once per point, ~1-2 min each on 2 CPU cores)")
+                   help=f"transformers paths, comma-separated: {', '.join(HF_IMPLS)}, or 'all', or 'none' (default: "
+                   "%(default)s; 'default' is the reference of 'vs transformers' and 'same tokens' and stays "
+                   "in any list; 'none' leaves transformers out, those two columns empty: its fp32 prefill "
+                   "is most of a 32K point's time; static-compile compiles once per point, ~1-2 min each "
+                   "on 2 CPU cores)")
     p.add_argument("--compile-timeout", type=float, default=300.0, metavar="S",
                    help="static-compile: give up on a point's torch.compile after S seconds and report "
                    "'not available' (default: %(default)s)")
@@ -190,13 +194,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                or (mode_spec(m)[1] and not m.startswith("lookahead-"))]
     if unknown:
         p.error(f"--modes: unknown {unknown[0]!r}; known: {', '.join(MODES)}, and lookahead-*{CONTEXT_SEED}, any mode{PYTHON_LAYERS}")
-    args.hf_impls = (list(HF_IMPLS) if args.hf_impls == "all"
+    args.hf_impls = (list(HF_IMPLS) if args.hf_impls == "all" else [] if args.hf_impls.strip() == "none"
                      else list(dict.fromkeys(m.strip() for m in args.hf_impls.split(",") if m.strip())))
     unknown = [m for m in args.hf_impls if m not in HF_IMPLS]
     if unknown:
         p.error(f"--hf-impls: unknown {unknown[0]!r}; known: {', '.join(HF_IMPLS)}")
-    if "default" not in args.hf_impls:
-        p.error("--hf-impls must include 'default': it is the reference of 'vs transformers' and 'same tokens'")
+    if args.hf_impls and "default" not in args.hf_impls:
+        p.error("--hf-impls must include 'default' (the reference of 'vs transformers' and 'same tokens'), "
+                "or be 'none'")
     if args.decode_steps < 1 or args.warmup_steps < 0:
         p.error("--decode-steps must be >= 1 and --warmup-steps >= 0")
     args.peers = list(dict.fromkeys(m.strip() for m in args.peers.split(",") if m.strip()))
@@ -244,12 +249,14 @@ def load_engines(args: argparse.Namespace) -> dict[str, Engine | str]:
 @torch.inference_mode()
 def warm_up(engines: dict[str, Engine | str], hf_model) -> None:
     """One short generation each, so one-time costs (allocator, thread pools) hit no point."""
-    ids = list(range(1000, 1064))
+    vocab = next(e for e in engines.values() if isinstance(e, Engine)).manifest.model.vocab_size
+    ids = [(1000 + i) % vocab for i in range(64)]
     for e in engines.values():
         if isinstance(e, Engine):
             e.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))
-    hf_model.generate(input_ids=torch.tensor([ids]), do_sample=False, max_new_tokens=4, eos_token_id=None,
-                      pad_token_id=0)
+    if hf_model is not None:
+        hf_model.generate(input_ids=torch.tensor([ids]), do_sample=False, max_new_tokens=4, eos_token_id=None,
+                          pad_token_id=0)
 
 
 def run_point(args, engines, hf_model, ctx: int, batch: int, order: int, floor: dict[str, Any],
@@ -308,25 +315,25 @@ def run_point(args, engines, hf_model, ctx: int, batch: int, order: int, floor: 
             profiles[d.name] = profile_steps(d, PROFILE_STEPS, Path(args.profile) / f"{ctx}x{batch}-{d.name}.txt")
     for d in decoders:
         d.close()
-    ref = next(d for d in decoders if d.name == "transformers")
-    rows = [{**_row(d, ref, ctx, length, batch, source, floor), "profile_ms_per_step": profiles.get(d.name)}
+    ref = next((d for d in decoders if d.name == "transformers"), None)      # None: --hf-impls none
+    rows = [{**_row(d, ref, floor["hf_config"], ctx, length, batch, source, floor),
+             "profile_ms_per_step": profiles.get(d.name)}
             for d in decoders]
     order = [*engines, *(HF_NAMES[i] for i in args.hf_impls)]
     return sorted(rows + missing, key=lambda r: order.index(r["impl"]))     # a fixed order per point
 
 
-def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str, Any]) -> dict[str, Any]:
+def _row(d, ref, c, ctx: int, length: int, batch: int, source: str, floor: dict[str, Any]) -> dict[str, Any]:
+    """`ref`: the transformers decoder of the point (None without one); `c`: the model's transformers config."""
     t = d.timing
     tps = t.timed_tokens / t.decode_s
-    ref_tps = ref.timing.timed_tokens / ref.timing.decode_s
-    c = ref.model.config
     # transformers' Qwen2 (and others) leave head_dim out of the config where it is hidden / heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     # ours read the engine's own bytes: its weights as stored (int8 + scales in an int8 engine) and
     # its KV in the storage dtype (kv_dtype); transformers' rows read the fp32 reference's
     ours = d.engine if isinstance(d, EngineDecoder) else None
     weights = stored_weight_bytes(ours.model) if ours is not None else floor["weight_bytes"]
-    kv_elem = ours.pool.k.element_size() if ours is not None else ref.model.dtype.itemsize
+    kv_elem = ours.pool.k.element_size() if ours is not None else floor["hf_itemsize"]
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * kv_elem
     device = getattr(d, "device_bytes_per_seq", None)
     h2d = getattr(d, "h2d_bytes", 0) / t.timed_steps if device is not None else None
@@ -339,17 +346,16 @@ def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str
     # the tokens each row attends over: the working set's slots (all read, some masked) or the cache
     attended = sparse[0] // kv_per_token if sparse is not None else getattr(d, "kv_tokens", length)
     rows = batch * getattr(d, "rows_per_seq", 1)
-    flops = step_flops(floor["weight_bytes"], ref.model.dtype.itemsize, rows, c.num_hidden_layers,
+    flops = step_flops(floor["weight_bytes"], floor["hf_itemsize"], rows, c.num_hidden_layers,
                        c.num_attention_heads, head_dim, attended)
     compute_ms = 1000 * flops / (floor["matmul_gflops"] * 1e9) if on_cpu else None
     ms = 1000 * t.decode_s / t.timed_steps
-    agree = min(_prefix(a, b) for a, b in zip(t.tokens, ref.timing.tokens))
     return {"context": ctx, "prompt_tokens": length, "batch": batch, "impl": d.name, "prompt_source": source,
             "device": getattr(d, "device", "cpu"),
             "prefill_s": t.prefill_s, "compile_s": getattr(d, "compile_s", None),
             "decode_s": t.decode_s, "timed_steps": t.timed_steps,
             "decode_tokens_per_s": tps, "ms_per_step": ms,
-            "ratio": None if d is ref else tps / ref_tps,
+            "ratio": None if ref is None or d is ref else tps / (ref.timing.timed_tokens / ref.timing.decode_s),
             "kv_device_bytes_per_seq": device if device is not None else length * kv_per_token,
             "h2d_bytes_per_step": h2d,
             "transfer_wait_s": wait,
@@ -369,7 +375,7 @@ def _row(d, ref, ctx: int, length: int, batch: int, source: str, floor: dict[str
             "step_flops": flops, "compute_floor_ms": compute_ms,
             "x_roofline": ms / max(floor_ms, compute_ms) if floor_ms and compute_ms else None,
             # over the tokens both emitted (a pre-decoding step emits none: ours may be shorter)
-            "same_tokens": f"{agree}/{min(min(len(a), len(b)) for a, b in zip(t.tokens, ref.timing.tokens))}",
+            "same_tokens": "" if ref is None else _same_tokens(t.tokens, ref.timing.tokens),
             "tokens": t.tokens}
 
 
@@ -398,6 +404,23 @@ def run_peers(args, configs, error: str | None, rows: list[dict[str, Any]],
                 here.append(r)
         merged += here
     return merged
+
+
+def fp32_reference(m) -> tuple[SimpleNamespace, int]:
+    """Without transformers' model (--hf-impls none): its config's names for the shape of `m` (our
+    ModelConfig) and the bytes of its fp32 weights a step reads (bench.floor.weight_bytes: every
+    layer, the final norm and the LM head; the input embedding when tied, as the LM head)."""
+    h, q, kv = m.hidden_size, m.q_size, m.kv_size
+    layer = h * (q + 2 * kv) + (q + 2 * kv if m.attention_bias else 0) + q * h + 3 * h * m.intermediate_size + 2 * h
+    config = SimpleNamespace(num_hidden_layers=m.num_layers, num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim,
+                             num_attention_heads=m.num_heads, hidden_size=h)
+    return config, 4 * (m.num_layers * layer + h + m.vocab_size * h)
+
+
+def _same_tokens(ours: list[list[int]], ref: list[list[int]]) -> str:
+    """'agreeing prefix / comparable length', the worst sequence of the batch."""
+    agree = min(_prefix(a, b) for a, b in zip(ours, ref))
+    return f"{agree}/{min(min(len(a), len(b)) for a, b in zip(ours, ref))}"
 
 
 def _prefix(a: list[int], b: list[int]) -> int:
@@ -563,12 +586,17 @@ def main(argv: list[str] | None = None) -> int:
     if not any(isinstance(e, Engine) for e in engines.values()):
         print("error: no mode of ours is available: " + "; ".join(engines.values()), file=sys.stderr)
         return 2
-    hf_model = AutoModelForCausalLM.from_pretrained(reference_hf_dir(args.engine), dtype=torch.float32).eval()
+    if args.hf_impls:
+        hf_model = AutoModelForCausalLM.from_pretrained(reference_hf_dir(args.engine), dtype=torch.float32).eval()
+        hf_config, hf_weight_bytes = hf_model.config, weight_bytes(hf_model)
+    else:           # --hf-impls none: the floors' model shape and fp32 weight count from the engine's config
+        hf_model = None
+        hf_config, hf_weight_bytes = fp32_reference(load_manifest(args.engine, verify_checksums=False).model)
     warm_up(engines, hf_model)
     bandwidth, gemm = memory_bandwidth(), matmul_gflops()
     probe = BandwidthProbe()
-    floor = {"weight_bytes": weight_bytes(hf_model), "bandwidth_gbps": bandwidth["bandwidth_gbps"],
-             "matmul_gflops": gemm["matmul_gflops"]}
+    floor = {"weight_bytes": hf_weight_bytes, "bandwidth_gbps": bandwidth["bandwidth_gbps"],
+             "matmul_gflops": gemm["matmul_gflops"], "hf_itemsize": 4, "hf_config": hf_config}
     info = {**machine_info(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "memory_bandwidth": bandwidth, "matmul": gemm,

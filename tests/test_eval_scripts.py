@@ -249,9 +249,24 @@ def test_bench_args():
     assert bench_py.MODES["sparse-ondemand"]["draft"] == "none"
     assert args.hf_impls == ["default", "static-compile", "offloaded"]
     assert bench_py.parse_args(["--hf-impls", "default"]).hf_impls == ["default"]
+    assert bench_py.parse_args(["--hf-impls", "none"]).hf_impls == []
     for bad in (["--hf-impls", "static-compile"], ["--hf-impls", "default,eager"], ["--modes", "sparse-inplace"]):
         with pytest.raises(SystemExit):
             bench_py.parse_args(bad)
+
+
+def test_bench_without_transformers_leaves_its_columns_empty(tiny_dir, tmp_path):
+    """--hf-impls none (a 32K point's fp32 transformers prefill is most of its time): our rows
+    are timed as usual, 'vs transformers' and 'same tokens' are empty."""
+    out = tmp_path / "b.json"
+    rc = bench_py.main(["--engine", str(tiny_dir), "--contexts", "96", "--batches", "2", "--decode-steps", "2",
+                        "--warmup-steps", "1", "--modes", "dense,sparse", "--hf-impls", "none", "--threads", "1",
+                        "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["dense", "sparse"]
+    assert all(r["ratio"] is None and r["same_tokens"] == "" and r["decode_tokens_per_s"] > 0 for r in rows)
+    assert all(r["floor_ms"] > 0 and r["compute_floor_ms"] > 0 for r in rows)
 
 
 def test_bench_step_read_bytes():
