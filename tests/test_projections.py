@@ -47,13 +47,27 @@ def _gen(seed: int) -> torch.Generator:
 
 # ---- bound at load -------------------------------------------------------------------------------
 def test_packed_copies_are_made_at_load_and_counted_by_the_plan(dirs):
-    eng = Engine.from_dir(dirs["fp32"], block_size=4)
+    # float32 prompts, named: `auto` resolves on the host (bf16 where it has AVX512_BF16, below)
+    eng = Engine.from_dir(dirs["fp32"], block_size=4, prefill_precision="float32")
     proj = eng.model.projections
     assert proj is not None and eng.stats()["steps"] == 0                # no prompt has run
     assert proj.nbytes > 0 and proj.nbytes == eng.memory_plan.packed_weights + eng.memory_plan.prefill_weights
     assert set(proj.kernels()) == {"decode c/linear_packed", "prefill c/linear_packed", "norm c/rmsnorm"}
     assert proj.kernels()["norm c/rmsnorm"] == 2 * eng.manifest.model.num_layers + 1
     assert eng.describe()["kernels"]["projections"] == proj.kernels()
+    assert eng.stats()["kernel_fallbacks"] == []
+
+
+@pytest.mark.skipif(not prefill.bf16_dot_products(), reason="this CPU has no AVX512_BF16 (or the AVX-512 library "
+                    "did not build): bf16 prompts bind their torch formulation, tests/test_engine_spec.py")
+def test_bf16_prompts_bind_the_bf16_gemm_and_its_copy_at_load(dirs):
+    """A bf16-prompt engine on a CPU with the units: every layer projection's prompt rows run the bf16
+    GEMM on a bf16 copy made at load and counted (the LM head's one prompt row keeps the fp32 kernel)."""
+    eng = Engine.from_dir(dirs["fp32"], block_size=4, prefill_precision="bfloat16")
+    proj, plan = eng.model.projections, eng.memory_plan
+    assert eng.stats()["steps"] == 0 and plan.prefill_weights > 0
+    assert proj.nbytes == plan.packed_weights + plan.prefill_weights
+    assert proj.kernels()["prefill c/gemm_bf16"] == 4 * eng.manifest.model.num_layers
     assert eng.stats()["kernel_fallbacks"] == []
 
 
