@@ -147,7 +147,7 @@ VLLM_SCRIPT = textwrap.dedent("""
     import json, sys, time
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    a = json.loads(sys.argv[1])
+    a = json.loads(sys.stdin.read())
     llm = LLM(model=a["model"], dtype=a["dtype"], max_model_len=a["max_model_len"], enable_prefix_caching=False)
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     llm.generate([TokensPrompt(prompt_token_ids=a["warm"])], sp, use_tqdm=False)
@@ -161,10 +161,12 @@ VLLM_SCRIPT = textwrap.dedent("""
 
 
 def vllm_command(python: str, hf_dir: Path, prompts: list[list[int]], warm: list[int], max_model_len: int,
-                 dtype: str = "bfloat16") -> list[str]:
+                 dtype: str = "bfloat16") -> tuple[list[str], str]:
+    """(argv, stdin): the prompts go on stdin; as an argument a 30K-token prompt's ids passed the
+    kernel's 128 KiB limit on one argument (E2BIG)."""
     arg = json.dumps({"model": str(hf_dir), "dtype": dtype, "max_model_len": max_model_len, "prompts": prompts,
                       "warm": warm})
-    return [python, "-c", VLLM_SCRIPT, arg]
+    return [python, "-c", VLLM_SCRIPT], arg
 
 
 def run_vllm(python: str | None, hf_dir: Path, prompts: list[list[int]], warm: list[int], max_model_len: int,
@@ -175,8 +177,8 @@ def run_vllm(python: str | None, hf_dir: Path, prompts: list[list[int]], warm: l
     from bench.prefix_serve import vllm_env
     env = vllm_env(threads, 6, bind)
     try:
-        done = subprocess.run(vllm_command(python, hf_dir, prompts, warm, max_model_len), capture_output=True,
-                              text=True, timeout=timeout, env=env)
+        argv, stdin = vllm_command(python, hf_dir, prompts, warm, max_model_len)
+        done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout, env=env)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"did not run ({e})"
     for line in done.stdout.splitlines():

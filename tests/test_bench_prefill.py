@@ -77,3 +77,15 @@ def test_llama_cpp_runs_the_gguf_the_engine_was_built_from(tmp_path, monkeypatch
     rows = prefill.llama_rows(a, [(64, 63, {"total": 1.0})], {"int8": 1.0, "float32": 1.0})
     assert seen == [gguf, gguf]                              # flash attention off, then on
     assert [r["impl"] for r in rows] == ["llama.cpp Q8_0/f16 fa off", "llama.cpp Q8_0/f16 fa on"]
+
+
+def test_vllm_gets_a_32k_prompt_on_stdin(tmp_path):
+    """The vLLM peer's script reads its prompts from stdin: 32K token ids as one argument passed the
+    kernel's 128 KiB limit (E2BIG). A stand-in python that echoes what the script would read."""
+    from bench.prefill import run_vllm
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n" + f'exec {sys.executable} -c \'import json,sys; a=json.loads(sys.stdin.read()); '
+                    'print("VLLM_RESULT " + json.dumps({len(p): 1.5 for p in a["prompts"]}))\'\n')
+    fake.chmod(0o755)
+    got = run_vllm(str(fake), tmp_path, [list(range(32767))], [1, 2], 32768, 60, 1)
+    assert got == {32767: 1.5}
