@@ -152,6 +152,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-threads", type=int, default=None,
                    help="torch threads while prefilling (default: --threads); prefill is not timed, "
                    "and at 8K it is most of a run's time")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="our engines' prefill_chunk (default: the largest batch x context, every prompt of a "
+                   "point in one step, so every sequence starts decoding on the same step). Each of our modes "
+                   "holds step buffers for a chunk, ~110 KiB a token on Qwen2.5-Coder-0.5B: at 32K x 4 a "
+                   "whole-batch chunk (13.7 GiB each) leaves a second mode no memory; a smaller chunk "
+                   "prefills a point's prompts over several steps, the first sequences decoding a few "
+                   "untimed tokens sooner")
     p.add_argument("--quick", action="store_true", help="smoke run: contexts 512,1024, batches 1,2")
     p.add_argument("--json", help="write rows + machine info here")
     p.add_argument("--plot", help="write a bar chart (PNG) here")
@@ -202,6 +209,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.hf_impls and "default" not in args.hf_impls:
         p.error("--hf-impls must include 'default' (the reference of 'vs transformers' and 'same tokens'), "
                 "or be 'none'")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        p.error("--prefill-chunk must be >= 1")
     if args.decode_steps < 1 or args.warmup_steps < 0:
         p.error("--decode-steps must be >= 1 and --warmup-steps >= 0")
     args.peers = list(dict.fromkeys(m.strip() for m in args.peers.split(",") if m.strip()))
@@ -227,7 +236,7 @@ def load_engines(args: argparse.Namespace) -> dict[str, Engine | str]:
     # prefix caching off: every point prefills its prompts in full (a longer point's prompt starts
     # with a shorter one's text, which a cache would serve); scripts/bench_prefix.py measures the cache
     base = Engine.from_dir(args.engine, max_batch_size=batch, max_model_len=ctx + 64,
-                           prefill_chunk=batch * ctx, num_host_blocks=1, prefix_caching=False)
+                           prefill_chunk=args.prefill_chunk or batch * ctx, num_host_blocks=1, prefix_caching=False)
     cache = PrefillCache(max_prompts=batch)
     engines: dict[str, Engine | str] = {}
     for mode in args.modes:
@@ -431,7 +440,7 @@ def link_engines(args, ctx: int, batch: int, total_steps: int) -> tuple[Engine, 
     """The sweep's engines over one loaded model and one prefill cache: each lookahead mode on a
     recording modeled link of its own (bench.speed.make_recording_link), the others as siblings."""
     base = Engine.from_dir(args.engine, max_batch_size=batch, max_model_len=ctx + total_steps + 8,
-                           prefill_chunk=batch * ctx, num_host_blocks=1, prefix_caching=False)
+                           prefill_chunk=args.prefill_chunk or batch * ctx, num_host_blocks=1, prefix_caching=False)
     cache = PrefillCache(max_prompts=batch)
     engines: dict[str, Engine | str] = {}
     for mode in args.link_modes:
