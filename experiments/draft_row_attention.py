@@ -9,7 +9,7 @@ the next step's real row will select. When the draft token is right, the next st
 the draft row computed again over its own top-K, so every difference between the two rows' hidden
 states, layer after layer, comes from that attention set. This run measures how much: one RULER
 prompt, greedy, `resident` / `urgent`, the model's own draft, the agreement of the prediction with
-the next step's exact top-K (scripts/profile_agreement.py's tap), twice on one prefill:
+the next step's exact top-K (scripts/profile_agreement.py's tap), once per variant on one prefill:
   tier   the runtime as it is;
   dense  the draft row's attention recomputed over the lane's whole context (the host pool) plus
          the step's own rows: what the draft row would compute with no working set at all;
@@ -17,7 +17,7 @@ the next step's exact top-K (scripts/profile_agreement.py's tap), twice on one p
          from the host pool) plus the step's own rows: what the next step's real row attends when
          the draft token and the prediction are right (under `urgent` the selected slots hold
          exactly the real query's top-K), so the draft row computes that row ahead.
-The real row and everything stored are the same in both; only the prediction (and the draft token,
+The real row and everything stored are the same in every variant; only the prediction (and the draft token,
 which the draft row's logits give) can change. The C lookahead layer does not run here: the tap's
 on_scores observer puts the backend on its torch layer, which this run patches.
 """
@@ -30,14 +30,14 @@ import math
 import sys
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
+from bench.runs import EngineFactory
+from runtime.lookahead.attention import LookaheadAttention, lane_rows
+from runtime.lookahead.summaries import BlockSummaries
+
 ROOT = Path(__file__).resolve().parents[1]
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from bench.runs import EngineFactory  # noqa: E402
-from runtime.lookahead.attention import LookaheadAttention, lane_rows  # noqa: E402
-from runtime.lookahead.summaries import BlockSummaries  # noqa: E402
 
 
 def _load_profile_agreement():
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
               f"{r['agreement_when_draft_hit']}, accept {r['draft_accept_rate']}, "
               f"prompt {r['prompt_tokens']} tokens ({r['time_s']:.0f} s)", flush=True)
     same = len({tuple(r["output_ids"]) for r in out.values()}) == 1
-    print(f"real tokens the same in both runs: {same}")
+    print(f"real tokens the same in every run: {same}")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps({"args": vars(a), "runs": out, "same_output": same}, indent=1))
     return 0
