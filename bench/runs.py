@@ -53,10 +53,11 @@ class EngineFactory:
         self.base = Engine.from_dir(engine_dir, max_batch_size=1, max_model_len=max_model_len,
                                     num_host_blocks=1)
         self.tokenizer = self.base.tokenizer
+        self.internals = None       # the engines' runtime.internals.Internals (None: the base's)
 
     def make(self, **overrides: Any):
         return self.base.sibling(self.prefill_cache, max_batch_size=1, max_model_len=self.max_model_len,
-                                 **overrides)
+                                 internals=self.internals, **overrides)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))

@@ -1,25 +1,25 @@
 #!/usr/bin/env python3
-"""Does the draft row's sparse attention cost the prediction its agreement at long context?
+"""Does the draft row's attention set cost the prediction its agreement at long context?
 
     .venv/bin/python experiments/draft_row_attention.py --engine engines/qwen2.5-coder-0.5b-w8a8 --context 32000
 
-The draft row of a lookahead step attends what the device tier holds (sink, the resident selected
-blocks, the window) plus the step's own rows: the working set the *real* row selected, not the one
-the next step's real row will select. When the draft token is right, the next step's real row is
-the draft row computed again over its own top-K, so every difference between the two rows' hidden
-states, layer after layer, comes from that attention set. This run measures how much: one RULER
-prompt, greedy, `resident` / `urgent`, the model's own draft, the agreement of the prediction with
-the next step's exact top-K (scripts/profile_agreement.py's tap), once per variant on one prefill:
-  tier   the runtime as it is;
+When the draft token is right, the next step's real row is the draft row computed again over its
+own top-K, so every difference between the two rows' hidden states, layer after layer, comes from
+the set the draft row attends. This run measures how much: one RULER prompt, greedy,
+`resident` / `urgent`, the model's own draft, the agreement of the prediction with the next
+step's exact top-K (scripts/profile_agreement.py's tap), once per variant on one prefill:
+  tier   the draft row attends what the device tier holds (sink, the resident selected blocks,
+         the window) plus the step's own rows: the working set the *real* row selected (the
+         runtime's `draft_attention` "tier", a GPU engine's default);
+  own    the draft row attends its sink, window and *its own* top-K blocks of the layer, read
+         from the host pool, plus the step's own rows (`draft_attention` "own", a CPU engine's
+         default since this experiment found the cause: runtime/lookahead/attention.py);
   dense  the draft row's attention recomputed over the lane's whole context (the host pool) plus
-         the step's own rows: what the draft row would compute with no working set at all;
-  own    the draft row's attention over sink + window + *its own* top-K blocks of the layer (read
-         from the host pool) plus the step's own rows: what the next step's real row attends when
-         the draft token and the prediction are right (under `urgent` the selected slots hold
-         exactly the real query's top-K), so the draft row computes that row ahead.
-The real row and everything stored are the same in every variant; only the prediction (and the draft token,
-which the draft row's logits give) can change. The C lookahead layer does not run here: the tap's
-on_scores observer puts the backend on its torch layer, which this run patches.
+         the step's own rows: what it would compute with no working set at all (patched here
+         over "tier").
+The real row and everything stored are the same in every variant; only the prediction (and the
+draft token, which the draft row's logits give) can change. The tap's on_scores observer puts the
+backend on its torch layer (the C layer computes the same, bit for bit).
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.runs import EngineFactory
+from runtime.internals import Internals
 from runtime.lookahead.attention import LookaheadAttention, lane_rows
-from runtime.lookahead.summaries import BlockSummaries
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,59 +68,22 @@ def dense_draft_rows(attn: LookaheadAttention, layer: int, o, qd, k, v, d) -> No
         o[i, 1] = out.to(o.dtype)
 
 
-def own_draft_rows(attn: LookaheadAttention, layer: int, idx, o, qd, k, v, d) -> None:
-    """Overwrite the draft rows of `o` with attention over sink + window + the draft query's own
-    top-K (`idx` [n, 2, KVH, K] logical blocks, -1 padded) of the lane, per KV head, plus the step's
-    real and draft rows."""
-    pool, layout = attn.pool, attn.layout
-    bs, kvh = layout.block_size, pool.k.shape[1]
-    group = qd.shape[2] // kvh
-    k_rows, v_rows = lane_rows(k, d), lane_rows(v, d)                # [n, 2, KVH, D]
-    for i, (lane, c) in enumerate(zip(d.lane_list, d.context_lens)):
-        if not bool(d.lane_active[i]) or bool(d.predecode[i]):
-            continue
-        stored = c - 1
-        last = (stored - 1) // bs
-        fixed = list(range(min(layout.num_sink, last + 1))) + list(range(layout.window_start(c + 1), last + 1))
-        for h in range(kvh):
-            own = [b for b in idx[i, 1, h].tolist() if b >= 0]
-            logical = torch.tensor(sorted(set(fixed) | set(own)), dtype=torch.long)
-            host = attn.residency.lane_blocks[lane, logical]
-            keys = pool.k[layer, h, host].reshape(-1, pool.k.shape[-1]).float()        # [nb * bs, D]
-            vals = pool.v[layer, h, host].reshape(-1, pool.v.shape[-1]).float()
-            pos = (logical[:, None] * bs + torch.arange(bs)).reshape(-1)
-            keep = pos < stored
-            keys = torch.cat([keys[keep], k_rows[i, :, h].float()])                     # + real, draft
-            vals = torch.cat([vals[keep], v_rows[i, :, h].float()])
-            q = qd[i, 1, h * group:(h + 1) * group].float()                              # [group, D]
-            w = torch.softmax(q @ keys.T * attn.scale, dim=-1)
-            o[i, 1, h * group:(h + 1) * group] = (w @ vals).to(o.dtype)
-
-
-def patch_draft(kind: str) -> None:
-    """Patch the backend's torch layer so that the draft row attends `kind` ("dense" or "own")."""
+def patch_dense() -> None:
+    """Patch the backend's torch layer so that the draft row attends the whole context."""
     orig_decode, orig_attend = LookaheadAttention._decode_torch, LookaheadAttention._attend
-    orig_score = BlockSummaries.score
     state = {}
 
     def decode(self, layer, *args, **kw):
         state["layer"] = layer
         return orig_decode(self, layer, *args, **kw)
 
-    def score(self, *args, **kw):
-        state["idx"], scores = orig_score(self, *args, **kw)
-        return state["idx"], scores
-
     def attend(self, buf, qd, k, v, d):
         o = orig_attend(self, buf, qd, k, v, d)
-        if d.rows == 2 and kind == "dense":
+        if d.rows == 2:
             dense_draft_rows(self, state["layer"], o, qd, k, v, d)
-        elif d.rows == 2:
-            own_draft_rows(self, state["layer"], state["idx"], o, qd, k, v, d)
         return o
 
     LookaheadAttention._decode_torch, LookaheadAttention._attend = decode, attend
-    BlockSummaries.score = score
 
 
 def main(argv=None) -> int:
@@ -140,11 +103,12 @@ def main(argv=None) -> int:
     prompt = pa.make_prompts(a.source, a.context, 1, factory, factory.tokenizer.apply_chat_template, 0, a.steps)[0]
     ks = (a.top_k,)
     out = {}
-    orig = (LookaheadAttention._decode_torch, LookaheadAttention._attend, BlockSummaries.score)
+    orig = (LookaheadAttention._decode_torch, LookaheadAttention._attend)
     for name in a.variants:
-        LookaheadAttention._decode_torch, LookaheadAttention._attend, BlockSummaries.score = orig
-        if name != "tier":
-            patch_draft(name)
+        LookaheadAttention._decode_torch, LookaheadAttention._attend = orig
+        factory.internals = Internals(draft_attention="own" if name == "own" else "tier")
+        if name == "dense":
+            patch_dense()
         with torch.inference_mode():
             r = pa.run_draft(factory, prompt, "dual_token", a.top_k, a.steps, ks, None, 0)
         per_layer = [x[0] for x in r["agreement_per_layer"] if x and x[0] is not None]

@@ -95,7 +95,8 @@ class Completion:
 class Engine:
     def __init__(self, spec: EngineSpec, model: LlamaModel, tokenizer: TextTokenizer, max_queue: int = 256,
                  transfer: str | TransferEngine | None = None, prefill_cache: PrefillCache | None = None,
-                 fused: bool = True, graph: bool = False, adaptive_threads: bool = True):
+                 fused: bool = True, graph: bool = False, adaptive_threads: bool = True,
+                 draft_attention: str | None = None):
         """The engine `spec` describes (`resolve_spec`: everything decided before this runs) over
         `model`, which it runs where the model lives with the spec's kernel table (the model's own,
         its prefill and decode entries at the spec's precisions); everything else it makes lives there
@@ -112,7 +113,9 @@ class Engine:
         each layer's attention one op in it, `LookaheadRunner.compile_decode`;
         `describe()["decode_graph"]` says why not where it does not apply). adaptive_threads: a step
         may run on fewer threads than the engine's while measured steps say fewer are faster (another
-        process on a core; runtime/thread_tuner.py); False: always the engine's count."""
+        process on a core; runtime/thread_tuner.py); False: always the engine's count.
+        draft_attention: what a lookahead step's draft row attends ("own", "tier"; None: by device,
+        runtime/lookahead/attention.py `resolve_draft_attention`)."""
         manifest, config = spec.manifest, spec.config
         model = model.with_ops(spec.table(model.ops)).with_positions(spec.max_model_len)   # RoPE for every position
         # the compute threads every step runs with, whichever thread calls `step`: the count of the
@@ -126,7 +129,7 @@ class Engine:
         self._attention_ratio = attention_ratio(spec.manifest.model)
         self.spec, self.max_model_len = spec, spec.max_model_len
         self.device, self.ops, self.debug_checks, self.fused = model.device, model.ops, spec.debug_checks, fused
-        self.graph = graph
+        self.graph, self._draft_attention = graph, draft_attention
         self.manifest, self.model, self.tokenizer, self.config = manifest, model, tokenizer, config
         self.prefill_cache = prefill_cache
         self.eos_ids = manifest.model.eos_token_ids
@@ -197,7 +200,8 @@ class Engine:
         # allocation
         attn = LookaheadAttention(mcfg, cfg, self.pool, cfg.max_batch_size,
                                   blocks_needed(self.max_model_len, cfg.block_size), transfer, self.device,
-                                  self.ops, self.debug_checks, self.observers, fused=self.fused)
+                                  self.ops, self.debug_checks, self.observers, fused=self.fused,
+                                  draft_attention=self._draft_attention)
         source = make_draft(cfg.draft)
         chain = DraftChain(source, cfg.resync_after) if source is not None else None
         return LookaheadRunner(self.model, attn, cfg.block_size, chain, cfg.max_batch_size, self.prefill_cache,
@@ -218,12 +222,14 @@ class Engine:
         `runtime.internals.Internals` (default: this engine's fused, impl and debug checks, and a
         copy engine of its own; `impl` and `ops` are the model's and cannot change)."""
         refuse_knobs_as_settings(overrides, "Engine.sibling")
-        mine = internals or Internals(impl=self.spec.impl, fused=self.fused, debug_checks=self.debug_checks)
+        mine = internals or Internals(impl=self.spec.impl, fused=self.fused, debug_checks=self.debug_checks,
+                                      draft_attention=self._draft_attention)
         spec = resolve_spec(self.manifest, self.device, overrides, base=self.config, impl=self.spec.impl,
                             debug_checks=mine.debug_checks, num_host_blocks=num_host_blocks, weights=False,
                             allow_unverified_precision=allow_unverified_precision or bool(self.spec.unverified))
         return Engine(spec, self.model, self.tokenizer, transfer=mine.transfer, prefill_cache=prefill_cache,
-                      fused=mine.fused, graph=self.graph, adaptive_threads=self._adaptive)
+                      fused=mine.fused, graph=self.graph, adaptive_threads=self._adaptive,
+                      draft_attention=mine.draft_attention)
 
     def close(self) -> None:
         """Stop background workers (the transfer engine's thread)."""
@@ -262,7 +268,7 @@ class Engine:
         # weights.safetensors read onto `device`, or a random_weights recipe generated there
         model = load_model(manifest, device, spec.table(ops), spec.dtype, max_positions=spec.max_model_len)
         engine = cls(spec, model, tokenizer, max_queue, internals.transfer, fused=internals.fused, graph=graph,
-                     adaptive_threads=adaptive_threads)
+                     adaptive_threads=adaptive_threads, draft_attention=internals.draft_attention)
         info = engine.describe()
         if info["openmp_spin"].startswith("default") and not _warned["spin"]:
             _warned["spin"] = True
@@ -491,6 +497,9 @@ class Engine:
                         "avx512_library": loader.avx512_unavailable_reason() or "loaded"},
             "fused_decode": getattr(self.runner, "fused_reason", None) or "yes",
             "decode_graph": self.runner.graph_reason or "yes",
+            "draft_attention": (f"{self.runner.attn.draft_attention}: {self.runner.attn.draft_attention_reason}"
+                                if c.mode == "lookahead" and c.draft != "none"
+                                else "no draft row"),
             "kernel_fallbacks": list(self.kernel_fallbacks),
             "memory_plan_bytes": {**self.memory_plan.components(), "total": self.memory_plan.total},
         }

@@ -15,7 +15,7 @@ from typing import Any
 
 from .ops import IMPLS
 
-KNOBS = ("impl", "ops", "fused", "debug_checks", "transfer")
+KNOBS = ("impl", "ops", "fused", "debug_checks", "transfer", "draft_attention")
 
 
 @dataclass(frozen=True)
@@ -25,14 +25,17 @@ class Internals:
     spec's); fused: a decode step may run as the table's fused C step or layer (False: the model's
     Python layers, the reference); debug_checks: lookahead's slot-integrity check before every
     decode attention, and the checked table; transfer: the lookahead copy engine, by kind ("thread",
-    "sync", "cuda") or an instance (default by device). `sibling` keeps the engine's fused and
-    impl unless given its own."""
+    "sync", "cuda") or an instance (default by device); draft_attention: what a lookahead step's
+    draft row attends, "own" or "tier" (default by device: runtime/lookahead/attention.py
+    `resolve_draft_attention`). `sibling` keeps the engine's fused, impl and draft_attention
+    unless given its own."""
 
     impl: str = "auto"
     ops: Any = None
     fused: bool = True
     debug_checks: bool = False
     transfer: Any = None
+    draft_attention: str | None = None
 
     def __post_init__(self):
         if self.impl not in IMPLS:

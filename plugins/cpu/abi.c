@@ -62,7 +62,9 @@ static const LkvAbiEntry ENTRIES[] = {
     FIELD(LkvLayerTensors, elem_bytes), FIELD(LkvLayerTensors, kv_dtype), FIELD(LkvLayerTensors, group_max),
     FIELD(LkvLayerTensors, scores), FIELD(LkvLayerTensors, prio), FIELD(LkvLayerTensors, idx),
     FIELD(LkvLayerTensors, want), FIELD(LkvLayerTensors, lists), FIELD(LkvLayerTensors, lane_ids),
-    FIELD(LkvLayerTensors, mask), FIELD(LkvLayerTensors, copy),
+    FIELD(LkvLayerTensors, mask), FIELD(LkvLayerTensors, dtab), FIELD(LkvLayerTensors, dmask),
+    FIELD(LkvLayerTensors, dxmask), FIELD(LkvLayerTensors, dq), FIELD(LkvLayerTensors, dout),
+    FIELD(LkvLayerTensors, copy),
 
     STRUCT(LkvLayerCall),
     FIELD(LkvLayerCall, layer), FIELD(LkvLayerCall, buf), FIELD(LkvLayerCall, n), FIELD(LkvLayerCall, rows),
@@ -73,7 +75,8 @@ static const LkvAbiEntry ENTRIES[] = {
     FIELD(LkvLayerCall, cand_sb), FIELD(LkvLayerCall, cand_sr), FIELD(LkvLayerCall, extra_mask),
     FIELD(LkvLayerCall, fetch), FIELD(LkvLayerCall, active), FIELD(LkvLayerCall, scale), FIELD(LkvLayerCall, out),
     FIELD(LkvLayerCall, true_idx), FIELD(LkvLayerCall, resident), FIELD(LkvLayerCall, predict_cap),
-    FIELD(LkvLayerCall, pred_adm), FIELD(LkvLayerCall, urgent_adm), FIELD(LkvLayerCall, copy_s),
+    FIELD(LkvLayerCall, pred_adm), FIELD(LkvLayerCall, urgent_adm), FIELD(LkvLayerCall, draft_fixed),
+    FIELD(LkvLayerCall, draft_stored), FIELD(LkvLayerCall, copy_s),
     FIELD(LkvLayerCall, admitted), FIELD(LkvLayerCall, used), FIELD(LkvLayerCall, predicted),
 };
 

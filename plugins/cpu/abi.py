@@ -19,7 +19,7 @@ from typing import NoReturn
 
 _i64, _p, _f, _d = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
 
-VERSION = 1                     # LKV_ABI_VERSION
+VERSION = 2                     # LKV_ABI_VERSION
 
 # K/V storage codes (LKV_KV_*): the kv_dtype / key_dtype arguments (ops.KV_DTYPES maps torch dtypes)
 KV_F32, KV_F16, KV_BF16 = 0, 1, 2
@@ -169,7 +169,8 @@ class LayerTensors(ctypes.Structure):      # LkvLayerTensors
                [(n, _i64) for n in ("layers", "lanes", "kv_heads", "heads", "head_dim", "block_size", "max_blocks",
                                     "top_k", "sel_start", "slots", "pool_blocks", "elem_bytes", "kv_dtype",
                                     "group_max")] + \
-               [(n, _p) for n in ("scores", "prio", "idx", "want", "lists", "lane_ids", "mask", "copy")]
+               [(n, _p) for n in ("scores", "prio", "idx", "want", "lists", "lane_ids", "mask", "dtab", "dmask",
+                                  "dxmask", "dq", "dout", "copy")]
 
 
 class LayerCall(ctypes.Structure):         # LkvLayerCall
@@ -179,7 +180,8 @@ class LayerCall(ctypes.Structure):         # LkvLayerCall
                                                                            "xvse")] + \
                [("cand", _p), ("cand_sb", _i64), ("cand_sr", _i64), ("extra_mask", _p), ("fetch", _p),
                 ("active", _p), ("scale", _f), ("out", _p), ("true_idx", _p), ("resident", _p),
-                ("predict_cap", _i64), ("pred_adm", _p), ("urgent_adm", _p), ("copy_s", _d),
+                ("predict_cap", _i64), ("pred_adm", _p), ("urgent_adm", _p), ("draft_fixed", _p),
+                ("draft_stored", _p), ("copy_s", _d),
                 ("admitted", _i64), ("used", _i64), ("predicted", _i64)]
 
 

@@ -226,12 +226,13 @@ static void page_ids(int32_t *vis, int64_t nv, int64_t n0, const int64_t *btab, 
 }
 
 /* The shared body of the entries: sequence b's K/V rows start at k + base(b), base(b) = boff[b]
- * when boff is given, else b * ksb; with btab (a block table per sequence, row stride bts), its
- * key n is row btab[b * bts + n / bs] * bs + n % bs of its head's plane at k + h * ksh instead. With C > 1 key ranges, each (unit, range) is attended on its
+ * when boff is given, else b * ksb; with btab (a block table per sequence, row stride bts, and per
+ * KV head, stride bth: 0 where the heads share it), its key n of head h is row
+ * btab[b * bts + h * bth + n / bs] * bs + n % bs of the head's plane at k + h * ksh instead. With C > 1 key ranges, each (unit, range) is attended on its
  * own (the extra keys go with range 0) into part [units * C, RG, 2 + D] = (max, denominator,
  * normalised row), and the ranges are merged: out = sum_c l_c e^(m_c - M) o_c / sum_c l_c e^(m_c - M). */
 static int attention_impl(const float *q, const void *k, const void *v, int kv_dtype, const int64_t *boff, int64_t ksb,
-                          const int64_t *btab, int64_t bts, int64_t bs, int64_t ksh, const uint8_t *kv_mask, const float *kx, int64_t xksb, int64_t xksh,
+                          const int64_t *btab, int64_t bts, int64_t bth, int64_t bs, int64_t ksh, const uint8_t *kv_mask, const float *kx, int64_t xksb, int64_t xksh,
                           int64_t xkse, const float *vx, int64_t xvsb, int64_t xvsh, int64_t xvse,
                           const uint8_t *extra_mask, float *out, int64_t B, int64_t R, int64_t H, int64_t KVH,
                           int64_t N, int64_t E, int64_t D, float scale, int nthreads) {
@@ -254,7 +255,7 @@ static int attention_impl(const float *q, const void *k, const void *v, int kv_d
                 const int64_t bh = u / C, c = u % C, b = bh / KVH, h = bh % KVH;
                 const int64_t n0 = c * CL, n1 = n0 + CL < N ? n0 + CL : N;
                 const int64_t nv = n1 > n0 ? visible_ids(kv_mask + bh * N + n0, n1 - n0, vis) : 0;
-                if (btab) page_ids(vis, nv, n0, btab + b * bts, bs);
+                if (btab) page_ids(vis, nv, n0, btab + b * bts + h * bth, bs);
                 float *orow[64], *ml = C > 1 ? part + u * RG * mls : NULL;
                 for (int rg = 0; rg < RG; rg++) {
                     const int r = rg / G, g = rg % G;
@@ -323,7 +324,7 @@ int lkv_attention(const float *q, const void *k, const void *v, int64_t ksb, int
                   int64_t KVH, int64_t N, int64_t E, int64_t D, float scale, int nthreads, int kv_dtype) {
     const int rc = check_args(kv_dtype, R, H, KVH, E);
     if (rc != LKV_OK) return rc;
-    return attention_impl(q, k, v, kv_dtype, NULL, ksb, NULL, 0, 1, ksh, kv_mask, kx, xksb, xksh, xkse, vx, xvsb, xvsh, xvse,
+    return attention_impl(q, k, v, kv_dtype, NULL, ksb, NULL, 0, 0, 1, ksh, kv_mask, kx, xksb, xksh, xkse, vx, xvsb, xvsh, xvse,
                           extra_mask, out, B, R, H, KVH, N, E, D, scale, nthreads);
 }
 
@@ -338,7 +339,7 @@ int lkv_attention_paged(const float *q, const void *k, const void *v, const int6
     static const float no_key[1] = {0.0f};
     const int rc = check_args(kv_dtype, 1, H, KVH, 0);
     if (rc != LKV_OK) return rc;
-    return attention_impl(q, k, v, kv_dtype, boff, 0, NULL, 0, 1, ksh, kv_mask, no_key, 0, 0, 0, no_key, 0, 0, 0, no_extra, out,
+    return attention_impl(q, k, v, kv_dtype, boff, 0, NULL, 0, 0, 1, ksh, kv_mask, no_key, 0, 0, 0, no_key, 0, 0, 0, no_extra, out,
                           B, 1, H, KVH, N, 0, D, scale, nthreads);
 }
 
@@ -352,6 +353,24 @@ int lkv_attention_paged_table(const float *q, const void *k, const void *v, cons
     static const float no_key[1] = {0.0f};
     const int rc = check_args(kv_dtype, 1, H, KVH, 0);
     if (rc != LKV_OK) return rc;
-    return attention_impl(q, k, v, kv_dtype, NULL, 0, btab, bts, bs, ksh, kv_mask, no_key, 0, 0, 0, no_key, 0, 0, 0,
+    return attention_impl(q, k, v, kv_dtype, NULL, 0, btab, bts, 0, bs, ksh, kv_mask, no_key, 0, 0, 0, no_key, 0, 0, 0,
                           no_extra, out, B, 1, H, KVH, N, 0, D, scale, nthreads);
+}
+
+/* lkv_attention over a paged pool with a block table per (sequence, KV head): q, out [B, R, H, D]
+ * as lkv_attention; key n of sequence b and KV head h is row btab[(b * KVH + h) * T + n / bs] * bs
+ * + n % bs of the head's plane k + h * ksh (rows of D; the pool's blocks are bs rows, a power of
+ * two), N = T * bs keys, visible where kv_mask [B, KVH, N] says; extra keys as lkv_attention. The
+ * same sums as lkv_attention over those blocks gathered into a run (the lookahead layer's draft
+ * row over its own top-K, lookahead_layer.c). Returns as lkv_attention. */
+int lkv_attention_heads_table(const float *q, const void *k, const void *v, const int64_t *btab, int64_t T,
+                              int64_t bs, int64_t ksh, const uint8_t *kv_mask, const float *kx, int64_t xksb,
+                              int64_t xksh, int64_t xkse, const float *vx, int64_t xvsb, int64_t xvsh, int64_t xvse,
+                              const uint8_t *extra_mask, float *out, int64_t B, int64_t R, int64_t H, int64_t KVH,
+                              int64_t E, int64_t D, float scale, int nthreads, int kv_dtype) {
+    const int rc = check_args(kv_dtype, R, H, KVH, E);
+    if (rc != LKV_OK) return rc;
+    if (bs < 1 || (bs & (bs - 1)) || T < 1) return LKV_ERR_ARG;
+    return attention_impl(q, k, v, kv_dtype, NULL, 0, btab, KVH * T, T, bs, ksh, kv_mask, kx, xksb, xksh, xkse, vx,
+                          xvsb, xvsh, xvse, extra_mask, out, B, R, H, KVH, T * bs, E, D, scale, nthreads);
 }

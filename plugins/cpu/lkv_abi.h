@@ -17,7 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define LKV_ABI_VERSION 1
+#define LKV_ABI_VERSION 2
 
 /* ---- K/V storage codes (the kv_dtype / key_dtype arguments; abi.py KV_F32 ...) ----------------- */
 enum { LKV_KV_F32 = 0, LKV_KV_F16 = 1, LKV_KV_BF16 = 2 };
@@ -146,10 +146,15 @@ typedef struct {
         pool_blocks, elem_bytes, kv_dtype, group_max;
     /* scratch, sized for every lane and two rows: scores [lanes, 2, KVH, MB], idx [lanes, 2, KVH,
      * K], want/prio [lanes, KVH, K], copy lists [2, lanes * KVH * K], mask [lanes, KVH, slots *
-     * bs], lane ids 0..lanes-1 */
+     * bs], lane ids 0..lanes-1; the draft row's own attention (LkvLayerCall.draft_fixed): its
+     * block tables dtab [lanes, KVH, sel_start + K], key mask dmask [lanes, KVH, (sel_start + K) *
+     * bs], query and output rows dq, dout [lanes, H, D], extra-key mask dxmask [lanes, 2] */
     float *scores, *prio;
     int64_t *idx, *want, *lists, *lane_ids;
     uint8_t *mask;
+    int64_t *dtab;
+    uint8_t *dmask, *dxmask;
+    float *dq, *dout;
     LkvCopyFn copy;                    /* the transfer engine's copy kernel (urgent copies) */
 } LkvLayerTensors;
 
@@ -171,6 +176,11 @@ typedef struct {
     int64_t predict_cap;               /* R = 2: admit at most this many predicted blocks per head */
     int64_t *pred_adm;                 /* out [4, n * KVH * K]: the prediction's admissions */
     int64_t *urgent_adm;               /* out [4, n * KVH * K]: the urgent admissions (copied) */
+    /* R = 2: NULL, the draft row attends what the real row does (the device tier); else the draft
+     * row attends its own top-K read from the host pool, with these logical blocks of each lane
+     * before them ([n, sel_start], -1 padded: its sink and window blocks) and the first
+     * draft_stored[b] tokens of lane b visible (0: a lane that does not decode) */
+    const int64_t *draft_fixed, *draft_stored;
     double copy_s;                     /* out: seconds in the urgent copy */
     int64_t admitted, used, predicted; /* out: urgent blocks copied, selected slots read, admissions */
 } LkvLayerCall;
@@ -208,6 +218,11 @@ int lkv_attention_paged(const float *q, const void *k, const void *v, const int6
 int lkv_attention_paged_table(const float *q, const void *k, const void *v, const int64_t *btab, int64_t bts,
                               int64_t bs, int64_t ksh, const uint8_t *kv_mask, float *out, int64_t B, int64_t H,
                               int64_t KVH, int64_t N, int64_t D, float scale, int nthreads, int kv_dtype);
+int lkv_attention_heads_table(const float *q, const void *k, const void *v, const int64_t *btab, int64_t T,
+                              int64_t bs, int64_t ksh, const uint8_t *kv_mask, const float *kx, int64_t xksb,
+                              int64_t xksh, int64_t xkse, const float *vx, int64_t xvsb, int64_t xvsh, int64_t xvse,
+                              const uint8_t *extra_mask, float *out, int64_t B, int64_t R, int64_t H, int64_t KVH,
+                              int64_t E, int64_t D, float scale, int nthreads, int kv_dtype);
 
 /* topk.c: LKV_OK, LKV_ERR_NOMEM, LKV_ERR_ARG (k outside [1, NB]) */
 int lkv_block_topk(const float *q, const float *kmin, const float *kmax, int64_t ksb, const uint8_t *valid,

@@ -10,6 +10,8 @@
  *      with the transfer engine's copy kernel (`copy`, bound once), timed (the step's stall);
  *   4. the key mask (the tier's sink/window rows, each occupied selected slot whole) and the
  *      attention of every row over the buffer plus the step's own rows (lkv_attention);
+ *   4b. R = 2 with `draft_fixed`: the draft row attends its own top-K instead, from the host pool
+ *      (lkv_attention_heads_table), beside its sink and window blocks;
  *   5. R = 2: the draft row's top-K is the layer's prediction for the next step: recorded, and
  *      admitted (lkv_plan, cap `predict_cap`); the caller queues its copies in the background.
  * The same kernels in the same order, with the same arguments: the Python path's bytes, bit for
@@ -105,6 +107,37 @@ int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
                        NS * bs * D, m->mask, c->kx, c->xksb, c->xksh, c->xkse, c->vx, c->xvsb, c->xvsh, c->xvse,
                        c->extra_mask, c->out, n, R, H, KVH, nkeys, R, D, c->scale, (int)c->nthreads, (int)m->kv_dtype);
     if (rc != LKV_OK) return rc;
+    /* 4b. R = 2 with draft_fixed: the draft row attends its own top-K instead (the idx row [b, 1],
+     * after its lane's sink and window blocks), read from the host pool, plus the step's own rows
+     * as its extra-mask row says: what the next step's real row attends when the draft token and
+     * the prediction are right. Its output above is replaced. */
+    if (R == 2 && c->draft_fixed != NULL) {
+        const int64_t T = S + ks, plane = m->pool_blocks * bs * D;
+        for (int64_t b = 0; b < n; b++) {
+            const int64_t st = c->draft_stored[b];
+            for (int64_t h = 0; h < KVH; h++) {
+                int64_t *tb = m->dtab + (b * KVH + h) * T;
+                uint8_t *mk = m->dmask + (b * KVH + h) * T * bs;
+                const int64_t *own = m->idx + (b * R * KVH + KVH + h) * ks;      /* [b, 1, h] */
+                for (int64_t j = 0; j < T; j++) {
+                    const int64_t lb = j < S ? c->draft_fixed[b * S + j] : own[j - S];
+                    const int64_t pb = lb >= 0 && lb < MB ? m->lane_blocks[b * MB + lb] : -1;
+                    const int ok = pb >= 0 && pb < m->pool_blocks;
+                    tb[j] = ok ? pb : 0;
+                    for (int64_t o = 0; o < bs; o++) mk[j * bs + o] = ok && lb * bs + o < st;
+                }
+            }
+            memcpy(m->dq + b * H * D, c->q + (b * R + 1) * H * D, sizeof(float) * H * D);
+            memcpy(m->dxmask + b * R, c->extra_mask + (b * R + 1) * R, (size_t)R);
+        }
+        rc = lkv_attention_heads_table(m->dq, (const char *)m->pool_k + layer_at, (const char *)m->pool_v + layer_at,
+                                       m->dtab, T, bs, plane, m->dmask, c->kx, c->xksb, c->xksh, c->xkse, c->vx,
+                                       c->xvsb, c->xvsh, c->xvse, m->dxmask, m->dout, n, 1, H, KVH, R, D, c->scale,
+                                       (int)c->nthreads, (int)m->kv_dtype);
+        if (rc != LKV_OK) return rc;
+        for (int64_t b = 0; b < n; b++)
+            memcpy(c->out + (b * R + 1) * H * D, m->dout + b * H * D, sizeof(float) * H * D);
+    }
     c->predicted = 0;
     if (R == 1) return LKV_OK;
     /* 5. the draft row's top-K is layer l's prediction for the next step (ResidencyManager.predict):

@@ -84,9 +84,12 @@ class LookaheadLayer:
             return None
         f32, i64 = dict(dtype=torch.float32), dict(dtype=torch.int64)
         rows = lanes * kvh
+        u8, T = dict(dtype=torch.uint8), sel_start + K       # T: the draft row's own table (S + K blocks)
         scratch = [torch.empty(2 * rows * mb, **f32), torch.empty(rows * K, **f32), torch.empty(2 * rows * K, **i64),
                    torch.empty(rows * K, **i64), torch.empty(2 * rows * K, **i64),
-                   torch.arange(lanes, **i64), torch.empty(rows * slots * bs, dtype=torch.uint8)]
+                   torch.arange(lanes, **i64), torch.empty(rows * slots * bs, **u8),
+                   torch.empty(rows * T, **i64), torch.empty(rows * T * bs, **u8), torch.empty(lanes * 2, **u8),
+                   torch.empty(lanes * heads * D, **f32), torch.empty(lanes * heads * D, **f32)]
         dims = _Tensors(*(t.data_ptr() for t in ts), L, lanes, kvh, heads, D, bs, mb, K, sel_start, slots, nblocks,
                         pool_k.element_size(), KV_DTYPES[pool_k.dtype], int(group_max),
                         *(t.data_ptr() for t in scratch), copy)
@@ -96,12 +99,17 @@ class LookaheadLayer:
             cand: torch.Tensor, extra_mask: torch.Tensor, fetch: torch.Tensor, active: torch.Tensor, nb: int,
             k_sel: int, step: int, used_none: int, used_adm: int, scale: float, true_idx: torch.Tensor,
             resident: torch.Tensor, predict_cap: int, pred_adm: torch.Tensor,
-            urgent_adm: torch.Tensor) -> LayerResult:
+            urgent_adm: torch.Tensor, draft_fixed: torch.Tensor | None = None,
+            draft_stored: torch.Tensor | None = None) -> LayerResult:
         """One layer of n lanes, R rows each: q [n*R, H, D], k, v [n*R, KVH, D] (fp32, this step's
         rows, lane-major), out like q (written); cand [n, R, MB] bool, extra_mask [n, R, R] bool,
         fetch [n] bool (lanes whose real-row misses are copied now), active [n] bool (lanes that
         decode: the others' rows are computed and ignored); written: true_idx [n, KVH, K] int64,
-        resident [n, KVH, K] bool, urgent_adm and (R = 2) pred_adm [4, n*KVH*K] int64."""
+        resident [n, KVH, K] bool, urgent_adm and (R = 2) pred_adm [4, n*KVH*K] int64.
+        draft_fixed [n, sel_start] int64 and draft_stored [n] int64 (R = 2; None: the draft row
+        attends the device tier, as the real row does): the draft row attends its own top-K from
+        the host pool after these logical blocks of its lane (-1 padded), the first
+        draft_stored[b] tokens of lane b visible (LookaheadAttention's `draft_attention` "own")."""
         d = self._dims
         R = extra_mask.shape[1] if extra_mask.dim() == 3 else 0
         n = q.shape[0] // max(R, 1)
@@ -118,7 +126,11 @@ class LookaheadLayer:
                 and true_idx.shape == resident.shape == (n, d.kv_heads, K)
                 and all(t.is_contiguous() for t in (true_idx, resident, pred_adm, urgent_adm))
                 and min(pred_adm.numel(), urgent_adm.numel()) >= 4 * n * d.kv_heads * K
-                and 1 <= k_sel <= nb <= d.max_blocks):
+                and 1 <= k_sel <= nb <= d.max_blocks
+                and (draft_fixed is None or (R == 2 and draft_stored is not None
+                                             and draft_fixed.shape == (n, d.sel_start) and draft_stored.shape == (n,)
+                                             and draft_fixed.dtype == draft_stored.dtype == torch.int64
+                                             and draft_fixed.is_contiguous() and draft_stored.is_contiguous()))):
             raise ValueError("LookaheadLayer.run: arguments outside the bound layout (see its docstring)")
         c = self._call
         c.layer, c.buf, c.n, c.rows, c.nb, c.k_sel, c.step = layer, buf, n, R, nb, k_sel, step
@@ -132,6 +144,8 @@ class LookaheadLayer:
         c.scale, c.out = scale, out.data_ptr()
         c.true_idx, c.resident = true_idx.data_ptr(), resident.data_ptr()
         c.predict_cap, c.pred_adm, c.urgent_adm = predict_cap, pred_adm.data_ptr(), urgent_adm.data_ptr()
+        c.draft_fixed = draft_fixed.data_ptr() if draft_fixed is not None else None
+        c.draft_stored = draft_stored.data_ptr() if draft_fixed is not None else None
         with traced("lookahead_layer"):
             rc = self._lib.lkv_lookahead_layer(ctypes.byref(self._dims), ctypes.byref(c))
         if rc != 0:

@@ -63,6 +63,12 @@ class DecodePart:
     # [3, n] (lane, device slot, logical block): the ping-pong refill's fixed copies, the same in
     # every layer of the step
     fixed: torch.Tensor | None = None
+    # what the draft row attends beside its own top-K when it reads them from the host pool
+    # (LookaheadAttention.draft_attention "own"): per lane, the logical sink and window blocks of
+    # the step the draft row runs ahead of ([num_lanes, S + Wb] int64, -1 padded), and the tokens
+    # the host pool holds (the first c - 1; 0 for a lane that does not decode)
+    draft_fixed: torch.Tensor | None = None
+    draft_stored: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -221,6 +227,8 @@ def _decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int], dra
     cand = torch.zeros(n, 2, max_blocks, dtype=torch.bool)
     active = torch.zeros(n, dtype=torch.bool)
     pre = torch.zeros(n, dtype=torch.bool)
+    d_fixed = torch.full((n, layout.selected_start), -1, dtype=torch.long)
+    d_stored = torch.zeros(n, dtype=torch.long)
     fixed: list[tuple[int, int, int]] = []
     for lane, c, p in zip(lanes, context_lens, predecode):
         base[lane] = window_mask(layout, c, visible=c - 1)
@@ -232,6 +240,11 @@ def _decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int], dra
         last = (c - 2) // layout.block_size
         held = list(range(min(layout.num_sink, last + 1))) + list(range(layout.window_start(c), last + 1))
         fixed += [(lane, layout.device_slot(b), b) for b in dict.fromkeys(held)]
+        # the draft row runs ahead of the next step (of this one when pre-decoding): its window
+        ahead = list(dict.fromkeys(list(range(min(layout.num_sink, last + 1)))
+                                   + list(range(layout.window_start(c if p else c + 1), last + 1))))
+        d_fixed[lane, : len(ahead)] = torch.tensor(ahead, dtype=torch.long)
+        d_stored[lane] = c - 1
     rows = 2 if draft_rows else 1
     extra = torch.tensor([[True, False], [True, True]])[:rows, :rows].expand(n, rows, rows)
     if any(predecode):  # a pre-decoding row sees only itself: the real row is the same token
@@ -248,4 +261,5 @@ def _decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int], dra
                       tuple(context_lens), lane_ix=slice(0, n) if consecutive else t_lanes,
                       real_ix=slice(0, rows * n, rows) if packed else t_real, packed=packed, rows=rows,
                       extra_mask=extra, predecode=pre, lane_list=tuple(lanes),
-                      predecode_list=tuple(predecode), fixed=fixed_t)
+                      predecode_list=tuple(predecode), fixed=fixed_t,
+                      draft_fixed=d_fixed if draft_rows else None, draft_stored=d_stored if draft_rows else None)
