@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import plugins  # defines torch.ops.lookahead.* (no CUDA build: select_ops registers the kernels)
 from plugins import cpu
-from plugins.cpu import bookkeeping, fused, lookahead_layer, prefill
+from plugins.cpu import bookkeeping, fused, prefill
 from plugins.cpu.ops import dequantize_int8, int8_group_size, paged_mask  # noqa: F401  (the runtime's helpers)
 
 from .config import DECODE_PRECISIONS, PREFILL_PRECISIONS
@@ -286,7 +286,7 @@ def select_ops(device: torch.device, dtype: torch.dtype, impl: str = "auto", qua
                   QuantizedLinear(cpu.linear, cpu.linear_int8) if quantized else cpu.linear,
                   rms_norm=cpu.rms_norm, paged_attention=cpu.attention_paged, plan_slots=bookkeeping.plan,
                   copy_blocks=bookkeeping.copy_blocks, fused_decoder=fused.bind,
-                  lookahead_layer=lookahead_layer.LookaheadLayer.bind, name="c/cpu", **extra)
+                  lookahead_layer=fused.LookaheadLayer.bind, name="c/cpu", **extra)
     if impl != "checked":
         return ops
     return replace(ops, block_gather=plugins.block_gather, update_summaries=plugins.update_summaries,
