@@ -119,7 +119,9 @@ def make_engine(path: Path, mode: str, batch: int, dispatcher: bool = False):
     from runtime.ops import job_copy, select_ops
 
     overrides = dict(LOOKAHEAD) if mode == "lookahead" else dict(mode=mode)
-    kw = dict(transfer="sync") if mode == "lookahead" else {}
+    # a CUDA engine's draft row attends the device tier (runtime/lookahead/attention.py
+    # resolve_draft_attention): what a CPU engine resolves instead would count the CPU's ops
+    kw = dict(transfer="sync", draft_attention="tier") if mode == "lookahead" else {}
     if dispatcher:
         d = torch.ops.lookahead
         kw["ops"] = replace(select_ops(torch.device("cpu"), torch.float32, impl="torch"),

@@ -24,6 +24,8 @@ lies, no device tier: mode sparse, runtime/sparse.py), or all (a mode the engine
 `<mode>+python` is the mode with its model layers on the Python path instead of the fused C step
 (plugins/cpu/fused.py) and, in lookahead mode, the backend's Python layer instead of its C one
 (`LookaheadAttention.c_layer`), timed beside it: what the fused steps save, side by side.
+`<lookahead mode>+tier` is the mode with its draft row attending the device tier (what a GPU engine
+does) instead of its own top-K from the host pool (a CPU engine's default): what "own" costs or saves.
 
 Columns beyond speed: stall ms/step (time our decode step waited for KV copies, transfer_wait_s /
 timed steps) and the memory-bandwidth floor: the bytes a step must read (bench.floor.step_read_bytes:
@@ -115,13 +117,23 @@ CONTEXT_SEED = "+context-seed"
 # `<mode>+python`: the mode with its model layers run by the Python path (no fused C step:
 # the engine built with fused=False: no runner.fused, no attn.c_layer), timed beside the fused one
 PYTHON_LAYERS = "+python"
+# `<mode>+tier`: a lookahead mode with its draft row attending the device tier (draft_attention
+# "tier", a GPU engine's default) instead of its own top-K (a CPU engine's), timed beside it
+TIER_DRAFT = "+tier"
+
+
+def internals_of(mode: str, **kw: Any) -> Internals:
+    """The engine internals a mode string asks for (its +python and +tier suffixes)."""
+    name = mode.partition("@")[0]
+    return Internals(fused=not name.endswith(PYTHON_LAYERS), draft_attention="tier" if TIER_DRAFT in name else None,
+                     **kw)
 
 
 def mode_spec(mode: str) -> tuple[str, bool, dict[str, Any]]:
-    """'NAME[+context-seed][@FIELD=VALUE,...]' -> (NAME, old chain?, LookaheadConfig overrides),
-    e.g. 'lookahead-drop@fetch_ratio=0.2'."""
+    """'NAME[+context-seed][+tier][+python][@FIELD=VALUE,...]' -> (NAME, old chain?, LookaheadConfig
+    overrides), e.g. 'lookahead-drop@fetch_ratio=0.2'."""
     base, _, extra = mode.partition("@")
-    base = base.removesuffix(PYTHON_LAYERS)
+    base = base.removesuffix(PYTHON_LAYERS).removesuffix(TIER_DRAFT)
     fields = {}
     for item in filter(None, extra.split(",")):
         name, _, value = item.partition("=")
@@ -200,7 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.modes if mode_spec(m)[0] not in MODES
                or (mode_spec(m)[1] and not m.startswith("lookahead-"))]
     if unknown:
-        p.error(f"--modes: unknown {unknown[0]!r}; known: {', '.join(MODES)}, and lookahead-*{CONTEXT_SEED}, any mode{PYTHON_LAYERS}")
+        p.error(f"--modes: unknown {unknown[0]!r}; known: {', '.join(MODES)}, and lookahead-*{CONTEXT_SEED}, "
+                f"lookahead-*{TIER_DRAFT}, any mode{PYTHON_LAYERS}")
     args.hf_impls = (list(HF_IMPLS) if args.hf_impls == "all" else [] if args.hf_impls.strip() == "none"
                      else list(dict.fromkeys(m.strip() for m in args.hf_impls.split(",") if m.strip())))
     unknown = [m for m in args.hf_impls if m not in HF_IMPLS]
@@ -242,8 +255,7 @@ def load_engines(args: argparse.Namespace) -> dict[str, Engine | str]:
     for mode in args.modes:
         try:
             name, old_chain, fields = mode_spec(mode)
-            python_layers = mode.partition("@")[0].endswith(PYTHON_LAYERS)
-            engines[mode] = base.sibling(cache, internals=Internals(fused=not python_layers),
+            engines[mode] = base.sibling(cache, internals=internals_of(mode),
                                          **{**MODES[name], **fields, **({"resync_after": 0} if old_chain else {})})
             if old_chain:
                 engines[mode].runner.chain.source = ContextSeedDraft()
@@ -445,16 +457,15 @@ def link_engines(args, ctx: int, batch: int, total_steps: int) -> tuple[Engine, 
     engines: dict[str, Engine | str] = {}
     for mode in args.link_modes:
         name, old_chain, fields = mode_spec(mode)
-        python_layers = mode.partition("@")[0].endswith(PYTHON_LAYERS)
         over = {**MODES[name], **fields, **({"resync_after": 0} if old_chain else {})}
         try:
             if MODES[name]["mode"] == "lookahead":
-                eng = base.sibling(cache, internals=Internals(transfer=lib.make_recording_link(args.link_latency_us),
-                                                              fused=not python_layers), **over)
+                eng = base.sibling(cache, internals=internals_of(mode, transfer=lib.make_recording_link(
+                    args.link_latency_us)), **over)
                 if type(eng.runner).__name__ == "DenseRunner":
                     raise RuntimeError("the engine runs dense for mode=lookahead")
             else:
-                eng = base.sibling(cache, internals=Internals(fused=not python_layers), **over)
+                eng = base.sibling(cache, internals=internals_of(mode), **over)
             if old_chain:
                 eng.runner.chain.source = ContextSeedDraft()
             engines[mode] = eng
