@@ -6,7 +6,8 @@ import torch
 from ._common import FLOAT_DTYPES, check_same, check_shape, check_tensor, define_op, fail
 
 
-GROUP_SCORES = ("sum", "max")      # how a GQA group's query heads combine into a KV head's score
+GROUP_SCORES = ("sum", "max")
+NARROW_SUMMARY_DTYPES = (torch.float16, torch.bfloat16)   # summaries in the KV storage dtype, fp32 queries      # how a GQA group's query heads combine into a KV head's score
 
 
 def _group_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, group_score: str) -> torch.Tensor:
@@ -101,8 +102,10 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
     q : Tensor, [B, H, D] or [B, R, H, D], float32/float16/bfloat16
         One query per sequence (e.g. the draft row), post-RoPE; or R query rows per sequence (the
         real and the draft token of a decode step), scored in one read of the summaries.
-    kmin, kmax : Tensor, [B, NB, KVH, D], dtype of ``q``
+    kmin, kmax : Tensor, [B, NB, KVH, D], dtype of ``q``, or float16 / bfloat16 with a float32 ``q``
         Per-block coordinate-wise min / max of the post-RoPE keys; ``kmin <= kmax`` on valid blocks.
+        Kept in the KV cache's storage dtype, they are values of it (a min or max of keys), and the
+        scores widen them exactly.
     valid : Tensor, [B, NB] (or [B, R, NB] with 4-D q), bool
         Blocks that hold at least one key; the others score ``-inf`` and are never selected.
     k : int
@@ -122,7 +125,10 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
     """
     check_tensor("q", q, q.dim() if isinstance(q, torch.Tensor) and q.dim() in (3, 4) else 3, FLOAT_DTYPES)
     check_tensor("kmin", kmin, 4, FLOAT_DTYPES)
-    check_same("kmin", kmin, "q", q)
+    if not (q.dtype == torch.float32 and kmin.dtype in NARROW_SUMMARY_DTYPES):
+        check_same("kmin", kmin, "q", q)
+    elif kmin.device != q.device:
+        fail("kmin", f"device {kmin.device} differs from q's {q.device}")
     check_same("kmax", kmax, "kmin", kmin)
     check_shape("kmax", kmax, kmin.shape, "[B, NB, KVH, D] like kmin")
     B, H, D = q.shape[0], q.shape[-2], q.shape[-1]

@@ -16,10 +16,11 @@ constructors allocate:
                     lookahead pool pinned for a GPU counts what pinning takes (`PINNING`)
     device_tier     LookaheadAttention's dev_k/dev_v [buffers, lanes, KVH, slots, block_size, D],
                     in kv_dtype (the device tier follows the host pool)
-    summaries       its kmin/kmax [L, lanes * max_blocks, KVH, D], fp32 whatever the kv_dtype
-                    (sparse mode: one per pool block, [L, num_host_blocks, KVH, D], beside the pool)
+    summaries       its kmin/kmax [L, lanes * max_blocks, KVH, D], in kv_dtype on CPU and fp32 on a
+                    GPU (runtime/lookahead/summaries.py `summary_dtype`) (sparse mode: fp32, one per
+                    pool block, [L, num_host_blocks, KVH, D], beside the pool)
     cached_summaries lookahead with prefix caching: the summaries of the pool's named blocks
-                    (SummaryStore), [L, num_host_blocks, KVH, D] fp32 kmin/kmax, in host memory
+                    (SummaryStore), [L, num_host_blocks, KVH, D] kmin/kmax as the lane's, in host memory
     bookkeeping     its SlotTable, pred, masks, lane_blocks and metrics tensors
     allocator       estimate: BlockAllocator's Python free list (ints, not tensors)
     step_buffers    estimate: one step's transient peak (activations, logits, attention's
@@ -46,7 +47,7 @@ from .lookahead.budget import check_device_budget
 from .lookahead.device_tier import num_buffers
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SUMMARY_BYTES = 4                   # the block summaries are fp32 whatever the weights' and KV's dtype
+SUMMARY_BYTES = 4                   # fp32 block summaries (sparse mode's; lookahead's on a GPU)
 ALLOCATOR_BYTES_PER_BLOCK = 64     # a free-list entry: list slot + int object + set slot when used
 HEADROOM = 0.9                      # plan against 90 % of what is available: the rest is the
                                     # interpreter, torch's own buffers and the estimates' error
@@ -208,7 +209,8 @@ def _plan(p: PlanInputs) -> MemoryPlan:
         slots = c.num_sink_blocks + wb + c.top_k
         nbuf = num_buffers(c, L)
         lane_tier = 2 * nbuf * kvh * slots * bs * d * kv
-        lane_summ = 2 * L * max_blocks * kvh * d * SUMMARY_BYTES
+        sb = kv if p.device_type == "cpu" else SUMMARY_BYTES      # lookahead/summaries.py summary_dtype
+        lane_summ = 2 * L * max_blocks * kvh * d * sb
         tier, summ = lanes * lane_tier, lanes * lane_summ
         books = (8 * nbuf * lanes * kvh * (2 * c.top_k + max_blocks + 1)    # SlotTable block, last_used, slot_of
                  + lanes * kvh * slots * bs                                  # attention's key mask (bool)
@@ -217,7 +219,7 @@ def _plan(p: PlanInputs) -> MemoryPlan:
                  + 2 * L * lanes                                             # has_pred, seeded (bool)
                  + 8 * lanes * max_blocks                                    # lane_blocks
                  + 8 * (2 * L + 2 + 6 * lanes))                              # metrics (float64)
-        store = 2 * L * n_blocks * kvh * d * SUMMARY_BYTES if c.prefix_caching else 0
+        store = 2 * L * n_blocks * kvh * d * sb if c.prefix_caching else 0
     if c.mode == "sparse":      # runtime/sparse.py: fp32 min/max of every pool block, with the pool
         summ = 2 * L * n_blocks * kvh * d * SUMMARY_BYTES
     return MemoryPlan(weights=w, packed_weights=packed if p.packed_weights else 0,

@@ -164,7 +164,7 @@ def test_wrappers_raise_the_typed_errors():
     keys = torch.zeros(2, 2, 16)
     rc = loader.library().lkv_update_summaries(kmin.data_ptr(), kmin.data_ptr(), keys.data_ptr(),
                                                torch.zeros(2, dtype=torch.long).data_ptr(),
-                                               torch.zeros(2, dtype=torch.long).data_ptr(), 2, 2, 16, 4, 7, 1)
+                                               torch.zeros(2, dtype=torch.long).data_ptr(), 2, 2, 16, 4, 7, 0, 1)
     assert rc == abi.Status.ARG
 
 

@@ -217,6 +217,29 @@ def test_block_topk_on_runtime_layouts(seed, group_score):
     assert (idx[2, 1, :, 5:] == -1).all()                                            # padding
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group_score", ["sum", "max"])
+def test_block_topk_over_16_bit_summaries(dtype, group_score):
+    """Summaries kept in the KV dtype (runtime/lookahead/summaries.py): the C kernel widens them as
+    it reads, so scores and picks equal those of the same values widened to fp32 first, bit for
+    bit, at D 64 (the unrolled form) and 40, with the last blocks' tail (NB % 4 != 0)."""
+    for D, nb in ((64, 61), (40, 23)):
+        g = _gen(7)
+        a, b = torch.randn(2, 3, nb, 2, D, generator=g)
+        kmin, kmax = torch.minimum(a, b).to(dtype), torch.maximum(a, b).to(dtype)
+        valid = torch.rand(3, 2, nb, generator=g) < 0.9
+        q = torch.randn(3, 2, 6, D, generator=g)
+        assert cpu.block_topk_supported(q, kmin, kmax, valid)
+        idx, scores = cpu.block_topk(q, kmin, kmax, valid, 8, group_score)
+        idx32, scores32 = cpu.block_topk(q, kmin.float(), kmax.float(), valid, 8, group_score)
+        assert torch.equal(idx, idx32) and torch.equal(scores, scores32)
+        idx_t, scores_t = plugins.direct.block_topk(q, kmin, kmax, valid, 8, group_score)    # the torch table's
+        assert torch.equal(idx, idx_t)
+        torch.testing.assert_close(scores, scores_t, atol=1e-4, rtol=1e-5)
+        with pytest.raises(ValueError, match="kmin"):
+            plugins.block_topk(q.half(), kmin.float(), kmax.float(), valid, 8, group_score)
+
+
 def test_the_torch_table_has_no_c_entry():
     """impl="torch" (what LOOKAHEAD_CPU_KERNELS=0 was): no entry of the table is a C kernel's."""
     c, t = select_ops(torch.device("cpu"), torch.float32, "c"), select_ops(torch.device("cpu"), torch.float32, "torch")

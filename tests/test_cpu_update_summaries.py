@@ -85,6 +85,35 @@ def test_narrow_keys(dtype, seed, T, unique):
     assert_bits(*both(*inputs(seed, T, 32, 2, 40, dtype=dtype, unique=unique)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seed,T,unique,restart", [(22, 6, True, 0.3), (23, 50, False, 0.3), (24, 900, False, 0.2)])
+def test_summaries_in_the_keys_dtype(dtype, seed, T, unique, restart):
+    """Summaries kept in the keys' 16-bit dtype (a min or max of keys is one of them): the kernel
+    equals the torch implementation bit for bit, and the fp32 summaries narrowed (exactly); 900
+    keys run the threaded column split."""
+    kmin, kmax, keys, ids, offsets = inputs(seed, T, 32, 2, 40, dtype=dtype, unique=unique, restart=restart)
+    kmin, kmax = kmin.to(dtype), kmax.to(dtype)
+    c, t = both(kmin, kmax, keys, ids, offsets)
+    for a, b in zip(c, t):
+        assert a.dtype == dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+    wide = (kmin.float(), kmax.float())
+    cpu.update_summaries(*wide, keys, ids, offsets)
+    assert all(torch.equal(a, w.to(dtype)) for a, w in zip(c, wide))
+
+
+def test_fp32_keys_into_16_bit_summaries_run_the_torch_implementation():
+    """Narrowing an fp32 key would round it: the kernel refuses that pairing, torch rounds."""
+    kmin, kmax, keys, ids, offsets = inputs(25, 8, 16, 2, 16)
+    assert_bits(*both(kmin, kmax, keys, ids, offsets))
+    from plugins.cpu import loader as _loader
+    lib = _loader.library()
+    h = kmin.half()
+    rc = lib.lkv_update_summaries(h.data_ptr(), h.clone().data_ptr(), keys.data_ptr(), ids.data_ptr(),
+                                  offsets.data_ptr(), 8, 2, 16, 16, cpu.KV_DTYPES[torch.float32],
+                                  cpu.KV_DTYPES[torch.float16], 1)
+    assert rc == cpu.abi.Status.ARG
+
+
 def test_threads_do_not_change_the_result():
     args = inputs(30, 800, 16, 3, 125, restart=0.2)     # T * KVH * D above the kernel's LKV_PAR_MIN
     threads = torch.get_num_threads()
@@ -125,7 +154,8 @@ def test_out_of_range_id_raises_and_changes_nothing():
 
 
 def test_layouts_the_kernel_does_not_take_run_the_torch_implementation():
-    """Strided keys and ids are copied; fp16 summaries go to torch; both equal the reference."""
+    """Strided keys and ids are copied; fp16 summaries of fp16 keys run the kernel; each equals the
+    reference."""
     kmin, kmax, keys, ids, offsets = inputs(60, 12, 10, 2, 16)
     wide = torch.randn(12, 2, 32, generator=torch.Generator().manual_seed(61))
     keys = wide[:, :, ::2]

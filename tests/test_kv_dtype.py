@@ -198,12 +198,17 @@ def test_the_pool_and_the_device_tier_bytes_halve(tiny_dir, mode, name):
         plans = {n: plan_memory(e.manifest.model, e.config, None, 4) for n, e in engines.items()}
         assert 2 * plans[name].host_kv_pool == plans["float32"].host_kv_pool == full.pool.k.nbytes * 2
         assert 2 * plans[name].device_tier == plans["float32"].device_tier
-        assert plans[name].summaries == plans["float32"].summaries            # fp32 whatever the KV
+        if mode["mode"] == "lookahead":     # in the KV dtype on CPU (exact), fp32 on a GPU
+            assert 2 * plans[name].summaries == plans["float32"].summaries
+        else:                               # sparse mode's: fp32 whatever the KV
+            assert plans[name].summaries == plans["float32"].summaries
         if mode["mode"] == "lookahead":
             fa, ha = full.runner.attn, half.runner.attn
             assert ha.dev_k.dtype == ha.dev_v.dtype == DT[name]               # the tier follows the pool
             assert 2 * ha.working_set_bytes_per_lane() == fa.working_set_bytes_per_lane()
             assert plans[name].per_seq_device_tier == ha.working_set_bytes_per_lane()
+            assert ha.kmin.dtype == DT[name] and 2 * ha.kmin.nbytes == fa.kmin.nbytes       # the summaries too
+            assert plans[name].summaries == 2 * ha.kmin.nbytes
     finally:
         for e in engines.values():
             e.close()

@@ -6,6 +6,7 @@ import threading
 import pytest
 import torch
 
+import plugins.cpu
 from runtime.attention_dense import prefill_attention
 from runtime.draft import DraftSource, RandomDraft
 from runtime.engine import Engine
@@ -359,22 +360,35 @@ def test_observers_see_every_step_and_cannot_change_it(tiny_dir, residency):
         none.add(object())
 
 
-def test_summaries_are_fp32_minmax_of_the_stored_keys():
-    """fp16 KV storage: the summaries stay fp32 and bound the keys as stored (rounded to fp16)."""
-    from runtime.lookahead.summaries import BlockSummaries
+@pytest.mark.parametrize("impl", ["checked", "c", "torch"])
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_summaries_are_the_minmax_of_the_stored_keys_in_their_dtype(impl, kv_dtype):
+    """16-bit KV storage on CPU: the summaries are kept in the KV dtype (half the bytes of fp32)
+    and are exactly the min/max of the keys as stored (rounded to that dtype); a GPU keeps fp32."""
+    from runtime.lookahead.summaries import BlockSummaries, summary_dtype
     from runtime.ops import select_ops
     cpu = torch.device("cpu")
-    s = BlockSummaries(2, 1, 4, 2, 8, torch.float16, cpu, select_ops(cpu, torch.float32, "checked"))
-    assert s.kmin.dtype == s.kmax.dtype == torch.float32
+    if impl == "c" and not plugins.cpu.available():
+        pytest.skip("no CPU kernels")
+    s = BlockSummaries(2, 1, 4, 2, 8, kv_dtype, cpu, select_ops(cpu, torch.float32, impl))
+    assert s.kmin.dtype == s.kmax.dtype == kv_dtype
+    assert s.nbytes(2, 4) == 2 * 2 * 4 * 2 * 8 * 2
+    assert summary_dtype(kv_dtype, torch.device("cuda")) == torch.float32
     keys = torch.randn(2, 8, 2, 8) * 3                        # [L, T, KVH, D]: two blocks of 4
     lanes, logical = torch.zeros(8, dtype=torch.long), torch.arange(8) // 4
     s.update(slice(0, 2), keys, lanes, logical, torch.arange(8) % 4)
-    stored = keys.half().float().view(2, 2, 4, 2, 8)
-    torch.testing.assert_close(s.kmin[:, :2], stored.amin(2), rtol=0, atol=0)
-    torch.testing.assert_close(s.kmax[:, :2], stored.amax(2), rtol=0, atol=0)
+    stored = keys.to(kv_dtype).float().view(2, 2, 4, 2, 8)
+    torch.testing.assert_close(s.kmin[:, :2].float(), stored.amin(2), rtol=0, atol=0)
+    torch.testing.assert_close(s.kmax[:, :2].float(), stored.amax(2), rtol=0, atol=0)
     assert not torch.equal(stored.amin(2), keys.view(2, 2, 4, 2, 8).amin(2))    # the rounding shows
-    idx, sc = s.score(1, torch.randn(1, 6, 8).half(), torch.ones(1, 4, dtype=torch.bool), 1, 2, 3, "max")
+    q = torch.randn(1, 6, 8)
+    idx, sc = s.score(1, q, torch.ones(1, 4, dtype=torch.bool), 1, 2, 3, "max")
     assert sc.dtype == torch.float32 and idx[0, :, 2].eq(-1).all()           # 2 blocks scored, K=3
+    # the scores are those of the same summaries widened to fp32
+    wide = BlockSummaries(2, 1, 4, 2, 8, torch.float32, cpu, select_ops(cpu, torch.float32, impl))
+    wide.kmin.copy_(s.kmin.float()), wide.kmax.copy_(s.kmax.float())
+    idx32, sc32 = wide.score(1, q, torch.ones(1, 4, dtype=torch.bool), 1, 2, 3, "max")
+    assert torch.equal(idx, idx32) and torch.equal(sc, sc32)
 
 
 def test_a_step_on_a_later_thread_computes_with_the_engines_threads(tiny_dir):

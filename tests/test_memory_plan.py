@@ -134,7 +134,9 @@ def test_the_defaults_fit_and_match_the_readme():
     half = plan_memory(SMOLLM2, cfg.replace(kv_dtype="float16"), None, 4)   # fp16 KV: half of each
     assert (2 * half.per_seq_device_tier, 2 * half.device_tier, 2 * half.host_kv_pool) == \
         (plan.per_seq_device_tier, plan.device_tier, plan.host_kv_pool)
-    assert half.summaries == plan.summaries and half.weights == plan.weights
+    assert 2 * half.summaries == plan.summaries and half.weights == plan.weights   # summaries in the KV dtype
+    gpu = plan_memory(SMOLLM2, cfg.replace(kv_dtype="float16"), None, 4, device_type="cuda")
+    assert gpu.summaries == plan.summaries                                  # fp32 on a GPU
 
 
 @pytest.mark.parametrize("overrides,field", [

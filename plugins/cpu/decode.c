@@ -272,7 +272,7 @@ static int select_keys(const LkvModel *m, const LkvStep *st, const LkvWork *w, i
             kmin = gathered, kmax = gathered + nb * unit;
         }
         const int rc = lkv_block_topk(w->q + b * H * D, kmin, kmax, nb * unit, valid, nb, nb, 1, 1, H,
-                                      KVH, nb, D, k, (int)m->sel_group_max, scores, sidx, 1);
+                                      KVH, nb, D, k, (int)m->sel_group_max, scores, sidx, 1, LKV_KV_F32);
         free(gathered);
         if (rc != LKV_OK) {
             failed = rc < failed ? rc : failed;

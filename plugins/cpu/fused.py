@@ -508,7 +508,7 @@ class LookaheadLayer:
         ok = (pool_k.dtype in KV_DTYPES and all(t.dtype == pool_k.dtype for t in (pool_v, tier_k, tier_v))
               and pool_v.shape == pool_k.shape and tier_v.shape == tier_k.shape
               and tier_k.shape[2:] == (kvh, slots, bs, D) and bufs == L
-              and kmin.dtype == kmax.dtype == torch.float32 and kmin.shape == kmax.shape == (L, lanes * mb, kvh, D)
+              and kmin.dtype == kmax.dtype == pool_k.dtype and kmin.shape == kmax.shape == (L, lanes * mb, kvh, D)
               and tier_mask.dtype == torch.bool and tier_mask.shape == (lanes, kvh, slots, bs)
               and all(t.dtype == torch.int64 for t in (block, last_used, slot_of, lane_blocks, pred))
               and block.shape == last_used.shape == (bufs, lanes, kvh, K) and slot_of.shape == (bufs, lanes, kvh, mb + 1)

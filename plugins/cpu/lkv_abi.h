@@ -133,7 +133,7 @@ typedef int (*LkvCopyFn)(const float *, const float *, int64_t, int64_t, float *
 
 /* a lookahead decode layer's bound tensors (lookahead_layer.c) */
 typedef struct {
-    const float *kmin, *kmax;          /* summaries [L, lanes * MB, KVH, D] fp32 */
+    const void *kmin, *kmax;           /* summaries [L, lanes * MB, KVH, D] of kv_dtype (the pool's) */
     const void *pool_k, *pool_v;       /* host pool [L, KVH, NB, bs, D] */
     void *tier_k, *tier_v;             /* device tier [buffers, lanes, KVH, slots, bs, D] */
     uint8_t *tier_mask;                /* [lanes, KVH, slots, bs] */
@@ -225,9 +225,9 @@ int lkv_attention_heads_table(const float *q, const void *k, const void *v, cons
                               int64_t E, int64_t D, float scale, int nthreads, int kv_dtype);
 
 /* topk.c: LKV_OK, LKV_ERR_NOMEM, LKV_ERR_ARG (k outside [1, NB]) */
-int lkv_block_topk(const float *q, const float *kmin, const float *kmax, int64_t ksb, const uint8_t *valid,
+int lkv_block_topk(const float *q, const void *kmin, const void *kmax, int64_t ksb, const uint8_t *valid,
                    int64_t vsb, int64_t vsr, int64_t B, int64_t R, int64_t H, int64_t KVH, int64_t NB,
-                   int64_t D, int64_t k, int group_max, float *scores, int64_t *idx, int nthreads);
+                   int64_t D, int64_t k, int group_max, float *scores, int64_t *idx, int nthreads, int sum_dtype);
 
 /* residency.c: lkv_plan returns the admissions' count, or LKV_ERR_NOMEM / LKV_ERR_RANGE;
  * lkv_copy_blocks LKV_OK or LKV_ERR_RANGE */
@@ -241,9 +241,9 @@ int lkv_copy_blocks(const float *src_k, const float *src_v, int64_t s_blk, int64
                     int64_t unit, int64_t NB, int64_t KVH, int64_t NL, int64_t NS);
 
 /* summaries.c: LKV_OK, LKV_ERR_RANGE (a block id), LKV_ERR_ARG (key_dtype) */
-int lkv_update_summaries(float *kmin, float *kmax, const void *keys, const int64_t *block_ids,
+int lkv_update_summaries(void *kmin, void *kmax, const void *keys, const int64_t *block_ids,
                          const int64_t *block_offsets, int64_t T, int64_t KVH, int64_t D, int64_t num_blocks,
-                         int key_dtype, int nthreads);
+                         int key_dtype, int sum_dtype, int nthreads);
 
 /* decode.c: the fused decode step and the layers around an outside attention */
 int lkv_decode(const LkvModel *m, const LkvStep *st, const LkvWork *w, int64_t s0, int64_t s1, int nthreads);

@@ -57,7 +57,7 @@ BASE_SIGNATURES = {  # (restype, argtypes) of each kernel; see lkv_abi.h for the
     "lkv_abi_describe": abi.DESCRIBE,
     "lkv_linear_packed": (None, [_p, _i64, _i64, _p, _i64, _p, _p, _int]),
     "lkv_linear_int8": (None, [_p, _i64, _i64, _p, _i64, _p, _i64, _p, _p, _int]),
-    "lkv_block_topk": (_int, [_p, _p, _p, _i64, _p] + [_i64] * 9 + [_int, _p, _p, _int]),
+    "lkv_block_topk": (_int, [_p, _p, _p, _i64, _p] + [_i64] * 9 + [_int, _p, _p, _int, _int]),
     "lkv_attention": (_int, [_p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _p]
                       + [_i64] * 7 + [ctypes.c_float, _int, _int]),
     "lkv_attention_paged": (_int, [_p, _p, _p, _p, _i64, _p, _p] + [_i64] * 5 + [ctypes.c_float, _int, _int]),
@@ -73,7 +73,7 @@ BASE_SIGNATURES = {  # (restype, argtypes) of each kernel; see lkv_abi.h for the
     "lkv_ext_rest": (_int, [_p, _p, _p, _i64, _p, _int]),
     "lkv_ext_end": (None, [_p, _p, _p]),
     "lkv_lookahead_layer": (_int, [_p, _p]),                   # a lookahead decode layer (fused.LookaheadLayer)
-    "lkv_update_summaries": (_int, [_p] * 5 + [_i64] * 4 + [_int, _int]),   # update_summaries (summaries.c)
+    "lkv_update_summaries": (_int, [_p] * 5 + [_i64] * 4 + [_int, _int, _int]),   # update_summaries (summaries.c)
     "lkv_prefill_attention": (_int, [_p, _i64, _p, _p, _i64, _p] + [_i64] * 6 + [ctypes.c_float, _p, _i64]
                               + [_int] * 2 + [_p]),            # prefill attention (prefill_attention.c)
 }

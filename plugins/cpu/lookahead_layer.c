@@ -43,9 +43,10 @@ int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
         return LKV_ERR_ARG;
     const int64_t rows = n * KVH;
     /* 1. top-K of every row, in one read of the summaries (BlockSummaries.score) */
-    const int64_t sum_at = c->layer * m->lanes * MB * KVH * D;
-    int rc = lkv_block_topk(c->q, m->kmin + sum_at, m->kmax + sum_at, MB * KVH * D, c->cand, c->cand_sb, c->cand_sr,
-                            n, R, H, KVH, nb, D, ks, (int)m->group_max, m->scores, m->idx, (int)c->nthreads);
+    const int64_t sum_at = c->layer * m->lanes * MB * KVH * D * m->elem_bytes;      /* bytes */
+    int rc = lkv_block_topk(c->q, (const char *)m->kmin + sum_at, (const char *)m->kmax + sum_at, MB * KVH * D, c->cand,
+                            c->cand_sb, c->cand_sr, n, R, H, KVH, nb, D, ks, (int)m->group_max, m->scores, m->idx,
+                            (int)c->nthreads, (int)m->kv_dtype);
     if (rc != LKV_OK) return rc;
     /* 2. the real row's top-K padded to K with -1 (the metrics' true set), which of it is held,
      * and what the miss policy fetches (its lanes' true set), with its priorities */

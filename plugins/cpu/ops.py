@@ -299,15 +299,17 @@ def block_tables(tables: list[list[int]], lens: list[int], bs: int) -> torch.Ten
 
 def block_topk_supported(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
                          k: int | None = None) -> bool:
-    """Whether `block_topk` runs these arguments: fp32 on CPU, D a multiple of 8, each sequence's
-    summaries one contiguous [NB, KVH, D] run (alike for kmin and kmax), valid rows contiguous,
-    every shape consistent and 1 <= k <= NB (else the torch path runs and raises its own errors)."""
+    """Whether `block_topk` runs these arguments: on CPU, q fp32, the summaries fp32, fp16 or bf16
+    (alike; widened exactly), D a multiple of 8, each sequence's summaries one contiguous
+    [NB, KVH, D] run (alike for kmin and kmax), valid rows contiguous, every shape consistent and
+    1 <= k <= NB (else the torch path runs and raises its own errors)."""
     if q.dim() != 4 or kmin.dim() != 4 or valid.dim() != 3:
         return False
     B, R, H, D = q.shape
     _, num_blocks, kvh, _ = kmin.shape
     return (loaded() is not None and q.device.type == "cpu" and kvh > 0 and H % kvh == 0
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, kmin, kmax))
+            and q.dtype == torch.float32 and kmin.dtype in KV_DTYPES and kmax.dtype == kmin.dtype
+            and all(t.device.type == "cpu" for t in (q, kmin, kmax))
             and kmin.shape == kmax.shape == (B, num_blocks, kvh, D)
             and valid.dtype == torch.bool and valid.shape == (B, R, num_blocks)
             and (k is None or 1 <= k <= num_blocks)
@@ -328,7 +330,7 @@ def block_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: t
         rc = loaded().lkv_block_topk(
             q.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), kmin.stride(0), valid.data_ptr(), valid.stride(0),
             valid.stride(1), B, R, H, kvh, num_blocks, D, k, int(group_score == "max"), scores.data_ptr(),
-            idx.data_ptr(), torch.get_num_threads())
+            idx.data_ptr(), torch.get_num_threads(), KV_DTYPES[kmin.dtype])
     if rc != 0:
         raise_for(rc, "block_topk", f"k must be in [1, NB={num_blocks}], got {k}" if rc == abi.Status.ARG else None)
     return idx, scores
@@ -375,16 +377,18 @@ def update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.Tensor,
                      block_offsets: torch.Tensor) -> None:
     """`lookahead::update_summaries` (plugins/summaries.py's contract; like `plugins.direct`'s entry,
     no argument checks beyond what keeps the kernel in bounds): one C call (plugins/cpu/summaries.c)
-    for contiguous fp32 [num_blocks, KVH, D] CPU summaries with fp32 / fp16 / bf16 keys [T, KVH, D]
-    and int64 [T] ids and offsets, the last three made contiguous first (T rows: cheap). Anything
-    else (other summary or key dtypes, another device, non-contiguous summaries, which are written
+    for contiguous [num_blocks, KVH, D] CPU summaries, fp32 or of the keys' dtype (a min or max of
+    keys is one of them: exact), with fp32 / fp16 / bf16 keys [T, KVH, D] and int64 [T] ids and
+    offsets, the last three made contiguous first (T rows: cheap). Anything else (other summary or
+    key dtypes, another device, non-contiguous summaries, which are written
     in place and cannot be copied, inconsistent shapes, autograd) goes to the torch implementation,
     which raises its own errors. NaN keys propagate as torch.minimum / maximum's do; only the NaN
     bit pattern may differ from torch's (which varies with its vector width). An id outside
     [0, num_blocks): ValueError naming block_ids, nothing changed."""
     lib = loaded()
     T = keys.shape[0] if keys.dim() == 3 else -1
-    if (lib is None or kmin.dtype != torch.float32 or kmax.dtype != torch.float32 or keys.dtype not in KV_DTYPES
+    if (lib is None or kmin.dtype not in (torch.float32, keys.dtype) or kmax.dtype != kmin.dtype
+            or keys.dtype not in KV_DTYPES
             or block_ids.dtype != torch.int64 or block_offsets.dtype != torch.int64
             or kmin.dim() != 3 or kmax.shape != kmin.shape or T < 0 or keys.shape[1:] != kmin.shape[1:]
             or block_ids.shape != (T,) or block_offsets.shape != (T,)
@@ -398,7 +402,7 @@ def update_summaries(kmin: torch.Tensor, kmax: torch.Tensor, keys: torch.Tensor,
     with traced("update_summaries"):
         rc = lib.lkv_update_summaries(kmin.data_ptr(), kmax.data_ptr(), keys.data_ptr(), block_ids.data_ptr(),
                                       block_offsets.data_ptr(), T, kvh, D, num_blocks, KV_DTYPES[keys.dtype],
-                                      torch.get_num_threads())
+                                      KV_DTYPES[kmin.dtype], torch.get_num_threads())
     if rc == abi.Status.RANGE:
         fail("block_ids", f"values must be in [0, {num_blocks}), got min {int(block_ids.min())}, "
                           f"max {int(block_ids.max())}")
@@ -670,8 +674,8 @@ def bind_lookahead_attention(device: torch.device, kv_dtype: torch.dtype, head_d
 
 
 def bind_block_topk(device: torch.device, head_dim: int, num_heads: int, kv_heads: int) -> Kernel:
-    """`lookahead::block_topk` over fp32 block summaries of this layout (lkv_block_topk), checked
-    now. Per call (q [B, H, D] or [B, R, H, D]): the summaries one [B, NB, KVH, D] run each (alike
+    """`lookahead::block_topk` over block summaries of this layout (lkv_block_topk; fp32, fp16 or
+    bf16, widened exactly), checked now. Per call (q [B, H, D] or [B, R, H, D]): the summaries one [B, NB, KVH, D] run each (alike
     for kmin and kmax), valid [B, (R,) NB] bool, and 1 <= k <= NB. Falls back to the op's torch
     formulation where the kernel does not take the layout."""
     why = pool_misfit(device, None, head_dim, num_heads, kv_heads, 1, 8)
@@ -686,10 +690,10 @@ def bind_block_topk(device: torch.device, head_dim: int, num_heads: int, kv_head
             _bad("block_topk", "q", f"{tuple(q.shape)} {q.dtype}", f"[B, (R,) {H}, {D}] torch.float32")
         B, R = q4.shape[:2]
         nb = kmin.shape[1] if kmin.dim() == 4 else -1
-        if (kmin.shape != (B, nb, kvh, D) or kmax.shape != kmin.shape or kmin.dtype != torch.float32
-                or kmax.dtype != torch.float32 or kmin.stride()[1:] != (kvh * D, D, 1) or kmax.stride() != kmin.stride()):
+        if (kmin.shape != (B, nb, kvh, D) or kmax.shape != kmin.shape or kmin.dtype not in KV_DTYPES
+                or kmax.dtype != kmin.dtype or kmin.stride()[1:] != (kvh * D, D, 1) or kmax.stride() != kmin.stride()):
             _bad("block_topk", "kmin, kmax", f"{tuple(kmin.shape)} {kmin.dtype} strides {kmin.stride()}",
-                 f"[{B}, NB, {kvh}, {D}] torch.float32, each sequence's [NB, {kvh}, {D}] contiguous")
+                 f"[{B}, NB, {kvh}, {D}] in {list(KV_DTYPES)} (alike), each sequence's [NB, {kvh}, {D}] contiguous")
         if v3.shape != (B, R, nb) or v3.dtype != torch.bool or v3.stride(-1) != 1:
             _bad("block_topk", "valid", f"{tuple(valid.shape)} {valid.dtype}", f"[{B}, (R,) {nb}] torch.bool")
         if not 1 <= k <= nb:
@@ -700,9 +704,9 @@ def bind_block_topk(device: torch.device, head_dim: int, num_heads: int, kv_head
 
 
 def bind_update_summaries(device: torch.device, head_dim: int, kv_heads: int) -> Kernel:
-    """`lookahead::update_summaries` into fp32 summaries of this layout (lkv_update_summaries),
-    checked now. Per call: kmin/kmax [num_blocks, KVH, D] contiguous fp32 (written in place), keys
-    [T, KVH, D] fp32 / fp16 / bf16, int64 [T] ids and offsets; an id outside [0, num_blocks):
+    """`lookahead::update_summaries` into summaries of this layout (lkv_update_summaries), checked
+    now. Per call: kmin/kmax [num_blocks, KVH, D] contiguous, fp32 or the keys' dtype (written in
+    place), keys [T, KVH, D] fp32 / fp16 / bf16, int64 [T] ids and offsets; an id outside [0, num_blocks):
     ValueError naming block_ids, nothing changed. Falls back to the op's torch formulation where
     the kernel does not take the layout."""
     why = pool_misfit(device, None, head_dim, kv_heads, kv_heads, 1, 1)
@@ -712,12 +716,13 @@ def bind_update_summaries(device: torch.device, head_dim: int, kv_heads: int) ->
 
     def fn(kmin, kmax, keys, block_ids, block_offsets) -> None:
         T = keys.shape[0]
-        if (kmin.dim() != 3 or kmin.shape[1:] != (kvh, D) or kmax.shape != kmin.shape or kmin.dtype != torch.float32
-                or kmax.dtype != torch.float32 or not (kmin.is_contiguous() and kmax.is_contiguous())):
+        if (kmin.dim() != 3 or kmin.shape[1:] != (kvh, D) or kmax.shape != kmin.shape or kmin.dtype not in KV_DTYPES
+                or kmax.dtype != kmin.dtype or not (kmin.is_contiguous() and kmax.is_contiguous())):
             _bad("update_summaries", "kmin, kmax", f"{tuple(kmin.shape)} {kmin.dtype}",
-                 f"[num_blocks, {kvh}, {D}] torch.float32, contiguous")
-        if keys.shape != (T, kvh, D) or keys.dtype not in KV_DTYPES:
-            _bad("update_summaries", "keys", f"{tuple(keys.shape)} {keys.dtype}", f"[T, {kvh}, {D}] in {list(KV_DTYPES)}")
+                 f"[num_blocks, {kvh}, {D}] in {list(KV_DTYPES)} (alike), contiguous")
+        if keys.shape != (T, kvh, D) or keys.dtype not in KV_DTYPES or kmin.dtype not in (torch.float32, keys.dtype):
+            _bad("update_summaries", "keys", f"{tuple(keys.shape)} {keys.dtype}",
+                 f"[T, {kvh}, {D}] in {list(KV_DTYPES)}, of the summaries' dtype {kmin.dtype} unless they are fp32")
         if (block_ids.shape != (T,) or block_offsets.shape != (T,) or block_ids.dtype != torch.int64
                 or block_offsets.dtype != torch.int64):
             _bad("update_summaries", "block_ids, block_offsets", (tuple(block_ids.shape), tuple(block_offsets.shape)),
@@ -727,7 +732,7 @@ def bind_update_summaries(device: torch.device, head_dim: int, kv_heads: int) ->
         with traced("update_summaries"):
             rc = lib.lkv_update_summaries(kmin.data_ptr(), kmax.data_ptr(), keys.data_ptr(), ids.data_ptr(),
                                           offs.data_ptr(), T, kvh, D, num_blocks, KV_DTYPES[keys.dtype],
-                                          torch.get_num_threads())
+                                          KV_DTYPES[kmin.dtype], torch.get_num_threads())
         if rc == abi.Status.RANGE:
             fail("block_ids", f"values must be in [0, {num_blocks}), got min {int(ids.min())}, max {int(ids.max())}")
         if rc != 0:

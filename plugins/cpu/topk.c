@@ -10,22 +10,33 @@
  * and the loop turns load-bound. */
 #define LKV_PIN(v) __asm__("" : "+x"(v))
 
+/* eight summary elements from element i of a row of storage type T (LKV_KV_*), as fp32: the
+ * summaries are kept in the KV storage dtype, whose min/max are values of that dtype, and
+ * widening them is exact (F16C's vcvtph2ps; bf16 by a shift) */
+static inline __attribute__((always_inline)) __m256 sum8(const void *row, int64_t i, int T) {
+    if (T == LKV_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    if (T == LKV_KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
+    return _mm256_loadu_ps((const float *)row + i);
+}
+
 /* The Quest bounds (wmax = relu(q), wmin = min(q, 0)) of NR <= 2 weight rows (row j's wmax at
- * w + 2*j*D, its wmin after it) against four blocks (block i's rows at hi/lo + i*s). The rows'
- * weights stay in registers and each summary vector is loaded once for both: 12 loads per 16
- * FMAs (one row against eight blocks took 18), so the loop is FMA-bound. out[j] = row j's four
- * bounds; per lane and in the reduction the sums run in the order of that one-row form, so the
- * scores are unchanged. */
-static inline __attribute__((always_inline)) void bound4(const float *w, int NR, const float *hi,
-                                                         const float *lo, int64_t s, int64_t D, __m128 *out) {
+ * w + 2*j*D, its wmin after it) against four blocks (block i's rows at hi/lo + i*s elements of
+ * storage type T). The rows' weights stay in registers and each summary vector is loaded once for
+ * both: 12 loads per 16 FMAs (one row against eight blocks took 18), so the loop is FMA-bound.
+ * out[j] = row j's four bounds; per lane and in the reduction the sums run in the order of that
+ * one-row form, so the scores are unchanged. */
+static inline __attribute__((always_inline)) void bound4(const float *w, int NR, const void *hi,
+                                                         const void *lo, int64_t s, int64_t D, __m128 *out, int T) {
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
     for (int64_t d = 0; d < D; d += 8) {
         __m256 wx0 = _mm256_loadu_ps(w + d), wn0 = _mm256_loadu_ps(w + D + d), wx1 = wx0, wn1 = wn0, x, y;
         LKV_PIN(wx0); LKV_PIN(wn0);
         if (NR > 1) { wx1 = _mm256_loadu_ps(w + 2 * D + d); wn1 = _mm256_loadu_ps(w + 3 * D + d); LKV_PIN(wx1); LKV_PIN(wn1); }
-#define LKV_BLOCK(i) x = _mm256_loadu_ps(hi + i * s + d); LKV_PIN(x); \
+#define LKV_BLOCK(i) x = sum8(hi, i * s + d, T); LKV_PIN(x); \
                      a0##i = _mm256_fmadd_ps(wx0, x, a0##i); if (NR > 1) a1##i = _mm256_fmadd_ps(wx1, x, a1##i); \
-                     y = _mm256_loadu_ps(lo + i * s + d); LKV_PIN(y); \
+                     y = sum8(lo, i * s + d, T); LKV_PIN(y); \
                      a0##i = _mm256_fmadd_ps(wn0, y, a0##i); if (NR > 1) a1##i = _mm256_fmadd_ps(wn1, y, a1##i)
         LKV_BLOCK(0); LKV_BLOCK(1); LKV_BLOCK(2); LKV_BLOCK(3);
 #undef LKV_BLOCK
@@ -38,20 +49,26 @@ static inline __attribute__((always_inline)) void bound4(const float *w, int NR,
 }
 
 /* bound4 over NW weight rows in pairs, with the head size a constant where it is the usual 64
- * (the chunk loop unrolls, the weight offsets become immediates). */
-static inline __attribute__((always_inline)) void bound4_rows(const float *w, int64_t NW, const float *hi,
-                                                              const float *lo, int64_t s, int64_t D, __m128 *out) {
+ * (the chunk loop unrolls, the weight offsets become immediates), for summaries of type T. */
+static inline __attribute__((always_inline)) void bound4_rows_t(const float *w, int64_t NW, const void *hi,
+                                                                const void *lo, int64_t s, int64_t D, __m128 *out,
+                                                                int T) {
     for (int64_t j = 0; j < NW; j += 2) {
         const float *wj = w + 2 * j * D;
         if (D == 64) {
-            if (j + 1 < NW) bound4(wj, 2, hi, lo, s, 64, out + j);
-            else bound4(wj, 1, hi, lo, s, 64, out + j);
+            if (j + 1 < NW) bound4(wj, 2, hi, lo, s, 64, out + j, T);
+            else bound4(wj, 1, hi, lo, s, 64, out + j, T);
         } else {
-            if (j + 1 < NW) bound4(wj, 2, hi, lo, s, D, out + j);
-            else bound4(wj, 1, hi, lo, s, D, out + j);
+            if (j + 1 < NW) bound4(wj, 2, hi, lo, s, D, out + j, T);
+            else bound4(wj, 1, hi, lo, s, D, out + j, T);
         }
     }
 }
+
+#define BOUND_ARGS const float *w, int64_t NW, const void *hi, const void *lo, int64_t s, int64_t D, __m128 *out
+static void bound4_rows_f32(BOUND_ARGS) { bound4_rows_t(w, NW, hi, lo, s, D, out, LKV_KV_F32); }
+static void bound4_rows_f16(BOUND_ARGS) { bound4_rows_t(w, NW, hi, lo, s, D, out, LKV_KV_F16); }
+static void bound4_rows_bf16(BOUND_ARGS) { bound4_rows_t(w, NW, hi, lo, s, D, out, LKV_KV_BF16); }
 
 /* Rank key of plugins/topk.py's _rank_keys without the id: float order as int32 order (the id
  * part, lower id first, is the selection's tie rule). Eight at a time. */
@@ -105,22 +122,27 @@ static int32_t kth_key(const int32_t *keys, int64_t n8, int64_t k, int64_t *need
     return t;
 }
 
-/* q [B, R, H, D] contiguous; kmin/kmax rows of D floats at k + b*ksb + n*KVH*D + h*D; valid
- * bytes at valid + b*vsb + r*vsr + n; group_max: 1 = "max", 0 = "sum". Writes scores
- * [B, R, KVH, NB] (-inf where not valid) and idx [B, R, KVH, k]. Returns LKV_OK, LKV_ERR_NOMEM
- * when scratch memory ran out, LKV_ERR_ARG unless 1 <= k <= NB. */
-int lkv_block_topk(const float *q, const float *kmin, const float *kmax, int64_t ksb, const uint8_t *valid,
+/* q [B, R, H, D] contiguous; kmin/kmax rows of D elements of sum_dtype (LKV_KV_F32, LKV_KV_F16,
+ * LKV_KV_BF16; widened exactly) at k + b*ksb + n*KVH*D + h*D elements; valid bytes at valid +
+ * b*vsb + r*vsr + n; group_max: 1 = "max", 0 = "sum". Writes scores [B, R, KVH, NB] (-inf where
+ * not valid) and idx [B, R, KVH, k]. Returns LKV_OK, LKV_ERR_NOMEM when scratch memory ran out,
+ * LKV_ERR_ARG unless 1 <= k <= NB and sum_dtype is a storage code. */
+int lkv_block_topk(const float *q, const void *kmin, const void *kmax, int64_t ksb, const uint8_t *valid,
                    int64_t vsb, int64_t vsr, int64_t B, int64_t R, int64_t H, int64_t KVH, int64_t NB,
-                   int64_t D, int64_t k, int group_max, float *scores, int64_t *idx, int nthreads) {
+                   int64_t D, int64_t k, int group_max, float *scores, int64_t *idx, int nthreads, int sum_dtype) {
     const int64_t G = H / KVH, GW = group_max ? G : 1;     /* weight rows per (row, KV head) */
     const int64_t NW = R * GW, NB8 = (NB + 7) & ~(int64_t)7;
     if (NB <= 0 || k <= 0 || k > NB) return LKV_ERR_ARG;           /* the wrapper's checks exclude these */
+    if (sum_dtype < LKV_KV_F32 || sum_dtype > LKV_KV_BF16) return LKV_ERR_ARG;
+    const int64_t es = sum_dtype == LKV_KV_F32 ? 4 : 2;              /* bytes a summary element */
+    void (*bound4_rows)(BOUND_ARGS) = sum_dtype == LKV_KV_F16 ? bound4_rows_f16
+                                    : sum_dtype == LKV_KV_BF16 ? bound4_rows_bf16 : bound4_rows_f32;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads > 1 ? nthreads : 1) if (nthreads > 1) reduction(| : failed)
     {
         float *w = malloc(sizeof(float) * (2 * R * KVH * GW * D + 8));
         __m128 *sc = malloc(sizeof(__m128) * (NW + 2));
-        float *tail = malloc(sizeof(float) * 8 * D);
+        char *tail = malloc(sizeof(float) * 8 * D);
         int32_t *keys = malloc(sizeof(int32_t) * (NB8 + 8)), *sel = malloc(sizeof(int32_t) * (NB8 + 8));
         if (!w || !sc || !tail || !keys || !sel) failed = 1;
         else {
@@ -148,25 +170,26 @@ int lkv_block_topk(const float *q, const float *kmin, const float *kmax, int64_t
                                 }
                             }
                         }
-                const float *kxb = kmax + b * ksb, *knb = kmin + b * ksb;
+                const char *kxb = (const char *)kmax + b * ksb * es, *knb = (const char *)kmin + b * ksb * es;
                 for (int64_t n0 = 0; n0 < NB; n0 += 4) {
                     /* the summaries are mostly not in cache, and a head's rows stride past what the
                      * hardware prefetchers follow: fetch whole blocks (all heads) ahead */
                     if (n0 + LKV_PREFETCH_BLOCKS + 4 <= NB)
-                        for (int64_t o = (n0 + LKV_PREFETCH_BLOCKS) * KVH * D; o < (n0 + LKV_PREFETCH_BLOCKS + 4) * KVH * D; o += 16) {
-                            _mm_prefetch((const char *)(kxb + o), _MM_HINT_T0);
-                            _mm_prefetch((const char *)(knb + o), _MM_HINT_T0);
+                        for (int64_t o = (n0 + LKV_PREFETCH_BLOCKS) * KVH * D * es;
+                             o < (n0 + LKV_PREFETCH_BLOCKS + 4) * KVH * D * es; o += 64) {
+                            _mm_prefetch(kxb + o, _MM_HINT_T0);
+                            _mm_prefetch(knb + o, _MM_HINT_T0);
                         }
                     for (int64_t h = 0; h < KVH; h++) {
-                        const float *hi = kxb + (n0 * KVH + h) * D, *lo = knb + (n0 * KVH + h) * D;
+                        const void *hi = kxb + (n0 * KVH + h) * D * es, *lo = knb + (n0 * KVH + h) * D * es;
                         int64_t s = KVH * D;
                         if (n0 + 4 > NB) {                  /* the last blocks, repeated to fill four */
                             for (int i = 0; i < 4; i++) {
                                 const int64_t n = n0 + i < NB ? n0 + i : NB - 1;
-                                memcpy(tail + i * D, kxb + (n * KVH + h) * D, sizeof(float) * D);
-                                memcpy(tail + (4 + i) * D, knb + (n * KVH + h) * D, sizeof(float) * D);
+                                memcpy(tail + i * D * es, kxb + (n * KVH + h) * D * es, es * D);
+                                memcpy(tail + (4 + i) * D * es, knb + (n * KVH + h) * D * es, es * D);
                             }
-                            hi = tail, lo = tail + 4 * D, s = D;
+                            hi = tail, lo = tail + 4 * D * es, s = D;
                         }
                         bound4_rows(w + h * NW * 2 * D, NW, hi, lo, s, D, sc);
                         for (int64_t r = 0; r < R; r++) {

@@ -97,7 +97,7 @@ class LookaheadAttention:
         self.residency = ResidencyManager(cfg, policy, mcfg.num_layers, num_lanes, self.kvh, max_blocks, pool,
                                           self.tier, transfer, self.metrics, self.observers, device, ops)
         # the summaries of named (cached) blocks, for sequences that share them (prefix caching)
-        self.store = (SummaryStore(mcfg.num_layers, pool.num_blocks, self.kvh, self.hd)
+        self.store = (SummaryStore(mcfg.num_layers, pool.num_blocks, self.kvh, self.hd, self.summaries.dtype)
                       if cfg.prefix_caching else None)
         self.step_idx = 0
         # a step's true sets and hits, every layer and lane (written by either layer, read at finish)

@@ -59,7 +59,8 @@ class PrefillSelection:
         n = q.shape[0]
         rows = torch.linspace(n - 1, 0, min(SCORE_ROWS, n)).round().long().unique()
         s = self.summaries
-        kmin, kmax = (t[layer].view(-1, s.max_blocks, s.kvh, s.hd)[lane, self.num_sink:w0] for t in (s.kmin, s.kmax))
+        kmin, kmax = (t[layer].view(-1, s.max_blocks, s.kvh, s.hd)[lane, self.num_sink:w0].float()    # widened: exact
+                      for t in (s.kmin, s.kmax))
         qs = q[rows].float().view(len(rows), s.kvh, -1, s.hd)                          # [R, KVH, G, D]
         # Quest's bound sum_d max(q_d min_d, q_d max_d) as two products: q+ . max + q- . min
         bound = torch.einsum("rgjd,bgd->gjrb", qs.clamp(min=0), kmax) + \

@@ -5,9 +5,11 @@ One table per layer, indexed by (lane, logical block): `[num_layers, lanes * max
 With prefix caching, a cached block's summaries are kept with it (`SummaryStore`, host memory,
 indexed by pool block): saved when the block is named, loaded into the lane of a sequence that
 shares the block, so a cached prefix is scored without recomputing anything.
-The summaries are float32 whatever the KV storage dtype: min/max are taken over the keys as the
-pool stores them (rounded into `kv_dtype`), upcast to fp32, so a block's bound covers exactly the
-keys attention will read. At fp32 storage nothing is cast or copied.
+Min/max are taken over the keys as the pool stores them (rounded into `kv_dtype`), so a block's
+bound covers exactly the keys attention will read. A min or max of such keys is one of them, so the
+summaries can be kept in `kv_dtype` itself without rounding anything: half the bytes of fp32 at
+fp16 / bf16 KV, scored by widening them exactly. The kernel table decides (`summary_dtype`): a CPU
+table keeps them in the KV dtype; a CUDA one in fp32, which its kernels read.
 """
 from __future__ import annotations
 
@@ -16,18 +18,26 @@ import torch
 from ..device import to_device, to_host
 from ..ops import Ops
 
-DTYPE = torch.float32
+DTYPE = torch.float32      # the scores' dtype, and the summaries' where the table does not take the KV dtype
+
+
+def summary_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype block summaries are kept in: the KV storage dtype on CPU (exact, half the bytes of
+    fp32 at 16-bit KV), fp32 on a GPU (what plugins/cuda's scoring and update kernels read)."""
+    return kv_dtype if device.type == "cpu" else DTYPE
 
 
 class BlockSummaries:
     def __init__(self, num_layers: int, num_lanes: int, max_blocks: int, num_kv_heads: int, head_dim: int,
                  kv_dtype: torch.dtype, device: torch.device, ops: Ops):
-        """kv_dtype: how the pool stores keys (the summaries bound those values)."""
+        """kv_dtype: how the pool stores keys (the summaries bound those values, and are kept in
+        `summary_dtype(kv_dtype, device)`)."""
         self.max_blocks, self.kvh, self.hd = max_blocks, num_kv_heads, head_dim
         self.kv_dtype, self.device, self.ops = kv_dtype, device, ops
+        self.dtype = summary_dtype(kv_dtype, device)
         shape = (num_layers, num_lanes * max_blocks, num_kv_heads, head_dim)
-        self.kmin = torch.zeros(shape, dtype=DTYPE, device=device)
-        self.kmax = torch.zeros(shape, dtype=DTYPE, device=device)
+        self.kmin = torch.zeros(shape, dtype=self.dtype, device=device)
+        self.kmax = torch.zeros(shape, dtype=self.dtype, device=device)
         # per layer, by lane: [lanes, max_blocks, KVH, D] views, made once (what scoring reads)
         by_lane = (num_lanes, max_blocks, num_kv_heads, head_dim)
         self._by_lane = [(self.kmin[i].view(by_lane), self.kmax[i].view(by_lane)) for i in range(num_layers)]
@@ -46,7 +56,7 @@ class BlockSummaries:
         if n_layers > 1:        # the layers' tables as one [L' * lanes * max_blocks, KVH, D] table
             ids = (torch.arange(n_layers, device=self.device)[:, None] * per_layer + ids).reshape(-1)
         flat = (-1, self.kvh, self.hd)
-        stored = keys.reshape(n_layers * T, self.kvh, self.hd).to(self.kv_dtype).to(DTYPE)   # no-ops at fp32
+        stored = keys.reshape(n_layers * T, self.kvh, self.hd).to(self.kv_dtype)   # as the pool stores them
         self.ops.update_summaries(self.kmin[layers].view(flat), self.kmax[layers].view(flat), stored, ids,
                                   offsets.repeat(n_layers))
 
@@ -69,12 +79,14 @@ class BlockSummaries:
 
 class SummaryStore:
     """The summaries of the pool's named blocks: kmin/kmax `[num_layers, num_pool_blocks, KVH, D]`
-    fp32 in host memory, beside the host pool (a block's entry is valid while it has its name)."""
+    in host memory, beside the host pool, in the backend's summary dtype (a block's entry is valid
+    while it has its name)."""
 
-    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = DTYPE):
         shape = (num_layers, num_blocks, num_kv_heads, head_dim)
-        self.kmin = torch.zeros(shape, dtype=DTYPE)
-        self.kmax = torch.zeros(shape, dtype=DTYPE)
+        self.kmin = torch.zeros(shape, dtype=dtype)
+        self.kmax = torch.zeros(shape, dtype=dtype)
 
     def save(self, summaries: BlockSummaries, lane: int, logical: list[int], blocks: list[int]) -> None:
         """Lane `lane`'s summaries of its logical blocks -> the store's entries of pool `blocks`."""
