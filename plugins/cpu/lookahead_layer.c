@@ -10,8 +10,8 @@
  *      with the transfer engine's copy kernel (`copy`, bound once), timed (the step's stall);
  *   4. the key mask (the tier's sink/window rows, each occupied selected slot whole) and the
  *      attention of every row over the buffer plus the step's own rows (lkv_attention);
- *   4b. R = 2 with `draft_fixed`: the draft row attends its own top-K instead, from the host pool
- *      (lkv_attention_heads_table), beside its sink and window blocks;
+ *   4b. R = 2 with `draft_fixed`: step 4 attends the real rows alone, and the draft row its own
+ *      top-K from the host pool (lkv_attention_heads_table), beside its sink and window blocks;
  *   5. R = 2: the draft row's top-K is the layer's prediction for the next step: recorded, and
  *      admitted (lkv_plan, cap `predict_cap`); the caller queues its copies in the background.
  * The same kernels in the same order, with the same arguments: the Python path's bytes, bit for
@@ -104,15 +104,30 @@ int lkv_lookahead_layer(const LkvLayerTensors *m, LkvLayerCall *c) {
         for (int64_t s = 0; s < used; s++) memset(tm + (S + s) * bs, held[s] >= 0, bs);
         memcpy(mk, tm, nkeys);
     }
-    rc = lkv_attention(c->q, (const char *)m->tier_k + buf_at, (const char *)m->tier_v + buf_at, KVH * NS * bs * D,
-                       NS * bs * D, m->mask, c->kx, c->xksb, c->xksh, c->xkse, c->vx, c->xvsb, c->xvsh, c->xvse,
-                       c->extra_mask, c->out, n, R, H, KVH, nkeys, R, D, c->scale, (int)c->nthreads, (int)m->kv_dtype);
+    const int own = R == 2 && c->draft_fixed != NULL;      /* 4b below attends the draft rows */
+    if (!own) {
+        rc = lkv_attention(c->q, (const char *)m->tier_k + buf_at, (const char *)m->tier_v + buf_at, KVH * NS * bs * D,
+                           NS * bs * D, m->mask, c->kx, c->xksb, c->xksh, c->xkse, c->vx, c->xvsb, c->xvsh, c->xvse,
+                           c->extra_mask, c->out, n, R, H, KVH, nkeys, R, D, c->scale, (int)c->nthreads,
+                           (int)m->kv_dtype);
+    } else {                                                /* the real rows alone, as [n, 1, H, D] */
+        for (int64_t b = 0; b < n; b++) {
+            memcpy(m->dq + b * H * D, c->q + b * R * H * D, sizeof(float) * H * D);
+            memcpy(m->dxmask + b * R, c->extra_mask + b * R * R, (size_t)R);
+        }
+        rc = lkv_attention(m->dq, (const char *)m->tier_k + buf_at, (const char *)m->tier_v + buf_at, KVH * NS * bs * D,
+                           NS * bs * D, m->mask, c->kx, c->xksb, c->xksh, c->xkse, c->vx, c->xvsb, c->xvsh, c->xvse,
+                           m->dxmask, m->dout, n, 1, H, KVH, nkeys, R, D, c->scale, (int)c->nthreads,
+                           (int)m->kv_dtype);
+        for (int64_t b = 0; b < n && rc == LKV_OK; b++)
+            memcpy(c->out + b * R * H * D, m->dout + b * H * D, sizeof(float) * H * D);
+    }
     if (rc != LKV_OK) return rc;
     /* 4b. R = 2 with draft_fixed: the draft row attends its own top-K instead (the idx row [b, 1],
      * after its lane's sink and window blocks), read from the host pool, plus the step's own rows
      * as its extra-mask row says: what the next step's real row attends when the draft token and
-     * the prediction are right. Its output above is replaced. */
-    if (R == 2 && c->draft_fixed != NULL) {
+     * the prediction are right (step 4 attended the real rows alone). */
+    if (own) {
         const int64_t T = S + ks, plane = m->pool_blocks * bs * D;
         for (int64_t b = 0; b < n; b++) {
             const int64_t st = c->draft_stored[b];
