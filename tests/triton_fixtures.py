@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -39,6 +40,7 @@ class TritonServer:
     engine_dir: Path
     stray_stubs: list[int] = field(default_factory=list)     # what stop() had to kill / remove after
     stray_regions: list[Path] = field(default_factory=list)  # the server was gone (a clean exit: none)
+    stopped: bool = False                                    # stop() ran (idempotent)
 
     @property
     def grpc_url(self) -> str:
@@ -61,6 +63,12 @@ class TritonServer:
         died) leaves its stubs behind, reparented to init, holding their regions."""
         from deploy.supervisor import clean_run
         try:
+            if self.proc.poll() is not None and not self.stopped:
+                # it ended before anyone stopped it: say how, with its log's tail, in the test's
+                # output (the log itself lies under pytest's basetemp, which later runs rotate away)
+                print(f"tritonserver (pid {self.proc.pid}) had exited with {self.proc.returncode} before stop():\n"
+                      f"{self.log_tail()}", file=sys.stderr)
+            self.stopped = True
             if self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGTERM)
                 try:
