@@ -10,14 +10,8 @@
 #include "common.h"
 #include "lkv_abi.h"
 
-/* eight K/V elements from element i of a row of storage type T, as fp32 */
-static inline __attribute__((always_inline)) __m256 ld_kv(const void *row, int64_t i, int T) {
-    if (T == LKV_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-    if (T == LKV_KV_BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
-    return _mm256_loadu_ps((const float *)row + i);
-}
+/* eight K/V elements from element i of a row of storage type T, as fp32 (common.h) */
+#define ld_kv lkv_load8
 
 /* element i of K/V storage of type T */
 static inline __attribute__((always_inline)) const void *kv_at(const void *base, int64_t i, int T) {

@@ -13,6 +13,16 @@
 
 #include "lkv_abi.h"     /* the storage and return codes, the structs, every exported prototype */
 
+/* eight elements from element i of a row of storage type T (LKV_KV_*: K/V, or block summaries kept
+ * in the KV dtype), as fp32; widening is exact (F16C's vcvtph2ps; bf16 by a shift) */
+static inline __attribute__((always_inline)) __m256 lkv_load8(const void *row, int64_t i, int T) {
+    if (T == LKV_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    if (T == LKV_KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
+    return _mm256_loadu_ps((const float *)row + i);
+}
+
 /* The AVX-512 functions' targets (gemm.c, prefill_attention_bf16.c: the AVX-512 library only) */
 #define LKV_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 #define LKV_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))

@@ -20,14 +20,8 @@
 #define LKV_PAR_MIN (1 << 18) /* T * KVH * D below which one thread runs (~100 us of work; a decode step's rows) */
 #define LKV_PAR_COLS 16     /* thread column ranges are multiples of this (one 64-byte line) */
 
-/* eight keys from element i of a key row of storage type T, as fp32 */
-static inline __attribute__((always_inline)) __m256 key8(const void *row, int64_t i, int T) {
-    if (T == LKV_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-    if (T == LKV_KV_BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
-    return _mm256_loadu_ps((const float *)row + i);
-}
+/* eight keys (or summaries) from element i of a row of storage type T, as fp32 (common.h) */
+#define key8 lkv_load8
 
 /* one key, element i, as fp32 (in the low lane) */
 static inline __attribute__((always_inline)) __m128 key1(const void *row, int64_t i, int T) {

@@ -10,16 +10,9 @@
  * and the loop turns load-bound. */
 #define LKV_PIN(v) __asm__("" : "+x"(v))
 
-/* eight summary elements from element i of a row of storage type T (LKV_KV_*), as fp32: the
- * summaries are kept in the KV storage dtype, whose min/max are values of that dtype, and
- * widening them is exact (F16C's vcvtph2ps; bf16 by a shift) */
-static inline __attribute__((always_inline)) __m256 sum8(const void *row, int64_t i, int T) {
-    if (T == LKV_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-    if (T == LKV_KV_BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
-    return _mm256_loadu_ps((const float *)row + i);
-}
+/* eight summary elements as fp32 (common.h): the summaries are kept in the KV storage dtype,
+ * whose min/max are values of that dtype, so widening them is exact */
+#define sum8 lkv_load8
 
 /* The Quest bounds (wmax = relu(q), wmin = min(q, 0)) of NR <= 2 weight rows (row j's wmax at
  * w + 2*j*D, its wmin after it) against four blocks (block i's rows at hi/lo + i*s elements of
