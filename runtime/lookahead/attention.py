@@ -271,7 +271,7 @@ class LookaheadAttention:
 
     def _attend_own(self, layer: int, o: torch.Tensor, idx: torch.Tensor, qd: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, d: DecodePart, k_sel: int) -> None:
-        """draft_attention "own": replace the draft rows of `o` [n, 2, H, D] with attention over
+        """draft_attention "own": write the draft rows of `o` [n, 2, H, D]: attention over
         each lane's sink and window blocks (`d.draft_fixed`), then the draft query's own top-K
         (`idx` [n, 2, KVH, top_k], its first k_sel columns), gathered from the host pool (the
         lane's first `d.draft_stored` tokens visible), plus this step's own rows as the draft
@@ -354,7 +354,7 @@ def resolve_draft_attention(choice: str | None, pool: KVPool, device: torch.devi
     """What a lookahead step's draft row attends, and why: "own", its own top-K (the blocks it
     predicts for the next step) with its sink and window, read from the host pool, so that when
     the draft token is right it computes the next step's real row ahead and predicts from that
-    row's hidden state (agreement 0.960 -> 0.990 at 32K, docs/long-context.md); or "tier", the
+    row's hidden state (agreement 0.960 -> 0.990 at 32K, docs/results/long-context.md); or "tier", the
     device tier the real row attends (the working set the real row selected). None: "own" where
     the host pool is the device's own memory (a CPU engine: reading it costs what reading the
     tier does), "tier" on a GPU, where the predicted blocks are still on their way to the device
