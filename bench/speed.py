@@ -139,10 +139,19 @@ class EngineDecoder:
     decode (no prompt tokens; a sequence emits one token, or none on a pre-decoding step), which
     the benchmark asserts."""
 
-    def __init__(self, name: str, engine: Engine, prompts: list[list[int]], max_tokens: int):
-        self.name, self.engine = name, engine
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        self.rids = [engine.add_request(p, params) for p in prompts]
+    def __init__(self, name: str, engine: Engine, prompts: list[list[int]], max_tokens: int,
+                 staged: bool = False):
+        """staged: prefill the prompts one at a time (each as a one-token request whose blocks the
+        engine's prefix cache keeps), then add the timed requests, which find their prompts
+        cached: no step mixes one sequence's decode with another's prompt chunks, so a prefill
+        cache shared by several engines replays every prompt (such a step is not replayed), and
+        the step buffers are those of one prompt's chunks. Needs the engine's prefix caching; its
+        prefill time is not a prefill measure."""
+        self.name, self.engine, self.prompts, self.staged = name, engine, prompts, staged
+        self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        if staged and not engine.config.prefix_caching:
+            raise ValueError(f"{name}: a staged prefill needs the engine's prefix caching")
+        self.rids = [] if staged else [engine.add_request(p, self.params) for p in prompts]
         self.timing = Timing(tokens=[[] for _ in prompts])
         self.h2d_bytes = self.wait_s = 0.0
         self.urgent_blocks = self.predecode_steps = 0
@@ -162,6 +171,15 @@ class EngineDecoder:
         return seconds, pure, emitted
 
     def prefill(self) -> None:
+        if self.staged and not self.rids:
+            one = SamplingParams(max_tokens=1, ignore_eos=True)
+            for p in self.prompts:                 # each prompt alone, kept by the prefix cache
+                rid, done = self.engine.add_request(p, one), False
+                while not done:
+                    t0 = time.perf_counter()
+                    done = any(o.request_id == rid and o.finished for o in self.engine.step())
+                    self.timing.prefill_s += time.perf_counter() - t0
+            self.rids = [self.engine.add_request(p, self.params) for p in self.prompts]
         while any(not t for t in self.timing.tokens):
             seconds, _, _ = self._step()
             self.timing.prefill_s += seconds

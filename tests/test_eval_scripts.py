@@ -579,7 +579,39 @@ def test_gpu_check_dry_run_runs_every_stage_on_cpu(tmp_path):
     assert bad.returncode == 2 and "unknown option" in bad.stderr
 
 
+def test_bench_staged_prefill_replays_every_prompt_and_decodes_as_unstaged(tiny_dir):
+    """--staged-prefill (32K x 4): the prompts are prefilled one at a time into the prefix cache,
+    so with a chunk below batch x context a second engine replays all of them, every timed step
+    is pure decode, and the tokens are the unstaged run's."""
+    from bench.speed import EngineDecoder
+    from runtime.engine import Engine
+    from runtime.prefill_cache import PrefillCache
+
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(90 + 5 * i)] for i in range(3)]
+    tokens, hits = {}, {}
+    for staged, chunk in ((False, 3 * 160), (True, 32), (False, 32)):
+        base = Engine.from_dir(tiny_dir, max_batch_size=3, max_model_len=160, num_host_blocks=1,
+                               prefill_chunk=chunk, prefix_caching=staged)
+        cache = PrefillCache(max_prompts=3)
+        decs = [EngineDecoder(m, base.sibling(cache, mode=m), prompts, 6, staged=staged) for m in ("dense", "dense")]
+        for d in decs:
+            d.prefill()
+            for _ in range(4):
+                d.step(timed=True)
+        assert decs[0].timing.tokens == decs[1].timing.tokens
+        tokens[staged, chunk], hits[staged, chunk] = decs[0].timing.tokens, cache.hits
+    assert hits[False, 480] == hits[True, 32] == 3          # the second engine replayed every prompt
+    assert hits[False, 32] < 3                              # unstaged, a mixed step is not replayed
+    assert tokens[True, 32] == tokens[False, 480]
+    with pytest.raises(ValueError, match="prefix caching"):
+        EngineDecoder("dense", Engine.from_dir(tiny_dir, prefix_caching=False), prompts, 4, staged=True)
+
+
 def test_bench_python_layers_suffix_names_a_mode():
+    assert bench_py.mode_spec("lookahead-resident+tier") == ("lookahead-resident", False, {})
+    assert bench_py.internals_of("lookahead-resident+tier").draft_attention == "tier"
+    assert bench_py.internals_of("lookahead-resident+tier+python").fused is False
+    assert bench_py.internals_of("lookahead-resident").draft_attention is None
     assert bench_py.mode_spec("sparse-ondemand+python") == ("sparse-ondemand", False, {})
     assert bench_py.mode_spec("lookahead-drop+context-seed+python@fetch_ratio=0.1") == \
         ("lookahead-drop", True, {"fetch_ratio": 0.1})
