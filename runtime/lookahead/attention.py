@@ -230,9 +230,11 @@ class LookaheadAttention:
             urgent = res.fetch_urgent(layer, buf, L, want, scores[L, 0])
         if self.debug_checks:
             check_integrity(self.tier, res, self.pool, layer, d)
-        own = d.rows == 2 and self.draft_attention == "own"
-        o = self._attend(buf, qd, k, v, d, real_only=own)
-        if own:
+        # both rows over the tier, as the C layer's "tier" call; under "own" the draft rows are then
+        # replaced (the C layer runs the real rows alone there: a row's sums do not depend on the
+        # other rows of the call, and the torch formulation's do not on the thread count this way)
+        o = self._attend(buf, qd, k, v, d)
+        if d.rows == 2 and self.draft_attention == "own":
             self._attend_own(layer, o, idx, qd, k, v, d, min(self.cfg.top_k, nb, self.max_blocks))
         if out is None:                 # a packed step's rows are the attention's output as it is
             out = o.reshape(n * d.rows, *o.shape[2:])
@@ -247,11 +249,9 @@ class LookaheadAttention:
             predicted = res.predict(layer, L, idx[L, 1], scores[L, 1], cap=self.fetch_cap)
         return LayerResult(true, hits, fetch is not None, urgent, predicted, out)
 
-    def _attend(self, buf: int, qd: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: DecodePart,
-                real_only: bool = False) -> torch.Tensor:
+    def _attend(self, buf: int, qd: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: DecodePart) -> torch.Tensor:
         """Both rows over the device tier (sink, occupied selected slots, window) plus this step's
-        own rows as extra keys -> [n, R, H, D]; real_only: the real rows alone (the draft rows of
-        the result are left to `_attend_own`)."""
+        own rows as extra keys -> [n, R, H, D]."""
         n, slots = d.num_lanes, self.residency.slots
         # selected slots past `high` are empty in every lane: at a short context most of the K
         # slots are, and the torch path reads every slot it is given
@@ -262,16 +262,11 @@ class LookaheadAttention:
         # this step's own rows are extra keys (the device tier does not hold them yet, see
         # forward): the real row sees itself; the draft row sees the real row and itself
         kx, vx = (lane_rows(t, d, contiguous=False).transpose(1, 2) for t in (k, v))   # [n, KVH, R, D]
-        if real_only:
-            o = torch.empty_like(qd)
-            o[:, :1] = self.ops.lookahead_attention(qd[:, :1].contiguous(), kb, vb, mask, kx, vx,
-                                                    d.extra_mask[:, :1].contiguous(), self.scale)
-            return o
         return self.ops.lookahead_attention(qd, kb, vb, mask, kx, vx, d.extra_mask, self.scale)
 
     def _attend_own(self, layer: int, o: torch.Tensor, idx: torch.Tensor, qd: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, d: DecodePart, k_sel: int) -> None:
-        """draft_attention "own": write the draft rows of `o` [n, 2, H, D]: attention over
+        """draft_attention "own": replace the draft rows of `o` [n, 2, H, D] with attention over
         each lane's sink and window blocks (`d.draft_fixed`), then the draft query's own top-K
         (`idx` [n, 2, KVH, top_k], its first k_sel columns), gathered from the host pool (the
         lane's first `d.draft_stored` tokens visible), plus this step's own rows as the draft
