@@ -10,8 +10,10 @@
  *      with the transfer engine's copy kernel (`copy`, bound once), timed (the step's stall);
  *   4. the key mask (the tier's sink/window rows, each occupied selected slot whole) and the
  *      attention of every row over the buffer plus the step's own rows (lkv_attention);
- *   4b. R = 2 with `draft_fixed`: step 4 attends the real rows alone, and the draft row its own
- *      top-K from the host pool (lkv_attention_heads_table), beside its sink and window blocks;
+ *   4b. R = 2 with `draft_fixed`: step 4 attends the real rows alone (the torch path computes both
+ *      rows there and replaces the draft rows: a row's sums do not depend on the call's other
+ *      rows), and the draft row its own top-K from the host pool (lkv_attention_heads_table),
+ *      beside its sink and window blocks;
  *   5. R = 2: the draft row's top-K is the layer's prediction for the next step: recorded, and
  *      admitted (lkv_plan, cap `predict_cap`); the caller queues its copies in the background.
  * The same kernels in the same order, with the same arguments: the Python path's bytes, bit for
