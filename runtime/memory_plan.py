@@ -45,6 +45,7 @@ from .config import LookaheadConfig, ModelConfig
 from .errors import ConfigError
 from .lookahead.budget import check_device_budget
 from .lookahead.device_tier import num_buffers
+from .lookahead.summaries import KV_DTYPE_SUMMARIES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SUMMARY_BYTES = 4                   # fp32 block summaries (sparse mode's; lookahead's on a GPU)
@@ -209,7 +210,7 @@ def _plan(p: PlanInputs) -> MemoryPlan:
         slots = c.num_sink_blocks + wb + c.top_k
         nbuf = num_buffers(c, L)
         lane_tier = 2 * nbuf * kvh * slots * bs * d * kv
-        sb = kv if p.device_type == "cpu" else SUMMARY_BYTES      # lookahead/summaries.py summary_dtype
+        sb = kv if p.device_type in KV_DTYPE_SUMMARIES else SUMMARY_BYTES     # summaries.py summary_dtype
         lane_summ = 2 * L * max_blocks * kvh * d * sb
         tier, summ = lanes * lane_tier, lanes * lane_summ
         books = (8 * nbuf * lanes * kvh * (2 * c.top_k + max_blocks + 1)    # SlotTable block, last_used, slot_of

@@ -108,6 +108,12 @@ class SlotLayout:
         last = (context_len - 1) // self.block_size
         return max(self.num_sink, last - self.num_window + 1)
 
+    def fixed_blocks(self, last: int, window_of: int) -> list[int]:
+        """The sink blocks and the recent window of a `window_of`-token sequence, up to logical
+        block `last`, each once, ascending: the blocks the tier holds whatever is selected."""
+        sink = range(min(self.num_sink, last + 1))
+        return list(dict.fromkeys([*sink, *range(self.window_start(window_of), last + 1)]))
+
     def num_candidates(self, context_len: int) -> int:
         return max(0, self.window_start(context_len) - self.num_sink)
 

@@ -199,12 +199,10 @@ def window_mask(layout: SlotLayout, context_len: int, visible: int | None = None
     The window is the one of `context_len` tokens; only the first `visible` (default: all) tokens
     are exposed: a decode step's own token is not in the device tier yet (it is an extra key).
     """
-    bs, s = layout.block_size, layout.num_sink
+    bs = layout.block_size
     visible = context_len if visible is None else visible
     mask = torch.zeros(layout.selected_start, bs, dtype=torch.bool)
-    last = (context_len - 1) // bs
-    blocks = list(range(min(s, last + 1))) + list(range(layout.window_start(context_len), last + 1))
-    for b in blocks:
+    for b in layout.fixed_blocks((context_len - 1) // bs, context_len):
         mask[layout.device_slot(b), : max(0, min(bs, visible - b * bs))] = True
     return mask.view(-1)
 
@@ -227,8 +225,8 @@ def _decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int], dra
     cand = torch.zeros(n, 2, max_blocks, dtype=torch.bool)
     active = torch.zeros(n, dtype=torch.bool)
     pre = torch.zeros(n, dtype=torch.bool)
-    d_fixed = torch.full((n, layout.selected_start), -1, dtype=torch.long)
-    d_stored = torch.zeros(n, dtype=torch.long)
+    d_fixed = [[-1] * layout.selected_start for _ in range(n)]
+    d_stored = [0] * n
     fixed: list[tuple[int, int, int]] = []
     for lane, c, p in zip(lanes, context_lens, predecode):
         base[lane] = window_mask(layout, c, visible=c - 1)
@@ -238,12 +236,10 @@ def _decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int], dra
         pre[lane] = p
         # the host holds c - 1 tokens of the lane; this step's token is stored at the end of the step
         last = (c - 2) // layout.block_size
-        held = list(range(min(layout.num_sink, last + 1))) + list(range(layout.window_start(c), last + 1))
-        fixed += [(lane, layout.device_slot(b), b) for b in dict.fromkeys(held)]
+        fixed += [(lane, layout.device_slot(b), b) for b in layout.fixed_blocks(last, c)]
         # the draft row runs ahead of the next step (of this one when pre-decoding): its window
-        ahead = list(dict.fromkeys(list(range(min(layout.num_sink, last + 1)))
-                                   + list(range(layout.window_start(c if p else c + 1), last + 1))))
-        d_fixed[lane, : len(ahead)] = torch.tensor(ahead, dtype=torch.long)
+        ahead = layout.fixed_blocks(last, c if p else c + 1)
+        d_fixed[lane][: len(ahead)] = ahead
         d_stored[lane] = c - 1
     rows = 2 if draft_rows else 1
     extra = torch.tensor([[True, False], [True, True]])[:rows, :rows].expand(n, rows, rows)
@@ -262,4 +258,5 @@ def _decode_part(layout: SlotLayout, lanes: list[int], real_rows: list[int], dra
                       real_ix=slice(0, rows * n, rows) if packed else t_real, packed=packed, rows=rows,
                       extra_mask=extra, predecode=pre, lane_list=tuple(lanes),
                       predecode_list=tuple(predecode), fixed=fixed_t,
-                      draft_fixed=d_fixed if draft_rows else None, draft_stored=d_stored if draft_rows else None)
+                      draft_fixed=torch.tensor(d_fixed, dtype=torch.long) if draft_rows else None,
+                      draft_stored=torch.tensor(d_stored, dtype=torch.long) if draft_rows else None)

@@ -21,10 +21,15 @@ from ..ops import Ops
 DTYPE = torch.float32      # the scores' dtype, and the summaries' where the table does not take the KV dtype
 
 
+# the device types whose kernels read summaries in the KV storage dtype (plugins/cpu's C kernels
+# and the torch formulations); plugins/cuda's read fp32 (the memory plan counts by this too)
+KV_DTYPE_SUMMARIES = frozenset({"cpu"})
+
+
 def summary_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype block summaries are kept in: the KV storage dtype on CPU (exact, half the bytes of
     fp32 at 16-bit KV), fp32 on a GPU (what plugins/cuda's scoring and update kernels read)."""
-    return kv_dtype if device.type == "cpu" else DTYPE
+    return kv_dtype if device.type in KV_DTYPE_SUMMARIES else DTYPE
 
 
 class BlockSummaries:
